@@ -1,0 +1,405 @@
+"""DSV4 cache geometry: kv-cache groups, the channels that read their block tables, and the layout
+derived from a model config (DESIGN §3, INTERFACES.md "Layout").
+
+Group order is part of the contract: ``mla``, ``swa``, ``c4_state``, ``c128_state``; groups the config
+has no layer for are omitted and the remaining ones numbered ``0..G-1`` in that order.
+
+Compress-ratio kinds: the smaller non-zero ratio of ``compress_ratios`` is the indexed "c4" kind
+(channels ``c4a`` + ``c4i``), the larger one the "c128" kind (``c128a``), whatever their values. When
+the config has a single non-zero ratio ``R``, it is the c4 kind if ``R <= 4``, else the c128 kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, FrozenSet, Mapping, Optional, Tuple, Union
+
+from ._common import cdiv, round_up
+
+__all__ = ["GroupSpec", "ChannelSpec", "DSV4Layout", "GROUP_ORDER", "CHANNEL_OUTPUTS"]
+
+GROUP_ORDER = ("mla", "swa", "c4_state", "c128_state")
+KINDS = ("full", "sliding")
+INDEX_ALIGN = 128  # NOTE: causal compressed widths are rounded up to this (DESIGN §4)
+
+# outputs each built-in channel produces (names of ChannelMetadata fields)
+CHANNEL_OUTPUTS: Dict[str, FrozenSet[str]] = {
+    "swa": frozenset({"slot_mapping", "indices", "lens"}),
+    "c4_state": frozenset({"slot_mapping", "indices", "lens"}),
+    "c128_state": frozenset({"slot_mapping", "indices", "lens"}),
+    "c4a": frozenset({"compressed_slot_mapping", "topk"}),
+    "c4i": frozenset({"compressed_slot_mapping", "lens", "ks", "ke", "cu", "decode_lens"}),
+    "c128a": frozenset({"compressed_slot_mapping", "indices", "lens"}),
+}
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One kv-cache group: its own block ids per request, from the shared block pool.
+
+    Attributes
+    ----------
+    gid : int
+        Group id (index into ``DSV4Layout.groups`` and into per-gid block-id lists).
+    name : str
+        ``"mla"``, ``"swa"``, ``"c4_state"``, ``"c128_state"`` (or a user name).
+    kind : str
+        ``"full"`` (every block kept) or ``"sliding"`` (only the last ``window`` tokens are read).
+    block_size : int
+        Tokens per block *as stored in the table*: the kernel block size. With
+        ``blocks_per_kv_block = f > 1`` (hybrid) the scheduler allocates blocks of
+        ``alloc_block_size = block_size * f`` tokens and the table holds kernel-block ids ``b*f + j``.
+    window : int or None
+        Sliding window in tokens (None for full groups).
+    prefix_cacheable : bool
+        Whether blocks of this group can be shared through prefix caching.
+    table_width : int
+        Block-table columns (kernel blocks) per request: enough for ``max_model_len`` tokens (per
+        rank under DCP).
+    blocks_per_kv_block : int
+        Kernel blocks per allocation block ``f``.
+    """
+
+    gid: int
+    name: str
+    kind: str
+    block_size: int
+    window: Optional[int]
+    prefix_cacheable: bool
+    table_width: int
+    blocks_per_kv_block: int = 1
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if (self.window is None) != (self.kind == "full"):
+            raise ValueError(f"window must be None exactly for full groups (group {self.name!r}, "
+                             f"kind {self.kind!r}, window {self.window!r})")
+        for name in ("block_size", "table_width", "blocks_per_kv_block"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} of group {self.name!r} must be an int >= 1, got {v!r}")
+
+    @property
+    def kernel_block_size(self) -> int:
+        """Tokens per stored (kernel) block; same as ``block_size``."""
+        return self.block_size
+
+    @property
+    def alloc_block_size(self) -> int:
+        """Tokens per block the scheduler allocates: ``block_size * blocks_per_kv_block``."""
+        return self.block_size * self.blocks_per_kv_block
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """One cache that reads a group's block table.
+
+    Attributes
+    ----------
+    name : str
+        Channel name (``c4a``, ``c4i``, ``c128a``, ``swa``, ``c4_state``, ``c128_state`` or user's).
+    gid : int
+        Group whose block table the channel reads.
+    compress_ratio : int
+        Tokens per cache row ``R`` (1 for raw tokens).
+    rows_per_block : int
+        Cache rows per (kernel) block ``S = block_size // R``.
+    window : int or None
+        Sliding window in tokens for windowed channels, else None.
+    index_width : int or None
+        Columns of the channel's per-token index list (capacity, never from the batch), or None when
+        the channel has no index list of fixed width.
+    outputs : frozenset of str
+        Names of the ChannelMetadata fields the channel produces.
+    """
+
+    name: str
+    gid: int
+    compress_ratio: int
+    rows_per_block: int
+    window: Optional[int] = None
+    index_width: Optional[int] = None
+    outputs: FrozenSet[str] = frozenset()
+
+    def __post_init__(self):
+        object.__setattr__(self, "outputs", frozenset(self.outputs))
+        for name in ("compress_ratio", "rows_per_block"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} of channel {self.name!r} must be an int >= 1, got {v!r}")
+
+
+def _load_config(config) -> dict:
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"config: no such file {str(path)!r}")
+        with open(path) as f:
+            return json.load(f)
+    if isinstance(config, Mapping):
+        return dict(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    if hasattr(config, "__dict__"):
+        return dict(vars(config))
+    raise ValueError(f"config must be a dict, a config.json path or a config object, "
+                     f"got {type(config).__name__}")
+
+
+def _int_arg(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def _rows_per_block(channel: str, block_size: int, ratio: int) -> int:
+    if block_size % ratio:
+        raise ValueError(f"block size {block_size} of channel {channel!r} is not divisible by its "
+                         f"compress ratio {ratio}")
+    return block_size // ratio
+
+
+@dataclass(frozen=True)
+class DSV4Layout:
+    """Groups and channels of a DSV4 model at a given ``max_model_len`` (build with :meth:`from_config`).
+
+    Attributes
+    ----------
+    groups : tuple of GroupSpec
+        In gid order.
+    channels : dict[str, ChannelSpec]
+        By name, built-in channels first (``c4a``, ``c4i``, ``c128a``, ``swa``, ``c4_state``,
+        ``c128_state`` as present), then user-registered ones.
+    max_model_len : int
+    sliding_window : int
+    index_topk : int or None
+    compress_ratios : tuple of int
+        Per layer (MTP layers included); 0 = SWA only.
+    num_layers : int
+        ``num_hidden_layers + num_nextn_predict_layers``.
+    c4_ratio, c128_ratio : int or None
+        The two compress ratios (None when absent).
+    indexer_causal_indices : bool
+        Whether ``c4i`` also produces causal index lists.
+    cp_world_size, cp_interleave : int
+        DCP geometry the table widths were sized for.
+    """
+
+    groups: Tuple[GroupSpec, ...]
+    channels: Dict[str, ChannelSpec]
+    max_model_len: int
+    sliding_window: int
+    index_topk: Optional[int]
+    compress_ratios: Tuple[int, ...]
+    num_layers: int
+    c4_ratio: Optional[int] = None
+    c128_ratio: Optional[int] = None
+    indexer_causal_indices: bool = False
+    cp_world_size: int = 1
+    cp_interleave: int = 1
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config, max_model_len: int, *, mla_block_size: int = 256,
+                    swa_block_size: int = 64, c4_state_block_size: int = 4,
+                    c128_state_block_size: int = 8, indexer_causal_indices: bool = False,
+                    kernel_block_size: Union[None, int, Mapping[str, int]] = None,
+                    cp_world_size: int = 1, cp_interleave: int = 1) -> "DSV4Layout":
+        """Derive the layout of DESIGN §3 from a model config.
+
+        Parameters
+        ----------
+        config : dict, str or Path
+            The model's config (dict, ``config.json`` path or its folder, or a config object).
+            Needs ``num_hidden_layers``, ``compress_ratios``, ``sliding_window`` (and ``index_topk``
+            when a c4 layer exists); ``num_nextn_predict_layers`` defaults to 0.
+        max_model_len : int
+            Longest request (tokens); sizes every table width and causal index width.
+        mla_block_size, swa_block_size, c4_state_block_size, c128_state_block_size : int
+            Allocation block sizes of the groups (DSV4 defaults 256, 64, 4, 8).
+        indexer_causal_indices : bool
+            Give ``c4i`` a causal index list (width ``round_up(ceil(L / R4), 128)``).
+        kernel_block_size : int or dict[str, int], optional
+            Hybrid blocks: the kernel block size of the mla group (int), or per group name (dict).
+            Must divide the group's allocation block size; the group then stores
+            ``f = alloc // kernel`` kernel blocks per allocation block.
+        cp_world_size, cp_interleave : int
+            DCP: tables hold the tokens one rank stores,
+            ``round_up(ceil(max_model_len / cp_world_size), cp_interleave)``.
+
+        Returns
+        -------
+        DSV4Layout
+        """
+        cfg = _load_config(config)
+        max_model_len = _int_arg("max_model_len", max_model_len)
+        cp_world_size = _int_arg("cp_world_size", cp_world_size)
+        cp_interleave = _int_arg("cp_interleave", cp_interleave)
+        alloc = {"mla": _int_arg("mla_block_size", mla_block_size),
+                 "swa": _int_arg("swa_block_size", swa_block_size),
+                 "c4_state": _int_arg("c4_state_block_size", c4_state_block_size),
+                 "c128_state": _int_arg("c128_state_block_size", c128_state_block_size)}
+
+        missing = [k for k in ("num_hidden_layers", "compress_ratios", "sliding_window") if k not in cfg]
+        if missing:
+            raise ValueError(f"config is missing key(s) {missing}")
+        n_hidden = _int_arg("config['num_hidden_layers']", cfg["num_hidden_layers"])
+        n_mtp = _int_arg("config['num_nextn_predict_layers']", cfg.get("num_nextn_predict_layers", 0), 0)
+        ratios = cfg["compress_ratios"]
+        if not isinstance(ratios, (list, tuple)) or any(
+                isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ratios):
+            raise ValueError(f"config['compress_ratios'] must be a list of ints >= 0, got {ratios!r}")
+        ratios = tuple(ratios)
+        if len(ratios) != n_hidden + n_mtp:
+            raise ValueError(f"config['compress_ratios'] has {len(ratios)} entries, expected "
+                             f"num_hidden_layers + num_nextn_predict_layers = {n_hidden + n_mtp}")
+        window = _int_arg("config['sliding_window']", cfg["sliding_window"])
+        distinct = sorted(set(r for r in ratios if r > 0))
+        if len(distinct) > 2:
+            raise ValueError(f"config['compress_ratios'] has {len(distinct)} distinct non-zero ratios "
+                             f"{distinct}; at most two (c4 and c128 kinds) are supported")
+        if len(distinct) == 2:
+            r4, r128 = distinct
+        elif len(distinct) == 1:
+            r4, r128 = (distinct[0], None) if distinct[0] <= 4 else (None, distinct[0])
+        else:
+            r4 = r128 = None
+        index_topk = cfg.get("index_topk")
+        if r4 is not None:
+            index_topk = _int_arg("config['index_topk']", index_topk) if "index_topk" in cfg else None
+            if index_topk is None:
+                raise ValueError("config is missing key(s) ['index_topk'] (needed by c4 layers)")
+
+        kbs = {}
+        if kernel_block_size is not None:
+            kbs = dict(kernel_block_size) if isinstance(kernel_block_size, Mapping) else \
+                {"mla": kernel_block_size}
+            for g, k in kbs.items():
+                if g not in alloc:
+                    raise ValueError(f"kernel_block_size names unknown group {g!r}")
+                _int_arg(f"kernel_block_size[{g!r}]", k)
+                if alloc[g] % k:
+                    raise ValueError(f"kernel_block_size[{g!r}] = {k} does not divide the group's "
+                                     f"block size {alloc[g]}")
+
+        # NOTE: tokens one rank stores; equals max_model_len without DCP.
+        per_rank = round_up(cdiv(max_model_len, cp_world_size), cp_interleave)
+
+        def rows_per_rank(ratio: int) -> int:
+            n = cdiv(max_model_len, ratio)
+            return cdiv(n, cp_interleave * cp_world_size) * cp_interleave if cp_world_size > 1 else n
+
+        present = {"mla": bool(distinct), "swa": True,
+                   "c4_state": r4 is not None, "c128_state": r128 is not None}
+        gwin = {"mla": None, "swa": window,
+                "c4_state": None if r4 is None else 2 * r4, "c128_state": r128}
+        groups, channels, gids = [], {}, {}
+        for name in GROUP_ORDER:
+            if not present[name]:
+                continue
+            gid = len(groups)
+            gids[name] = gid
+            bs = kbs.get(name, alloc[name])
+            f = alloc[name] // bs
+            width = cdiv(per_rank, bs)
+            if name == "mla":
+                for cname, r in (("c4a", r4), ("c128a", r128)):
+                    if r is not None:
+                        if alloc[name] % r:
+                            raise ValueError(f"mla_block_size {alloc[name]} is not divisible by the "
+                                             f"compress ratio {r} of channel {cname!r}")
+                        if bs % r:
+                            raise ValueError(f"kernel_block_size {bs} of the mla group is not "
+                                             f"divisible by the compress ratio {r} of channel {cname!r}")
+                        s = bs // r
+                        width = max(width, cdiv(rows_per_rank(r), s))
+            groups.append(GroupSpec(gid, name, "full" if name == "mla" else "sliding", bs,
+                                    gwin[name], name == "mla", width, f))
+
+        def add(name, gid, ratio, win, index_width, outputs):
+            block = groups[gid].block_size
+            channels[name] = ChannelSpec(name, gid, ratio, _rows_per_block(name, block, ratio),
+                                         win, index_width, frozenset(outputs))
+
+        def causal_width(ratio):
+            return round_up(cdiv(max_model_len, ratio), INDEX_ALIGN)
+
+        if r4 is not None:
+            add("c4a", gids["mla"], r4, None, None, CHANNEL_OUTPUTS["c4a"])
+            c4i_out = CHANNEL_OUTPUTS["c4i"] | ({"indices"} if indexer_causal_indices else set())
+            add("c4i", gids["mla"], r4, None, causal_width(r4) if indexer_causal_indices else None, c4i_out)
+        if r128 is not None:
+            add("c128a", gids["mla"], r128, None, causal_width(r128), CHANNEL_OUTPUTS["c128a"])
+        for name in ("swa", "c4_state", "c128_state"):
+            if name in gids:
+                add(name, gids[name], 1, gwin[name], gwin[name], CHANNEL_OUTPUTS[name])
+
+        return cls(groups=tuple(groups), channels=channels, max_model_len=max_model_len,
+                   sliding_window=window, index_topk=index_topk, compress_ratios=ratios,
+                   num_layers=len(ratios), c4_ratio=r4, c128_ratio=r128,
+                   indexer_causal_indices=bool(indexer_causal_indices),
+                   cp_world_size=cp_world_size, cp_interleave=cp_interleave)
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def group(self, name: str) -> GroupSpec:
+        """The group called ``name`` (ValueError if absent)."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise ValueError(f"name: no group {name!r} in this layout (groups: "
+                         f"{[g.name for g in self.groups]})")
+
+    def has_group(self, name: str) -> bool:
+        return any(g.name == name for g in self.groups)
+
+    def channels_of(self, gid: int) -> Tuple[ChannelSpec, ...]:
+        """Channels reading group ``gid``'s block table, in registration order."""
+        if not 0 <= gid < len(self.groups):
+            raise ValueError(f"gid must be in [0, {len(self.groups)}), got {gid!r}")
+        return tuple(c for c in self.channels.values() if c.gid == gid)
+
+    def layer_kind(self, layer: int) -> str:
+        """``"swa"``, ``"c4"`` or ``"c128"``: the attention kind of layer ``layer``."""
+        r = self.compress_ratios[layer]
+        return "swa" if r == 0 else ("c4" if r == self.c4_ratio else "c128")
+
+    def with_channel(self, spec: ChannelSpec) -> "DSV4Layout":
+        """A new layout with one more (user-registered) channel."""
+        if not isinstance(spec, ChannelSpec):
+            raise ValueError(f"spec must be a ChannelSpec, got {type(spec).__name__}")
+        if spec.name in self.channels:
+            raise ValueError(f"spec: channel {spec.name!r} already exists in this layout")
+        if not (isinstance(spec.gid, int) and 0 <= spec.gid < len(self.groups)):
+            raise ValueError(f"spec.gid must be in [0, {len(self.groups)}), got {spec.gid!r}")
+        g = self.groups[spec.gid]
+        if spec.rows_per_block * spec.compress_ratio > g.block_size:
+            raise ValueError(f"spec: rows_per_block {spec.rows_per_block} * compress_ratio "
+                             f"{spec.compress_ratio} exceeds block_size {g.block_size} of group {g.name!r}")
+        return dataclasses.replace(self, channels={**self.channels, spec.name: spec})
+
+    def __str__(self) -> str:
+        lines = [f"DSV4Layout(max_model_len={self.max_model_len}, layers={self.num_layers}, "
+                 f"W={self.sliding_window}, c4={self.c4_ratio}, c128={self.c128_ratio}, "
+                 f"index_topk={self.index_topk}"
+                 + (f", cp={self.cp_world_size}x{self.cp_interleave}" if self.cp_world_size > 1 else "")
+                 + ")"]
+        head = f"{'gid':>3}  {'group':<11}{'kind':<8}{'block':>6}{'f':>3}{'window':>7}{'width':>8}  channels"
+        lines += [head, "-" * (len(head) + 30)]
+        for g in self.groups:
+            chans = ", ".join(f"{c.name}(R={c.compress_ratio}, S={c.rows_per_block}"
+                              + (f", idx={c.index_width}" if c.index_width is not None else "") + ")"
+                              for c in self.channels_of(g.gid))
+            win = "-" if g.window is None else str(g.window)
+            lines.append(f"{g.gid:>3}  {g.name:<11}{g.kind:<8}{g.block_size:>6}{g.blocks_per_kv_block:>3}"
+                         f"{win:>7}{g.table_width:>8}  {chans}")
+        return "\n".join(lines)

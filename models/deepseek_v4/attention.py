@@ -1,0 +1,320 @@
+"""A small DeepSeek-V4 attention layer, in two forms that must agree.
+
+* :meth:`DSV4Attention.forward_dense` -- one whole sequence, no caches: the math, written plainly.
+* :meth:`DSV4Attention.forward_paged` -- one scheduler step of many requests; reads and writes the
+  paged caches of :class:`PagedCaches` ONLY through :class:`dsv4_index.DSV4Metadata` (slot mappings,
+  index lists, ``topk_to_slots``); no position-to-slot math here.
+
+One token ``t`` at position ``pos`` (fp32 throughout):
+
+1. ``q = RoPE(Wq x) [H, D]``; ``kv = RoPE(RMSNorm(Wkv x)) [D]`` -- one KV head; the same vector is key
+   and value; RoPE rotates the last ``qk_rope_head_dim`` dims by the absolute position.
+2. Window: the ``kv`` of positions ``[pos - W + 1, pos]``.
+3. Compressed rows (layers with ratio ``R > 0``): row ``g`` pools the compressor state (per-token
+   ``kv_c``, gate logits ``z``) of its span -- ``[gR - R, gR + R)`` for c4 layers (overlapping, tokens
+   ``< 0`` masked), ``[gR, gR + R)`` for c128 layers -- as ``RMSNorm(sum_s softmax_s(z_s + bias_s) * kv_c_s)``
+   (softmax over the span's tokens, per dim). Row ``g`` exists once its last token ``gR + R - 1`` is
+   seen, so ``t`` sees ``n_c = (pos + 1) // R`` rows.
+4. c4 layers pick ``index_topk`` of those rows with the Lightning indexer
+   (``score_j = sum_h w_h relu(q_idx_h . k_idx_j)``, keys from the indexer's own compressor; ties go
+   to the lower row); c128 layers take them all.
+5. One softmax over window and compressed keys plus a per-head sink logit; output ``Wo [H*D -> hidden]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from .config import DSV4Config
+
+__all__ = ["DSV4Attention", "Compressor", "Indexer", "PagedCaches", "LayerCache",
+           "rms_norm", "apply_rope", "sink_attention", "select_topk"]
+
+NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# math shared by both forms
+# ----------------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float) -> torch.Tensor:
+    """Rotate the last ``rope_dim`` dims of ``x [T, ..., D]`` by ``positions [T]`` (rotate-half pairs)."""
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float32, device=x.device) / rope_dim)
+    ang = positions.to(torch.float32)[:, None] * inv_freq  # [T, rope_dim / 2]
+    ang = ang.reshape(ang.shape[:1] + (1,) * (x.dim() - 2) + ang.shape[1:])
+    cos, sin = ang.cos(), ang.sin()
+    keep, rot = x[..., :-rope_dim], x[..., -rope_dim:]
+    a, b = rot.chunk(2, dim=-1)
+    return torch.cat([keep, a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
+                   sink: torch.Tensor) -> torch.Tensor:
+    """Per-token attention over its own key list, one softmax including a per-head sink logit.
+
+    Parameters
+    ----------
+    q : float [T, H, D]
+    keys : float [T, N, D] -- key = value; entries with ``valid`` False may hold anything (NaN too).
+    valid : bool [T, N]
+    sink : float [H]
+
+    Returns
+    -------
+    float [T, H, D]
+    """
+    keys = torch.where(valid[..., None], keys, 0.0)
+    s = torch.einsum("thd,tnd->thn", q, keys) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~valid[:, None, :], NEG_INF)
+    s = torch.cat([s, sink.expand(q.shape[0], -1)[..., None]], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :-1]  # the sink takes its share and gives nothing back
+    return torch.einsum("thn,tnd->thd", p, keys)
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-``k`` columns of ``scores [T, N]`` (``-inf`` = not visible), best first, ties to the lower
+    column; ``-1`` where fewer than ``k`` are visible. Returns int32 [T, k]."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    taken = scores.gather(1, order) > NEG_INF
+    out = torch.where(taken, order, -1).to(torch.int32)
+    return torch.nn.functional.pad(out, (0, k - out.shape[1]), value=-1)
+
+
+def gather_rows(cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor):
+    """Rows of ``cache`` named by an index list (``indices [T, N]``, first ``lens [T]`` entries, ``-1``
+    masked). Returns (float [T, N, D], bool valid [T, N])."""
+    n = torch.arange(indices.shape[1], device=indices.device)
+    valid = (n[None, :] < lens[:, None]) & (indices >= 0)
+    return cache[indices.clamp(min=0).long()], valid
+
+
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, ok: torch.Tensor):
+    """``cache[slots[t]] = values[t]`` for tokens with ``ok[t]`` and ``slots[t] >= 0``."""
+    sel = ok & (slots >= 0)
+    cache[slots[sel].long()] = values[sel]
+
+
+# ----------------------------------------------------------------------------------------------
+# modules
+# ----------------------------------------------------------------------------------------------
+class Compressor(nn.Module):
+    """Gated pooling of a span of ``span`` tokens into one compressed row of ``dim``.
+
+    Per-token state ``[kv_c | z]`` (``[2 * dim]``) is what the paged form caches in a state channel.
+    """
+
+    def __init__(self, hidden: int, dim: int, span: int, eps: float):
+        super().__init__()
+        self.dim, self.span, self.eps = dim, span, eps
+        self.wkv = nn.Linear(hidden, dim, bias=False)
+        self.wgate = nn.Linear(hidden, dim, bias=False)
+        self.pos_bias = nn.Parameter(torch.zeros(span, dim))
+        self.norm = nn.Parameter(torch.ones(dim))
+
+    def state(self, x: torch.Tensor) -> torch.Tensor:
+        """float [T, hidden] -> per-token state float [T, 2 * dim]."""
+        return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
+
+    def pool(self, state: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """float [G, span, 2 * dim] states of each row's span (oldest first), bool valid [G, span]
+        -> float [G, dim] compressed rows."""
+        state = torch.where(valid[..., None], state, 0.0)
+        kv, z = state.split(self.dim, dim=-1)
+        logits = (z + self.pos_bias).masked_fill(~valid[..., None], NEG_INF)
+        w = torch.softmax(logits, dim=1)  # over the span's tokens, per dim
+        return rms_norm((w * kv).sum(1), self.norm, self.eps)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: ``score(t, j) = sum_h w_h(t) relu(q_h(t) . k_j)``."""
+
+    def __init__(self, config: DSV4Config, ratio: int):
+        super().__init__()
+        h, d = config.index_n_heads, config.index_head_dim
+        self.n_heads = h
+        self.wq = nn.Linear(config.hidden_size, h * d, bias=False)
+        self.wweights = nn.Linear(config.hidden_size, h, bias=False)
+        self.compressor = Compressor(config.hidden_size, d, 2 * ratio, config.rms_norm_eps)
+
+    def scores(self, x: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """x float [T, hidden], keys float [T, N, d], valid bool [T, N] -> float [T, N] (-inf if not valid)."""
+        q = rearrange(self.wq(x), "t (h d) -> t h d", h=self.n_heads)
+        keys = torch.where(valid[..., None], keys, 0.0)
+        s = torch.relu(torch.einsum("thd,tnd->thn", q, keys))
+        s = torch.einsum("th,thn->tn", self.wweights(x), s)
+        return s.masked_fill(~valid, NEG_INF)
+
+
+class DSV4Attention(nn.Module):
+    """One DSV4 attention layer; its kind comes from ``config.compress_ratios[layer_id]``."""
+
+    def __init__(self, config: DSV4Config, layer_id: int):
+        super().__init__()
+        self.config, self.layer_id = config, layer_id
+        self.kind = config.layer_kind(layer_id)  # "swa" | "c4" | "c128"
+        self.ratio = config.compress_ratios[layer_id]
+        H, D, hid, eps = config.num_attention_heads, config.head_dim, config.hidden_size, config.rms_norm_eps
+        self.wq = nn.Linear(hid, H * D, bias=False)
+        self.wkv = nn.Linear(hid, D, bias=False)
+        self.kv_norm = nn.Parameter(torch.ones(D))
+        self.sink = nn.Parameter(torch.zeros(H))
+        self.wo = nn.Linear(H * D, hid, bias=False)
+        if self.kind != "swa":
+            span = 2 * self.ratio if self.kind == "c4" else self.ratio
+            self.compressor = Compressor(hid, D, span, eps)
+        if self.kind == "c4":
+            self.indexer = Indexer(config, self.ratio)
+
+    # -- shared ------------------------------------------------------------------------------
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        c = self.config
+        q = rearrange(self.wq(x), "t (h d) -> t h d", h=c.num_attention_heads)
+        q = apply_rope(q, positions, c.qk_rope_head_dim, c.rope_theta)
+        kv = rms_norm(self.wkv(x), self.kv_norm, c.rms_norm_eps)
+        return q, apply_rope(kv, positions, c.qk_rope_head_dim, c.rope_theta)
+
+    def _out(self, q, keys, valid):
+        o = sink_attention(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.sink)
+        return self.wo(rearrange(o, "t h d -> t (h d)"))
+
+    # -- dense ---------------------------------------------------------------------------------
+    def _dense_rows(self, comp: Compressor, state: torch.Tensor) -> torch.Tensor:
+        """Every complete compressed row of a sequence: state float [L, 2d] -> float [L // R, d]."""
+        n_rows = state.shape[0] // self.ratio
+        last = (torch.arange(n_rows, device=state.device) + 1) * self.ratio  # one past each row's span
+        span_pos = last[:, None] - comp.span + torch.arange(comp.span, device=state.device)
+        return comp.pool(state[span_pos.clamp(min=0)], span_pos >= 0)
+
+    def dense_topk(self, x: torch.Tensor) -> torch.Tensor:
+        """c4 layers: indexer top-k rows of each token of a whole sequence ``x [L, hidden]``;
+        int32 [L, index_topk], ``-1`` padded."""
+        L, K = x.shape[0], self.config.index_topk
+        keys = self._dense_rows(self.indexer.compressor, self.indexer.compressor.state(x))  # [n, d]
+        n_c = (torch.arange(L, device=x.device) + 1) // self.ratio
+        visible = torch.arange(keys.shape[0], device=x.device)[None, :] < n_c[:, None]
+        return select_topk(self.indexer.scores(x, keys.expand(L, -1, -1), visible), K)
+
+    def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """One whole sequence at positions ``0..L-1``: float [L, hidden] -> float [L, hidden]."""
+        L, W = x.shape[0], self.config.sliding_window
+        pos = torch.arange(L, device=x.device)
+        q, kv = self._qkv(x, pos)
+        win = pos[:, None] - W + 1 + torch.arange(W, device=x.device)  # [L, W], the token itself last
+        keys, valid = [kv[win.clamp(min=0)]], [win >= 0]
+        if self.kind != "swa" and L >= self.ratio:
+            comp = self._dense_rows(self.compressor, self.compressor.state(x))  # [L // R, D]
+            if self.kind == "c4":
+                rows = self.dense_topk(x).long()
+            else:
+                rows = torch.arange(comp.shape[0], device=x.device).expand(L, -1)
+                rows = torch.where(rows < ((pos + 1) // self.ratio)[:, None], rows, -1)
+            keys.append(comp[rows.clamp(min=0)])
+            valid.append(rows >= 0)
+        return self._out(q, keys, valid)
+
+    # -- paged ---------------------------------------------------------------------------------
+    def _paged_compress(self, comp: Compressor, x, meta, state_ch: str, out_ch: str,
+                        state_cache: torch.Tensor, out_cache: torch.Tensor):
+        """Cache this step's compressor state, then pool and cache every row a token completes."""
+        ok = meta.is_valid_token
+        st = meta[state_ch]
+        write_rows(state_cache, st.slot_mapping, comp.state(x), ok)
+        done = meta[out_ch].compressed_slot_mapping  # [T_pad], -1 unless the token ends a row
+        sel = ok & (done >= 0)
+        # NOTE: the state window ends at the token: its last `span` live entries are the row's span.
+        idx, lens = st.indices[sel], st.lens[sel]
+        k = lens[:, None] - comp.span + torch.arange(comp.span, device=idx.device)  # [G, span]
+        pick = torch.where(k >= 0, idx.gather(1, k.clamp(min=0)), -1)  # -1: span starts before pos 0
+        rows = state_cache[pick.clamp(min=0).long()]
+        out_cache[done[sel].long()] = comp.pool(rows, pick >= 0)
+
+    def forward_paged(self, x: torch.Tensor, meta, caches: "LayerCache") -> torch.Tensor:
+        """One step's tokens (batch order of ``meta``): float [T_pad, hidden] -> float [T_pad, hidden].
+
+        Writes this step's kv / compressor state / completed compressed rows into ``caches`` and reads
+        them back through ``meta`` only. Padded tokens give zeros and write nothing.
+        """
+        ok = meta.is_valid_token
+        q, kv = self._qkv(x, meta.positions)
+        swa = meta["swa"]
+        write_rows(caches.swa, swa.slot_mapping, kv, ok)
+        if self.kind == "c4":
+            self._paged_compress(self.compressor, x, meta, "c4_state", "c4a", caches.state, caches.comp)
+            self._paged_compress(self.indexer.compressor, x, meta, "c4_state", "c4i",
+                                 caches.idx_state, caches.idx_comp)
+        elif self.kind == "c128":
+            self._paged_compress(self.compressor, x, meta, "c128_state", "c128a", caches.state, caches.comp)
+        # every write of the step is done: now read
+        win, win_valid = gather_rows(caches.swa, swa.indices, swa.lens)
+        keys, valid = [win], [win_valid]
+        if self.kind == "c4":
+            c4i = meta["c4i"]  # causal list: entry j is compressed row j
+            idx_keys, idx_valid = gather_rows(caches.idx_comp, c4i.indices, c4i.lens)
+            topk = select_topk(self.indexer.scores(x, idx_keys, idx_valid), self.config.index_topk)
+            slots, lens = meta.topk_to_slots("c4a", topk)
+            rows, rows_valid = gather_rows(caches.comp, slots, lens)
+            keys.append(rows), valid.append(rows_valid)
+        elif self.kind == "c128":
+            c128a = meta["c128a"]
+            rows, rows_valid = gather_rows(caches.comp, c128a.indices, c128a.lens)
+            keys.append(rows), valid.append(rows_valid)
+        return torch.where(ok[:, None], self._out(q, keys, valid), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# caches
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class LayerCache:
+    """One layer's caches (rows = slots of its channel). ``None`` where the kind has no such cache.
+
+    swa [swa slots, D]; state [state slots, 2 D]; comp [compressed slots, D];
+    c4 only: idx_state [c4_state slots, 2 d_idx], idx_comp [c4i slots, d_idx].
+    """
+
+    swa: torch.Tensor
+    state: Optional[torch.Tensor] = None
+    comp: Optional[torch.Tensor] = None
+    idx_state: Optional[torch.Tensor] = None
+    idx_comp: Optional[torch.Tensor] = None
+
+
+class PagedCaches:
+    """Per-layer cache tensors sized from a ``DSV4Layout`` and the block pool size.
+
+    A channel's cache has ``num_blocks * rows_per_block`` rows (its slots). ``fill`` pre-poisons
+    every row (NaN by default) so a read of a row nobody wrote shows up in the output.
+    """
+
+    def __init__(self, config: DSV4Config, layout, num_blocks: int, *, device=None,
+                 dtype: torch.dtype = torch.float32, fill: float = float("nan")):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        D, d = config.head_dim, config.index_head_dim
+
+        def alloc(channel: str, width: int) -> torch.Tensor:
+            rows = num_blocks * layout.channels[channel].rows_per_block
+            return torch.full((rows, width), fill, dtype=dtype, device=device)
+
+        self.layers: Dict[int, LayerCache] = {}
+        for layer_id in range(config.num_layers):
+            kind = config.layer_kind(layer_id)
+            lc = LayerCache(swa=alloc("swa", D))
+            if kind == "c4":
+                lc.state, lc.comp = alloc("c4_state", 2 * D), alloc("c4a", D)
+                lc.idx_state, lc.idx_comp = alloc("c4_state", 2 * d), alloc("c4i", d)
+            elif kind == "c128":
+                lc.state, lc.comp = alloc("c128_state", 2 * D), alloc("c128a", D)
+            self.layers[layer_id] = lc
+
+    def __getitem__(self, layer_id: int) -> LayerCache:
+        return self.layers[layer_id]

@@ -1,0 +1,115 @@
+"""DeepSeek-V4 attention config: the fields of ``configs/{flash,pro,tiny}.json`` that the attention uses.
+
+Block sizes are not config fields: they belong to the cache layout (``DSV4Layout.from_config`` takes
+them as arguments) and the model never needs them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, Tuple, Union
+
+__all__ = ["DSV4Config", "load_config", "CONFIG_DIR"]
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class DSV4Config:
+    """Attention geometry of a DSV4 model.
+
+    ``compress_ratios[layer_id]`` picks a layer's kind (see :meth:`layer_kind`); it has one entry per
+    layer, MTP layers included (``num_hidden_layers + num_nextn_predict_layers`` entries).
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    sliding_window: int
+    compress_ratios: Tuple[int, ...]
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    num_nextn_predict_layers: int = 0
+    num_key_value_heads: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 1 << 20
+    raw: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        n = self.num_hidden_layers + self.num_nextn_predict_layers
+        if len(self.compress_ratios) != n:
+            raise ValueError(f"compress_ratios must have num_hidden_layers + num_nextn_predict_layers "
+                             f"= {n} entries, got {len(self.compress_ratios)}")
+        if len(self.ratios) > 2 or any(r < 0 for r in self.compress_ratios):
+            raise ValueError(f"compress_ratios must hold 0 and at most two positive ratios, "
+                             f"got {sorted(set(self.compress_ratios))}")
+        if not 0 < self.qk_rope_head_dim <= self.head_dim or self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even and in (0, head_dim], "
+                             f"got {self.qk_rope_head_dim}")
+        if self.num_key_value_heads != 1:
+            raise ValueError(f"num_key_value_heads must be 1, got {self.num_key_value_heads}")
+
+    @property
+    def ratios(self) -> Tuple[int, ...]:
+        """Distinct non-zero compress ratios, ascending."""
+        return tuple(sorted({r for r in self.compress_ratios if r > 0}))
+
+    @property
+    def num_layers(self) -> int:
+        """Layers with attention, MTP layers included."""
+        return len(self.compress_ratios)
+
+    def layer_kind(self, layer_id: int) -> str:
+        """``"swa"`` (ratio 0), ``"c4"`` (the smaller non-zero ratio: indexed, overlapping groups) or
+        ``"c128"`` (the larger: every visible compressed row)."""
+        if not 0 <= layer_id < self.num_layers:
+            raise ValueError(f"layer_id must be in [0, {self.num_layers}), got {layer_id}")
+        r = self.compress_ratios[layer_id]
+        if r == 0:
+            return "swa"
+        # NOTE: a config with one non-zero ratio only has c4 layers when that ratio is 4.
+        if len(self.ratios) == 2:
+            return "c4" if r == self.ratios[0] else "c128"
+        return "c4" if r == 4 else "c128"
+
+    def layer_ids(self, kind: str):
+        """Layer ids of one kind, ascending."""
+        return [i for i in range(self.num_layers) if self.layer_kind(i) == kind]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON dict (the raw one, so ``DSV4Layout.from_config`` sees every original key)."""
+        d = dict(self.raw)
+        for f in fields(self):
+            if f.name != "raw":
+                v = getattr(self, f.name)
+                d[f.name] = list(v) if isinstance(v, tuple) else v
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "DSV4Config":
+        """Build from a HF-style config dict; unknown keys are kept in ``raw`` only."""
+        if not isinstance(d, dict):
+            raise ValueError(f"d must be a dict, got {type(d).__name__}")
+        names = {f.name for f in fields(cls)} - {"raw"}
+        return cls(**{k: v for k, v in d.items() if k in names}, raw=dict(d))
+
+    @classmethod
+    def from_json(cls, path: Union[str, Path]) -> "DSV4Config":
+        """Read a ``config.json``."""
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def load_config(name: str) -> DSV4Config:
+    """One of the shipped configs: ``"tiny"``, ``"flash"`` or ``"pro"``."""
+    path = CONFIG_DIR / f"{name}.json"
+    if name not in ("tiny", "flash", "pro") or not path.exists():
+        raise ValueError(f"name must be 'tiny', 'flash' or 'pro', got {name!r}")
+    return DSV4Config.from_json(path)

@@ -1,0 +1,170 @@
+"""topk_to_slots: Triton kernel == reference, reference == plain-Python formula (DESIGN §4)."""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import dsv4_index
+from dsv4_index import reference as ref
+from dsv4_index._common import interpreting
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+POISON = 12345
+I32, I64 = torch.iinfo(torch.int32), torch.iinfo(torch.int64)
+needs_kernel = pytest.mark.skipif(DEV.type != "cuda" and not interpreting(),
+                                  reason="Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def make_batch(q_lens, ctx_lens, table_width, *, extra_rows=1, seed=0, device=DEV):
+    """(qsl, seq_lens, block_table): request b has q_lens[b] new tokens after ctx_lens[b] cached."""
+    g = torch.Generator().manual_seed(seed)
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    sl = [c + q for c, q in zip(ctx_lens, q_lens)]
+    bt = torch.randint(1, 50_000, (len(q_lens) + extra_rows, table_width), generator=g,
+                       dtype=torch.int32)
+    return (torch.tensor(qsl, dtype=torch.int32, device=device),
+            torch.tensor(sl, dtype=torch.int32, device=device), bt.to(device))
+
+
+def python_topk(topk, qsl, sl, bt, S, R, T, world=1, rank=0, inter=1, compact=False):
+    """DESIGN §4 written out entry by entry in plain Python (lists)."""
+    qsl, sl, bt, topk = qsl.tolist(), sl.tolist(), bt.tolist(), topk.tolist()
+    rows, lens = [], []
+    for t in range(T):
+        b = next((b for b in range(len(sl)) if qsl[b] <= t < qsl[b + 1]), None)
+        row = []
+        for l in topk[t] if b is not None else [-1] * len(topk[0]):
+            slot = -1
+            if b is not None:
+                n_c = (sl[b] - (qsl[b + 1] - qsl[b]) + (t - qsl[b]) + 1) // R
+                lc = (l // (inter * world)) * inter + l % inter
+                if 0 <= l < n_c and (l // inter) % world == rank and lc // S < len(bt[b]):
+                    slot = bt[b][lc // S] * S + lc % S
+            row.append(slot)
+        valid = [s for s in row if s != -1]
+        lens.append(len(valid))
+        rows.append(valid + [-1] * (len(row) - len(valid)) if compact else row)
+    return rows, lens
+
+
+@st.composite
+def cases(draw, max_reqs=4):
+    R = draw(st.sampled_from([1, 2, 4, 128]))
+    S = draw(st.sampled_from([1, 2, 4, 64]))
+    B = draw(st.integers(0, max_reqs))
+    q = [draw(st.sampled_from([0, 1, 1, 2, 3, 4, 7])) for _ in range(B)]
+    ctx = [max(0, draw(st.integers(0, 6)) * R * draw(st.sampled_from([1, S])) + draw(st.integers(-2, 2)))
+           for _ in range(B)]
+    world = draw(st.sampled_from([1, 2, 4]))
+    T, pad = sum(q), draw(st.integers(0, 3))
+    K = draw(st.sampled_from([1, 5, 16, 33]))
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    big = [I32.max, I32.min, -2, -1] + ([I64.max, I64.min, 2 ** 40] if dtype == torch.int64 else [])
+    hi = max(1, max(ctx, default=0) // R + 3)
+    vals = st.one_of(st.integers(-1, hi), st.sampled_from(big))
+    extra = draw(st.integers(0, 2))
+    topk = draw(st.lists(st.lists(vals, min_size=K, max_size=K), min_size=T + pad + extra,
+                         max_size=T + pad + extra))
+    return dict(q=q, ctx=ctx, R=R, S=S, tw=draw(st.integers(1, 4)), world=world,
+                rank=draw(st.integers(0, world - 1)), inter=draw(st.sampled_from([1, 8, 64])),
+                pad=pad, compact=draw(st.booleans()), seed=draw(st.integers(0, 99)),
+                topk=torch.tensor(topk, dtype=dtype).reshape(-1, K))
+
+
+def args_of(c, device=DEV):
+    qsl, sl, bt = make_batch(c["q"], c["ctx"], c["tw"], seed=c["seed"], device=device)
+    kw = dict(cp_world_size=c["world"], cp_rank=c["rank"], cp_interleave=c["inter"],
+              compact=c["compact"])
+    return (c["topk"].to(device), qsl, sl, bt, c["S"], c["R"]), kw, sum(c["q"]) + c["pad"]
+
+
+@needs_kernel
+@given(cases())
+def test_kernel_matches_reference(c):
+    args, kw, T = args_of(c)
+    out = torch.full((T, args[0].shape[1]), POISON, dtype=torch.int32, device=DEV)
+    out_lens = torch.full((T,), POISON, dtype=torch.int32, device=DEV)
+    got = dsv4_index.topk_to_slots(*args, out=out, out_lens=out_lens, backend="triton", **kw)
+    want = ref.topk_to_slots(*args, num_tokens=T, **kw)
+    assert got[0] is out and got[1] is out_lens
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@given(cases())
+def test_reference_matches_python_formula(c):
+    args, kw, T = args_of(c, device="cpu")
+    got = ref.topk_to_slots(*args, num_tokens=T, **kw)
+    rows, lens = python_topk(*args, T, c["world"], c["rank"], c["inter"], c["compact"])
+    assert got[0].tolist() == rows and got[1].tolist() == lens
+
+
+def test_hand_example():
+    # req 0: 2 tokens at pos 6, 7 -> n_c 1, 2 (R = 4); S = 2, table width 1 (rows 0, 1 only).
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    sl = torch.tensor([8], dtype=torch.int32)
+    bt = torch.tensor([[5]], dtype=torch.int32)
+    topk = torch.tensor([[1, 0, -1, 2 ** 31 - 1], [-7, 1, 2, 0], [0, 0, 0, 0]], dtype=torch.int32)
+    for fn in (ref.topk_to_slots, dsv4_index.topk_to_slots):
+        out = torch.full((3, 4), POISON, dtype=torch.int32)
+        s, n = fn(topk, qsl, sl, bt, 2, 4, out=out)
+        assert s.tolist() == [[-1, 10, -1, -1], [-1, 11, -1, 10], [-1] * 4] and n.tolist() == [1, 2, 0]
+        s, n = fn(topk, qsl, sl, bt, 2, 4, compact=True, num_tokens=2)
+        assert s.tolist() == [[10, -1, -1, -1], [11, 10, -1, -1]] and n.tolist() == [1, 2]
+    # DCP world 2, interleave 1: rank 1 owns row 1 -> local row 0
+    s, n = ref.topk_to_slots(topk[:2], qsl, sl, bt, 2, 4, cp_world_size=2, cp_rank=1)
+    assert s.tolist() == [[-1, -1, -1, -1], [-1, 10, -1, -1]] and n.tolist() == [0, 1]
+
+
+@needs_kernel
+@pytest.mark.parametrize("compact", [False, True])
+def test_wide_k_and_extra_topk_rows(compact):
+    """K = 600 (BLOCK_K 1024), topk with more rows than T: only the first T rows are read."""
+    qsl, sl, bt = make_batch([1, 3], [2000, 700], 40)
+    g = torch.Generator().manual_seed(3)
+    topk = torch.randint(-2, 800, (9, 600), generator=g).to(DEV)
+    out = torch.full((6, 600), POISON, dtype=torch.int32, device=DEV)
+    dsv4_index.topk_to_slots(topk, qsl, sl, bt, 64, 4, compact=compact, out=out, backend="triton")
+    want, n = ref.topk_to_slots(topk, qsl, sl, bt, 64, 4, compact=compact, num_tokens=6)
+    assert torch.equal(out, want) and int(n.sum()) > 0
+
+
+@needs_kernel
+def test_empty_batch():
+    qsl = torch.zeros(1, dtype=torch.int32, device=DEV)
+    sl = torch.zeros(0, dtype=torch.int32, device=DEV)
+    bt = torch.zeros(0, 2, dtype=torch.int32, device=DEV)
+    topk = torch.zeros(3, 8, dtype=torch.int64, device=DEV)
+    out = torch.full((3, 8), POISON, dtype=torch.int32, device=DEV)
+    lens = torch.full((3,), POISON, dtype=torch.int32, device=DEV)
+    dsv4_index.topk_to_slots(topk, qsl, sl, bt, 4, 4, out=out, out_lens=lens, backend="triton")
+    assert (out == -1).all() and (lens == 0).all()
+
+
+def test_bad_arguments():
+    qsl, sl, bt = make_batch([1, 2], [4, 4], 2, device="cpu")
+    topk = torch.zeros(3, 4, dtype=torch.int32)
+    f = ref.topk_to_slots
+    with pytest.raises(ValueError, match="topk"):
+        f(topk[0], qsl, sl, bt, 2, 4)
+    with pytest.raises(ValueError, match="topk"):
+        f(topk.float(), qsl, sl, bt, 2, 4)
+    with pytest.raises(ValueError, match="topk"):
+        f(topk[:2], qsl, sl, bt, 2, 4)
+    with pytest.raises(ValueError, match="topk"):
+        f(topk[:2], qsl, sl, bt, 2, 4, out=torch.zeros(3, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="rows_per_block"):
+        f(topk, qsl, sl, bt, 0, 4)
+    with pytest.raises(ValueError, match="compress_ratio"):
+        f(topk, qsl, sl, bt, 2, 0)
+    with pytest.raises(ValueError, match="out"):
+        f(topk, qsl, sl, bt, 2, 4, out=torch.zeros(3, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out_lens"):
+        f(topk, qsl, sl, bt, 2, 4, out_lens=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="query_start_loc"):
+        f(topk, torch.tensor([0, 2, 1], dtype=torch.int32), sl, bt, 2, 4)
+    with pytest.raises(ValueError, match="seq_lens"):
+        f(topk, qsl, torch.tensor([1, 1], dtype=torch.int32), bt, 2, 4)
+    with pytest.raises(ValueError, match="int32"):
+        f(topk, qsl, sl, torch.full((2, 2), 2 ** 30, dtype=torch.int32), 4, 1)

@@ -1,0 +1,248 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from dsv4_index import block_table as bt_mod
+from dsv4_index.block_table import BlockTable, MultiGroupBlockTable
+from dsv4_index.geometry import DSV4Layout
+
+
+class Model:
+    """Plain-Python block table: rows of kernel-block ids + the rows touched since the last commit."""
+
+    def __init__(self, n, width, f):
+        self.rows = [[] for _ in range(n)]
+        self.width, self.f = width, f
+        self.dirty = set()
+
+    def expand(self, ids):
+        return [b * self.f + j for b in ids for j in range(self.f)]
+
+    def add(self, ids, r):
+        ids = self.expand(ids)
+        if len(ids) > self.width:
+            return False
+        self.rows[r] = ids
+        self.dirty.add(r)
+        return True
+
+    def append(self, ids, r):
+        ids = self.expand(ids)
+        if len(self.rows[r]) + len(ids) > self.width:
+            return False
+        if ids:
+            self.rows[r] = self.rows[r] + ids
+            self.dirty.add(r)
+        return True
+
+    def clear(self, r):
+        self.rows[r] = []
+
+    def move(self, s, d):
+        if s != d:
+            self.rows[d] = list(self.rows[s])
+            self.dirty.add(d)
+
+    def swap(self, a, b):
+        if a != b:
+            self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
+            self.dirty |= {a, b}
+
+
+def check_host(t, model):
+    for r, row in enumerate(model.rows):
+        assert t.num_blocks[r] == len(row)
+        assert t.np[r, : len(row)].tolist() == row
+        assert t.row(r).tolist() == row
+
+
+N = 5
+ops = st.one_of(
+    st.tuples(st.just("add"), st.lists(st.integers(0, 1000), max_size=6), st.integers(0, N - 1)),
+    st.tuples(st.just("append"), st.lists(st.integers(0, 1000), max_size=3), st.integers(0, N - 1)),
+    st.tuples(st.just("clear"), st.integers(0, N - 1)),
+    st.tuples(st.just("move"), st.integers(0, N - 1), st.integers(0, N - 1)),
+    st.tuples(st.just("swap"), st.integers(0, N - 1), st.integers(0, N - 1)),
+    st.tuples(st.just("commit")),
+)
+
+
+@given(f=st.sampled_from([1, 2, 3]), width=st.integers(1, 9), seq=st.lists(ops, max_size=30))
+def test_row_ops_match_model(f, width, seq):
+    t = BlockTable(N, width, device="cpu", block_size=16, blocks_per_kv_block=f)
+    m = Model(N, width, f)
+    t.device_table.fill_(-7)  # poison: rows never committed must stay -7
+    committed = set()
+    for op in seq:
+        name, args = op[0], op[1:]
+        if name in ("add", "append"):
+            ok = getattr(m, name)(*args)
+            if ok:
+                getattr(t, f"{name}_row")(*args)
+            else:
+                before = t.np.copy(), t.num_blocks.copy()
+                with pytest.raises(ValueError, match=f"row {args[1]}"):
+                    getattr(t, f"{name}_row")(*args)
+                assert np.array_equal(t.np, before[0]) and np.array_equal(t.num_blocks, before[1])
+        elif name == "commit":
+            nbytes = t.commit()
+            assert nbytes == 4 * len(m.dirty) * (width + 1)
+            committed |= m.dirty
+            m.dirty = set()
+            for r in range(N):
+                if r in committed:
+                    assert torch.equal(t.device_table[r], t.host[r])
+                else:
+                    assert bool((t.device_table[r] == -7).all())
+        else:
+            getattr(m, name)(*args)
+            getattr(t, f"{name}_row")(*args)
+        check_host(t, m)
+        assert t.num_dirty == len(m.dirty)
+
+
+def test_commit_moves_only_changed_rows():
+    t = BlockTable(6, 4, device="cpu", block_size=64)
+    for r in range(6):
+        t.add_row([r + 1, r + 10], r)
+    assert t.commit() == 4 * 6 * 5
+    assert torch.equal(t.device_table, t.host)
+    assert t.commit() == 0
+    t.device_table.fill_(-3)
+    t.append_row([99], 2)
+    t.swap_row(4, 5)
+    t.clear_row(1)  # length only; nothing to send
+    t.append_row([], 0)  # no-op
+    assert t.commit() == 4 * 3 * 5
+    for r in range(6):
+        if r in (2, 4, 5):
+            assert torch.equal(t.device_table[r], t.host[r])
+        else:
+            assert bool((t.device_table[r] == -3).all())
+    assert t.np[2, :3].tolist() == [3, 12, 99]
+    assert t.np[4, :2].tolist() == [6, 15] and t.np[5, :2].tolist() == [5, 14]
+
+
+def test_hybrid_expansion():
+    t = BlockTable(2, 8, device="cpu", block_size=64, blocks_per_kv_block=4)
+    t.add_row([5], 0)
+    t.append_row([0], 0)
+    assert t.row(0).tolist() == [20, 21, 22, 23, 0, 1, 2, 3]
+    assert t.num_blocks[0] == 8
+    with pytest.raises(ValueError, match="row 0"):
+        t.append_row([1], 0)
+    with pytest.raises(ValueError, match="row 1"):
+        t.add_row([1, 2, 3], 1)
+    t.commit()
+    assert torch.equal(t.device_table, t.host)
+
+
+def test_errors():
+    t = BlockTable(3, 4, device="cpu", block_size=16)
+    with pytest.raises(ValueError, match="row"):
+        t.add_row([1], 3)
+    with pytest.raises(ValueError, match="src"):
+        t.move_row(-1, 0)
+    with pytest.raises(ValueError, match="b must"):
+        t.swap_row(0, 7)
+    with pytest.raises(ValueError, match="block_ids"):
+        t.add_row([-1], 0)
+    with pytest.raises(ValueError, match="block_ids"):
+        BlockTable(1, 2, device="cpu", block_size=16, blocks_per_kv_block=4).add_row([2 ** 30], 0)
+    for kw, name in [(dict(max_num_reqs=0), "max_num_reqs"), (dict(width=0), "width"),
+                     (dict(blocks_per_kv_block=0), "blocks_per_kv_block")]:
+        args = dict(max_num_reqs=2, width=2, blocks_per_kv_block=1)
+        args.update(kw)
+        with pytest.raises(ValueError, match=name):
+            BlockTable(args["max_num_reqs"], args["width"], device="cpu", block_size=16,
+                       blocks_per_kv_block=args["blocks_per_kv_block"])
+    t.add_row([1], 0)
+    with pytest.raises(ValueError, match="buf"):
+        t.pack_updates(np.zeros(3, np.int32))
+
+
+def test_pack_into_external_buffer_and_apply():
+    t = BlockTable(4, 3, device="cpu", block_size=16)
+    t.add_row([7, 8], 3)
+    t.add_row([9], 1)
+    buf = np.full(20, -5, np.int32)
+    k = t.pack_updates(buf, offset=2)
+    assert k == 2 and t.num_dirty == 0
+    assert buf[2:4].tolist() == [1, 3]
+    assert buf[4:7].tolist() == t.np[1].tolist() and buf[7:10].tolist() == t.np[3].tolist()
+    assert (buf[10:] == -5).all() and (buf[:2] == -5).all()
+    t.device_table.fill_(-1)
+    t.apply_packed(torch.from_numpy(buf), 2, k)
+    assert torch.equal(t.device_table[[1, 3]], t.host[[1, 3]])
+    assert bool((t.device_table[[0, 2]] == -1).all())
+
+
+def test_pending_updates_roundtrip():
+    t = BlockTable(4, 3, device="cpu", block_size=16)
+    t.add_row([4, 5, 6], 2)
+    rows, data = t.pending_updates()
+    assert rows.dtype == np.int32 and rows.tolist() == [2] and data.tolist() == [[4, 5, 6]]
+    assert t.num_dirty == 0 and t.commit() == 0
+    t.device_table.fill_(-1)
+    t.apply_device_updates(torch.from_numpy(rows), torch.from_numpy(data))
+    assert torch.equal(t.device_table[2], t.host[2])
+
+
+def test_multi_group_one_copy(monkeypatch):
+    lay = DSV4Layout.from_config(
+        {"num_hidden_layers": 2, "num_nextn_predict_layers": 0, "compress_ratios": [4, 16],
+         "sliding_window": 8, "index_topk": 4}, 200, mla_block_size=64, swa_block_size=16,
+        c4_state_block_size=4, c128_state_block_size=8, kernel_block_size=32)
+    m = MultiGroupBlockTable(lay, 3, "cpu")
+    assert len(m) == 4 and [t.width for t in m.tables] == [g.table_width for g in lay.groups]
+    assert m[0].blocks_per_kv_block == 2 and m[1].blocks_per_kv_block == 1
+    copies = []
+    orig = bt_mod._Staging.copy
+    monkeypatch.setattr(bt_mod._Staging, "copy", lambda self, n: (copies.append(n), orig(self, n)))
+    m.add_row([[1, 2], [3], [4, 5], [6]], 0)
+    m.add_row([[7], [], [8], []], 2)
+    for t in m.tables:
+        t.device_table.fill_(-9)
+    nbytes = m.commit()
+    assert copies == [nbytes // 4]
+    assert nbytes == 4 * 2 * sum(g.table_width + 1 for g in lay.groups)
+    assert m[0].row(0).tolist() == [2, 3, 4, 5] and m[2].row(2).tolist() == [8]
+    for t in m.tables:
+        assert torch.equal(t.device_table[[0, 2]], t.host[[0, 2]])
+        assert bool((t.device_table[1] == -9).all())
+    m.swap_row(0, 1)
+    m.append_row([[9], [], [], []], 1)
+    m.clear_row(2)
+    m.move_row(1, 2)
+    assert m.commit() == 4 * 3 * sum(g.table_width + 1 for g in lay.groups)  # rows 0, 1, 2
+    assert len(copies) == 2 and m.commit() == 0
+    for t in m.tables:
+        assert torch.equal(t.device_table, t.host)
+        assert t.row(1).tolist() == t.row(2).tolist()
+    assert m[0].row(2).tolist() == [2, 3, 4, 5, 18, 19]
+    with pytest.raises(ValueError, match="per-gid"):
+        m.add_row([[1]], 0)
+
+
+def test_multi_group_from_tuples():
+    m = MultiGroupBlockTable([(4, 16, 1), (3, 8)], 2, "cpu")
+    assert [t.width for t in m.tables] == [4, 3] and m[1].block_size == 8
+    with pytest.raises(ValueError, match="groups"):
+        MultiGroupBlockTable([(4,)], 2, "cpu")
+    with pytest.raises(ValueError, match="groups"):
+        MultiGroupBlockTable([], 2, "cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_pinned_commit():
+    t = BlockTable(64, 32, device="cuda", block_size=64, blocks_per_kv_block=2)
+    assert t.host.is_pinned() and t.device_table.is_cuda
+    rng = np.random.default_rng(0)
+    for step in range(20):
+        for r in rng.choice(64, size=5, replace=False):
+            t.add_row(rng.integers(1, 10_000, size=rng.integers(0, 17)).tolist(), int(r))
+        t.swap_row(int(rng.integers(64)), int(rng.integers(64)))
+        t.commit()
+    torch.cuda.synchronize()
+    assert torch.equal(t.device_table.cpu(), t.host)

@@ -1,0 +1,437 @@
+"""Reference scheduler: invariants over random traces, plus scripted cases with hand-derived values."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from dsv4_index.geometry import DSV4Layout, GroupSpec
+from dsv4_index.scheduler import ReferenceScheduler, random_trace, scripted_trace
+
+TINY = dict(num_hidden_layers=2, compress_ratios=[4, 16], sliding_window=16, index_topk=8)
+
+
+def tiny_layout(max_model_len=256):
+    # mla bs 32 (full, prefix-cacheable), swa bs 8 W 16, c4_state bs 4 W 8, c128_state bs 8 W 16
+    return DSV4Layout.from_config(TINY, max_model_len, mla_block_size=32, swa_block_size=8,
+                                  c4_state_block_size=4, c128_state_block_size=8)
+
+
+def hybrid_groups():
+    # mla: kernel blocks of 8, allocation blocks of 16; swa: kernel 4, allocation 8
+    return (GroupSpec(0, "mla", "full", 8, None, True, 32, 2),
+            GroupSpec(1, "swa", "sliding", 4, 12, False, 64, 2),
+            GroupSpec(2, "c4_state", "sliding", 4, 8, False, 64, 1))
+
+
+def alloc_size(g):
+    return g.block_size * getattr(g, "blocks_per_kv_block", 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# invariant checks from public views only
+# ------------------------------------------------------------------------------------------------
+class Mirror:
+    """The pipeline's copy of the block tables, rebuilt from StepInputs alone (append-only)."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def apply(self, step):
+        for rid in list(step.finished_req_ids) + list(step.preempted_req_ids):
+            assert rid in self.rows, rid
+            del self.rows[rid]
+        for r in step.new_requests:
+            assert r.req_id not in self.rows
+            self.rows[r.req_id] = [list(x) for x in r.block_ids]
+        for r in step.running_requests:
+            if r.resumed:
+                assert r.req_id not in self.rows
+                self.rows[r.req_id] = [list(x) for x in r.new_block_ids]
+            else:
+                for row, new in zip(self.rows[r.req_id], r.new_block_ids):
+                    row.extend(new)
+
+
+def check_pool(sched, all_ids):
+    groups = sched.groups
+    pg = next((g.gid for g in groups if g.prefix_cacheable), None)
+    holders = {}
+    for rid in all_ids:
+        st = sched.req_state(rid)
+        if st.status != "running":
+            assert all(not ids for ids in st.alloc_block_ids), rid
+            continue
+        for gid, ids in enumerate(st.alloc_block_ids):
+            for j, b in enumerate(ids):
+                if b:
+                    holders.setdefault(b, []).append((rid, gid, j))
+    for b, hs in holders.items():
+        if len(hs) > 1:  # only prefix-cache sharing: the prefix group, same logical block
+            assert {gid for _, gid, _ in hs} == {pg}, (b, hs)
+            assert len({j for _, _, j in hs}) == 1, (b, hs)
+            assert len({rid for rid, _, _ in hs}) == len(hs), (b, hs)
+    free = sched.free_block_ids()
+    assert len(free) == len(set(free))
+    assert 0 not in free and 0 not in holders
+    assert not set(free) & set(holders)
+    assert set(free) | set(holders) == set(range(1, sched.num_blocks))
+    return holders
+
+
+def check_step(sched, step, views, pre, pre_order, mirror, stats):
+    groups = sched.groups
+    step.validate_static(num_groups=len(groups))
+    nst = step.num_scheduled_tokens
+    assert [v.req_id for v in views] == list(nst)
+    assert sum(nst.values()) <= sched.max_num_batched_tokens
+    assert len(sched.running_req_ids) <= sched.max_num_seqs
+    computed = {r.req_id: r.num_computed_tokens for r in list(step.new_requests) + list(step.running_requests)}
+    # decodes first; decode classification from the state before the step
+    flags = [v.is_decode for v in views]
+    assert flags == sorted(flags, reverse=True)
+    for v in views:
+        assert v.num_scheduled_tokens >= 1 and computed[v.req_id] == v.num_computed_tokens
+        st = pre.get(v.req_id)
+        dec = st is not None and st.num_output_tokens > 0 and \
+            st.prompt_len + st.num_output_tokens - st.num_computed_tokens == 1
+        assert v.is_decode == dec
+        if dec:
+            assert v.num_scheduled_tokens <= 1 + sched.num_speculative_tokens
+            assert v.num_computed_tokens == st.num_computed_tokens
+        else:
+            after = sched.req_state(v.req_id)
+            assert v.seq_len <= after.prompt_len + after.num_output_tokens
+            if sched.long_prefill_threshold:
+                assert v.num_scheduled_tokens <= sched.long_prefill_threshold
+    if not all(flags):  # some prefill scheduled: every running decode got its turn (or was preempted)
+        for rid, st in pre.items():
+            if st.prompt_len + st.num_output_tokens - st.num_computed_tokens == 1 and st.num_output_tokens:
+                assert rid in nst or rid in step.preempted_req_ids
+    # preemption: victims were running, are newer than anything left unscheduled, hold nothing
+    for rid in step.preempted_req_ids:
+        assert rid in pre and rid not in nst
+        assert all(o in nst or o in step.preempted_req_ids for o in pre_order[pre_order.index(rid) + 1:])
+        st = sched.req_state(rid)
+        assert st.status == "waiting" and all(not x for x in st.block_ids)
+    if step.preempted_req_ids:
+        assert not step.new_requests and not any(r.resumed for r in step.running_requests)
+    for rid in step.finished_req_ids:
+        assert sched.req_state(rid).status == "finished"
+    # the pipeline's view (append-only) agrees with the scheduler's wherever the scheduler holds a block
+    mirror.apply(step)
+    for v in views:
+        row = mirror.rows[v.req_id]
+        st = sched.req_state(v.req_id)
+        assert [list(x) for x in st.block_ids] == [list(x) for x in v.block_ids]
+        for g, mine, theirs in zip(groups, v.block_ids, row):
+            assert len(mine) == len(theirs)
+            for a, b in zip(mine, theirs):
+                assert a == b or (a == 0 and g.kind == "sliding")
+        # blocks cover every position the step writes or reads; sliding blocks below the window are gone
+        c, end = v.num_computed_tokens, v.seq_len
+        for g, table, alloc in zip(groups, v.block_ids, st.alloc_block_ids):
+            f = getattr(g, "blocks_per_kv_block", 1)
+            assert len(table) == len(alloc) * f and len(table) <= g.table_width
+            assert [b // f if b else 0 for b in table[::f]] == alloc
+            assert all(table[k] == (table[k - k % f] + k % f if table[k - k % f] else 0) for k in range(len(table)))
+            lo = 0 if g.kind == "full" else max(0, v.replay_start, c - g.window + 1)
+            assert len(table) * g.block_size >= end
+            assert all(table[p // g.block_size] != 0 for p in range(lo, end))
+            if g.kind == "sliding":
+                first_needed = max(0, c - g.window + 1) // alloc_size(g)
+                assert all(b == 0 for b in alloc[:first_needed])
+        if v.replay_start or v.req_id in step.replay_start:
+            assert step.replay_start[v.req_id] == v.replay_start == st.replay_start
+            assert st.prefix_hit_tokens > 0
+            assert v.replay_start == max(0, st.prefix_hit_tokens - max(
+                g.window for g in groups if g.kind == "sliding"))
+        stats["tokens"] += v.num_scheduled_tokens
+        stats["decode" if v.is_decode else "prefill"] += 1
+        stats["chunked"] += (not v.is_decode and v.seq_len < st.prompt_len + st.num_output_tokens)
+    stats["new_hit"] += sum(1 for r in step.new_requests if r.req_id in step.replay_start)
+    stats["resumed"] += sum(r.resumed for r in step.running_requests)
+    stats["preempted"] += len(step.preempted_req_ids)
+    stats["finished"] += len(step.finished_req_ids)
+
+
+def drive(sched, num_steps, seed, *, arrival_prob=0.5, prompt_hi=200, max_new_hi=24, prefix_prob=0.5):
+    """Random arrivals (some sharing an earlier request's prompt), random acceptance, all checks."""
+    rng = random.Random(seed)
+    mirror, stats, ids = Mirror(), Counter(), []
+    cap = sched.max_request_len()
+    for _ in range(num_steps):
+        if rng.random() < arrival_prob:
+            new = rng.randint(1, min(max_new_hi, cap - 1))
+            plen = rng.randint(1, min(prompt_hi, cap - new))
+            kw = {}
+            if ids and rng.random() < prefix_prob:
+                parent = sched.req_state(rng.choice(ids[-6:]))
+                plen = min(max(plen, parent.prompt_len + rng.randint(0, 16)), cap - new)
+                kw = dict(prefix_of=parent.req_id, prefix_len=min(plen, parent.prompt_len))
+            rid = f"q{len(ids)}"
+            sched.add_request(rid, plen, new, **kw)
+            ids.append(rid)
+        pre_order = sched.running_req_ids
+        pre = {rid: sched.req_state(rid) for rid in pre_order}
+        step = sched.schedule()
+        views = sched.batch_view(step)
+        check_step(sched, step, views, pre, pre_order, mirror, stats)
+        check_pool(sched, ids)
+        acc = sched.random_acceptance(step)
+        stats["partial_accept"] += sum(0 < a < v.num_scheduled_tokens - 1 for v in views
+                                       for a in [acc.get(v.req_id, -1)])
+        before = {v.req_id: sched.req_state(v.req_id) for v in views}
+        sched.update_after_step(acc)
+        for v in views:  # how far each request advanced
+            st, b = sched.req_state(v.req_id), before[v.req_id]
+            left = b.prompt_len + b.num_output_tokens - v.num_computed_tokens
+            if v.num_scheduled_tokens < left:
+                assert (st.num_computed_tokens, st.num_output_tokens) == (v.seq_len, b.num_output_tokens)
+            else:
+                grown = min(1 + acc.get(v.req_id, 0), b.max_new_tokens - b.num_output_tokens)
+                assert st.num_output_tokens == b.num_output_tokens + grown
+                assert st.num_computed_tokens == v.num_computed_tokens + left + grown - 1
+                assert (st.status == "finished") == (st.num_output_tokens == b.max_new_tokens)
+        check_pool(sched, ids)
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------
+# random traces
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_trace_invariants(seed):
+    sched = ReferenceScheduler(tiny_layout(), 56, max_num_batched_tokens=32, max_num_seqs=5,
+                               num_speculative_tokens=3, long_prefill_threshold=24, seed=seed)
+    stats = drive(sched, 400, seed, arrival_prob=0.6)
+    # the trace exercised every feature (so the checks above were not vacuous)
+    for k in ("decode", "prefill", "chunked", "new_hit", "resumed", "preempted", "finished", "partial_accept"):
+        assert stats[k] > 0, (k, stats)
+
+
+def test_random_trace_hybrid_blocks_no_prefix_cache():
+    sched = ReferenceScheduler(hybrid_groups(), 40, max_num_batched_tokens=20, max_num_seqs=4,
+                               num_speculative_tokens=1, enable_prefix_caching=False, seed=3)
+    stats = drive(sched, 300, 3, prompt_hi=120, max_new_hi=16)
+    assert stats["preempted"] > 0 and stats["finished"] > 0 and stats["new_hit"] == 0
+
+
+def test_random_trace_generator_deterministic_and_valid():
+    layout = tiny_layout()
+
+    def run(seed):
+        return [(s, [vars(v) for v in vs]) for s, vs in random_trace(layout, 150, seed, num_blocks=64,
+                                                                       max_num_batched_tokens=32)]
+
+    a, b, c = run(5), run(5), run(6)
+    assert a == b and a != c
+    mirror, stats = Mirror(), Counter()
+    for step, views in a:
+        step.validate_static(num_groups=len(layout.groups))
+        mirror.apply(step)
+        assert sum(step.num_scheduled_tokens.values()) <= 32
+        stats["hit"] += len(step.replay_start)
+        stats["fin"] += len(step.finished_req_ids)
+        stats["spec"] += sum(v["is_decode"] and v["num_scheduled_tokens"] > 1 for v in views)
+        for v in views:
+            for g, mine, theirs in zip(layout.groups, v["block_ids"], mirror.rows[v["req_id"]]):
+                assert all(x == y or (x == 0 and g.kind == "sliding") for x, y in zip(mine, theirs))
+    assert stats["hit"] and stats["fin"] and stats["spec"]
+
+
+# ------------------------------------------------------------------------------------------------
+# scripted cases (expected values derived by hand from the rules)
+# ------------------------------------------------------------------------------------------------
+def small(num_blocks=64, **kw):
+    kw.setdefault("max_num_batched_tokens", 64)
+    kw.setdefault("max_num_seqs", 4)
+    return ReferenceScheduler(tiny_layout(), num_blocks, **kw)
+
+
+def test_chunked_prefill_then_decode_and_finish():
+    s = small(max_num_batched_tokens=16)
+    steps = list(scripted_trace(s, [{"add": [("a", 50, 3)]}], drain=True))
+    got = [(v.num_computed_tokens, v.num_scheduled_tokens, v.is_decode) for _, vs in steps for v in vs]
+    assert got == [(0, 16, False), (16, 16, False), (32, 16, False), (48, 2, False),
+                   (50, 1, True), (51, 1, True)]
+    assert isinstance(steps[0][0].new_requests[0].block_ids, tuple) and not steps[1][0].new_requests
+    assert list(steps[-1][0].finished_req_ids) == []
+    assert s.req_state("a").status == "finished" and not s.has_unfinished()
+    final = s.schedule()
+    assert list(final.finished_req_ids) == ["a"] and final.num_scheduled_tokens == {}
+    assert sorted(s.free_block_ids()) == list(range(1, 64))
+
+
+def test_spec_decode_partial_acceptance_and_cap():
+    s = small(num_speculative_tokens=3)
+    s.add_request("a", 10, 4)
+    st = s.schedule()
+    assert st.num_scheduled_tokens == {"a": 10}
+    s.update_after_step()
+    assert (s.req_state("a").num_computed_tokens, s.req_state("a").num_output_tokens) == (10, 1)
+    st = s.schedule()
+    assert st.num_scheduled_tokens == {"a": 4} and st.running_requests[0].num_computed_tokens == 10
+    s.update_after_step({"a": 1})  # keeps 2 tokens: positions 10, 11
+    assert (s.req_state("a").num_computed_tokens, s.req_state("a").num_output_tokens) == (12, 3)
+    st = s.schedule()
+    assert st.num_scheduled_tokens == {"a": 4} and st.running_requests[0].num_computed_tokens == 12
+    s.update_after_step({"a": 3})  # only 1 more token allowed (max_new_tokens=4)
+    assert s.req_state("a").num_output_tokens == 4 and s.req_state("a").status == "finished"
+    assert list(s.schedule().finished_req_ids) == ["a"]
+    with pytest.raises(ValueError, match="accepted"):
+        s.update_after_step({"a": 1})  # not a decode of the last step
+
+
+def test_sliding_window_release():
+    s = small(max_num_batched_tokens=8)
+    s.add_request("a", 60, 2)
+    for _ in range(5):
+        s.schedule()
+        s.update_after_step()
+    step = s.schedule()
+    v = s.batch_view(step)[0]
+    assert (v.num_computed_tokens, v.num_scheduled_tokens) == (40, 8)
+    st = s.req_state("a")
+    # swa (bs 8, W 16): positions >= 25 are read -> blocks 0..2 (positions 0..23) released, 3..5 held
+    assert st.block_ids[1][:3] == [0, 0, 0] and all(st.block_ids[1][3:6]) and len(st.block_ids[1]) == 6
+    # c4_state (bs 4, W 8): positions >= 33 -> blocks 0..7 released, 8..11 held
+    assert st.block_ids[2][:8] == [0] * 8 and all(st.block_ids[2][8:12]) and len(st.block_ids[2]) == 12
+    # mla (bs 32, full): positions [0, 48) -> 2 blocks
+    assert len(st.block_ids[0]) == 2 and all(st.block_ids[0])
+    # the pipeline's copy keeps stale ids: nothing new is sent for released blocks
+    new = step.running_requests[0].new_block_ids
+    assert [len(x) for x in new] == [0, 1, 2, 1]
+
+
+def test_preemption_newest_and_resume_full_blocks():
+    # 20 usable blocks; two requests; the older one's growth preempts the newer one
+    s = small(num_blocks=21, max_num_batched_tokens=16, enable_prefix_caching=False)
+    s.add_request("old", 8, 40)
+    s.add_request("new", 8, 40)
+    seen_pre, resumed = None, None
+    for i in range(60):
+        step = s.schedule()
+        if step.preempted_req_ids and seen_pre is None:
+            seen_pre = (i, list(step.preempted_req_ids))
+            assert "old" in step.num_scheduled_tokens
+            assert s.req_state("new").status == "waiting" and s.req_state("new").num_computed_tokens == 0
+        for r in step.running_requests:
+            if r.resumed and resumed is None:
+                resumed = (i, r)
+                assert r.num_computed_tokens == 0
+                assert [list(x) for x in r.new_block_ids] == [list(x) for x in s.req_state(r.req_id).block_ids]
+                assert sum(map(len, r.new_block_ids)) > 0
+        s.update_after_step()
+        if not s.has_unfinished():
+            break
+    assert seen_pre is not None and seen_pre[1] == ["new"]
+    assert resumed is not None and resumed[0] > seen_pre[0] and resumed[1].req_id == "new"
+    assert not s.has_unfinished()
+
+
+def test_prefix_hit_bounded_replay_and_refcount():
+    s = small(max_num_batched_tokens=128)
+    s.add_request("a", 100, 30)  # mla blocks 0..2 are full prompt blocks (positions < 96)
+    s.schedule()
+    s.update_after_step()
+    a_mla = s.req_state("a").alloc_block_ids[0]
+    s.add_request("b", 120, 60, prefix_of="a", prefix_len=100)
+    step = s.schedule()
+    [nb] = step.new_requests
+    # hit = 3 blocks = 96 tokens (< prompt 120); max sliding window 16 -> replay from 80
+    assert nb.req_id == "b" and nb.num_computed_tokens == 80 and step.replay_start == {"b": 80}
+    assert nb.block_ids[0][:3] == a_mla[:3] and nb.block_ids[0][3] not in a_mla
+    # sliding rows: null below the replay floor, real blocks from there on
+    assert nb.block_ids[1][:10] == [0] * 10 and all(nb.block_ids[1][10:15])
+    assert step.num_scheduled_tokens["b"] == 40
+    s.update_after_step()
+    # "a" finishes while "b" still holds the shared blocks: they must not be freed
+    for _ in range(40):
+        s.schedule()
+        s.update_after_step()
+        if s.req_state("a").status == "finished":
+            break
+    assert s.req_state("a").status == "finished" and s.req_state("b").status == "running"
+    assert not set(a_mla[:3]) & set(s.free_block_ids())
+    assert set(a_mla[3:]) <= set(s.free_block_ids())
+    # a later request with the same prefix hits the same blocks again
+    s.add_request("c", 97, 1, prefix_of="a", prefix_len=97)
+    step = s.schedule()
+    [nc] = step.new_requests
+    assert nc.block_ids[0][:3] == a_mla[:3] and nc.num_computed_tokens == 80
+    # named prefix: two requests sharing "sys" (the second hits what the first computed)
+    s.update_after_step()
+    s.add_request("d", 70, 1, prefix_of="sys", prefix_len=64)
+    d_mla = next(r for r in s.schedule().new_requests if r.req_id == "d").block_ids[0]
+    s.update_after_step()
+    s.add_request("e", 66, 1, prefix_of="sys", prefix_len=66)
+    step = s.schedule()
+    ne = next(r for r in step.new_requests if r.req_id == "e")
+    assert ne.block_ids[0][:2] == d_mla[:2] and ne.block_ids[0][2] != d_mla[2]
+    assert step.replay_start["e"] == 48 and ne.num_computed_tokens == 48
+
+
+def test_prefix_hit_is_capped_below_prompt_and_evicted_blocks_miss():
+    s = small(num_blocks=20)
+    s.add_request("a", 64, 1)
+    s.schedule()
+    s.update_after_step()  # finished; its 2 full blocks stay cached on the free queue
+    s.add_request("b", 64, 1, prefix_of="a", prefix_len=64)
+    step = s.schedule()
+    # whole prompt cached, but at least one token must be computed: hit 1 block (32), replay from 16
+    assert step.new_requests[0].num_computed_tokens == 16 and step.replay_start == {"b": 16}
+    s.update_after_step()
+    s.schedule()
+    s.update_after_step()
+    # churn the whole pool so every cached block is handed out again
+    s.add_request("x", 150, 1)
+    for _ in range(8):
+        s.schedule()
+        s.update_after_step()
+    s.add_request("c", 64, 1, prefix_of="a", prefix_len=64)
+    step = s.schedule()
+    assert step.new_requests[0].num_computed_tokens == 0 and step.replay_start == {}
+
+
+def test_hybrid_table_entries():
+    s = ReferenceScheduler(hybrid_groups(), 32, max_num_batched_tokens=64, max_num_seqs=2)
+    s.add_request("a", 20, 1)
+    [r] = s.schedule().new_requests
+    st = s.req_state("a")
+    b0, b1 = st.alloc_block_ids[0]  # mla: 20 tokens / 16 per allocation block
+    assert r.block_ids[0] == [2 * b0, 2 * b0 + 1, 2 * b1, 2 * b1 + 1]
+    assert len(r.block_ids[1]) == 6 and len(r.block_ids[2]) == 5  # swa 3 alloc blocks x 2; c4_state 5
+
+
+def test_bad_arguments():
+    layout = tiny_layout()
+    with pytest.raises(ValueError, match="num_blocks"):
+        ReferenceScheduler(layout, 1, max_num_batched_tokens=8, max_num_seqs=1)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        ReferenceScheduler(layout, 8, max_num_batched_tokens=0, max_num_seqs=1)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        ReferenceScheduler(layout, 8, max_num_batched_tokens=8, max_num_seqs=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        ReferenceScheduler(layout, 8, max_num_batched_tokens=8, max_num_seqs=1, num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="long_prefill_threshold"):
+        ReferenceScheduler(layout, 8, max_num_batched_tokens=8, max_num_seqs=1, long_prefill_threshold=0)
+    with pytest.raises(ValueError, match="groups"):
+        ReferenceScheduler((), 8, max_num_batched_tokens=8, max_num_seqs=1)
+    s = small()
+    s.add_request("a", 4, 1)
+    for args, kw, name in [(("a", 4, 1), {}, "req_id"), (("b", 0, 1), {}, "prompt_len"),
+                           (("b", 4, 0), {}, "max_new_tokens"), (("b", 250, 10), {}, "max_model_len"),
+                           (("b", 4, 1), {"prefix_len": 5, "prefix_of": "a"}, "prefix_len")]:
+        with pytest.raises(ValueError, match=name):
+            s.add_request(*args, **kw)
+    with pytest.raises(ValueError, match="num_blocks"):
+        small(num_blocks=8).add_request("z", 200, 1)
+    step = s.schedule()
+    with pytest.raises(RuntimeError):
+        s.schedule()
+    with pytest.raises(ValueError, match="step"):
+        s.batch_view(object())
+    with pytest.raises(ValueError, match="req_id"):
+        s.req_state("nope")
+    assert s.batch_view(step)[0].req_id == "a"
