@@ -103,11 +103,15 @@ class MetadataPipeline:
         (one threshold for every channel).
     cp_world_size, cp_rank, cp_interleave : decode context parallelism (DESIGN §4); tables hold this
         rank's local blocks.
+    fused : bool — build with one fused Triton launch (:mod:`dsv4_index.kernels.fused`) where the
+        Triton backend is in use; False launches each channel's per-op kernels (same results).
+    validate : bool — debug: run :func:`dsv4_index.validate.check_metadata` after every ``build()``
+        (host copies; never in serving).
     """
 
     def __init__(self, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
-                 cp_interleave: int = 1, fused: bool = False):
+                 cp_interleave: int = 1, fused: bool = True, validate: bool = False):
         for name, v, lo in (("max_num_reqs", max_num_reqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("num_speculative_tokens", num_speculative_tokens, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -121,6 +125,7 @@ class MetadataPipeline:
         self.max_num_tokens = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.cp = dict(cp_world_size=cp_world_size, cp_rank=cp_rank, cp_interleave=cp_interleave)
+        self.validate = bool(validate)  # NOTE: debug only: check_metadata after every build (host syncs)
 
         self.tables = MultiGroupBlockTable(layout.groups, max_num_reqs, self.device)
         pin = torch.cuda.is_available() and self.device.type == "cuda"
@@ -147,7 +152,8 @@ class MetadataPipeline:
         # NOTE: the fused plan (one launch for the common tensors and every built-in channel it knows)
         # replaces the builders' own launches; channels it does not cover still launch their kernels.
         self._fused = None
-        if fused:
+        from ._common import use_triton
+        if fused and use_triton(self.device):
             from .kernels.fused import FusedPlan
             self._fused = FusedPlan(self._ctx, self._builders, token_to_req=self.token_to_req,
                                     positions=self.positions, is_valid_token=self.is_valid_token)
@@ -373,11 +379,15 @@ class MetadataPipeline:
                 builder.launch(ctx)
         channels = {name: builder.views(ctx) for name, builder in self._builders.items()}
         ttr, pos, valid = self.token_to_req[:Tp], self.positions[:Tp], self.is_valid_token[:Tp]
-        return DSV4Metadata(
+        meta = DSV4Metadata(
             num_reqs=B, num_tokens=T, num_tokens_padded=Tp, req_ids=list(self._batch), **self._counts,
             query_start_loc=qsl[:B + 1], seq_lens=seq_lens[:B], positions=pos, token_to_req=ttr,
             is_valid_token=valid, block_tables=[bt[:B] for bt in ctx.block_tables], channels=channels,
             _pipeline=self)
+        if self.validate:
+            from .validate import check_metadata
+            check_metadata(meta)
+        return meta
 
     def _build_common(self) -> None:
         """Unfused path: token -> request, validity and positions (a few small launches)."""

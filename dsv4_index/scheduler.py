@@ -44,6 +44,10 @@ What it supports
   ``replay_start[req_id]`` (the sliding-window floor). Tokens in ``[replay_start, N)`` are
   recomputed; their compressed writes rewrite identical values into the shared blocks.
 
+``add_request`` refuses a request that could not run alone in the pool (a conservative bound:
+full blocks for the whole length, sliding blocks for ``W - 1`` + the largest chunk), so the oldest
+running request can always progress.
+
 Not modelled: DCP (tables cover global positions), circular groups, priorities, aborts, caching of
 generated tokens, encoder inputs.
 """
@@ -103,7 +107,8 @@ class ScheduledView:
 
 class _Req:
     def __init__(self, req_id, prompt_len, max_new_tokens, keys):
-        self.req_id, self.prompt_len, self.max_new_tokens, self.keys = req_id, prompt_len, max_new_tokens, keys
+        self.req_id, self.prompt_len, self.max_new_tokens = req_id, prompt_len, max_new_tokens
+        self.keys = keys  # content key per full prompt block of the prefix group
         self.status = "waiting"
         self.num_output = 0
         self.num_computed = 0
@@ -177,7 +182,8 @@ class ReferenceScheduler:
         if len(pc) > 1:
             raise ValueError(f"groups: at most one prefix_cacheable group is supported, got gids {pc}")
         full_ok = all(g.prefix_cacheable for g in groups if g.kind == "full")
-        self._pg = pc[0] if enable_prefix_caching and pc and groups[pc[0]].kind == "full" and full_ok else None
+        use_cache = enable_prefix_caching and pc and groups[pc[0]].kind == "full" and full_ok
+        self._pg = pc[0] if use_cache else None  # gid of the prefix-cached group
         self._rng = random.Random(seed)
         # pool
         self._free: Dict[int, None] = dict.fromkeys(range(1, num_blocks))  # NOTE: insertion order = LRU
@@ -210,7 +216,8 @@ class ReferenceScheduler:
                              f"alone would not fit in num_blocks={self.num_blocks}")
         _int("prefix_len", prefix_len, 0)
         if prefix_len > prompt_len or (prefix_len and not isinstance(prefix_of, str)):
-            raise ValueError(f"prefix_len {prefix_len} needs prefix_of (a str) and <= prompt_len {prompt_len}")
+            raise ValueError(f"prefix_len {prefix_len} needs prefix_of (a str) and must be <= "
+                             f"prompt_len {prompt_len}")
         keys = []
         if self._pg is not None:
             bs = self._abs[self._pg]
@@ -235,7 +242,8 @@ class ReferenceScheduler:
     def _worst_need(self, length: int) -> int:
         k = self.num_speculative_tokens  # NOTE: a decode may write k positions past the length
         top = min(length + k, self.max_model_len)
-        chunk = min(self.max_num_batched_tokens, max(length, 1 + k))
+        prefill = min(length, self.long_prefill_threshold or length)
+        chunk = min(self.max_num_batched_tokens, max(prefill, 1 + k))
         return sum(cdiv(top, a) if g.kind == "full" else cdiv(g.window - 1 + chunk, a) + 1
                    for g, a in zip(self.groups, self._abs))
 

@@ -86,7 +86,8 @@ def check_step(sched, step, views, pre, pre_order, mirror, stats):
     assert [v.req_id for v in views] == list(nst)
     assert sum(nst.values()) <= sched.max_num_batched_tokens
     assert len(sched.running_req_ids) <= sched.max_num_seqs
-    computed = {r.req_id: r.num_computed_tokens for r in list(step.new_requests) + list(step.running_requests)}
+    reqs = list(step.new_requests) + list(step.running_requests)
+    computed = {r.req_id: r.num_computed_tokens for r in reqs}
     # decodes first; decode classification from the state before the step
     flags = [v.is_decode for v in views]
     assert flags == sorted(flags, reverse=True)
@@ -134,7 +135,8 @@ def check_step(sched, step, views, pre, pre_order, mirror, stats):
             f = getattr(g, "blocks_per_kv_block", 1)
             assert len(table) == len(alloc) * f and len(table) <= g.table_width
             assert [b // f if b else 0 for b in table[::f]] == alloc
-            assert all(table[k] == (table[k - k % f] + k % f if table[k - k % f] else 0) for k in range(len(table)))
+            heads = [table[k - k % f] for k in range(len(table))]  # kernel blocks of one allocation block
+            assert all(t == (h + k % f if h else 0) for k, (t, h) in enumerate(zip(table, heads)))
             lo = 0 if g.kind == "full" else max(0, v.replay_start, c - g.window + 1)
             assert len(table) * g.block_size >= end
             assert all(table[p // g.block_size] != 0 for p in range(lo, end))
@@ -206,7 +208,8 @@ def test_random_trace_invariants(seed):
                                num_speculative_tokens=3, long_prefill_threshold=24, seed=seed)
     stats = drive(sched, 400, seed, arrival_prob=0.6)
     # the trace exercised every feature (so the checks above were not vacuous)
-    for k in ("decode", "prefill", "chunked", "new_hit", "resumed", "preempted", "finished", "partial_accept"):
+    for k in ("decode", "prefill", "chunked", "new_hit", "resumed", "preempted", "finished",
+              "partial_accept"):
         assert stats[k] > 0, (k, stats)
 
 
@@ -305,33 +308,36 @@ def test_sliding_window_release():
 
 
 def test_preemption_newest_and_resume_full_blocks():
-    # 20 usable blocks; two requests; the older one's growth preempts the newer one
-    s = small(num_blocks=21, max_num_batched_tokens=16, enable_prefix_caching=False)
-    s.add_request("old", 8, 40)
-    s.add_request("new", 8, 40)
+    # 25 usable blocks; three decoding requests; when the older ones grow, the newest one goes
+    s = small(num_blocks=26, max_num_batched_tokens=24, enable_prefix_caching=False)
+    for rid in "ABC":
+        s.add_request(rid, 8, 40)
     seen_pre, resumed = None, None
-    for i in range(60):
+    for i in range(200):
         step = s.schedule()
+        if i == 0:
+            assert list(step.num_scheduled_tokens) == ["A", "B", "C"]
         if step.preempted_req_ids and seen_pre is None:
             seen_pre = (i, list(step.preempted_req_ids))
-            assert "old" in step.num_scheduled_tokens
-            assert s.req_state("new").status == "waiting" and s.req_state("new").num_computed_tokens == 0
+            assert list(step.num_scheduled_tokens) == ["A", "B"]
+            st = s.req_state("C")
+            assert st.status == "waiting" and st.num_computed_tokens == 0 and not any(st.alloc_block_ids)
         for r in step.running_requests:
             if r.resumed and resumed is None:
                 resumed = (i, r)
                 assert r.num_computed_tokens == 0
-                assert [list(x) for x in r.new_block_ids] == [list(x) for x in s.req_state(r.req_id).block_ids]
-                assert sum(map(len, r.new_block_ids)) > 0
+                assert list(r.new_block_ids) == list(s.req_state(r.req_id).block_ids)
+                assert all(r.new_block_ids[0]) and sum(map(len, r.new_block_ids)) > 0
         s.update_after_step()
         if not s.has_unfinished():
             break
-    assert seen_pre is not None and seen_pre[1] == ["new"]
-    assert resumed is not None and resumed[0] > seen_pre[0] and resumed[1].req_id == "new"
-    assert not s.has_unfinished()
+    assert seen_pre is not None and seen_pre[1] == ["C"]
+    assert resumed is not None and resumed[0] > seen_pre[0] and resumed[1].req_id == "C"
+    assert not s.has_unfinished() and sorted(s.free_block_ids()) == list(range(1, 26))
 
 
 def test_prefix_hit_bounded_replay_and_refcount():
-    s = small(max_num_batched_tokens=128)
+    s = small(num_blocks=160, max_num_batched_tokens=128)
     s.add_request("a", 100, 30)  # mla blocks 0..2 are full prompt blocks (positions < 96)
     s.schedule()
     s.update_after_step()
@@ -373,20 +379,34 @@ def test_prefix_hit_bounded_replay_and_refcount():
 
 
 def test_prefix_hit_is_capped_below_prompt_and_evicted_blocks_miss():
-    s = small(num_blocks=20)
+    s = small(num_blocks=40, max_num_batched_tokens=32)
     s.add_request("a", 64, 1)
-    s.schedule()
-    s.update_after_step()  # finished; its 2 full blocks stay cached on the free queue
+    a_mla = []
+    while s.has_unfinished():
+        step = s.schedule()
+        a_mla = s.batch_view(step)[0].block_ids[0]
+        s.update_after_step()  # then finished; its 2 full blocks stay cached on the free queue
+    assert set(a_mla) <= set(s.free_block_ids())
     s.add_request("b", 64, 1, prefix_of="a", prefix_len=64)
     step = s.schedule()
     # whole prompt cached, but at least one token must be computed: hit 1 block (32), replay from 16
     assert step.new_requests[0].num_computed_tokens == 16 and step.replay_start == {"b": 16}
+    assert step.new_requests[0].block_ids[0][0] == a_mla[0]
     s.update_after_step()
-    s.schedule()
-    s.update_after_step()
-    # churn the whole pool so every cached block is handed out again
-    s.add_request("x", 150, 1)
-    for _ in range(8):
+    while s.has_unfinished():
+        s.schedule()
+        s.update_after_step()
+    # churn until the pool has handed out a's first block again (evicting it from the cache)
+    taken, n = set(), 0
+    while a_mla[0] not in taken:
+        assert n < 40
+        if not s.has_unfinished():
+            s.add_request(f"x{n}", 150, 1)
+        step = s.schedule()
+        taken |= {b for v in s.batch_view(step) if v.req_id[0] == "x" for t in v.block_ids for b in t}
+        s.update_after_step()
+        n += 1
+    while s.has_unfinished():
         s.schedule()
         s.update_after_step()
     s.add_request("c", 64, 1, prefix_of="a", prefix_len=64)

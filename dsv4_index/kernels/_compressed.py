@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_index._common import cdiv, check_tensor, cp_owned_count
+from dsv4_index._common import cp_owned_count, resolve_num_tokens
 
 INT32_MIN = -(2 ** 31)
 INT32_MAX = 2 ** 31 - 1
@@ -27,8 +27,6 @@ def resolve_rows(query_start_loc: torch.Tensor, num_tokens: Optional[int], outs:
     The rows of the given ``out=`` buffers (all given ones must agree), else ``num_tokens``, else
     ``query_start_loc[-1]`` read back (one host sync on CUDA).
     """
-    from dsv4_index._common import resolve_num_tokens
-
     rows = None
     for name, buf in outs.items():
         if buf is None:
@@ -38,7 +36,8 @@ def resolve_rows(query_start_loc: torch.Tensor, num_tokens: Optional[int], outs:
         if rows is None:
             rows, first = buf.shape[0], name
         elif buf.shape[0] != rows:
-            raise ValueError(f"{name} has {buf.shape[0]} rows but {first} has {rows}; they must agree")
+            raise ValueError(f"{name} has {buf.shape[0]} rows but {first} has {rows}; "
+                             "they must agree")
     if rows is not None:
         if num_tokens is not None:
             resolve_num_tokens(query_start_loc, num_tokens)  # type / sign check only
@@ -69,18 +68,6 @@ def check_slots_fit_int32(seq_lens: torch.Tensor, block_table: torch.Tensor, row
         b, k = (int(v) for v in torch.nonzero(bad)[0])
         raise ValueError(f"block_table[{b}, {k}] = {int(bt[b, k])} gives slots beyond int32 with "
                          f"rows_per_block = {S} (index lists are int32)")
-
-
-def check_out_matrix(name: str, out, *, rows: int, cols: int, device) -> torch.Tensor:
-    """An int32 ``[rows, cols]`` output: the caller's (checked) or a new one."""
-    if out is None:
-        return torch.empty((rows, cols), dtype=torch.int32, device=device)
-    check_tensor(name, out, dtypes=(torch.int32,), ndim=2, device=device)
-    if not out.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if out.shape[0] != rows or out.shape[1] != cols:
-        raise ValueError(f"{name} has shape {tuple(out.shape)}, expected ({rows}, {cols})")
-    return out
 
 
 def num_search_iters(num_reqs: int) -> int:

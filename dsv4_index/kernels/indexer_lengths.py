@@ -1,4 +1,4 @@
-"""Lightning-Indexer lengths (``c4i``): per-token visible compressed rows, decode view, ragged ks/ke.
+"""Lightning-Indexer lengths (``c4i``): visible compressed rows per token, decode view, ks/ke.
 
 ``lens[t] = n_c(pos_t)`` (owned rows under DCP); the decode view ``[num_decodes, next_n]`` is
 right-aligned like the tokens it describes; ``cu`` is the prefix sum over requests of
@@ -16,10 +16,9 @@ import triton
 import triton.language as tl
 
 from dsv4_index._common import (cdiv, check_batch, check_batch_values, check_cp, check_positive_int,
-                                check_tensor, cp_owned_count, needs_value_checks, prepare_out,
-                                use_triton)
-from dsv4_index.kernels._compressed import (INT32_MAX, find_request, num_search_iters,
-                                            owned_count, resolve_rows, token_rows)
+                                cp_owned_count, needs_value_checks, prepare_out, use_triton)
+from dsv4_index.kernels._compressed import (INT32_MAX, num_search_iters, owned_count, resolve_rows,
+                                            token_rows)
 
 
 class IndexerLengths(NamedTuple):
@@ -56,7 +55,8 @@ def check_indexer_lengths_args(query_start_loc, seq_lens, compress_ratio, next_n
         check_positive_int("num_decodes", num_decodes, minimum=0)
         if num_decodes > B:
             raise ValueError(f"num_decodes = {num_decodes} exceeds the batch size B = {B}")
-    rows = resolve_rows(query_start_loc, num_tokens, {"out": out, "out_ks": out_ks, "out_ke": out_ke})
+    rows = resolve_rows(query_start_loc, num_tokens,
+                        {"out": out, "out_ks": out_ks, "out_ke": out_ke})
     min_rows = num_tokens or 0
     lens, ks, ke = (prepare_out(name, buf, shape=(rows,), min_rows=min_rows, dtype=torch.int32,
                                 device=device)

@@ -6,11 +6,11 @@ from typing import Optional
 
 import torch
 
-from .._common import (check_batch, check_batch_values, check_cp, check_positive_int, cp_local,
+from .._common import (check_batch, check_cp, check_positive_int, cp_local,
                        cp_owner, needs_value_checks, prepare_out, resolve_num_tokens, table_slots,
                        token_positions)
 from .slot_mapping import check_table_width
-from .token_to_req import prepare_rows
+from .token_to_req import check_values, prepare_rows
 
 
 def rows_this_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compress_ratio: int):
@@ -60,7 +60,7 @@ def _check_args(query_start_loc, seq_lens, block_table, rows_per_block, compress
         out_cu = prepare_out("out_cu", out_cu, shape=(B + 1,), min_rows=B + 1, dtype=torch.int32,
                              device=device)
     if needs_value_checks(device, validate):
-        check_batch_values(query_start_loc, seq_lens, num_tokens=T)
+        check_values(query_start_loc, seq_lens, num_tokens, T)
         if compact:
             _, n = rows_this_step(query_start_loc, seq_lens, compress_ratio)
             if int(n.sum()) > out.shape[0]:

@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from .._common import (check_batch, check_batch_values, check_cp, check_positive_int, cp_local,
+from .._common import (check_batch, check_cp, check_positive_int, cp_local,
                        cp_owner, needs_value_checks, table_slots, token_positions)
-from .token_to_req import prepare_rows
+from .token_to_req import check_values, prepare_rows
 
 
 def check_table_width(name: str, block_table: torch.Tensor, req: torch.Tensor, blk: torch.Tensor,
@@ -48,7 +48,7 @@ def _check_args(query_start_loc, seq_lens, block_table, block_size, blocks_per_k
             raise ValueError("circular_capacity needs cp_world_size == 1")
     out = prepare_rows("out", out, query_start_loc, num_tokens, torch.int64)
     if needs_value_checks(device, validate):
-        check_batch_values(query_start_loc, seq_lens, num_tokens=out.shape[0])
+        check_values(query_start_loc, seq_lens, num_tokens, out.shape[0])
         T = int(query_start_loc[-1])
         req, lp, need = _local_positions(query_start_loc, seq_lens, T, block_size, cp_world_size,
                                          cp_rank, cp_interleave, circular_capacity)

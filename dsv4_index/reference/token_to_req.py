@@ -26,12 +26,20 @@ def prepare_rows(name: str, out, query_start_loc: torch.Tensor, num_tokens: Opti
                        device=query_start_loc.device)
 
 
+def check_values(query_start_loc, seq_lens, num_tokens: Optional[int], rows: int) -> None:
+    """Batch value checks, and that the live tokens fit the ``rows`` of the output."""
+    check_batch_values(query_start_loc, seq_lens, num_tokens=num_tokens)
+    live = int(query_start_loc[-1])
+    if live > rows:
+        raise ValueError(f"out has {rows} rows, but query_start_loc[-1] = {live} tokens are live")
+
+
 def _check_args(query_start_loc, num_tokens, out, validate):
     """Shared by the reference and the Triton wrapper; returns the output buffer ``[T_out]``."""
     _, device = check_batch(query_start_loc, None)
     out = prepare_rows("out", out, query_start_loc, num_tokens, torch.int32)
     if needs_value_checks(device, validate):
-        check_batch_values(query_start_loc, None, num_tokens=out.shape[0])
+        check_values(query_start_loc, None, num_tokens, out.shape[0])
     return out
 
 

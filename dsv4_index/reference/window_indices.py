@@ -6,11 +6,11 @@ from typing import Optional
 
 import torch
 
-from .._common import (check_batch, check_batch_values, check_cp, check_positive_int,
+from .._common import (check_batch, check_cp, check_positive_int,
                        check_tensor, cp_owned_count, needs_value_checks, prepare_out, table_slots,
                        token_positions)
 from .slot_mapping import check_table_width
-from .token_to_req import prepare_rows
+from .token_to_req import check_values, prepare_rows
 
 
 def _window_range(query_start_loc, seq_lens, num_rows, window, replay_start, cp_world_size,
@@ -21,8 +21,9 @@ def _window_range(query_start_loc, seq_lens, num_rows, window, replay_start, cp_
     whose local positions are the consecutive ``[owned(start), owned(pos + 1))``.
     """
     req, pos, valid = token_positions(query_start_loc, seq_lens, num_rows)
-    floor = replay_start.long()[req] if replay_start is not None and req.numel() else 0
-    start = torch.clamp(torch.maximum(pos - window + 1, torch.as_tensor(floor)), min=0)
+    start = (pos - window + 1).clamp(min=0)
+    if replay_start is not None and replay_start.numel():
+        start = torch.maximum(start, replay_start.long()[req])
     first = cp_owned_count(start, cp_world_size, cp_rank, cp_interleave)
     last = cp_owned_count((pos + 1).clamp(min=0), cp_world_size, cp_rank, cp_interleave)
     count = torch.where(valid, (last - first).clamp(min=0), 0)
@@ -44,7 +45,7 @@ def _check_args(query_start_loc, seq_lens, block_table, block_size, window, repl
     out_lens = prepare_out("out_lens", out_lens, shape=(out.shape[0],), min_rows=out.shape[0],
                            dtype=torch.int32, device=device)
     if needs_value_checks(device, validate):
-        check_batch_values(query_start_loc, seq_lens, num_tokens=out.shape[0])
+        check_values(query_start_loc, seq_lens, num_tokens, out.shape[0])
         if replay_start is not None:
             rs = replay_start.long().cpu()
             qsl = query_start_loc.long().cpu()

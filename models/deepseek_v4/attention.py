@@ -229,7 +229,11 @@ class DSV4Attention(nn.Module):
         st = meta[state_ch]
         write_rows(state_cache, st.slot_mapping, comp.state(x), ok)
         done = meta[out_ch].compressed_slot_mapping  # [T_pad], -1 unless the token ends a row
-        sel = ok & (done >= 0)
+        # NOTE: under bounded replay (prefix hit) state windows are floored at replay_start; a row whose
+        # span that floor cuts lies in the shared prefix blocks already: never rewrite it from part of
+        # its span (only the start of the sequence may cut a span).
+        whole = st.lens >= torch.clamp(meta.positions + 1, max=comp.span)
+        sel = ok & (done >= 0) & whole
         # NOTE: the state window ends at the token: its last `span` live entries are the row's span.
         idx, lens = st.indices[sel], st.lens[sel]
         k = lens[:, None] - comp.span + torch.arange(comp.span, device=idx.device)  # [G, span]

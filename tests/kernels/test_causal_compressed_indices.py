@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
+
+MORE = settings(max_examples=4 * settings().max_examples)  # reference-only: cheap
 
 import dsv4_index
 from dsv4_index import reference as ref
@@ -87,6 +89,7 @@ def test_kernel_matches_reference(c):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@MORE
 @given(cases())
 def test_reference_matches_python_formula(c):
     qsl, sl, bt = make_batch(c["q"], c["ctx"], c["tw"], seed=c["seed"], device="cpu")
@@ -115,6 +118,7 @@ def test_hand_example():
     assert idx.tolist() == [[-1, -1, -1], [10, -1, -1], [10, 11, -1]] and lens.tolist() == [0, 1, 2]
 
 
+@MORE
 @given(st.sampled_from([2, 4]), st.sampled_from([1, 8, 64]), st.sampled_from([4, 128]),
        st.lists(st.integers(0, 3000), min_size=1, max_size=4))
 def test_dcp_ranks_partition_rows(world, inter, R, ctx):
@@ -201,3 +205,25 @@ def test_bad_arguments():
     # width smaller than the visible rows is not an error: rows are truncated
     idx, lens = f(qsl, torch.tensor([40, 40], dtype=torch.int32), bt, 2, 1, 3)
     assert lens.tolist() == [3, 3, 3]
+
+
+# decode-only, prefill-only, mixed (decodes first), spec runs of 2-4 tokens; contexts crossing
+# ratio (R = 4) and block (S * R = 16) boundaries
+SCENARIOS = {
+    "decode": ([1, 1, 1, 1], [0, 3, 15, 63]),
+    "prefill": ([17, 5, 33], [0, 11, 31]),
+    "mixed": ([1, 1, 20, 6], [47, 2, 0, 13]),
+    "spec": ([2, 3, 4, 2], [14, 30, 60, 1]),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("world,inter", [(1, 1), (2, 8), (4, 1)])
+def test_scenarios_every_rank(name, world, inter):
+    q, ctx = SCENARIOS[name]
+    for rank in range(world):
+        c = dict(q=q, ctx=ctx, R=4, S=4, tw=6, world=world, rank=rank, inter=inter, width=24,
+                 pad=3, seed=rank)
+        got, want, _ = run_both(c)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

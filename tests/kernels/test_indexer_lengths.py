@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
+
+MORE = settings(max_examples=4 * settings().max_examples)  # reference-only: cheap
 
 import dsv4_index
 from dsv4_index import reference as ref
@@ -92,6 +94,7 @@ def test_kernel_matches_reference(c):
         assert (g is None and w is None) or torch.equal(g, w)
 
 
+@MORE
 @given(cases())
 def test_reference_matches_python_formula(c):
     qsl, sl = make_batch(c["q"], c["ctx"], device="cpu")
@@ -104,6 +107,7 @@ def test_reference_matches_python_formula(c):
     assert [x.tolist() if x is not None else None for x in got] == list(want)
 
 
+@MORE
 @given(st.sampled_from([2, 4]), st.sampled_from([1, 8, 64]), st.sampled_from([4, 128]),
        st.lists(st.integers(0, 5000), min_size=1, max_size=4))
 def test_dcp_counts_sum_over_ranks(world, inter, R, ctx):
@@ -170,3 +174,27 @@ def test_bad_arguments():
         f(qsl, sl, 4, num_tokens=4, out=torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="out_decode"):
         f(qsl, sl, 4, next_n=3, num_decodes=1, out_decode=torch.zeros(1, 2, dtype=torch.int32))
+
+
+SCENARIOS = {   # (q_lens, contexts, num_decodes); R = 4
+    "decode": ([1, 1, 1, 1], [0, 3, 15, 63], 4),
+    "prefill": ([17, 5, 33], [0, 11, 31], 0),
+    "mixed": ([1, 1, 20, 6], [47, 2, 0, 13], 2),
+    "spec": ([2, 3, 4, 2], [14, 30, 60, 1], 4),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("world,inter", [(1, 1), (2, 8), (4, 1)])
+def test_scenarios_every_rank(name, world, inter):
+    q, ctx, nd = SCENARIOS[name]
+    qsl, sl = make_batch(q, ctx)
+    T = sum(q) + 2
+    for rank in range(world):
+        kw = dict(next_n=4, num_decodes=nd, cp_world_size=world, cp_rank=rank, cp_interleave=inter)
+        outs = {k: torch.full((T,), POISON, dtype=torch.int32, device=DEV)
+                for k in ("out", "out_ks", "out_ke")}
+        got = dsv4_index.indexer_lengths(qsl, sl, 4, backend="triton", **outs, **kw)
+        want = ref.indexer_lengths(qsl, sl, 4, num_tokens=T, **kw)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))

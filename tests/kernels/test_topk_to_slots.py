@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
+
+MORE = settings(max_examples=4 * settings().max_examples)  # reference-only: cheap
 
 import dsv4_index
 from dsv4_index import reference as ref
@@ -92,6 +94,7 @@ def test_kernel_matches_reference(c):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@MORE
 @given(cases())
 def test_reference_matches_python_formula(c):
     args, kw, T = args_of(c, device="cpu")
@@ -168,3 +171,31 @@ def test_bad_arguments():
         f(topk, qsl, torch.tensor([1, 1], dtype=torch.int32), bt, 2, 4)
     with pytest.raises(ValueError, match="int32"):
         f(topk, qsl, sl, torch.full((2, 2), 2 ** 30, dtype=torch.int32), 4, 1)
+
+
+SCENARIOS = {   # decode-only, prefill-only, mixed, spec runs; R = 4, S = 4 (block = 16 tokens)
+    "decode": ([1, 1, 1, 1], [0, 3, 15, 63]),
+    "prefill": ([17, 5, 33], [0, 11, 31]),
+    "mixed": ([1, 1, 20, 6], [47, 2, 0, 13]),
+    "spec": ([2, 3, 4, 2], [14, 30, 60, 1]),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("world,inter", [(1, 1), (2, 8), (4, 1)])
+def test_scenarios_every_rank(name, world, inter):
+    q, ctx = SCENARIOS[name]
+    T = sum(q) + 2
+    g = torch.Generator().manual_seed(7)
+    topk = torch.randint(-2, 24, (T + 1, 20), generator=g)
+    topk[:, 0] = I64.max
+    for rank in range(world):
+        for compact in (False, True):
+            c = dict(q=q, ctx=ctx, R=4, S=4, tw=5, world=world, rank=rank, inter=inter, pad=2,
+                     compact=compact, seed=rank, topk=topk)
+            args, kw, T = args_of(c)
+            out = torch.full((T, 20), POISON, dtype=torch.int32, device=DEV)
+            got = dsv4_index.topk_to_slots(*args, out=out, backend="triton", **kw)
+            want = ref.topk_to_slots(*args, num_tokens=T, **kw)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
