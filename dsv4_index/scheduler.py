@@ -13,8 +13,9 @@ What it supports
   in the scheduler's view their entries become the null block 0, while the pipeline's rows keep
   the stale ids (``new_block_ids`` are append-only; nothing reads those entries). Entries never
   needed (below ``replay_start``) are appended as 0.
-* Hybrid blocks (``blocks_per_kv_block = f``): the pool hands out allocation blocks ``b``; tables
-  (the step and the views) hold kernel-block ids ``b*f .. b*f+f-1`` (``f`` zeros for the null block).
+* Hybrid blocks (``blocks_per_kv_block = f``): the pool hands out allocation blocks ``b``; steps
+  carry those allocation ids (as a real scheduler does), while block tables (the pipeline's, and
+  the views here) hold kernel-block ids ``b*f .. b*f+f-1`` (``f`` zeros for the null block).
 * Token budget ``max_num_batched_tokens``: running decodes first (``1 + num_speculative_tokens``
   tokens each, fewer near the budget or ``max_model_len``), then running prefills (chunked, at most
   ``long_prefill_threshold`` tokens each), then waiting requests (preempted ones first, then
@@ -414,15 +415,15 @@ class ReferenceScheduler:
         new_reqs, running_reqs, views = [], [], []
         for r, n, dec in order:
             table = self._table(r)
+            alloc = tuple(list(b) for b in r.blocks)  # NOTE: steps carry allocation ids; tables expand them
             if not r.in_batch and not r.resumed:
-                new_reqs.append(NewRequest(r.req_id, tuple(list(t) for t in table), r.num_computed))
+                new_reqs.append(NewRequest(r.req_id, alloc, r.num_computed))
             elif not r.in_batch:
-                running_reqs.append(RunningRequest(r.req_id, tuple(list(t) for t in table),
-                                                   r.num_computed, resumed=True))
+                running_reqs.append(RunningRequest(r.req_id, alloc, r.num_computed, resumed=True))
             else:
-                running_reqs.append(RunningRequest(r.req_id, tuple(t[s:] for t, s in zip(table, r.sent_len)),
+                running_reqs.append(RunningRequest(r.req_id, tuple(t[s:] for t, s in zip(alloc, r.sent_len)),
                                                    r.num_computed))
-            r.in_batch, r.resumed, r.sent_len = True, False, [len(t) for t in table]
+            r.in_batch, r.resumed, r.sent_len = True, False, [len(t) for t in alloc]
             views.append(ScheduledView(r.req_id, r.num_computed, n, table, r.replay_start, dec))
         step = StepInput(new_reqs, running_reqs, {r.req_id: n for r, n, _ in order},
                          finished_req_ids=list(self._finished), preempted_req_ids=preempted,

@@ -32,10 +32,17 @@ def alloc_size(g):
 # invariant checks from public views only
 # ------------------------------------------------------------------------------------------------
 class Mirror:
-    """The pipeline's copy of the block tables, rebuilt from StepInputs alone (append-only)."""
+    """The pipeline's copy of the block tables, rebuilt from StepInputs alone (append-only).
 
-    def __init__(self):
+    Steps carry allocation ids; the table holds kernel-block ids ``b*f + j`` (``f`` zeros for the null block)."""
+
+    def __init__(self, groups=None):
         self.rows = {}
+        self.f = [getattr(g, "blocks_per_kv_block", 1) for g in groups] if groups is not None else None
+
+    def _expand(self, lists):
+        f = self.f or [1] * len(lists)
+        return [[b * k + j if b else 0 for b in ids for j in range(k)] for ids, k in zip(lists, f)]
 
     def apply(self, step):
         for rid in list(step.finished_req_ids) + list(step.preempted_req_ids):
@@ -43,13 +50,13 @@ class Mirror:
             del self.rows[rid]
         for r in step.new_requests:
             assert r.req_id not in self.rows
-            self.rows[r.req_id] = [list(x) for x in r.block_ids]
+            self.rows[r.req_id] = self._expand(r.block_ids)
         for r in step.running_requests:
             if r.resumed:
                 assert r.req_id not in self.rows
-                self.rows[r.req_id] = [list(x) for x in r.new_block_ids]
+                self.rows[r.req_id] = self._expand(r.new_block_ids)
             else:
-                for row, new in zip(self.rows[r.req_id], r.new_block_ids):
+                for row, new in zip(self.rows[r.req_id], self._expand(r.new_block_ids)):
                     row.extend(new)
 
 
@@ -160,7 +167,7 @@ def check_step(sched, step, views, pre, pre_order, mirror, stats):
 def drive(sched, num_steps, seed, *, arrival_prob=0.5, prompt_hi=200, max_new_hi=24, prefix_prob=0.5):
     """Random arrivals (some sharing an earlier request's prompt), random acceptance, all checks."""
     rng = random.Random(seed)
-    mirror, stats, ids = Mirror(), Counter(), []
+    mirror, stats, ids = Mirror(sched.groups), Counter(), []
     cap = sched.max_request_len()
     for _ in range(num_steps):
         if rng.random() < arrival_prob:
@@ -229,7 +236,7 @@ def test_random_trace_generator_deterministic_and_valid():
 
     a, b, c = run(5), run(5), run(6)
     assert a == b and a != c
-    mirror, stats = Mirror(), Counter()
+    mirror, stats = Mirror(layout.groups), Counter()
     for step, views in a:
         step.validate_static(num_groups=len(layout.groups))
         mirror.apply(step)
@@ -420,8 +427,10 @@ def test_hybrid_table_entries():
     [r] = s.schedule().new_requests
     st = s.req_state("a")
     b0, b1 = st.alloc_block_ids[0]  # mla: 20 tokens / 16 per allocation block
-    assert r.block_ids[0] == [2 * b0, 2 * b0 + 1, 2 * b1, 2 * b1 + 1]
-    assert len(r.block_ids[1]) == 6 and len(r.block_ids[2]) == 5  # swa 3 alloc blocks x 2; c4_state 5
+    assert r.block_ids[0] == [b0, b1]  # the step carries allocation ids ...
+    [v] = s.batch_view(s._last[0])
+    assert v.block_ids[0] == [2 * b0, 2 * b0 + 1, 2 * b1, 2 * b1 + 1]  # ... the table kernel-block ids
+    assert len(v.block_ids[1]) == 6 and len(v.block_ids[2]) == 5  # swa 3 alloc blocks x 2; c4_state 5
 
 
 def test_bad_arguments():

@@ -51,7 +51,7 @@ def _window_indices_kernel(qsl_ptr,  # [B + 1] int32
         j = j0 + tl.arange(0, BLOCK_W)[None, :]
         lp = first[:, None] + j
         blk = lp // block_size
-        ok = (j <= count[:, None]) & (blk < bt_width)  # NOTE: lp >= 0; reads bounded by the width
+        ok = (j < count[:, None]) & (blk < bt_width)  # NOTE: lp >= 0; reads bounded by the width
         bid = tl.load(bt_row + blk, mask=ok, other=0)
         slot = (bid.to(tl.int64) * block_size + lp % block_size).to(tl.int32)
         tl.store(row_ptr + j, tl.where(ok, slot, -1), mask=(t < T_out)[:, None] & (j < width))

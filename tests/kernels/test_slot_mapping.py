@@ -229,3 +229,84 @@ def test_value_errors(backend):
             call(**kw)
     # allowed: interleave 128 divides the allocation block 64 * 2
     call(blocks_per_kv_block=2, cp_world_size=2, cp_interleave=128, bt=make_table([1, 2], seed=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: CUDA-graph capture of all four ops, and no recompilation when the batch changes
+# ----------------------------------------------------------------------------------------------
+def _compiled_variants(jit_fn):
+    caches = getattr(jit_fn, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no device_caches")
+    return sum(len(v[0]) for v in caches.values())
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_matches_reference():
+    from dsv4_index.kernels.compressed_slot_mapping import _compressed_slot_mapping_kernel
+    from dsv4_index.kernels.token_to_req import _token_to_req_kernel
+    from dsv4_index.kernels.window_indices import _window_indices_kernel
+    dev = torch.device("cuda")
+    B_pad, T_pad, width = 6, 48, 16
+    qsl = torch.zeros(B_pad + 1, dtype=torch.int32, device=dev)
+    sl = torch.zeros(B_pad, dtype=torch.int32, device=dev)
+    bt = torch.zeros(B_pad, width, dtype=torch.int32, device=dev)
+    rs = torch.zeros(B_pad, dtype=torch.int32, device=dev)
+    bufs = dict(t2r=torch.empty(T_pad, dtype=torch.int32, device=dev),
+                slot=torch.empty(T_pad, dtype=torch.int64, device=dev),
+                comp=torch.empty(T_pad // 4 + B_pad, dtype=torch.int64, device=dev),
+                cu=torch.empty(B_pad + 1, dtype=torch.int32, device=dev),
+                win=torch.empty(T_pad, 128, dtype=torch.int32, device=dev),
+                lens=torch.empty(T_pad, dtype=torch.int32, device=dev))
+
+    def step(backend, b):
+        kw = dict(num_tokens=T_pad, backend=backend)
+        dsv4_index.token_to_req(qsl, T_pad, out=b["t2r"], backend=backend)
+        dsv4_index.slot_mapping(qsl, sl, bt, 64, cp_world_size=2, cp_rank=1, cp_interleave=8,
+                                out=b["slot"], **kw)
+        dsv4_index.compressed_slot_mapping(qsl, sl, bt, 64, 4, compact=True, out=b["comp"],
+                                           out_cu=b["cu"], **kw)
+        dsv4_index.window_indices(qsl, sl, bt, 64, 128, replay_start=rs, out=b["win"],
+                                  out_lens=b["lens"], **kw)
+
+    def load(q_lens, seq_lens, seed):
+        q_lens = q_lens + [0] * (B_pad - len(q_lens))
+        seq_lens = seq_lens + [0] * (B_pad - len(seq_lens))
+        a, s = batch_tensors(q_lens, seq_lens)
+        qsl.copy_(a)
+        sl.copy_(s)
+        bt.copy_(make_table([width] * B_pad, seed=seed, extra_cols=0, extra_rows=0))
+        rs.copy_(torch.tensor([max(x - q - 100, 0) for q, x in zip(q_lens, seq_lens)]))
+
+    load([3, 1], [300, 70], 0)
+    step("triton", bufs)
+    n_before = [_compiled_variants(k) for k in (_token_to_req_kernel, _compressed_slot_mapping_kernel,
+                                                _window_indices_kernel)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step("triton", bufs)
+    for i, (q_lens, seq_lens) in enumerate([([1, 1, 4, 20], [900, 5, 260, 20]), ([], []),
+                                            ([2] * 6, [64, 65, 66, 127, 128, 129]), ([40], [40])]):
+        load(q_lens, seq_lens, i + 1)
+        for v in bufs.values():
+            v.fill_(POISON)
+        graph.replay()
+        want = {k: torch.full_like(v, POISON) for k, v in bufs.items()}
+        step("reference", want)
+        for k in bufs:
+            assert torch.equal(bufs[k], want[k]), k
+    # eager calls with other batch sizes / token counts compile nothing new
+    for B in (1, 2, 3, 5, 17, 33):
+        q = torch.arange(B, dtype=torch.int32, device=dev) % 3
+        a = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        a[1:] = torch.cumsum(q, 0)
+        s = q + 7
+        tb = torch.ones(B, 4, dtype=torch.int32, device=dev)
+        T = int(a[-1]) + B
+        dsv4_index.token_to_req(a, T)
+        dsv4_index.compressed_slot_mapping(a, s, tb, 64, 4, compact=True, num_tokens=T)
+        dsv4_index.window_indices(a, s, tb, 64, 128, num_tokens=T,
+                                  replay_start=torch.zeros(B, dtype=torch.int32, device=dev))
+    n_after = [_compiled_variants(k) for k in (_token_to_req_kernel, _compressed_slot_mapping_kernel,
+                                               _window_indices_kernel)]
+    assert n_after == n_before
