@@ -71,10 +71,10 @@ def _compressed_slot_mapping_kernel(
         total = tl.sum(tl.zeros([BLOCK_B], dtype=tl.int32), axis=0)
         for j0 in range(0, B, BLOCK_B):
             j = j0 + tl.arange(0, BLOCK_B)
-            _, n = _rows_this_step(qsl_ptr, seq_lens_ptr, j, j < B, ratio)
+            n = _rows_this_step(qsl_ptr, seq_lens_ptr, j, j < B, ratio)[1]
             before += tl.sum(tl.where(j[None, :] < b[:, None], n[None, :], 0), axis=1)
             total += tl.sum(n, axis=0)
-        first, _ = _rows_this_step(qsl_ptr, seq_lens_ptr, b, live, ratio)
+        first = _rows_this_step(qsl_ptr, seq_lens_ptr, b, live, ratio)[0]
         row = before + c - first
         tl.store(out_ptr + row, slot, mask=done & (row >= 0) & (row < n_rows))
         # NOTE: rows >= total are written by the program owning that range (no overlap with above)
@@ -85,7 +85,7 @@ def _compressed_slot_mapping_kernel(
             tl.store(cu_ptr, carry)
             for j0 in range(0, B, BLOCK_B):
                 j = j0 + tl.arange(0, BLOCK_B)
-                _, n = _rows_this_step(qsl_ptr, seq_lens_ptr, j, j < B, ratio)
+                n = _rows_this_step(qsl_ptr, seq_lens_ptr, j, j < B, ratio)[1]
                 tl.store(cu_ptr + 1 + j, tl.cumsum(n, axis=0) + carry, mask=j < B)
                 carry += tl.sum(n, axis=0)
             for k0 in range(B + 1, cu_len, BLOCK_B):
