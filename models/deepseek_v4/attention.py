@@ -24,7 +24,7 @@ One token ``t`` at position ``pos`` (fp32 throughout):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from einops import rearrange
@@ -33,7 +33,7 @@ from torch import nn
 from .config import DSV4Config
 
 __all__ = ["DSV4Attention", "Compressor", "Indexer", "PagedCaches", "LayerCache",
-           "rms_norm", "apply_rope", "sink_attention", "select_topk"]
+           "rms_norm", "apply_rope", "sink_attention", "sink_attention_lse", "merge_partials", "select_topk"]
 
 NEG_INF = float("-inf")
 
@@ -78,6 +78,49 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
     s = torch.cat([s, sink.expand(q.shape[0], -1)[..., None]], dim=-1)
     p = torch.softmax(s, dim=-1)[..., :-1]  # the sink takes its share and gives nothing back
     return torch.einsum("thn,tnd->thd", p, keys)
+
+
+def sink_attention_lse(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
+                       sink: Optional[torch.Tensor]):
+    """Partial attention over one rank's share of the keys, with its log-sum-exp (for a DCP merge).
+
+    Parameters
+    ----------
+    q : float [T, H, D]
+    keys : float [T, N, D] -- key = value; entries with ``valid`` False may hold anything.
+    valid : bool [T, N]
+    sink : float [H] or None -- the per-head sink logit; give it on exactly one rank of a merge.
+
+    Returns
+    -------
+    (float [T, H, D], float [T, H]) -- output normalised over this rank's keys (+ sink), and
+    ``logsumexp`` of those logits (``-inf`` and a zero output where nothing is visible).
+    """
+    keys = torch.where(valid[..., None], keys, 0.0)
+    s = torch.einsum("thd,tnd->thn", q, keys) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~valid[:, None, :], NEG_INF)
+    if sink is not None:
+        s = torch.cat([s, sink.expand(q.shape[0], -1)[..., None]], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)  # [T, H]
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])[..., :keys.shape[1]]
+    return torch.einsum("thn,tnd->thd", p, keys), lse
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exp merge of per-rank partial attention.
+
+    Parameters
+    ----------
+    outs : float [Wc, T, H, D] -- each rank's normalised partial output.
+    lses : float [Wc, T, H] -- each rank's log-sum-exp (``-inf``: the rank saw nothing).
+
+    Returns
+    -------
+    float [T, H, D] -- the attention over the union of the ranks' keys (zero where no rank saw any).
+    """
+    total = torch.logsumexp(lses, dim=0)  # [T, H]
+    w = torch.exp(lses - torch.where(torch.isfinite(total), total, 0.0))  # [Wc, T, H]; 0 for -inf ranks
+    return (w[..., None] * outs).sum(0)
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -184,6 +227,10 @@ class DSV4Attention(nn.Module):
 
     def _out(self, q, keys, valid):
         o = sink_attention(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.sink)
+        return self.project(o)
+
+    def project(self, o: torch.Tensor) -> torch.Tensor:
+        """Output projection: attention output float [T, H, D] -> float [T, hidden]."""
         return self.wo(rearrange(o, "t h d -> t (h d)"))
 
     # -- dense ---------------------------------------------------------------------------------
@@ -241,11 +288,20 @@ class DSV4Attention(nn.Module):
         rows = state_cache[pick.clamp(min=0).long()]
         out_cache[done[sel].long()] = comp.pool(rows, pick >= 0)
 
-    def forward_paged(self, x: torch.Tensor, meta, caches: "LayerCache") -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, meta, caches: "LayerCache", *, return_lse: bool = False,
+                      with_sink: bool = True, topk_fn: Optional[Callable] = None):
         """One step's tokens (batch order of ``meta``): float [T_pad, hidden] -> float [T_pad, hidden].
 
         Writes this step's kv / compressor state / completed compressed rows into ``caches`` and reads
         them back through ``meta`` only. Padded tokens give zeros and write nothing.
+
+        Decode context parallelism (``meta`` built by a DCP rank, see docs/CP.md): ``return_lse=True``
+        returns this rank's partial ``(o float [T_pad, H, D], lse float [T_pad, H])`` before the output
+        projection (merge with :func:`merge_partials`, then :meth:`project`); ``with_sink`` counts the
+        sink logit in this partial (True on exactly one rank). ``topk_fn(scores, k)`` picks the
+        indexer's rows: ``scores float [T_pad, N]`` over the entries of ``meta["c4i"].indices``
+        (``-inf`` = not listed) -> int32 [T_pad, k] request-local row ids (default
+        :func:`select_topk`; a DCP rank passes one that selects over every rank's scores).
         """
         ok = meta.is_valid_token
         q, kv = self._qkv(x, meta.positions)
@@ -263,14 +319,21 @@ class DSV4Attention(nn.Module):
         if self.kind == "c4":
             c4i = meta["c4i"]  # causal list: entry j is compressed row j
             idx_keys, idx_valid = gather_rows(caches.idx_comp, c4i.indices, c4i.lens)
-            topk = select_topk(self.indexer.scores(x, idx_keys, idx_valid), self.config.index_topk)
+            scores = self.indexer.scores(x, idx_keys, idx_valid)
+            topk = (topk_fn or select_topk)(scores, self.config.index_topk)
             slots, lens = meta.topk_to_slots("c4a", topk)
-            rows, rows_valid = gather_rows(caches.comp, slots, lens)
+            # NOTE: converted in place (not compacted): under DCP rows owned elsewhere are -1 between
+            # owned ones, so an entry is valid iff its slot is (lens only counts them).
+            rows, rows_valid = gather_rows(caches.comp, slots, torch.full_like(lens, slots.shape[1]))
             keys.append(rows), valid.append(rows_valid)
         elif self.kind == "c128":
             c128a = meta["c128a"]
             rows, rows_valid = gather_rows(caches.comp, c128a.indices, c128a.lens)
             keys.append(rows), valid.append(rows_valid)
+        if return_lse:
+            o, lse = sink_attention_lse(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1),
+                                        self.sink if with_sink else None)
+            return torch.where(ok[:, None, None], o, 0.0), lse.masked_fill(~ok[:, None], NEG_INF)
         return torch.where(ok[:, None], self._out(q, keys, valid), 0.0)
 
 

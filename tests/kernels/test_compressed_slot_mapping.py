@@ -8,6 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dsv4_index
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning")  # Triton interpreter noise
 from dsv4_index import reference
 from dsv4_index._common import cp_owned_count
 

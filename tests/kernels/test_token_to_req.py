@@ -6,6 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dsv4_index
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning")  # Triton interpreter noise
 from dsv4_index import reference
 
 from _slot_batches import DEVICE, POISON, batch_tensors, needs_triton, poisoned
