@@ -160,6 +160,11 @@ def cp_local(p: torch.Tensor, world: int, interleave: int) -> torch.Tensor:
     return (p // (interleave * world)) * interleave + p % interleave
 
 
+def cp_global(lp: torch.Tensor, world: int, rank: int, interleave: int) -> torch.Tensor:
+    """Inverse of :func:`cp_local` on rank ``rank``: the global position (or row) stored at local ``lp``."""
+    return (lp // interleave) * (interleave * world) + rank * interleave + lp % interleave
+
+
 def cp_owned_count(n: torch.Tensor, world: int, rank: int, interleave: int) -> torch.Tensor:
     """How many of ``0 .. n-1`` rank ``rank`` owns."""
     cycle = interleave * world

@@ -14,6 +14,10 @@ import triton.language as tl
 
 from dsv4_index._common import cp_owned_count, resolve_num_tokens
 
+# NOTE: one request search and one DCP count for every kernel (defined next to token_to_req)
+from .token_to_req import find_request, owned_count  # noqa: F401
+from .token_to_req import search_iters as num_search_iters  # noqa: F401
+
 INT32_MIN = -(2 ** 31)
 INT32_MAX = 2 ** 31 - 1
 
@@ -70,11 +74,6 @@ def check_slots_fit_int32(seq_lens: torch.Tensor, block_table: torch.Tensor, row
                          f"rows_per_block = {S} (index lists are int32)")
 
 
-def num_search_iters(num_reqs: int) -> int:
-    """Binary-search steps that find a request among ``num_reqs`` (a runtime kernel argument)."""
-    return max(num_reqs, 1).bit_length()
-
-
 def token_tile(cols: int, budget: int = 4096) -> int:
     """Token rows per program so that a tile holds about ``budget`` elements."""
     return max(1, min(128, budget // max(cols, 1)))
@@ -83,32 +82,6 @@ def token_tile(cols: int, budget: int = 4096) -> int:
 # ----------------------------------------------------------------------------------------------
 # Triton device functions
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def find_request(qsl_ptr, t, num_reqs, n_iter):
-    """Largest ``b < num_reqs`` with ``qsl[b] <= t`` (0 when ``num_reqs == 0``); ``t`` int32.
-
-    NOTE: every probe ``mid`` lies in ``[lo, hi) ⊂ [0, num_reqs)``, so no load is out of bounds
-    whatever ``qsl`` holds; ``n_iter`` is a runtime int (not constexpr).
-    """
-    lo = tl.zeros_like(t)
-    hi = lo + num_reqs
-    for _ in range(n_iter):
-        active = hi - lo > 1
-        mid = (lo + hi) // 2
-        v = tl.load(qsl_ptr + mid, mask=active, other=0)
-        lo = tl.where(active & (v <= t), mid, lo)
-        hi = tl.where(active & (v > t), mid, hi)
-    return lo
-
-
-@triton.jit
-def owned_count(n, world, rank, interleave):
-    """How many of compressed rows ``0 .. n-1`` (``n >= 0``, int64) rank ``rank`` owns."""
-    cycle = interleave * world
-    rem = tl.minimum(tl.maximum(n % cycle - rank * interleave, 0), interleave)
-    return (n // cycle) * interleave + rem
-
-
 @triton.jit
 def token_rows(qsl_ptr, seq_lens_ptr, t, T_out, num_reqs, n_iter, compress_ratio,
                world, rank, interleave):
