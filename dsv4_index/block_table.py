@@ -1,9 +1,16 @@
 """Block tables: a host mirror (numpy over pinned memory) edited row by row, and a device table
-updated by ``commit()`` with one H2D copy of the rows changed since the last commit.
+updated by ``commit()`` with one H2D copy of the column ranges changed since the last commit.
 
-Packed update format (shared with the pipeline's own staging buffer, see :meth:`BlockTable.pack_updates`):
-for ``k`` dirty rows, ``k`` int32 row ids followed by the ``k * width`` int32 entries of those rows;
-``k * (width + 1) * 4`` bytes. The device side scatters them with one ``index_put_``.
+Dirty tracking is per row: one column range ``[lo, hi)`` (empty when ``lo >= hi``) covering every
+entry of the row's valid prefix ``[0, num_blocks)`` that changed since the last pack. ``append_row``
+marks only the new columns; ``add_row`` / ``move_row`` / ``swap_row`` mark the new valid prefix of the
+rows they rewrite (stale columns past ``num_blocks`` are never read, so they are never sent).
+
+Segment format (shared with the pipeline's staging buffer, see :meth:`BlockTable.pack_segments`):
+``k`` descriptors of ``SEGMENT_INTS = 4`` int32 ``(row, col_lo, n, payload_offset)`` then the
+payloads, ``n`` int32 entries each, contiguous in descriptor order; ``payload_offset`` is absolute
+in the buffer. A row's range longer than ``max_piece`` columns is split into several descriptors.
+``4 * (4 * k + sum(n))`` bytes.
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-__all__ = ["BlockTable", "MultiGroupBlockTable"]
+__all__ = ["BlockTable", "MultiGroupBlockTable", "SEGMENT_INTS", "apply_segments"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+SEGMENT_INTS = 4  # (row, col_lo, n, payload_offset)
 
 
 def _check_int(name: str, v, minimum: int = 1) -> int:
@@ -54,6 +62,38 @@ class _Staging:
             self._event.record()
 
 
+def apply_segments(table: torch.Tensor, dev_buf: torch.Tensor, offset: int, num_segments: int,
+                   payload_numel: int) -> None:
+    """Write ``num_segments`` segments packed at ``dev_buf[offset:]`` (a device copy of a
+    :meth:`BlockTable.pack_segments` output) into ``table`` with torch ops (no host sync).
+
+    Parameters
+    ----------
+    table : torch.Tensor
+        int32 ``[rows, width]`` contiguous device table.
+    dev_buf : torch.Tensor
+        int32 1-D device buffer holding descriptors and payloads (offsets absolute in it).
+    offset, num_segments, payload_numel : int
+        Host-known: first descriptor, descriptors, payload entries (sum of ``n``).
+    """
+    if num_segments == 0 or payload_numel == 0:
+        return
+    k = num_segments
+    d = dev_buf[offset: offset + SEGMENT_INTS * k].view(k, SEGMENT_INTS).long()
+    rows, lo, n, pay = d.unbind(1)
+    dev = dev_buf.device
+    # NOTE: segment of each payload entry = number of piece starts at or before it, minus one
+    starts = pay - pay[:1]
+    seg = torch.zeros(payload_numel, dtype=torch.int64, device=dev)
+    seg.index_add_(0, starts[1:], torch.ones_like(starts[1:]))
+    seg = seg.cumsum_(0)
+    e = torch.arange(payload_numel, device=dev)
+    # NOTE: payloads are contiguous in descriptor order: entry e of the run is column lo + e - (pay - pay0)
+    dst = (rows * table.stride(0) + lo - pay + pay[:1])[seg] + e
+    pay0 = offset + SEGMENT_INTS * k
+    table.view(-1).index_copy_(0, dst, dev_buf[pay0: pay0 + payload_numel])
+
+
 class BlockTable:
     """Block table of one kv-cache group for up to ``max_num_reqs`` request rows.
 
@@ -80,8 +120,12 @@ class BlockTable:
         int32 ``[max_num_reqs, width]`` view of ``host``.
     num_blocks : numpy.ndarray
         int32 ``[max_num_reqs]``: valid kernel blocks per row. Entries past a row's length are stale.
+    dirty_lo, dirty_hi : numpy.ndarray
+        int32 ``[max_num_reqs]``: the changed column range ``[lo, hi)`` of each row (empty: ``lo >= hi``).
+        NOTE: ``0 <= lo`` and ``hi <= num_blocks`` always; rows never read past ``num_blocks``.
     device_table : torch.Tensor
-        int32 ``[max_num_reqs, width]`` on ``device``, allocated once; equals ``host`` after ``commit()``.
+        int32 ``[max_num_reqs, width]`` on ``device``, allocated once; its valid prefix
+        ``[r, :num_blocks[r]]`` equals the host's after ``commit()``.
     """
 
     def __init__(self, max_num_reqs: int, width: int, *, device, block_size: int,
@@ -98,7 +142,8 @@ class BlockTable:
         self.num_blocks = np.zeros(self.max_num_reqs, dtype=np.int32)
         self._device_table = torch.zeros((self.max_num_reqs, self.width), dtype=torch.int32,
                                          device=self.device)
-        self._dirty = np.zeros(self.max_num_reqs, dtype=bool)
+        self.dirty_lo = np.zeros(self.max_num_reqs, dtype=np.int32)
+        self.dirty_hi = np.zeros(self.max_num_reqs, dtype=np.int32)
         self._staging: Optional[_Staging] = None  # allocated at first commit(), at capacity
         if self.blocks_per_kv_block > 1:
             self._kernel_offsets = np.arange(self.blocks_per_kv_block, dtype=np.int64)
@@ -112,12 +157,20 @@ class BlockTable:
     @property
     def num_dirty(self) -> int:
         """Rows changed since the last commit / pack."""
-        return int(np.count_nonzero(self._dirty))
+        return int(np.count_nonzero(self.dirty_hi > self.dirty_lo))
 
     def packed_numel(self, num_rows: Optional[int] = None) -> int:
-        """int32 elements of the packed update of ``num_rows`` rows (default: the dirty rows)."""
+        """int32 elements of the whole-row packed update of ``num_rows`` rows (default: the dirty rows)
+        (:meth:`pack_updates` format)."""
         k = self.num_dirty if num_rows is None else num_rows
         return k * (self.width + 1)
+
+    def segments_numel(self, max_piece: Optional[int] = None) -> Tuple[int, int]:
+        """(descriptors, payload entries) that :meth:`pack_segments` would write now."""
+        n = (self.dirty_hi - self.dirty_lo).astype(np.int64)
+        n = n[n > 0]
+        k = n.size if max_piece is None else int(((n + max_piece - 1) // max_piece).sum())
+        return k, int(n.sum())
 
     def row(self, row: int) -> np.ndarray:
         """int32 ``[num_blocks[row]]`` view of the valid part of a host row."""
@@ -130,7 +183,12 @@ class BlockTable:
             raise ValueError(f"{name} must be an int in [0, {self.max_num_reqs}), got {row!r}")
         return int(row)
 
-    def _expand(self, block_ids, row: int) -> np.ndarray:
+    def _expand(self, block_ids, row: int):
+        if self.blocks_per_kv_block == 1 and type(block_ids) is list and len(block_ids) <= 8:
+            # NOTE: fast path for the few ids a running request appends per step (no numpy round trip)
+            if block_ids and (min(block_ids) < 0 or max(block_ids) > _INT32_MAX):
+                raise ValueError(f"block_ids of row {row} must be >= 0 and fit int32 as kernel-block ids")
+            return block_ids
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() > (_INT32_MAX - self.blocks_per_kv_block + 1)
                          // self.blocks_per_kv_block):
@@ -140,35 +198,45 @@ class BlockTable:
             ids = (ids[:, None] * f + self._kernel_offsets).reshape(-1)
         return ids
 
+    def _mark_prefix(self, row: int, n: int) -> None:
+        self.dirty_lo[row] = 0
+        self.dirty_hi[row] = n
+
     def add_row(self, block_ids: Sequence[int], row: int) -> None:
         """Set row ``row`` to ``block_ids`` (allocation block ids; expanded when ``f > 1``)."""
         row = self._check_row("row", row)
         ids = self._expand(block_ids, row)
-        if ids.size > self.width:
-            raise ValueError(f"row {row}: {ids.size} kernel blocks exceed the table width {self.width}")
-        self.np[row, : ids.size] = ids
-        self.num_blocks[row] = ids.size
-        self._dirty[row] = True
+        n = len(ids)
+        if n > self.width:
+            raise ValueError(f"row {row}: {n} kernel blocks exceed the table width {self.width}")
+        self.np[row, :n] = ids
+        self.num_blocks[row] = n
+        self._mark_prefix(row, n)
 
     def append_row(self, block_ids: Sequence[int], row: int) -> None:
-        """Append ``block_ids`` after the row's current ``num_blocks[row]`` entries."""
+        """Append ``block_ids`` after the row's current ``num_blocks[row]`` entries (marks only the
+        new columns dirty)."""
         row = self._check_row("row", row)
         ids = self._expand(block_ids, row)
-        if ids.size == 0:
+        n = len(ids)
+        if n == 0:
             return
         start = int(self.num_blocks[row])
-        end = start + ids.size
+        end = start + n
         if end > self.width:
-            raise ValueError(f"row {row}: appending {ids.size} kernel blocks to {start} exceeds the "
+            raise ValueError(f"row {row}: appending {n} kernel blocks to {start} exceeds the "
                              f"table width {self.width}")
         self.np[row, start:end] = ids
         self.num_blocks[row] = end
-        self._dirty[row] = True
+        if self.dirty_hi[row] <= self.dirty_lo[row]:
+            self.dirty_lo[row] = start
+        self.dirty_hi[row] = end  # NOTE: hull of the old range (inside [0, start)) and the new columns
 
     def clear_row(self, row: int) -> None:
         """Set the row's length to 0 (entries are left stale; nothing to send to the device)."""
         row = self._check_row("row", row)
         self.num_blocks[row] = 0
+        self._mark_prefix(row, 0)
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy row ``src`` into row ``dst`` (``src`` is left as is)."""
@@ -178,30 +246,93 @@ class BlockTable:
         n = int(self.num_blocks[src])
         self.np[dst, :n] = self.np[src, :n]
         self.num_blocks[dst] = n
-        self._dirty[dst] = True
+        self._mark_prefix(dst, n)
 
     def swap_row(self, a: int, b: int) -> None:
-        """Exchange rows ``a`` and ``b``."""
+        """Exchange rows ``a`` and ``b`` (the valid prefixes; stale columns are not exchanged)."""
         a, b = self._check_row("a", a), self._check_row("b", b)
         if a == b:
             return
-        n = int(max(self.num_blocks[a], self.num_blocks[b]))
-        self.np[[a, b], :n] = self.np[[b, a], :n]
-        self.num_blocks[[a, b]] = self.num_blocks[[b, a]]
-        self._dirty[[a, b]] = True
+        na, nb = int(self.num_blocks[a]), int(self.num_blocks[b])
+        tmp = self.np[a, :na].copy()
+        self.np[a, :nb] = self.np[b, :nb]
+        self.np[b, :na] = tmp
+        self.num_blocks[a], self.num_blocks[b] = nb, na
+        self._mark_prefix(a, nb)
+        self._mark_prefix(b, na)
 
     def mark_all_dirty(self) -> None:
-        """Send every row at the next commit (e.g. after editing ``np`` directly)."""
-        self._dirty[:] = True
+        """Send every row's valid prefix at the next commit (e.g. after editing ``np`` directly)."""
+        self.dirty_lo[:] = 0
+        self.dirty_hi[:] = self.num_blocks
+
+    def _clean(self, rows=None) -> None:
+        if rows is None:
+            self.dirty_lo[:] = 0
+            self.dirty_hi[:] = 0
+        else:
+            self.dirty_lo[rows] = 0
+            self.dirty_hi[rows] = 0
 
     # ------------------------------------------------------------------------------------------
-    def pack_updates(self, buf: np.ndarray, offset: int = 0) -> int:
-        """Pack the dirty rows into ``buf`` and mark them clean.
+    def pack_segments(self, buf: np.ndarray, offset: int = 0, *, max_piece: Optional[int] = None,
+                      rows_out: Optional[np.ndarray] = None) -> Tuple[int, int]:
+        """Pack the dirty column ranges into ``buf`` (segment format, module docstring); mark clean.
 
         Parameters
         ----------
         buf : numpy.ndarray
-            int32 1-D buffer (typically a view of a pinned staging tensor).
+            int32 1-D buffer (typically a view of a pinned staging array).
+        offset : int
+            First element to write: ``k`` descriptors at ``buf[offset : offset + 4k]``, then the payload.
+        max_piece : int, optional
+            Split a row's range into descriptors of at most this many columns (payload unchanged).
+
+        Returns
+        -------
+        (int, int)
+            ``k`` descriptors written and the end offset (``offset + 4k + sum(n)``).
+        """
+        lo, hi = self.dirty_lo, self.dirty_hi
+        rows = np.flatnonzero(hi > lo)
+        if rows.size == 0:
+            return 0, offset
+        r_lo = lo[rows].astype(np.int64)
+        r_n = hi[rows].astype(np.int64) - r_lo
+        if max_piece is not None and int(r_n.max()) > max_piece:
+            pieces = (r_n + max_piece - 1) // max_piece
+            seg = np.repeat(np.arange(rows.size), pieces)
+            first = np.cumsum(pieces) - pieces
+            j = (np.arange(seg.size) - first[seg]) * max_piece
+            d_row, d_lo, d_n = rows[seg], r_lo[seg] + j, np.minimum(r_n[seg] - j, max_piece)
+        else:
+            d_row, d_lo, d_n = rows, r_lo, r_n
+        k, total = d_row.size, int(r_n.sum())
+        pay = offset + SEGMENT_INTS * k
+        end = pay + total
+        if buf.dtype != np.int32 or buf.ndim != 1 or end > buf.size or end > _INT32_MAX:
+            raise ValueError(f"buf must be a 1-D int32 array with at least {end} elements")
+        d = buf[offset: pay].reshape(k, SEGMENT_INTS)
+        d[:, 0] = d_row
+        d[:, 1] = d_lo
+        d[:, 2] = d_n
+        starts = np.cumsum(d_n) - d_n
+        d[:, 3] = starts + pay
+        # payload: the ranges of the table, flattened (entry e of piece i: column d_lo[i] + e - starts[i])
+        src = np.repeat(d_row * self.width + d_lo - starts, d_n) + np.arange(total)
+        np.take(self.np.reshape(-1), src, out=buf[pay:end])
+        if rows_out is not None:
+            rows_out[: rows.size] = rows
+        self._clean(rows)
+        return k, end
+
+    def pack_updates(self, buf: np.ndarray, offset: int = 0) -> int:
+        """Pack the dirty rows whole (legacy row format) into ``buf`` and mark them clean.
+
+        Parameters
+        ----------
+        buf : numpy.ndarray
+            int32 1-D buffer.
         offset : int
             First element to write.
 
@@ -211,7 +342,7 @@ class BlockTable:
             ``k``, the rows packed: ``buf[offset : offset + k]`` holds their row ids and
             ``buf[offset + k : offset + k * (width + 1)]`` their entries, row after row.
         """
-        rows = np.flatnonzero(self._dirty)
+        rows = np.flatnonzero(self.dirty_hi > self.dirty_lo)
         k = rows.size
         if k == 0:
             return 0
@@ -220,7 +351,7 @@ class BlockTable:
             raise ValueError(f"buf must be a 1-D int32 array with at least {end} elements")
         buf[offset: offset + k] = rows
         np.take(self.np, rows, axis=0, out=buf[offset + k: end].reshape(k, self.width), mode="clip")
-        self._dirty[rows] = False
+        self._clean(rows)
         return k
 
     def apply_packed(self, dev_buf: torch.Tensor, offset: int, num_rows: int) -> None:
@@ -234,9 +365,9 @@ class BlockTable:
 
     def pending_updates(self) -> Tuple[np.ndarray, np.ndarray]:
         """Dirty rows and their entries, marked clean: (int32 ``[k]``, int32 ``[k, width]``) copies."""
-        rows = np.flatnonzero(self._dirty).astype(np.int32)
+        rows = np.flatnonzero(self.dirty_hi > self.dirty_lo).astype(np.int32)
         data = self.np[rows]
-        self._dirty[rows] = False
+        self._clean(rows)
         return rows, data
 
     def apply_device_updates(self, rows: torch.Tensor, data: torch.Tensor) -> None:
@@ -245,19 +376,20 @@ class BlockTable:
             self._device_table.index_put_((rows,), data)
 
     def commit(self) -> int:
-        """Send the rows changed since the last commit with one H2D copy; returns the bytes copied
-        (``4 * k * (width + 1)`` for ``k`` changed rows, 0 when nothing changed)."""
-        if not self._dirty.any():
+        """Send the column ranges changed since the last commit with one H2D copy; returns the bytes
+        copied (``4 * (4 * k + sum(n))`` for ``k`` changed rows of ``n`` columns, 0 when nothing changed)."""
+        k, total = self.segments_numel()
+        if k == 0:
             return 0
         if self._staging is None:
-            self._staging = _Staging(self.max_num_reqs * (self.width + 1), self.device, self.pin_memory)
+            self._staging = _Staging(self.max_num_reqs * (self.width + SEGMENT_INTS), self.device,
+                                     self.pin_memory)
         st = self._staging
         st.wait()
-        k = self.pack_updates(st.np, 0)
-        n = k * (self.width + 1)
-        st.copy(n)
-        self.apply_packed(st.dev, 0, k)
-        return 4 * n
+        k, end = self.pack_segments(st.np, 0)
+        st.copy(end)
+        apply_segments(self._device_table, st.dev, 0, k, end - SEGMENT_INTS * k)
+        return 4 * end
 
 
 def _group_params(g) -> Tuple[int, int, int]:
@@ -312,7 +444,8 @@ class MultiGroupBlockTable:
 
     def append_row(self, block_ids_per_gid, row: int) -> None:
         for t, ids in zip(self.tables, self._per_gid("block_ids_per_gid", block_ids_per_gid)):
-            t.append_row(ids, row)
+            if len(ids):
+                t.append_row(ids, row)
 
     def clear_row(self, row: int) -> None:
         for t in self.tables:
@@ -331,24 +464,31 @@ class MultiGroupBlockTable:
         return [t.device_table for t in self.tables]
 
     def packed_numel(self) -> int:
-        """int32 elements the dirty rows of every group take when packed."""
-        return sum(t.packed_numel() for t in self.tables)
+        """int32 elements the dirty column ranges of every group take in the segment format."""
+        return sum(SEGMENT_INTS * k + p for k, p in (t.segments_numel() for t in self.tables))
+
+    def capacity_numel(self, max_piece: Optional[int] = None) -> int:
+        """int32 elements the segments of every group can take at most (every row fully dirty)."""
+        cap = 0
+        for t in self.tables:
+            pieces = 1 if max_piece is None else -(-t.width // max_piece)
+            cap += t.max_num_reqs * (t.width + SEGMENT_INTS * pieces)
+        return cap
 
     def commit(self) -> int:
-        """Send the changed rows of every group with ONE H2D copy; returns the bytes copied."""
-        if not any(t._dirty.any() for t in self.tables):
+        """Send the changed column ranges of every group with ONE H2D copy; returns the bytes copied."""
+        if not any(t.segments_numel()[0] for t in self.tables):
             return 0
         if self._staging is None:
-            cap = sum(t.max_num_reqs * (t.width + 1) for t in self.tables)
-            self._staging = _Staging(cap, self.device, self.pin_memory)
+            self._staging = _Staging(self.capacity_numel(), self.device, self.pin_memory)
         st = self._staging
         st.wait()
         offset, packed = 0, []
         for t in self.tables:
-            k = t.pack_updates(st.np, offset)
-            packed.append((offset, k))
-            offset += k * (t.width + 1)
+            k, end = t.pack_segments(st.np, offset)
+            packed.append((offset, k, end - offset - SEGMENT_INTS * k))
+            offset = end
         st.copy(offset)
-        for t, (off, k) in zip(self.tables, packed):
-            t.apply_packed(st.dev, off, k)
+        for t, (off, k, p) in zip(self.tables, packed):
+            apply_segments(t.device_table, st.dev, off, k, p)
         return 4 * offset

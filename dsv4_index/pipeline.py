@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ._common import cdiv, cp_owned_count
-from .block_table import MultiGroupBlockTable
+from .block_table import SEGMENT_INTS, MultiGroupBlockTable, apply_segments
 from .channels import BuildContext, ChannelMetadata, builder_for
 from .step import StepInput
 
@@ -83,11 +83,28 @@ class DSV4Metadata:
         return pipe._builders[channel].topk_to_slots(pipe._ctx, topk)
 
 
-class _Request:
-    __slots__ = ("req_id", "row", "num_computed", "replay_start")
+@dataclass
+class StepStats:
+    """What one ``update()`` sent and what the following ``build()`` will launch (host counts).
 
-    def __init__(self, req_id, row, num_computed, replay_start=0):
-        self.req_id, self.row, self.num_computed, self.replay_start = req_id, row, num_computed, replay_start
+    Attributes
+    ----------
+    num_h2d_copies : int — host-to-device copies made by ``update()`` (1).
+    h2d_bytes : int — bytes of that copy: step arrays, segment headers, block-table segments, overlays.
+    table_bytes : int — of which block-table descriptors + payload entries.
+    num_segments : int — segment descriptors (pieces) over every group.
+    num_launches : int or None — kernel launches ``build()`` makes: 1 fused launch + one per channel the
+        plan does not cover; None on the unfused path (several per channel).
+    num_applies : int — device applies of segments made by ``update()`` itself (unfused path: one per
+        group with segments; fused path: only for a previous step that was never built).
+    """
+
+    num_h2d_copies: int = 0
+    h2d_bytes: int = 0
+    table_bytes: int = 0
+    num_segments: int = 0
+    num_launches: Optional[int] = None
+    num_applies: int = 0
 
 
 class MetadataPipeline:
@@ -129,12 +146,23 @@ class MetadataPipeline:
 
         self.tables = MultiGroupBlockTable(layout.groups, max_num_reqs, self.device)
         pin = torch.cuda.is_available() and self.device.type == "cuda"
-        R = max_num_reqs
-        # host step arrays (pinned on CUDA): query_start_loc | seq_lens | replay_start
-        self._host = torch.zeros(3 * R + 1, dtype=torch.int32, pin_memory=pin)
+        R, G = max_num_reqs, len(layout.groups)
+        # One staging buffer (pinned on CUDA), allocated once at capacity, copied with ONE H2D per step:
+        #   query_start_loc [R+1] | seq_lens [R] | replay_start [R] | header [3 per gid] | per gid:
+        #   descriptors + payload (block_table.py segment format), overlay [3 per batch row] or none.
+        # NOTE: header of gid g = (pieces, first descriptor, overlay base or -1); the fused launch applies
+        # the segments and reads staged entries through the overlay; the unfused path applies them here.
+        self._hdr = 3 * R + 1
+        self._fixed = self._hdr + 3 * G
+        cap = self._fixed + 3 * R * G + self.tables.capacity_numel(self._PIECE)
+        self._host = torch.zeros(cap, dtype=torch.int32, pin_memory=pin)
         self._host_np = self._host.numpy()
-        self._dev = torch.zeros(3 * R + 1, dtype=torch.int32, device=self.device)
-        qsl, seq_lens, replay = self._dev[:R + 1], self._dev[R + 1:2 * R + 1], self._dev[2 * R + 1:]
+        self._host_np[self._hdr + 2:self._fixed:3] = -1
+        self._dev = torch.zeros(cap, dtype=torch.int32, device=self.device)
+        self._dev[self._hdr + 2:self._fixed:3] = -1
+        self._async = pin
+        self._event = None
+        qsl, seq_lens, replay = self._dev[:R + 1], self._dev[R + 1:2 * R + 1], self._dev[2 * R + 1:3 * R + 1]
         T = max_num_batched_tokens
         self.positions = torch.zeros(T, dtype=torch.int64, device=self.device)
         self.token_to_req = torch.zeros(T, dtype=torch.int32, device=self.device)
@@ -154,20 +182,42 @@ class MetadataPipeline:
         self._fused = None
         from ._common import use_triton
         if fused and use_triton(self.device):
-            from .kernels.fused import FusedPlan
-            self._fused = FusedPlan(self._ctx, self._builders, token_to_req=self.token_to_req,
-                                    positions=self.positions, is_valid_token=self.is_valid_token)
+            from .kernels.fused import MAX_GROUPS, FusedPlan, segment_header
+            if G <= MAX_GROUPS:
+                assert segment_header(R) == self._hdr
+                self._fused = FusedPlan(self._ctx, self._builders, token_to_req=self.token_to_req,
+                                        positions=self.positions, is_valid_token=self.is_valid_token,
+                                        stage=self._dev)
+        self._launches = (None if self._fused is None else
+                          1 + sum(1 for n in self._builders if n not in self._fused.covered))
 
-        self._reqs: Dict[str, _Request] = {}        # requests holding a row
+        # request state per row (numpy), decode-first batch in rows [0, B)
+        self._row_of: Dict[str, int] = {}           # requests holding a row
         self._known: Dict[str, int] = {}            # preempted requests (id -> num_computed), may resume
         self._row_req: List[Optional[str]] = [None] * R
+        self._occupied = np.zeros(R, dtype=bool)
+        self._computed = np.zeros(R, dtype=np.int64)
+        self._sched = np.zeros(R, dtype=np.int64)   # tokens scheduled this step per row
+        self._replay = np.zeros(R, dtype=np.int64)  # replay_start of this step per row
+        self._key = np.zeros(R, dtype=np.int8)
+        self._gmeta = [(g.block_size, g.table_width, g.blocks_per_kv_block, g.kind == "full") for g in layout.groups]
         self._batch: List[str] = []
         self._counts = dict(num_decodes=0, num_prefills=0, num_decode_tokens=0, num_prefill_tokens=0)
+        self._pending: List[tuple] = []  # (gid, first descriptor, pieces, payload) staged, not yet applied
+        self.last_step_stats = StepStats()
         self._updated = False
+
+    _PIECE = 4096  # NOTE: a row's staged range is split into pieces of at most this many columns
 
     # ------------------------------------------------------------------------------------------
     # host side
     # ------------------------------------------------------------------------------------------
+    def _owned(self, n):
+        W, r, I = self.cp["cp_world_size"], self.cp["cp_rank"], self.cp["cp_interleave"]
+        if W == 1:
+            return n
+        return (n // (I * W)) * I + np.clip(n % (I * W) - r * I, 0, I)
+
     def _blocks_needed(self, group, seq_len: int) -> int:
         local = seq_len
         if self.cp["cp_world_size"] > 1:
@@ -175,96 +225,133 @@ class MetadataPipeline:
                                        self.cp["cp_interleave"]))
         return cdiv(local, group.block_size)
 
+    def _num_computed(self, rid: str) -> int:
+        return int(self._computed[self._row_of[rid]])
+
     def _check_step(self, step: StepInput) -> None:
-        """Every check that can reject the step, before any state changes (ValueError)."""
+        """Every check that can reject the step, before any state changes (ValueError).
+
+        Per-request work is O(1) dict lookups; the table-capacity checks run vectorized over the
+        scheduled requests, and only a failing step re-runs them one by one to name the culprit.
+        """
         if not isinstance(step, StepInput):
             raise ValueError(f"step must be a StepInput, got {type(step).__name__}")
         if hasattr(step, "validate_static"):
             step.validate_static()
         G = len(self.layout.groups)
+        row_of, known = self._row_of, self._known
         gone = set(step.finished_req_ids) | set(step.preempted_req_ids)
         for rid in gone:
-            if rid not in self._reqs and rid not in self._known:
+            if rid not in row_of and rid not in known:
                 raise ValueError(f"finished/preempted request {rid!r} is unknown to the pipeline")
-        live = {rid for rid in self._reqs if rid not in gone}
-        blocks = {rid: [int(self.tables[g.gid].num_blocks[r.row]) for g in self.layout.groups]
-                  for rid, r in self._reqs.items()}
-        computed = {}
+        n_live = len(row_of) - sum(1 for rid in gone if rid in row_of)
+        blocks: Dict[str, Sequence[int]] = {}   # rows (re)set by this step: kernel blocks per gid
+        appended: Dict[str, Sequence] = {}      # running requests: appended block-id lists per gid
+        computed: Dict[str, int] = {}
         for r in step.new_requests:
-            if r.req_id in live or r.req_id in self._known and r.req_id not in gone:
-                raise ValueError(f"new request {r.req_id!r} is already known to the pipeline")
+            rid = r.req_id
+            if (rid in row_of and rid not in gone) or rid in known and rid not in gone:
+                raise ValueError(f"new request {rid!r} is already known to the pipeline")
             if len(r.block_ids) != G:
-                raise ValueError(f"new request {r.req_id!r}: block_ids has {len(r.block_ids)} lists, "
+                raise ValueError(f"new request {rid!r}: block_ids has {len(r.block_ids)} lists, "
                                  f"the layout has {G} groups")
-            live.add(r.req_id)
-            blocks[r.req_id] = [len(b) * g.blocks_per_kv_block for b, g in zip(r.block_ids, self.layout.groups)]
-            computed[r.req_id] = r.num_computed_tokens
+            n_live += 1
+            blocks[rid] = [len(b) * m[2] for b, m in zip(r.block_ids, self._gmeta)]
+            computed[rid] = r.num_computed_tokens
         for r in step.running_requests:
+            rid = r.req_id
             if len(r.new_block_ids) != G:
-                raise ValueError(f"running request {r.req_id!r}: new_block_ids has {len(r.new_block_ids)} "
+                raise ValueError(f"running request {rid!r}: new_block_ids has {len(r.new_block_ids)} "
                                  f"lists, the layout has {G} groups")
             if r.resumed:
-                if r.req_id not in self._known and r.req_id not in self._reqs:
-                    raise ValueError(f"resumed request {r.req_id!r} is unknown to the pipeline")
-                blocks[r.req_id] = [len(b) * g.blocks_per_kv_block
-                                    for b, g in zip(r.new_block_ids, self.layout.groups)]
+                if rid not in known and rid not in row_of:
+                    raise ValueError(f"resumed request {rid!r} is unknown to the pipeline")
+                blocks[rid] = [len(b) * m[2] for b, m in zip(r.new_block_ids, self._gmeta)]
+                if rid not in row_of or rid in gone:
+                    n_live += 1
             else:
-                if r.req_id not in self._reqs or r.req_id in gone:
-                    raise ValueError(f"running request {r.req_id!r} is unknown to the pipeline "
+                if rid not in row_of or rid in gone:
+                    raise ValueError(f"running request {rid!r} is unknown to the pipeline "
                                      "(never added, finished or preempted without resumed=True)")
-                blocks[r.req_id] = [n + len(b) * g.blocks_per_kv_block for n, b, g in
-                                    zip(blocks[r.req_id], r.new_block_ids, self.layout.groups)]
-                # NOTE: duplicates against the blocks already in the row; only full groups keep every
-                # block — a sliding group's released (stale) entries may come back.
-                for g, new in zip(self.layout.groups, r.new_block_ids):
-                    if new and g.kind == "full":
-                        f = g.blocks_per_kv_block
-                        old = set((self._row_blocks(self._reqs[r.req_id].row, g)[::f] // f).tolist())
-                        dup = set(new) & old - {0}
-                        if dup:
-                            raise ValueError(f"running request {r.req_id!r}: block id {min(dup)} appears twice "
-                                             f"in group {g.name!r}")
-            live.add(r.req_id)
-            computed[r.req_id] = r.num_computed_tokens
-        if len(live) > self.max_num_reqs:
-            raise ValueError(f"the step holds {len(live)} requests, max_num_reqs is {self.max_num_reqs}")
+                if any(r.new_block_ids):
+                    appended[rid] = r.new_block_ids
+                    self._check_duplicates(rid, r.new_block_ids)
+            computed[rid] = r.num_computed_tokens
+        if n_live > self.max_num_reqs:
+            raise ValueError(f"the step holds {n_live} requests, max_num_reqs is {self.max_num_reqs}")
+        nst = step.num_scheduled_tokens
         total = 0
-        for rid, n in step.num_scheduled_tokens.items():
-            if rid not in live:
+        for rid, n in nst.items():
+            if rid not in computed and (rid not in row_of or rid in gone):
                 raise ValueError(f"num_scheduled_tokens names request {rid!r}, which is not in the batch")
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"num_scheduled_tokens[{rid!r}] must be an int >= 0, got {n!r}")
             total += n
-            c = computed.get(rid, self._reqs[rid].num_computed if rid in self._reqs else 0)
-            seq_len = c + n
-            for g, nb in zip(self.layout.groups, blocks[rid]):
-                need = self._blocks_needed(g, seq_len)
-                if need > g.table_width:
-                    raise ValueError(f"request {rid!r}: {seq_len} tokens need {need} blocks in group {g.name!r}, "
-                                     f"the table holds {g.table_width}")
-                if n and need > nb:
-                    raise ValueError(f"request {rid!r}: block ids missing for gid {g.gid} ({g.name}): "
-                                     f"{seq_len} tokens need {need} blocks, the row has {nb}")
-            rs = step.replay_start.get(rid)
-            if rs is not None and not 0 <= rs <= c:
+        if nst:
+            self._check_capacity(nst, computed, blocks, appended)
+        for rid, rs in step.replay_start.items():
+            if rid not in nst:
+                raise ValueError(f"replay_start names request {rid!r}, which schedules no tokens")
+            c = computed[rid] if rid in computed else self._num_computed(rid)
+            if not 0 <= rs <= c:
                 raise ValueError(f"replay_start[{rid!r}] = {rs} must lie in [0, num_computed_tokens = {c}]")
         if total > self.max_num_tokens:
             raise ValueError(f"the step schedules {total} tokens, max_num_batched_tokens is {self.max_num_tokens}")
-        for rid in step.replay_start:
-            if rid not in step.num_scheduled_tokens:
-                raise ValueError(f"replay_start names request {rid!r}, which schedules no tokens")
+
+    def _check_duplicates(self, rid: str, new_block_ids) -> None:
+        # NOTE: duplicates against the blocks already in the row; only full groups keep every
+        # block — a sliding group's released (stale) entries may come back.
+        row = self._row_of[rid]
+        for g, new in zip(self.layout.groups, new_block_ids):
+            if new and g.kind == "full":
+                f = g.blocks_per_kv_block
+                old = self._row_blocks(row, g)[::f] // f
+                dup = np.intersect1d(np.asarray(new, dtype=np.int64), old)
+                dup = dup[dup != 0]
+                if dup.size:
+                    raise ValueError(f"running request {rid!r}: block id {int(dup.min())} appears twice "
+                                     f"in group {g.name!r}")
+
+    def _check_capacity(self, nst, computed, blocks, appended) -> None:
+        """Vectorized: every scheduled request fits the tables and has the blocks its tokens need."""
+        rids = list(nst)
+        S, G = len(rids), len(self._gmeta)
+        q = np.fromiter(nst.values(), dtype=np.int64, count=S)
+        c = np.fromiter((computed[r] if r in computed else self._computed[self._row_of[r]] for r in rids),
+                        dtype=np.int64, count=S)
+        rows = np.fromiter((-1 if r in blocks else self._row_of[r] for r in rids), dtype=np.int64, count=S)
+        have = np.empty((S, G), dtype=np.int64)
+        kept = rows >= 0
+        for gid, t in enumerate(self.tables.tables):
+            have[kept, gid] = t.num_blocks[rows[kept]]
+        for i in np.flatnonzero(~kept):
+            have[i] = blocks[rids[i]]
+        if appended:
+            index = {r: i for i, r in enumerate(rids)}
+            for rid, lists in appended.items():
+                if rid in index:
+                    have[index[rid]] += [len(b) * m[2] for b, m in zip(lists, self._gmeta)]
+        local = self._owned(c + q)
+        bs = np.array([m[0] for m in self._gmeta], dtype=np.int64)
+        width = np.array([m[1] for m in self._gmeta], dtype=np.int64)
+        need = -(-local[:, None] // bs[None, :])
+        bad = (need > width[None, :]) | ((q[:, None] > 0) & (need > have))
+        if not bad.any():
+            return
+        i, gid = (int(x) for x in np.argwhere(bad)[0])
+        g, rid, seq_len = self.layout.groups[gid], rids[i], int(c[i] + q[i])
+        if need[i, gid] > g.table_width:
+            raise ValueError(f"request {rid!r}: {seq_len} tokens need {int(need[i, gid])} blocks in group "
+                             f"{g.name!r}, the table holds {g.table_width}")
+        raise ValueError(f"request {rid!r}: block ids missing for gid {g.gid} ({g.name}): "
+                         f"{seq_len} tokens need {int(need[i, gid])} blocks, the row has {int(have[i, gid])}")
 
     def _row_blocks(self, row: int, group) -> np.ndarray:
         return self.tables[group.gid].row(row)
 
-    def _free_row(self) -> int:
-        for row, rid in enumerate(self._row_req):
-            if rid is None:
-                return row
-        raise ValueError("no free request row")  # unreachable after _check_step
-
     def update(self, step: StepInput, *, pad_to: Optional[int] = None) -> None:
-        """Apply one scheduler step on the host and copy what changed to the device.
+        """Apply one scheduler step on the host and copy what changed to the device (ONE H2D copy:
+        step arrays + the changed block-table column ranges of every group; see ``last_step_stats``).
 
         Parameters
         ----------
@@ -280,88 +367,171 @@ class MetadataPipeline:
         if isinstance(Tp, bool) or not isinstance(Tp, int) or not T <= Tp <= self.max_num_tokens:
             raise ValueError(f"pad_to must be an int in [{T}, {self.max_num_tokens}], got {pad_to!r}")
 
-        for rid in list(step.finished_req_ids) + list(step.preempted_req_ids):
-            r = self._reqs.pop(rid, None)
-            if r is not None:
-                self.tables.clear_row(r.row)
-                self._row_req[r.row] = None
-            if rid in step.preempted_req_ids:
-                self._known[rid] = r.num_computed if r is not None else self._known.get(rid, 0)
+        tables, row_of, known = self.tables, self._row_of, self._known
+        preempted = step.preempted_req_ids
+        for rid in (*step.finished_req_ids, *preempted):
+            row = row_of.pop(rid, None)
+            if row is not None:
+                tables.clear_row(row)
+                self._row_req[row] = None
+                self._occupied[row] = False
+            if rid in preempted:
+                known[rid] = int(self._computed[row]) if row is not None else known.get(rid, 0)
             else:
-                self._known.pop(rid, None)
-        for r in step.new_requests:
-            row = self._free_row()
-            self.tables.add_row(r.block_ids, row)
-            self._row_req[row] = r.req_id
-            self._reqs[r.req_id] = _Request(r.req_id, row, r.num_computed_tokens)
+                known.pop(rid, None)
+        fresh = [(r.req_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests]
+        computed = self._computed
         for r in step.running_requests:
             if r.resumed:
-                old = self._reqs.get(r.req_id)
-                row = old.row if old is not None else self._free_row()
-                self._known.pop(r.req_id, None)
-                self.tables.add_row(r.new_block_ids, row)
-                self._row_req[row] = r.req_id
-                self._reqs[r.req_id] = _Request(r.req_id, row, r.num_computed_tokens)
+                if r.req_id in row_of:
+                    tables.add_row(r.new_block_ids, row_of[r.req_id])
+                    computed[row_of[r.req_id]] = r.num_computed_tokens
+                else:
+                    fresh.append((r.req_id, r.new_block_ids, r.num_computed_tokens))
+                known.pop(r.req_id, None)
             else:
-                req = self._reqs[r.req_id]
-                self.tables.append_row(r.new_block_ids, req.row)
-                req.num_computed = r.num_computed_tokens
-        for rid, rs in step.replay_start.items():
-            self._reqs[rid].replay_start = rs
+                row = row_of[r.req_id]
+                if any(r.new_block_ids):
+                    tables.append_row(r.new_block_ids, row)
+                computed[row] = r.num_computed_tokens
+        if fresh:
+            free = np.flatnonzero(~self._occupied)[:len(fresh)].tolist()
+            for row, (rid, ids, nc) in zip(free, fresh):
+                tables.add_row(ids, row)
+                self._row_req[row] = rid
+                row_of[rid] = row
+                computed[row] = nc
+            self._occupied[free] = True
 
         self._order_batch(step)
         self._fill_host(step, T, Tp)
         self._updated = True
 
+    def _swap(self, a: int, b: int) -> None:
+        self.tables.swap_row(a, b)
+        rr = self._row_req
+        ra, rb = rr[a], rr[b]
+        rr[a], rr[b] = rb, ra
+        if ra is not None:
+            self._row_of[ra] = b
+        if rb is not None:
+            self._row_of[rb] = a
+        for arr in (self._occupied, self._computed, self._sched, self._key):
+            arr[a], arr[b] = arr[b], arr[a]
+
     def _order_batch(self, step: StepInput) -> None:
-        """Decode-first batch order in rows ``[0, B)``: scheduled decodes, scheduled prefills, the rest."""
-        sched = step.num_scheduled_tokens
+        """Decode-first batch order in rows ``[0, B)``: scheduled decodes, scheduled prefills, the rest.
+
+        NOTE: rows already in their class's region stay; each misplaced row is swapped with one of its
+        class from further down (no re-sort, no move when the order is unchanged; order inside a class
+        is not preserved)."""
+        nst = step.num_scheduled_tokens
+        sched, key = self._sched, self._key
+        sched[:] = 0
+        if nst:
+            rows = np.fromiter((self._row_of[r] for r in nst), dtype=np.int64, count=len(nst))
+            sched[rows] = np.fromiter(nst.values(), dtype=np.int64, count=len(nst))
         threshold = 1 + self.num_speculative_tokens
-        by_row = sorted(self._reqs.values(), key=lambda r: r.row)
-        decodes = [r.req_id for r in by_row if 0 < sched.get(r.req_id, 0) <= threshold]
-        prefills = [r.req_id for r in by_row if sched.get(r.req_id, 0) > threshold]
-        rest = [r.req_id for r in by_row if sched.get(r.req_id, 0) == 0]
-        order = decodes + prefills + rest
-        for target, rid in enumerate(order):
-            cur = self._reqs[rid].row
-            if cur != target:
-                other = self._row_req[target]
-                self.tables.swap_row(cur, target)
-                self._row_req[cur], self._row_req[target] = other, rid
-                self._reqs[rid].row = target
-                if other is not None:
-                    self._reqs[other].row = cur
-        self._batch = decodes + prefills
-        nd = len(decodes)
-        self._counts = dict(num_decodes=nd, num_prefills=len(prefills),
-                            num_decode_tokens=sum(sched[r] for r in decodes),
-                            num_prefill_tokens=sum(sched[r] for r in prefills))
+        # key: 0 decode, 1 prefill, 2 held but not scheduled, 3 free
+        np.copyto(key, np.where(self._occupied, np.where(sched == 0, 2, np.where(sched <= threshold, 0, 1)), 3))
+        counts = np.bincount(key, minlength=4)
+        lo = 0
+        for cls in range(3):
+            hi = lo + int(counts[cls])
+            wrong = np.flatnonzero(key[lo:hi] != cls)
+            if wrong.size:
+                src = np.flatnonzero(key[hi:] == cls)[:wrong.size] + hi
+                for a, b in zip((wrong + lo).tolist(), src.tolist()):
+                    self._swap(a, b)
+            lo = hi
+        nd, npf = int(counts[0]), int(counts[1])
+        self._batch = self._row_req[:nd + npf]
+        self._counts = dict(num_decodes=nd, num_prefills=npf, num_decode_tokens=int(sched[:nd].sum()),
+                            num_prefill_tokens=int(sched[nd:nd + npf].sum()))
 
     def _fill_host(self, step: StepInput, T: int, Tp: int) -> None:
         R = self.max_num_reqs
-        h = self._host_np
-        qsl, seq_lens, replay = h[:R + 1], h[R + 1:2 * R + 1], h[2 * R + 1:]
         B = len(self._batch)
-        q = np.fromiter((step.num_scheduled_tokens[r] for r in self._batch), dtype=np.int64, count=B)
-        c = np.fromiter((self._reqs[r].num_computed for r in self._batch), dtype=np.int64, count=B)
+        ctx = self._ctx
+        stats = StepStats(num_h2d_copies=1, num_launches=self._launches)
+        if self._pending:
+            # NOTE: the previous step was staged but never built: apply it before its staging is reused
+            self._apply_pending()
+            stats.num_applies += 1
+        if self._event is not None:
+            self._event.synchronize()  # NOTE: the previous H2D may still read the pinned buffer
+            self._event = None
+        h = self._host_np
+        qsl, seq_lens, replay = h[:R + 1], h[R + 1:2 * R + 1], h[2 * R + 1:3 * R + 1]
+        q = self._sched[:B]
         qsl[0] = 0
         np.cumsum(q, out=qsl[1:B + 1]) if B else None
         qsl[B + 1:] = T                    # NOTE: rows past the batch are zero-length requests
-        seq_lens[:B] = c + q
+        np.add(self._computed[:B], q, out=seq_lens[:B], casting="unsafe")
         seq_lens[B:] = 0
-        replay[:B] = [self._reqs[r].replay_start for r in self._batch]
-        replay[B:] = 0
-        ctx = self._ctx
+        rs = step.replay_start
+        replay[:] = 0
+        if rs:
+            rows = np.fromiter((self._row_of[r] for r in rs), dtype=np.int64, count=len(rs))
+            replay[rows] = np.fromiter(rs.values(), dtype=np.int64, count=len(rs))
+            replay[B:] = 0
+        # block-table segments of every group, each with its overlay of the batch rows
+        off, hdr = self._fixed, self._hdr
+        pending = []
+        for gid, t in enumerate(self.tables.tables):
+            lo_all, hi_all = t.dirty_lo, t.dirty_hi
+            rows = np.flatnonzero(hi_all > lo_all)
+            if rows.size == 0:
+                h[hdr + 3 * gid: hdr + 3 * gid + 3] = (0, off, -1)
+                continue
+            lo, hi = lo_all[rows], hi_all[rows]
+            k, end = t.pack_segments(h, off, max_piece=self._PIECE)
+            pending.append((gid, off, k, end - off - SEGMENT_INTS * k))
+            stats.num_segments += k
+            stats.table_bytes += 4 * (end - off)
+            ov = -1
+            nb = int(np.searchsorted(rows, B))  # NOTE: rows are ascending: rows[:nb] are batch rows
+            if nb:
+                ov = end
+                o = h[end:end + 3 * B].reshape(B, 3)
+                o[:] = 0
+                n = (hi - lo).astype(np.int64)
+                pay = end - int(n.sum()) + np.cumsum(n) - n
+                sel = rows[:nb]
+                o[sel, 0] = lo[:nb]
+                o[sel, 1] = hi[:nb]
+                o[sel, 2] = pay[:nb]
+                end += 3 * B
+            h[hdr + 3 * gid: hdr + 3 * gid + 3] = (k, off, ov)
+            off = end
+        used = off
+        self._dev[:used].copy_(self._host[:used], non_blocking=self._async)
+        if self._async:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        stats.h2d_bytes = 4 * used
+        self._pending = pending
+        if self._fused is None:
+            stats.num_applies += len(pending)
+            self._apply_pending()
+        self.last_step_stats = stats
         ctx.num_reqs, ctx.num_tokens, ctx.num_tokens_padded = B, T, Tp
         ctx.num_decodes = self._counts["num_decodes"]
-        self.tables.commit()
-        self._dev.copy_(self._host, non_blocking=True)
+
+    def _apply_pending(self) -> None:
+        """Apply the staged segments with torch ops on the device (unfused path; no host sync)."""
+        for gid, off, k, p in self._pending:
+            apply_segments(self.tables[gid].device_table, self._dev, off, k, p)
+        self._pending = []
 
     # ------------------------------------------------------------------------------------------
     # device side
     # ------------------------------------------------------------------------------------------
     def build(self) -> DSV4Metadata:
-        """Fill every channel's buffers for the step given to the last :meth:`update` (no host sync)."""
+        """Fill every channel's buffers for the step given to the last :meth:`update` (no host sync).
+
+        On the fused path the one launch also applies the step's block-table segments (idempotent: a
+        second build of the same step, or a CUDA-graph replay, writes the same entries)."""
         if not self._updated:
             raise RuntimeError("build() needs a prior update(step)")
         ctx = self._ctx
@@ -371,6 +541,7 @@ class MetadataPipeline:
         covered = ()
         if self._fused is not None:
             self._fused.launch(ctx)
+            self._pending = []
             covered = self._fused.covered
         else:
             self._build_common()
@@ -405,17 +576,20 @@ class MetadataPipeline:
 
     def warmup(self) -> None:
         """Run one empty build so every kernel the pipeline uses is compiled before serving."""
-        saved = (self._updated, self._ctx.num_reqs, self._ctx.num_tokens, self._ctx.num_tokens_padded)
-        saved_dev = self._dev.clone()
-        self._dev.zero_()
+        saved = (self._updated, self._ctx.num_reqs, self._ctx.num_tokens, self._ctx.num_tokens_padded,
+                 self._pending)
+        head = self._dev[:self._fixed]
+        saved_dev = head.clone()
+        head.zero_()
+        head[self._hdr + 2::3] = -1  # NOTE: no segments, no overlay
         ctx = self._ctx
         ctx.num_reqs, ctx.num_tokens, ctx.num_tokens_padded = 0, 0, 1
         self._updated = True
         self.build()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._dev.copy_(saved_dev)
-        self._updated, ctx.num_reqs, ctx.num_tokens, ctx.num_tokens_padded = saved
+        head.copy_(saved_dev)
+        self._updated, ctx.num_reqs, ctx.num_tokens, ctx.num_tokens_padded, self._pending = saved
 
     # convenience
     @property
@@ -423,4 +597,4 @@ class MetadataPipeline:
         return list(self._batch)
 
     def row_of(self, req_id: str) -> int:
-        return self._reqs[req_id].row
+        return self._row_of[req_id]

@@ -9,22 +9,31 @@ from dsv4_index.geometry import DSV4Layout
 
 
 class Model:
-    """Plain-Python block table: rows of kernel-block ids + the rows touched since the last commit."""
+    """Plain-Python block table: rows of kernel-block ids + the changed column range of each row."""
 
     def __init__(self, n, width, f):
         self.rows = [[] for _ in range(n)]
         self.width, self.f = width, f
-        self.dirty = set()
+        self.ranges = {}  # row -> (lo, hi), non-empty ranges only
+
+    @property
+    def dirty(self):
+        return set(self.ranges)
 
     def expand(self, ids):
         return [b * self.f + j for b in ids for j in range(self.f)]
+
+    def _prefix(self, r):
+        self.ranges.pop(r, None)
+        if self.rows[r]:
+            self.ranges[r] = (0, len(self.rows[r]))
 
     def add(self, ids, r):
         ids = self.expand(ids)
         if len(ids) > self.width:
             return False
         self.rows[r] = ids
-        self.dirty.add(r)
+        self._prefix(r)
         return True
 
     def append(self, ids, r):
@@ -32,22 +41,30 @@ class Model:
         if len(self.rows[r]) + len(ids) > self.width:
             return False
         if ids:
+            old = len(self.rows[r])
             self.rows[r] = self.rows[r] + ids
-            self.dirty.add(r)
+            lo = self.ranges[r][0] if r in self.ranges else old
+            self.ranges[r] = (lo, len(self.rows[r]))
         return True
 
     def clear(self, r):
         self.rows[r] = []
+        self.ranges.pop(r, None)
 
     def move(self, s, d):
         if s != d:
             self.rows[d] = list(self.rows[s])
-            self.dirty.add(d)
+            self._prefix(d)
 
     def swap(self, a, b):
         if a != b:
             self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
-            self.dirty |= {a, b}
+            self._prefix(a)
+            self._prefix(b)
+
+    def commit_bytes(self):
+        """Segment format: 4 int32 per descriptor + the changed entries."""
+        return 4 * sum(4 + hi - lo for lo, hi in self.ranges.values())
 
 
 def check_host(t, model):
@@ -72,8 +89,8 @@ ops = st.one_of(
 def test_row_ops_match_model(f, width, seq):
     t = BlockTable(N, width, device="cpu", block_size=16, blocks_per_kv_block=f)
     m = Model(N, width, f)
-    t.device_table.fill_(-7)  # poison: rows never committed must stay -7
-    committed = set()
+    t.device_table.fill_(-7)  # poison: columns never sent must stay -7
+    sent = [set() for _ in range(N)]
     for op in seq:
         name, args = op[0], op[1:]
         if name in ("add", "append"):
@@ -87,14 +104,16 @@ def test_row_ops_match_model(f, width, seq):
                 assert np.array_equal(t.np, before[0]) and np.array_equal(t.num_blocks, before[1])
         elif name == "commit":
             nbytes = t.commit()
-            assert nbytes == 4 * len(m.dirty) * (width + 1)
-            committed |= m.dirty
-            m.dirty = set()
+            assert nbytes == m.commit_bytes()  # only the changed column ranges travel
+            for r, (lo, hi) in m.ranges.items():
+                sent[r] |= set(range(lo, hi))
+            m.ranges = {}
             for r in range(N):
-                if r in committed:
-                    assert torch.equal(t.device_table[r], t.host[r])
-                else:
-                    assert bool((t.device_table[r] == -7).all())
+                n = len(m.rows[r])
+                assert t.device_table[r, :n].tolist() == m.rows[r]  # the valid prefix is current
+                for c in range(width):
+                    if c not in sent[r]:
+                        assert int(t.device_table[r, c]) == -7
         else:
             getattr(m, name)(*args)
             getattr(t, f"{name}_row")(*args)
@@ -106,18 +125,22 @@ def test_commit_moves_only_changed_rows():
     t = BlockTable(6, 4, device="cpu", block_size=64)
     for r in range(6):
         t.add_row([r + 1, r + 10], r)
-    assert t.commit() == 4 * 6 * 5
-    assert torch.equal(t.device_table, t.host)
+    assert t.commit() == 4 * 6 * (4 + 2)  # 6 descriptors + 2 entries each
+    assert torch.equal(t.device_table[:, :2], t.host[:, :2])
     assert t.commit() == 0
     t.device_table.fill_(-3)
     t.append_row([99], 2)
     t.swap_row(4, 5)
     t.clear_row(1)  # length only; nothing to send
     t.append_row([], 0)  # no-op
-    assert t.commit() == 4 * 3 * 5
+    # row 2: only the appended column; rows 4, 5: their 2-entry prefixes
+    assert t.commit() == 4 * ((4 + 1) + 2 * (4 + 2))
     for r in range(6):
-        if r in (2, 4, 5):
-            assert torch.equal(t.device_table[r], t.host[r])
+        if r in (4, 5):
+            assert torch.equal(t.device_table[r, :2], t.host[r, :2])
+            assert bool((t.device_table[r, 2:] == -3).all())
+        elif r == 2:
+            assert t.device_table[2].tolist() == [-3, -3, 99, -3]
         else:
             assert bool((t.device_table[r] == -3).all())
     assert t.np[2, :3].tolist() == [3, 12, 99]
@@ -206,19 +229,26 @@ def test_multi_group_one_copy(monkeypatch):
         t.device_table.fill_(-9)
     nbytes = m.commit()
     assert copies == [nbytes // 4]
-    assert nbytes == 4 * 2 * sum(g.table_width + 1 for g in lay.groups)
+    # kernel-block entries per gid (f = 2 on gid 0): rows 0 / 2 = [4, 1, 2, 1] / [2, 0, 1, 0]
+    assert nbytes == 4 * (4 * 6 + (4 + 1 + 2 + 1) + (2 + 1))  # 6 non-empty rows over the 4 gids
     assert m[0].row(0).tolist() == [2, 3, 4, 5] and m[2].row(2).tolist() == [8]
     for t in m.tables:
-        assert torch.equal(t.device_table[[0, 2]], t.host[[0, 2]])
+        for r in (0, 2):
+            n = int(t.num_blocks[r])
+            assert torch.equal(t.device_table[r, :n], t.host[r, :n])
+            assert bool((t.device_table[r, n:] == -9).all())
         assert bool((t.device_table[1] == -9).all())
     m.swap_row(0, 1)
     m.append_row([[9], [], [], []], 1)
     m.clear_row(2)
     m.move_row(1, 2)
-    assert m.commit() == 4 * 3 * sum(g.table_width + 1 for g in lay.groups)  # rows 0, 1, 2
+    # row 0 is empty after the swap; rows 1 and 2 send their whole valid prefixes (6 + 1 + 2 + 1)
+    assert m.commit() == 4 * 2 * (4 * 4 + 6 + 1 + 2 + 1)
     assert len(copies) == 2 and m.commit() == 0
     for t in m.tables:
-        assert torch.equal(t.device_table, t.host)
+        for r in range(3):
+            n = int(t.num_blocks[r])
+            assert torch.equal(t.device_table[r, :n], t.host[r, :n])
         assert t.row(1).tolist() == t.row(2).tolist()
     assert m[0].row(2).tolist() == [2, 3, 4, 5, 18, 19]
     with pytest.raises(ValueError, match="per-gid"):
@@ -245,4 +275,53 @@ def test_cuda_pinned_commit():
         t.swap_row(int(rng.integers(64)), int(rng.integers(64)))
         t.commit()
     torch.cuda.synchronize()
-    assert torch.equal(t.device_table.cpu(), t.host)
+    dev = t.device_table.cpu()
+    for r in range(64):
+        n = int(t.num_blocks[r])
+        assert torch.equal(dev[r, :n], t.host[r, :n])
+
+
+def test_commit_sends_only_new_columns_of_wide_rows():
+    """A decode-like append to a very wide row moves one entry, not the row."""
+    t = BlockTable(8, 32768, device="cpu", block_size=4)
+    for r in range(8):
+        t.add_row(list(range(1 + r, 1 + r + 100)), r)
+    assert t.commit() == 4 * 8 * (4 + 100)
+    for r in (1, 5, 6):
+        t.append_row([7000 + r], r)
+    t.append_row([8000], 5)  # two appends to one row: one segment of 2 entries
+    assert t.commit() == 4 * ((4 + 1) * 2 + (4 + 2))
+    for r in range(8):
+        n = int(t.num_blocks[r])
+        assert torch.equal(t.device_table[r, :n], t.host[r, :n])
+    assert t.device_table[5, 100:102].tolist() == [7005, 8000]
+
+
+def test_pack_segments_pieces_and_apply():
+    t = BlockTable(4, 50, device="cpu", block_size=4)
+    t.add_row(list(range(1, 24)), 2)   # 23 entries -> pieces of 10: 10, 10, 3
+    t.add_row([5, 6], 0)
+    t.append_row([9], 0)
+    buf = np.full(200, -5, np.int32)
+    k, end = t.pack_segments(buf, 3, max_piece=10)
+    assert (k, end) == (4, 3 + 4 * 4 + 3 + 23) and t.num_dirty == 0
+    d = buf[3:3 + 16].reshape(4, 4)
+    pay = 3 + 16
+    assert d.tolist() == [[0, 0, 3, pay], [2, 0, 10, pay + 3], [2, 10, 10, pay + 13], [2, 20, 3, pay + 23]]
+    assert buf[pay:end].tolist() == [5, 6, 9] + list(range(1, 24))
+    assert (buf[:3] == -5).all() and (buf[end:] == -5).all()
+    table = torch.full((4, 50), -1, dtype=torch.int32)
+    bt_mod.apply_segments(table, torch.from_numpy(buf), 3, k, end - 3 - 16)
+    assert table[0, :3].tolist() == [5, 6, 9] and table[2, :23].tolist() == list(range(1, 24))
+    assert bool((table[[1, 3]] == -1).all()) and bool((table[2, 23:] == -1).all())
+
+
+def test_swap_and_clear_send_valid_prefixes_only():
+    t = BlockTable(3, 1000, device="cpu", block_size=4)
+    t.add_row(list(range(1, 501)), 0)
+    t.add_row([7, 8], 1)
+    t.commit()
+    t.swap_row(0, 1)
+    t.clear_row(2)
+    assert t.commit() == 4 * ((4 + 2) + (4 + 500))
+    assert t.device_table[0, :2].tolist() == [7, 8] and t.device_table[1, :500].tolist() == list(range(1, 501))

@@ -293,3 +293,114 @@ def test_fast_launch_matches(monkeypatch):
         done = {r.req_id for r in step.new_requests}
         for p in (fused, plain):
             p.update(StepInput([], [], {}, done, set()))
+
+
+# ----------------------------------------------------------------------------------------------
+# block-table segments applied inside the launch (one H2D + one launch per step)
+# ----------------------------------------------------------------------------------------------
+def assert_tables_current(pipe):
+    """The device tables hold every row's valid prefix (the launch wrote the staged segments)."""
+    for t in pipe.tables.tables:
+        dev = t.device_table.cpu()
+        for r in range(t.max_num_reqs):
+            n = int(t.num_blocks[r])
+            assert torch.equal(dev[r, :n], t.host[r, :n]), f"row {r} of a table is stale"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_multi_step_trace_rows_appended_swapped_cleared_readded(seed):
+    """Requests append blocks, switch between prefill and decode (decode-first swaps), finish, get
+    preempted and resume, new ones reuse freed rows; fused (overlay reads + writers) == unfused."""
+    layout = tiny_layout()
+    rng = random.Random(500 + seed)
+    spec = 1
+    fused, plain = pipelines(layout, max_reqs=6, max_tokens=160, num_speculative_tokens=spec)
+    blocks = Blocks(layout, rng)
+    state, preempted, nid = {}, {}, 0
+    for it in range(7):
+        new, running, sched, rs = [], [], {}, {}
+        done = {r for r in state if rng.random() < 0.2}
+        pre = {r for r in state if r not in done and rng.random() < 0.15}
+        for r in done | pre:
+            c, have = state.pop(r)
+            if r in pre:
+                preempted[r] = c
+        for rid, (c, have) in sorted(state.items()):
+            if rng.random() < 0.15:
+                continue  # held, not scheduled this step
+            q = rng.randint(1, 1 + spec) if rng.random() < 0.6 else rng.randint(2 + spec, 20)
+            add = blocks.lists(c + q, have)
+            running.append(RunningRequest(rid, add, c))
+            state[rid] = (c + q, [h + len(a) for h, a in zip(have, add)])
+            sched[rid] = q
+            if rng.random() < 0.3:
+                rs[rid] = rng.randint(0, c)
+        for rid in sorted(preempted):
+            if len(state) < 6 and rid not in pre and rng.random() < 0.5:
+                c = preempted.pop(rid)
+                q = rng.randint(1, 8)
+                lists = blocks.lists(c + q)
+                running.append(RunningRequest(rid, lists, c, resumed=True))
+                state[rid] = (c + q, [len(x) for x in lists])
+                sched[rid] = q
+        while len(state) < 6 and rng.random() < 0.7:
+            rid, nid = f"n{nid}", nid + 1
+            c, q = rng.randint(0, 150), rng.randint(1, 24)
+            lists = blocks.lists(c + q)
+            new.append(NewRequest(rid, lists, c))
+            state[rid] = (c + q, [len(x) for x in lists])
+            sched[rid] = q
+        step = StepInput(new, running, sched, done, pre, rs)
+        pad = rng.choice([0, 0, 5])
+        step_both(fused, plain, step, pad_to=min(160, step.total_tokens + pad) if pad else None)
+        st = fused.last_step_stats
+        assert st.num_h2d_copies == 1 and st.num_launches == 1 and st.num_applies == 0
+        staged = sum(1 for g in range(len(layout.groups)) if plain._host_np[plain._hdr + 3 * g] > 0)
+        assert plain.last_step_stats.num_applies == staged  # unfused: one device apply per staged group
+        assert st.h2d_bytes == plain.last_step_stats.h2d_bytes
+        assert_tables_current(fused)
+        assert_tables_current(plain)
+
+
+def test_step_stats_count_exact_bytes():
+    """Steady decode: only the appended columns of the appended rows travel, with the step arrays."""
+    layout = tiny_layout()
+    R, G = 6, len(layout.groups)
+    fused, plain = pipelines(layout, max_reqs=R, max_tokens=64)
+    rng = random.Random(8)
+    blocks = Blocks(layout, rng)
+    ctxs = {"r0": 20, "r1": 33, "r2": 41, "r3": 7}
+    new = [NewRequest(r, blocks.lists(c + 2), c) for r, c in ctxs.items()]  # NOTE: a spare block each
+    step_both(fused, plain, StepInput(new, [], {r: 1 for r in ctxs}, set(), set()))
+    assert fused.last_step_stats.num_segments >= 4 and all(not t.dirty_hi.any() for t in fused.tables.tables)
+    swa = layout.group("swa")
+    running = [RunningRequest(r, tuple([blocks.pool.pop()] if (g.gid == swa.gid and r in ("r0", "r2")) else []
+                                       for g in layout.groups), c + 1) for r, c in ctxs.items()]
+    m = step_both(fused, plain, StepInput([], running, {r: 1 for r in ctxs}, set(), set()))
+    st = fused.last_step_stats
+    f = swa.blocks_per_kv_block
+    assert m.num_reqs == 4 and st.num_segments == 2 and st.table_bytes == 4 * 2 * (4 + f)
+    assert st.h2d_bytes == 4 * (3 * R + 1 + 3 * G) + st.table_bytes + 4 * 3 * m.num_reqs  # one overlay
+    assert st.num_h2d_copies == 1 and st.num_launches == 1 and st.num_applies == 0
+    assert plain.last_step_stats.h2d_bytes == st.h2d_bytes and plain.last_step_stats.num_applies == 1
+    assert_tables_current(fused)
+    # a step that changes no table: the step arrays and headers only
+    running = [RunningRequest(r, tuple([] for _ in layout.groups), c + 2) for r, c in ctxs.items()]
+    step_both(fused, plain, StepInput([], running, {r: 1 for r in ctxs}, set(), set()))
+    assert fused.last_step_stats.h2d_bytes == 4 * (3 * R + 1 + 3 * G)
+    assert fused.last_step_stats.num_segments == 0
+
+
+def test_update_without_build_applies_the_skipped_step():
+    """A staged step that is never built is applied by the next update (tables stay current)."""
+    layout = tiny_layout()
+    fused, plain = pipelines(layout)
+    rng = random.Random(21)
+    blocks = Blocks(layout, rng)
+    s1 = random_step(layout, rng, blocks, "mixed", n_reqs=3, max_ctx=100)
+    fused.update(s1)  # never built
+    s2 = random_step(layout, rng, blocks, "decode", n_reqs=2, max_ctx=100, prefix="x")
+    plain.update(s1)
+    step_both(fused, plain, s2, pad_to=s2.total_tokens + 2)
+    assert fused.last_step_stats.num_applies == 1
+    assert_tables_current(fused)

@@ -1,11 +1,14 @@
 """Fused per-step build (DESIGN §8): one Triton launch fills the common token tensors and every
 built-in channel's per-step outputs.
 
-One 1-D grid of ``NUM_REQ_PROG + cdiv(T_pad, BLOCK_T) * NUM_TASKS`` programs, sized from host-known
-numbers only (padded token count, static widths, the set of channels):
+One 1-D grid of ``NUM_REQ_PROG + NUM_WRITERS + cdiv(T_pad, BLOCK_T) * NUM_TASKS`` programs, sized
+from host-known numbers only (padded token count, static widths, the set of channels):
 
 * request programs (only with an indexer channel): program 0 writes the indexer's ``cu`` (a prefix
   sum over request tiles with a carry), program 1 its ``decode_lens`` ``[max_num_reqs, next_n]``;
+* writer programs (``NUM_WRITERS``): apply the step's block-table segments (staged by the pipeline,
+  :mod:`dsv4_index.block_table` segment format) to the persistent device tables, piece ``s`` of a
+  group by writer ``s % NUM_WRITERS``;
 * token programs, tile-major: program ``q`` handles token tile ``q // NUM_TASKS`` and task
   ``q % NUM_TASKS``:
 
@@ -16,6 +19,13 @@ numbers only (padded token count, static widths, the set of channels):
   - task ``1 + i``: window channel ``i``'s indices ``[BLOCK_T, width]`` and lens;
   - then, per causal list (``c128a``, the optional ``c4i`` list), one task per column tile of
     ``BLOCK_C`` entries (lens written by column tile 0).
+
+Block-table reads and the segment writes share the launch without a race: a token program that
+reads entry ``(b, j)`` of a group first looks up row ``b``'s staged range ``[lo, hi)`` (the overlay:
+``(lo, hi, payload_offset)`` per batch row) and takes the staged value when ``lo <= j < hi``, the
+table value otherwise. NOTE: writers only write staged ranges, so no program reads a table entry
+that another program of the same launch writes. Staging layout (int32, ``stage``): header of group
+``g`` at ``SEG_HDR + 3 g`` = (pieces, first descriptor, overlay base or -1 when no batch row is staged).
 
 Geometry (block sizes, ratios, windows, widths, DCP rank) is ``constexpr``: it is fixed for a
 pipeline. Runtime counts (``T_pad``, ``num_decodes``) are plain arguments that Triton does not
@@ -40,11 +50,18 @@ from ..channels.builtin import (CausalCompressedChannel, CompressedChannel, Inde
                                 WindowChannel)
 from ._compressed import find_request, num_search_iters, owned_count
 
-__all__ = ["FusedPlan", "MAX_WINDOW", "MAX_COMPRESSED", "MAX_CAUSAL"]
+__all__ = ["FusedPlan", "MAX_WINDOW", "MAX_COMPRESSED", "MAX_CAUSAL", "MAX_GROUPS", "segment_header"]
 
 MAX_WINDOW = 3
 MAX_COMPRESSED = 2
 MAX_CAUSAL = 2
+MAX_GROUPS = 4  # kv-cache groups whose block-table segments the launch applies
+
+
+def segment_header(max_num_reqs: int) -> int:
+    """Offset of the per-group segment headers in the staging buffer: after query_start_loc [R + 1],
+    seq_lens [R] and replay_start [R]."""
+    return 3 * max_num_reqs + 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,6 +81,47 @@ def _tokens(qsl_ptr, seq_lens_ptr, tile, T_pad, num_reqs, n_iter, BLOCK_T: tl.co
 
 
 @triton.jit
+def _overlay(stage_ptr, b, valid, HDR: tl.constexpr):
+    """Row ``b``'s staged range of the group whose header is at ``HDR``: (lo, hi, payload offset), int32;
+    ``lo = hi = 0`` (nothing staged) where not valid or when the group stages no batch row."""
+    base = tl.load(stage_ptr + HDR + 2)
+    has = valid & (base >= 0)
+    o = base + 3 * b
+    lo = tl.load(stage_ptr + o, mask=has, other=0)
+    hi = tl.load(stage_ptr + o + 1, mask=has, other=0)
+    pay = tl.load(stage_ptr + o + 2, mask=has, other=0)
+    return lo, hi, pay
+
+
+@triton.jit
+def _bt_read(bt_ptr, stage_ptr, b, blk, ok, lo, hi, pay, STRIDE: tl.constexpr):
+    """Entry ``[b, blk]`` as of this step: the staged value inside ``[lo, hi)``, else the table's."""
+    staged = ok & (blk >= lo) & (blk < hi)
+    v = tl.load(bt_ptr + b.to(tl.int64) * STRIDE + blk, mask=ok & (~staged), other=0)
+    w = tl.load(stage_ptr + pay + (blk - lo), mask=staged, other=0)
+    return tl.where(staged, w, v)
+
+
+@triton.jit
+def _write_segments(stage_ptr, bt_ptr, w, HDR: tl.constexpr, STRIDE: tl.constexpr,
+                    NUM_WRITERS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Writer ``w``: copy pieces ``w, w + NUM_WRITERS, ...`` of one group into its table."""
+    n_seg = tl.load(stage_ptr + HDR)
+    first = tl.load(stage_ptr + HDR + 1)
+    for s in range(w, n_seg, NUM_WRITERS):
+        d = first + 4 * s
+        row = tl.load(stage_ptr + d).to(tl.int64)
+        lo = tl.load(stage_ptr + d + 1)
+        n = tl.load(stage_ptr + d + 2)
+        pay = tl.load(stage_ptr + d + 3)
+        for c in range(0, n, BLOCK_W):
+            j = c + tl.arange(0, BLOCK_W)
+            m = j < n
+            v = tl.load(stage_ptr + pay + j, mask=m, other=0)
+            tl.store(bt_ptr + row * STRIDE + lo + j, v, mask=m)
+
+
+@triton.jit
 def _cp_local(p, CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr):
     """(owned by this rank, local position) of position / row ``p`` (``p >= 0``)."""
     own = ((p // CP_I) % CP_W) == CP_R
@@ -71,33 +129,35 @@ def _cp_local(p, CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr):
 
 
 @triton.jit
-def _raw_slots(bt_ptr, out_ptr, t, in_out, b, valid, pos,
-               BS: tl.constexpr, TW: tl.constexpr, STRIDE: tl.constexpr,
+def _raw_slots(bt_ptr, stage_ptr, out_ptr, t, in_out, b, valid, pos,
+               BS: tl.constexpr, TW: tl.constexpr, STRIDE: tl.constexpr, HDR: tl.constexpr,
                CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr):
     own, lp = _cp_local(pos, CP_W, CP_R, CP_I)
     blk = lp // BS
     ok = valid & (pos >= 0) & own & (blk < TW)
-    bid = tl.load(bt_ptr + b.to(tl.int64) * STRIDE + blk, mask=ok, other=0)
+    lo, hi, pay = _overlay(stage_ptr, b, valid, HDR)
+    bid = _bt_read(bt_ptr, stage_ptr, b, blk, ok, lo, hi, pay, STRIDE)
     tl.store(out_ptr + t, tl.where(ok, bid.to(tl.int64) * BS + lp % BS, -1), mask=in_out)
 
 
 @triton.jit
-def _compressed_slots(bt_ptr, out_ptr, t, in_out, b, valid, pos,
+def _compressed_slots(bt_ptr, stage_ptr, out_ptr, t, in_out, b, valid, pos,
                       R: tl.constexpr, S: tl.constexpr, TW: tl.constexpr, STRIDE: tl.constexpr,
-                      CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr):
+                      HDR: tl.constexpr, CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr):
     c = pos // R
     own, lc = _cp_local(c, CP_W, CP_R, CP_I)
     blk = lc // S
     ok = valid & (pos >= 0) & ((pos + 1) % R == 0) & own & (blk < TW)
-    bid = tl.load(bt_ptr + b.to(tl.int64) * STRIDE + blk, mask=ok, other=0)
+    lo, hi, pay = _overlay(stage_ptr, b, valid, HDR)
+    bid = _bt_read(bt_ptr, stage_ptr, b, blk, ok, lo, hi, pay, STRIDE)
     tl.store(out_ptr + t, tl.where(ok, bid.to(tl.int64) * S + lc % S, -1), mask=in_out)
 
 
 @triton.jit
-def _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, bt_ptr, idx_ptr, lens_ptr,
+def _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, bt_ptr, stage_ptr, idx_ptr, lens_ptr,
                  tile, T_pad, num_reqs, n_iter,
                  BS: tl.constexpr, WIN: tl.constexpr, WIDTH: tl.constexpr, WPAD: tl.constexpr,
-                 TW: tl.constexpr, STRIDE: tl.constexpr,
+                 TW: tl.constexpr, STRIDE: tl.constexpr, HDR: tl.constexpr,
                  CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr,
                  BLOCK_T: tl.constexpr):
     t, in_out, b, valid, pos = _tokens(qsl_ptr, seq_lens_ptr, tile, T_pad, num_reqs, n_iter, BLOCK_T)
@@ -110,7 +170,8 @@ def _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, bt_ptr, idx_ptr, lens_ptr,
     lp = first[:, None] + j
     blk = lp // BS
     ok = (j < count[:, None]) & (blk < TW)
-    bid = tl.load(bt_ptr + b.to(tl.int64)[:, None] * STRIDE + blk, mask=ok, other=0)
+    lo, hi, pay = _overlay(stage_ptr, b, valid, HDR)
+    bid = _bt_read(bt_ptr, stage_ptr, b[:, None], blk, ok, lo[:, None], hi[:, None], pay[:, None], STRIDE)
     slot = (bid.to(tl.int64) * BS + lp % BS).to(tl.int32)
     tl.store(idx_ptr + t.to(tl.int64)[:, None] * WIDTH + j, tl.where(ok, slot, -1),
              mask=in_out[:, None] & (j < WIDTH))
@@ -118,9 +179,10 @@ def _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, bt_ptr, idx_ptr, lens_ptr,
 
 
 @triton.jit
-def _causal_task(qsl_ptr, seq_lens_ptr, bt_ptr, idx_ptr, lens_ptr,
+def _causal_task(qsl_ptr, seq_lens_ptr, bt_ptr, stage_ptr, idx_ptr, lens_ptr,
                  tile, col, T_pad, num_reqs, n_iter,
                  R: tl.constexpr, S: tl.constexpr, LIMIT: tl.constexpr, STRIDE: tl.constexpr,
+                 HDR: tl.constexpr,
                  WIDTH: tl.constexpr, CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     t, in_out, b, valid, pos = _tokens(qsl_ptr, seq_lens_ptr, tile, T_pad, num_reqs, n_iter, BLOCK_T)
@@ -130,7 +192,8 @@ def _causal_task(qsl_ptr, seq_lens_ptr, bt_ptr, idx_ptr, lens_ptr,
     lens = tl.where(valid, tl.minimum(n, LIMIT), 0)
     j = col * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     ok = j < lens[:, None]
-    bid = tl.load(bt_ptr + b.to(tl.int64)[:, None] * STRIDE + j // S, mask=ok, other=0)
+    lo, hi, pay = _overlay(stage_ptr, b, valid, HDR)
+    bid = _bt_read(bt_ptr, stage_ptr, b[:, None], j // S, ok, lo[:, None], hi[:, None], pay[:, None], STRIDE)
     slot = (bid.to(tl.int64) * S + j % S).to(tl.int32)
     tl.store(idx_ptr + t.to(tl.int64)[:, None] * WIDTH + j, tl.where(ok, slot, -1),
              mask=in_out[:, None] & (j < WIDTH))
@@ -154,6 +217,8 @@ def _rows_before(seq_lens_ptr, b, num_reqs, n_req_tiles, R: tl.constexpr,
 @triton.jit(do_not_specialize=["T_pad", "num_decodes", "num_reqs", "n_iter", "n_req_tiles",
                                "dec_rows"])
 def _fused_step_kernel(
+    stage_ptr,      # [stage capacity] int32: step arrays, segment headers, descriptors, payloads, overlays
+    g0_tab, g1_tab, g2_tab, g3_tab,  # [B, TW_g] int32: the persistent table of each gid (segment writes)
     qsl_ptr,        # [B + 1] int32 (B = max_num_reqs; rows past the batch: zero-length)
     seq_lens_ptr,   # [B] int32
     replay_ptr,     # [B] int32
@@ -173,23 +238,27 @@ def _fused_step_kernel(
     T_pad, num_decodes, num_reqs, n_iter, n_req_tiles, dec_rows,
     CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr,
     NUM_TASKS: tl.constexpr, NUM_REQ_PROG: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, NUM_WRITERS: tl.constexpr, BLOCK_W: tl.constexpr, SEG_HDR: tl.constexpr,
+    G0_STRIDE: tl.constexpr, G1_STRIDE: tl.constexpr, G2_STRIDE: tl.constexpr, G3_STRIDE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     NUM_WIN: tl.constexpr,
     W0_BS: tl.constexpr, W0_WIN: tl.constexpr, W0_WIDTH: tl.constexpr, W0_WPAD: tl.constexpr,
-    W0_TW: tl.constexpr, W0_STRIDE: tl.constexpr,
+    W0_TW: tl.constexpr, W0_STRIDE: tl.constexpr, W0_HDR: tl.constexpr,
     W1_BS: tl.constexpr, W1_WIN: tl.constexpr, W1_WIDTH: tl.constexpr, W1_WPAD: tl.constexpr,
-    W1_TW: tl.constexpr, W1_STRIDE: tl.constexpr,
+    W1_TW: tl.constexpr, W1_STRIDE: tl.constexpr, W1_HDR: tl.constexpr,
     W2_BS: tl.constexpr, W2_WIN: tl.constexpr, W2_WIDTH: tl.constexpr, W2_WPAD: tl.constexpr,
-    W2_TW: tl.constexpr, W2_STRIDE: tl.constexpr,
+    W2_TW: tl.constexpr, W2_STRIDE: tl.constexpr, W2_HDR: tl.constexpr,
     NUM_CMP: tl.constexpr,
     C0_R: tl.constexpr, C0_S: tl.constexpr, C0_TW: tl.constexpr, C0_STRIDE: tl.constexpr,
+    C0_HDR: tl.constexpr,
     C1_R: tl.constexpr, C1_S: tl.constexpr, C1_TW: tl.constexpr, C1_STRIDE: tl.constexpr,
+    C1_HDR: tl.constexpr,
     HAS_IX: tl.constexpr, IX_R: tl.constexpr, NEXT_N: tl.constexpr,
     NUM_CAUSAL: tl.constexpr,
     K0_R: tl.constexpr, K0_S: tl.constexpr, K0_LIMIT: tl.constexpr, K0_STRIDE: tl.constexpr,
-    K0_WIDTH: tl.constexpr, K0_START: tl.constexpr, K0_TILES: tl.constexpr,
+    K0_WIDTH: tl.constexpr, K0_START: tl.constexpr, K0_TILES: tl.constexpr, K0_HDR: tl.constexpr,
     K1_R: tl.constexpr, K1_S: tl.constexpr, K1_LIMIT: tl.constexpr, K1_STRIDE: tl.constexpr,
-    K1_WIDTH: tl.constexpr, K1_START: tl.constexpr, K1_TILES: tl.constexpr,
+    K1_WIDTH: tl.constexpr, K1_START: tl.constexpr, K1_TILES: tl.constexpr, K1_HDR: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < NUM_REQ_PROG:
@@ -218,8 +287,18 @@ def _fused_step_kernel(
                     n = owned_count(tl.maximum(sl - NEXT_N + j + 1, 0) // IX_R, CP_W, CP_R, CP_I)
                     tl.store(ix_dec + e, tl.where(is_req & (j >= NEXT_N - q), n, 0).to(tl.int32),
                              mask=in_dec)
+    elif pid < NUM_REQ_PROG + NUM_WRITERS:
+        w = pid - NUM_REQ_PROG
+        if NUM_GROUPS > 0:
+            _write_segments(stage_ptr, g0_tab, w, SEG_HDR, G0_STRIDE, NUM_WRITERS, BLOCK_W)
+        if NUM_GROUPS > 1:
+            _write_segments(stage_ptr, g1_tab, w, SEG_HDR + 3, G1_STRIDE, NUM_WRITERS, BLOCK_W)
+        if NUM_GROUPS > 2:
+            _write_segments(stage_ptr, g2_tab, w, SEG_HDR + 6, G2_STRIDE, NUM_WRITERS, BLOCK_W)
+        if NUM_GROUPS > 3:
+            _write_segments(stage_ptr, g3_tab, w, SEG_HDR + 9, G3_STRIDE, NUM_WRITERS, BLOCK_W)
     else:
-        q_id = pid - NUM_REQ_PROG
+        q_id = pid - NUM_REQ_PROG - NUM_WRITERS
         tile = q_id // NUM_TASKS
         task = q_id % NUM_TASKS
         if task == 0:
@@ -229,20 +308,23 @@ def _fused_step_kernel(
             tl.store(valid_ptr + t, valid, mask=in_out)
             tl.store(pos_ptr + t, pos, mask=in_out)
             if NUM_WIN > 0:
-                _raw_slots(w0_bt, w0_slots, t, in_out, b, valid, pos, W0_BS, W0_TW, W0_STRIDE,
+                _raw_slots(w0_bt, stage_ptr, w0_slots, t, in_out, b, valid, pos, W0_BS, W0_TW,
+                           W0_STRIDE, W0_HDR,
                            CP_W, CP_R, CP_I)
             if NUM_WIN > 1:
-                _raw_slots(w1_bt, w1_slots, t, in_out, b, valid, pos, W1_BS, W1_TW, W1_STRIDE,
+                _raw_slots(w1_bt, stage_ptr, w1_slots, t, in_out, b, valid, pos, W1_BS, W1_TW,
+                           W1_STRIDE, W1_HDR,
                            CP_W, CP_R, CP_I)
             if NUM_WIN > 2:
-                _raw_slots(w2_bt, w2_slots, t, in_out, b, valid, pos, W2_BS, W2_TW, W2_STRIDE,
+                _raw_slots(w2_bt, stage_ptr, w2_slots, t, in_out, b, valid, pos, W2_BS, W2_TW,
+                           W2_STRIDE, W2_HDR,
                            CP_W, CP_R, CP_I)
             if NUM_CMP > 0:
-                _compressed_slots(c0_bt, c0_out, t, in_out, b, valid, pos, C0_R, C0_S, C0_TW,
-                                  C0_STRIDE, CP_W, CP_R, CP_I)
+                _compressed_slots(c0_bt, stage_ptr, c0_out, t, in_out, b, valid, pos, C0_R, C0_S,
+                                  C0_TW, C0_STRIDE, C0_HDR, CP_W, CP_R, CP_I)
             if NUM_CMP > 1:
-                _compressed_slots(c1_bt, c1_out, t, in_out, b, valid, pos, C1_R, C1_S, C1_TW,
-                                  C1_STRIDE, CP_W, CP_R, CP_I)
+                _compressed_slots(c1_bt, stage_ptr, c1_out, t, in_out, b, valid, pos, C1_R, C1_S,
+                                  C1_TW, C1_STRIDE, C1_HDR, CP_W, CP_R, CP_I)
             if HAS_IX:
                 n = tl.where(valid, owned_count(tl.maximum(pos + 1, 0) // IX_R, CP_W, CP_R, CP_I), 0)
                 ks = tl.where(valid, _rows_before(seq_lens_ptr, b, num_reqs, n_req_tiles, IX_R,
@@ -252,28 +334,33 @@ def _fused_step_kernel(
                 tl.store(ix_ke + t, tl.where(valid, ks + n, 0).to(tl.int32), mask=in_out)
         if NUM_WIN > 0:
             if task == 1:
-                _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, w0_bt, w0_idx, w0_lens, tile, T_pad,
-                             num_reqs, n_iter, W0_BS, W0_WIN, W0_WIDTH, W0_WPAD, W0_TW, W0_STRIDE,
+                _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, w0_bt, stage_ptr, w0_idx, w0_lens,
+                             tile, T_pad, num_reqs, n_iter, W0_BS, W0_WIN, W0_WIDTH, W0_WPAD,
+                             W0_TW, W0_STRIDE, W0_HDR,
                              CP_W, CP_R, CP_I, BLOCK_T)
         if NUM_WIN > 1:
             if task == 2:
-                _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, w1_bt, w1_idx, w1_lens, tile, T_pad,
-                             num_reqs, n_iter, W1_BS, W1_WIN, W1_WIDTH, W1_WPAD, W1_TW, W1_STRIDE,
+                _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, w1_bt, stage_ptr, w1_idx, w1_lens,
+                             tile, T_pad, num_reqs, n_iter, W1_BS, W1_WIN, W1_WIDTH, W1_WPAD,
+                             W1_TW, W1_STRIDE, W1_HDR,
                              CP_W, CP_R, CP_I, BLOCK_T)
         if NUM_WIN > 2:
             if task == 3:
-                _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, w2_bt, w2_idx, w2_lens, tile, T_pad,
-                             num_reqs, n_iter, W2_BS, W2_WIN, W2_WIDTH, W2_WPAD, W2_TW, W2_STRIDE,
+                _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, w2_bt, stage_ptr, w2_idx, w2_lens,
+                             tile, T_pad, num_reqs, n_iter, W2_BS, W2_WIN, W2_WIDTH, W2_WPAD,
+                             W2_TW, W2_STRIDE, W2_HDR,
                              CP_W, CP_R, CP_I, BLOCK_T)
         if NUM_CAUSAL > 0:
             if (task >= K0_START) & (task < K0_START + K0_TILES):
-                _causal_task(qsl_ptr, seq_lens_ptr, k0_bt, k0_idx, k0_lens, tile, task - K0_START,
-                             T_pad, num_reqs, n_iter, K0_R, K0_S, K0_LIMIT, K0_STRIDE, K0_WIDTH,
+                _causal_task(qsl_ptr, seq_lens_ptr, k0_bt, stage_ptr, k0_idx, k0_lens, tile,
+                             task - K0_START, T_pad, num_reqs, n_iter, K0_R, K0_S, K0_LIMIT,
+                             K0_STRIDE, K0_HDR, K0_WIDTH,
                              CP_W, CP_R, CP_I, BLOCK_T, BLOCK_C)
         if NUM_CAUSAL > 1:
             if (task >= K1_START) & (task < K1_START + K1_TILES):
-                _causal_task(qsl_ptr, seq_lens_ptr, k1_bt, k1_idx, k1_lens, tile, task - K1_START,
-                             T_pad, num_reqs, n_iter, K1_R, K1_S, K1_LIMIT, K1_STRIDE, K1_WIDTH,
+                _causal_task(qsl_ptr, seq_lens_ptr, k1_bt, stage_ptr, k1_idx, k1_lens, tile,
+                             task - K1_START, T_pad, num_reqs, n_iter, K1_R, K1_S, K1_LIMIT,
+                             K1_STRIDE, K1_HDR, K1_WIDTH,
                              CP_W, CP_R, CP_I, BLOCK_T, BLOCK_C)
 
 
@@ -298,6 +385,10 @@ class FusedPlan:
     is_valid_token : bool [max_num_tokens] — the pipeline's common buffers.
     block_t : int, optional — token rows per program (default 32; 64 under the interpreter).
     block_c : int, optional — columns per causal-list program (default 128).
+    stage : int32 1-D device tensor, optional — the pipeline's staging buffer (step arrays at its
+        start, segment headers at :func:`segment_header`); ``None``: a private one that stages nothing.
+    num_writers : int, optional — programs applying block-table segments (default 32; 2 under the
+        interpreter). block_w : int — entries per writer store (default 1024).
 
     Attributes
     ----------
@@ -306,11 +397,23 @@ class FusedPlan:
 
     def __init__(self, ctx, builders: Dict[str, object], *, token_to_req: torch.Tensor,
                  positions: torch.Tensor, is_valid_token: torch.Tensor, block_t: int = None,
-                 block_c: int = 128):
+                 block_c: int = 128, stage: torch.Tensor = None, num_writers: int = None,
+                 block_w: int = 1024):
         from .._common import interpreting
         if block_t is None:
             block_t = 64 if interpreting() else 32
-        for name, v in (("block_t", block_t), ("block_c", block_c)):
+        if num_writers is None:
+            num_writers = 2 if interpreting() else 32
+        G = len(ctx.block_tables)
+        if G > MAX_GROUPS:
+            raise ValueError(f"block_tables: the fused launch applies at most {MAX_GROUPS} groups, got {G}")
+        hdr = segment_header(ctx.max_num_reqs)
+        if stage is None:
+            stage = torch.zeros(hdr + 3 * MAX_GROUPS, dtype=torch.int32, device=ctx.device)
+            stage[hdr + 2::3] = -1  # NOTE: no overlay, no pieces
+        if stage.dtype != torch.int32 or stage.dim() != 1 or stage.numel() < hdr + 3 * G:
+            raise ValueError(f"stage must be a 1-D int32 buffer of >= {hdr + 3 * G} entries")
+        for name, v in (("block_t", block_t), ("block_c", block_c), ("block_w", block_w)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v!r}")
         T, R = ctx.max_num_tokens, ctx.max_num_reqs
@@ -346,7 +449,7 @@ class FusedPlan:
             if cls is IndexerChannel and indexer is not None:
                 continue
             if need_cmp:
-                compressed[key] = (bt, bld.compressed, bld.spec)
+                compressed[key] = (bt, bld.compressed, bld.spec)  # NOTE: spec.gid picks the segment header
             if cls is CausalCompressedChannel:
                 causal.append((bt, bld.indices, bld.lens, bld.spec))
             elif cls is IndexerChannel:
@@ -357,10 +460,18 @@ class FusedPlan:
         self.covered = frozenset(covered)
         self._keys = tuple(compressed)
 
+        if isinstance(num_writers, bool) or not isinstance(num_writers, int) or num_writers < 1:
+            raise ValueError(f"num_writers must be an int >= 1, got {num_writers!r}")
         consts = dict(cp, BLOCK_T=block_t, BLOCK_B=64, BLOCK_R=min(1024, triton.next_power_of_2(R + 1)),
-                      BLOCK_C=block_c)
-        args: List[torch.Tensor] = [ctx.query_start_loc, ctx.seq_lens, ctx.replay_start, token_to_req,
-                                    is_valid_token, positions]
+                      BLOCK_C=block_c, NUM_GROUPS=G, NUM_WRITERS=num_writers, BLOCK_W=block_w, SEG_HDR=hdr)
+        tabs = list(ctx.block_tables) + [ctx.block_tables[0]] * (MAX_GROUPS - G)
+        for i, bt in enumerate(tabs):
+            if not bt.is_contiguous():
+                raise ValueError("block_tables must be contiguous (segments are written at row * width)")
+            consts[f"G{i}_STRIDE"] = bt.stride(0)
+        self.stage = stage
+        args: List[torch.Tensor] = [stage, *tabs, ctx.query_start_loc, ctx.seq_lens, ctx.replay_start,
+                                    token_to_req, is_valid_token, positions]
         consts["NUM_WIN"] = len(windows)
         for i in range(MAX_WINDOW):
             if i < len(windows):
@@ -370,10 +481,10 @@ class FusedPlan:
                 width = w.indices.shape[1]
                 args += [bt, w.slots, w.indices, w.lens]
                 g = dict(BS=w.kernel_block_size, WIN=w.spec.window, WIDTH=width,
-                         WPAD=triton.next_power_of_2(width), TW=tw, STRIDE=stride)
+                         WPAD=triton.next_power_of_2(width), TW=tw, STRIDE=stride, HDR=hdr + 3 * w.spec.gid)
             else:
                 args += [ctx.block_tables[0], dummy, dummy, dummy]
-                g = dict(BS=1, WIN=1, WIDTH=1, WPAD=1, TW=1, STRIDE=1)
+                g = dict(BS=1, WIN=1, WIDTH=1, WPAD=1, TW=1, STRIDE=1, HDR=hdr)
             consts.update({f"W{i}_{k}": v for k, v in g.items()})
         consts["NUM_CMP"] = len(compressed)
         cmp = list(compressed.values())
@@ -382,10 +493,10 @@ class FusedPlan:
                 bt, buf, s = cmp[i]
                 tw, stride = _check_table("block_tables", bt)
                 args += [bt, buf]
-                g = dict(R=s.compress_ratio, S=s.rows_per_block, TW=tw, STRIDE=stride)
+                g = dict(R=s.compress_ratio, S=s.rows_per_block, TW=tw, STRIDE=stride, HDR=hdr + 3 * s.gid)
             else:
                 args += [ctx.block_tables[0], dummy]
-                g = dict(R=1, S=1, TW=1, STRIDE=1)
+                g = dict(R=1, S=1, TW=1, STRIDE=1, HDR=hdr)
             consts.update({f"C{i}_{k}": v for k, v in g.items()})
         if indexer is not None:
             args += [indexer.lens, indexer.ks, indexer.ke, indexer.cu, indexer.decode_lens]
@@ -406,11 +517,11 @@ class FusedPlan:
                 tiles = triton.cdiv(idx.shape[1], block_c)
                 args += [bt, idx, lens]
                 g = dict(R=s.compress_ratio, S=s.rows_per_block, LIMIT=min(idx.shape[1], tw * s.rows_per_block),
-                         STRIDE=stride, WIDTH=idx.shape[1], START=start, TILES=tiles)
+                         STRIDE=stride, WIDTH=idx.shape[1], START=start, TILES=tiles, HDR=hdr + 3 * s.gid)
                 start += tiles
             else:
                 args += [ctx.block_tables[0], dummy, dummy]
-                g = dict(R=1, S=1, LIMIT=1, STRIDE=1, WIDTH=1, START=0, TILES=0)
+                g = dict(R=1, S=1, LIMIT=1, STRIDE=1, WIDTH=1, START=0, TILES=0, HDR=hdr)
             consts.update({f"K{i}_{k}": v for k, v in g.items()})
         consts["NUM_TASKS"] = start
         consts["NUM_REQ_PROG"] = 2 if indexer is not None else 0
@@ -418,6 +529,8 @@ class FusedPlan:
         self._block_t = block_t
         self._num_tasks = start
         self._num_req_prog = consts["NUM_REQ_PROG"]
+        self._num_writers = num_writers
+        self._lead = consts["NUM_REQ_PROG"] + num_writers
         # runtime scalars that never change for a pipeline
         self._args = tuple(args)
         self._tail = (R, num_search_iters(R), triton.cdiv(R, consts["BLOCK_B"]), dec_rows)
@@ -444,11 +557,11 @@ class FusedPlan:
     # ------------------------------------------------------------------------------------------
     def num_programs(self, num_tokens_padded: int) -> int:
         """Grid size of one launch for ``num_tokens_padded`` tokens."""
-        return self._num_req_prog + -(-num_tokens_padded // self._block_t) * self._num_tasks
+        return self._lead + -(-num_tokens_padded // self._block_t) * self._num_tasks
 
     def launch(self, ctx) -> None:
         """One launch for the step in ``ctx`` (no host sync, no allocation)."""
-        n = self._num_req_prog + -(-ctx.num_tokens_padded // self._block_t) * self._num_tasks
+        n = self._lead + -(-ctx.num_tokens_padded // self._block_t) * self._num_tasks
         if n:
             if self._compiled is not None:
                 self._launch_compiled(n, ctx.num_tokens_padded, ctx.num_decodes)

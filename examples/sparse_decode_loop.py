@@ -1,0 +1,317 @@
+"""A serving trace through the reference scheduler, the MetadataPipeline and a paged tiny DeepSeek-V4
+attention (one layer of each kind: swa, c4, c128), checked step by step against the dense model.
+
+Every step: the scheduler decides (arrivals, chunked prefill, decodes with speculative tokens, partial
+acceptance, preemption and resume, prefix-cache hits with bounded replay); ``pipeline.update`` (padded to
+the next multiple of 8, like a CUDA-graph batch size) and ``build`` make the metadata; each layer's
+``forward_paged`` writes and reads its paged caches only through that metadata; every valid token's
+output is compared with ``forward_dense`` over its request's (accepted history ++ this step's inputs).
+
+    python examples/sparse_decode_loop.py                 # 200 steps, reference backend on CPU
+    python examples/sparse_decode_loop.py --validate      # + check_metadata every step
+    python examples/sparse_decode_loop.py --kernels       # CPU: Triton kernels in the interpreter (slow)
+
+Exit code 1 when any output differs from dense by more than 1e-4 (or an expected event did not happen).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+import zlib
+
+import torch  # NOTE: does not import triton; TRITON_INTERPRET is set below before anything does
+
+TOL = 1e-4
+MAX_LEN = 192          # max_model_len of the tiny layout
+MLA_BLOCK = 32         # mla group block size (c4a / c4i: 8 rows per block, c128a (R=16): 2)
+SWA_BLOCK = 4          # swa group block size (window 8 spans 2-3 blocks)
+NUM_BLOCKS = 56        # shared pool: small enough that long requests get preempted
+BUDGET = 32            # max_num_batched_tokens per step
+CHUNK = 16             # long_prefill_threshold: prompts are prefilled in chunks
+SPEC = 2               # speculative tokens per decode
+PAD = 8                # token count padded to a multiple of this
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0, help="trace, inputs and weights (default 0)")
+    ap.add_argument("--steps", type=int, default=200, help="scheduler steps (default 200)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--validate", action="store_true", help="run dsv4_index.validate.check_metadata every step")
+    ap.add_argument("--kernels", action="store_true",
+                    help="on CPU: run the Triton kernels in the interpreter (TRITON_INTERPRET=1; slow) "
+                         "instead of the PyTorch reference")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+    return args
+
+
+def pick_backend(args) -> str:
+    """Set the environment before triton / dsv4_index are imported; return a description."""
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = dev
+    if dev.startswith("cuda"):
+        os.environ.pop("DSV4_INDEX_BACKEND", None)
+        return "triton (CUDA)"
+    if args.kernels:
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["DSV4_INDEX_BACKEND"] = "triton"
+        return "triton (CPU interpreter)"
+    # NOTE: an inherited TRITON_INTERPRET=1 (e.g. from the test runner) would make every op interpret.
+    os.environ["DSV4_INDEX_BACKEND"] = "reference"
+    return "reference (PyTorch)"
+
+
+class Inputs:
+    """Deterministic hidden states. ``real(rid, n)``: rows of positions ``0..n-1`` of the request's real
+    tokens; a prompt block shared through the prefix cache takes the rows of the block's content owner,
+    so shared blocks hold identical KV. ``draft(rid, n)``: rejected-draft rows (different values)."""
+
+    def __init__(self, hidden: int, seed: int, device):
+        self.hidden, self.seed, self.device = hidden, seed, device
+        self.keys = {}     # rid -> content key (owner, j) of each full prompt block of the mla group
+        self._tables = {}
+
+    def _table(self, name):
+        if name not in self._tables:
+            g = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{name}".encode()))
+            self._tables[name] = torch.randn(MAX_LEN, self.hidden, generator=g).to(self.device)
+        return self._tables[name]
+
+    def add(self, rid, prompt_len, prefix_of=None, prefix_len=0):
+        shared = prefix_len // MLA_BLOCK
+        own = self.keys[prefix_of][:shared] if prefix_of in self.keys else [(prefix_of, j) for j in range(shared)]
+        self.keys[rid] = own + [(rid, j) for j in range(len(own), prompt_len // MLA_BLOCK)]
+
+    def real(self, rid, n):
+        keys = self.keys[rid]
+        owners = [keys[p // MLA_BLOCK][0] if p // MLA_BLOCK < len(keys) else rid for p in range(n)]
+        if all(o == rid for o in owners):
+            return self._table(rid)[:n]
+        return torch.stack([self._table(o)[p] for p, o in enumerate(owners)]) if n else self._table(rid)[:0]
+
+    def draft(self, rid, n):
+        return self._table(("draft", rid))[:n]
+
+
+def make_trace(sched, inputs, steps, seed):
+    """Scripted start (so every event shows up within ~30 steps), then random arrivals. Yields
+    ``(step, views, accepted)`` and advances the scheduler after each."""
+    rng = random.Random(seed)
+    script = {
+        0: [dict(req_id="a", prompt_len=80, max_new_tokens=10, prefix_of="sys", prefix_len=64),
+            dict(req_id="b", prompt_len=24, max_new_tokens=30)],
+        1: [dict(req_id="c", prompt_len=44, max_new_tokens=12)],
+        # a's first 64 tokens are computed by now: d hits them (and replays the last window)
+        7: [dict(req_id="d", prompt_len=90, max_new_tokens=8, prefix_of="a", prefix_len=64),
+            dict(req_id="e", prompt_len=120, max_new_tokens=16)],
+        # a burst of long prompts: the pool runs dry and someone is preempted
+        10: [dict(req_id="f", prompt_len=150, max_new_tokens=20), dict(req_id="g", prompt_len=130, max_new_tokens=12)],
+    }
+    n = 0
+    for i in range(steps):
+        adds = list(script.get(i, ()))
+        if i > max(script) and (rng.random() < 0.25 or not sched.has_unfinished()) \
+                and len(sched.waiting_req_ids) < 3:
+            new = rng.randint(1, 24)
+            plen = rng.randint(1, 150 - new)
+            kw = dict(req_id=f"r{n}", prompt_len=plen, max_new_tokens=new)
+            n += 1
+            if rng.random() < 0.3 and plen > MLA_BLOCK:  # share a prefix with an earlier request
+                kw.update(prefix_of=rng.choice(sorted(inputs.keys)), prefix_len=rng.randint(MLA_BLOCK, plen))
+            adds.append(kw)
+        for kw in adds:
+            sched.add_request(**kw)
+            inputs.add(kw["req_id"], kw["prompt_len"], kw.get("prefix_of"), kw.get("prefix_len", 0))
+        step = sched.schedule()
+        views = sched.batch_view(step)
+        accepted = sched.random_acceptance(step, rng)
+        yield step, views, accepted
+        sched.update_after_step(accepted)
+
+
+def progress(total):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, unit="step", file=sys.stderr, disable=None, leave=False)
+    except ImportError:
+        class Line:
+            def __init__(self):
+                self.n = 0
+
+            def update(self, k=1):
+                self.n += k
+                if sys.stderr.isatty():
+                    print(f"\rstep {self.n}/{total}", end="", file=sys.stderr, flush=True)
+
+            def set_postfix_str(self, s):
+                pass
+
+            def close(self):
+                if sys.stderr.isatty():
+                    print(file=sys.stderr)
+        return Line()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = pick_backend(args)
+
+    from dsv4_index import DSV4Layout, MetadataPipeline
+    from dsv4_index.scheduler import ReferenceScheduler
+    from dsv4_index.validate import check_metadata
+    from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load, load_config, save
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # NOTE: fp32 math on both sides of the comparison
+        torch.backends.cudnn.allow_tf32 = False
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    cfg = load_config("tiny")
+    layout = DSV4Layout.from_config(cfg.to_dict(), MAX_LEN, mla_block_size=MLA_BLOCK, swa_block_size=SWA_BLOCK,
+                                    indexer_causal_indices=True)
+    kinds = {k: cfg.layer_ids(k)[0] for k in ("swa", "c4", "c128")}
+
+    # weights from the seed, round-tripped through a safetensors file
+    ref = torch.nn.ModuleDict({k: init_weights(DSV4Attention(cfg, l), args.seed * 1000 + l) for k, l in kinds.items()})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tiny_attention.safetensors")
+        save(ref, path)
+        size = os.path.getsize(path)
+        models = load(torch.nn.ModuleDict({k: DSV4Attention(cfg, l) for k, l in kinds.items()}), path)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), models.parameters()))
+    models = models.to(device).eval()
+    print(f"tiny DSV4 attention: layers {kinds} (kind: layer id); weights seed {args.seed}, "
+          f"safetensors round trip {size / 1024:.1f} KiB")
+    print(f"device {device}, metadata backend: {backend}")
+
+    sched = ReferenceScheduler(layout, NUM_BLOCKS, max_num_batched_tokens=BUDGET, max_num_seqs=6,
+                               num_speculative_tokens=SPEC, long_prefill_threshold=CHUNK,
+                               enable_prefix_caching=True, seed=args.seed)
+    capacity = -(-BUDGET // PAD) * PAD
+    pipe = MetadataPipeline(layout, 8, capacity, device, num_speculative_tokens=SPEC)
+    pipe.warmup()
+    caches = PagedCaches(cfg, layout, NUM_BLOCKS, device=device)
+    inputs = Inputs(cfg.hidden_size, args.seed, device)
+
+    ev = dict(steps=0, tokens=0, padded=0, prefill_chunks=0, partial_chunks=0, decodes=0, spec_accepted=0,
+              spec_rejected=0, preemptions=0, resumes=0, prefix_hits=0, replayed=0, finished=0, compared=0,
+              checks=0)
+    reqs, err = set(), {k: 0.0 for k in kinds}
+    times = []
+    bar = progress(args.steps)
+    for step, views, accepted in make_trace(sched, inputs, args.steps, args.seed):
+        ev["steps"] += 1
+        ev["preemptions"] += len(step.preempted_req_ids)
+        ev["resumes"] += sum(r.resumed for r in step.running_requests)
+        ev["finished"] += len(step.finished_req_ids)
+        ev["prefix_hits"] += sum(r.req_id in step.replay_start for r in step.new_requests)
+        T = step.total_tokens
+        Tp = min(max(-(-T // PAD) * PAD, PAD), capacity)
+        sync()
+        t0 = time.perf_counter()
+        pipe.update(step, pad_to=Tp)
+        meta = pipe.build()
+        sync()
+        times.append(time.perf_counter() - t0)
+        if args.validate:
+            check_metadata(meta, num_blocks=NUM_BLOCKS)
+            ev["checks"] += 1
+        bar.update(1)
+        if T == 0:
+            continue
+        ev["tokens"] += T
+        ev["padded"] += Tp - T
+        by_id = {v.req_id: v for v in views}
+        qsl = meta.query_start_loc.tolist()
+        x = torch.full((Tp, cfg.hidden_size), float("nan"), device=device)  # padded rows: NaN, must not leak
+        dense_in = {}
+        for b, rid in enumerate(meta.req_ids):
+            v = by_id[rid]
+            reqs.add(rid)
+            c, n = v.num_computed_tokens, v.num_scheduled_tokens
+            keep = 1 + accepted.get(rid, n - 1) if v.is_decode else n  # tokens that stay (real)
+            if v.is_decode:
+                ev["decodes"] += 1
+                ev["spec_accepted"] += keep - 1
+                ev["spec_rejected"] += n - keep
+            else:
+                ev["prefill_chunks"] += 1
+                ev["partial_chunks"] += v.seq_len < sched.req_state(rid).prompt_len
+            seq = torch.cat([inputs.real(rid, c + keep), inputs.draft(rid, c + n)[c + keep:]])
+            x[qsl[b]:qsl[b + 1]] = seq[c:]
+            dense_in[rid] = seq
+        with torch.no_grad():
+            for kind, m in models.items():
+                y = m.forward_paged(x, meta, caches[kinds[kind]])
+                e = y[T:].abs().amax().item() if Tp > T else 0.0  # padded tokens must give zeros
+                for b, rid in enumerate(meta.req_ids):
+                    v = by_id[rid]
+                    ref_y = m.forward_dense(dense_in[rid])[v.num_computed_tokens:]
+                    # NOTE: bounded replay after a prefix hit: tokens whose window reaches below
+                    # replay_start only rewrite caches (their outputs are discarded by an engine).
+                    skip = 0
+                    if v.replay_start:
+                        skip = min(v.num_scheduled_tokens, max(
+                            0, v.replay_start + layout.sliding_window - 1 - v.num_computed_tokens))
+                    d = (y[qsl[b] + skip:qsl[b + 1]] - ref_y[skip:]).abs()
+                    e = max(e, torch.nan_to_num(d, nan=float("inf")).amax().item() if d.numel() else 0.0)
+                    if kind == "swa":
+                        ev["replayed"] += skip
+                        ev["compared"] += v.num_scheduled_tokens - skip
+                err[kind] = max(err[kind], e)
+        bar.set_postfix_str(f"reqs {len(reqs)} max|err| {max(err.values()):.1e}")
+    bar.close()
+
+    ms = sorted(t * 1e3 for t in times)
+    p90 = ms[min(len(ms) - 1, int(round(0.9 * (len(ms) - 1))))]
+    rows = [
+        ("steps", ev["steps"]), ("tokens (valid / padding)", f"{ev['tokens']} / {ev['padded']}"),
+        ("requests seen / finished", f"{len(reqs)} / {ev['finished']}"),
+        ("prefill chunks (partial)", f"{ev['prefill_chunks']} ({ev['partial_chunks']})"),
+        ("decodes", ev["decodes"]),
+        ("spec tokens accepted / rejected", f"{ev['spec_accepted']} / {ev['spec_rejected']}"),
+        ("preemptions / resumes", f"{ev['preemptions']} / {ev['resumes']}"),
+        ("prefix hits (replayed, not compared)", f"{ev['prefix_hits']} ({ev['replayed']})"),
+        ("tokens compared with dense", ev["compared"]),
+        ("check_metadata passes", ev["checks"] if args.validate else "off (--validate)"),
+        ("metadata backend", backend),
+        ("update+build ms median / p90", f"{statistics.median(ms):.3f} / {p90:.3f}"),
+    ] + [(f"max |paged - dense| {k} (layer {kinds[k]})", f"{err[k]:.2e}") for k in kinds]
+    w = max(len(k) for k, _ in rows)
+    print("\nsummary")
+    print("-" * (w + 24))
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+    print("-" * (w + 24))
+
+    ok = True
+    if max(err.values()) > TOL or any(e != e for e in err.values()):
+        print(f"FAIL: max |paged - dense| {max(err.values()):.2e} > {TOL:g}")
+        ok = False
+    want = dict(partial_chunks="chunked prefill", decodes="decode", spec_accepted="spec tokens accepted",
+                spec_rejected="spec tokens rejected", preemptions="preemption", resumes="resume",
+                prefix_hits="prefix-cache hit")
+    missing = [name for key, name in want.items() if ev[key] == 0]
+    if missing:
+        msg = f"events that did not happen in {ev['steps']} steps: {', '.join(missing)}"
+        print(("FAIL: " if ev["steps"] >= 30 else "note: ") + msg)
+        ok = ok and ev["steps"] < 30
+    else:
+        print("events seen: " + ", ".join(want.values()))
+    if ok:
+        print(f"OK: paged == dense within {TOL:g} for every compared token of every layer kind")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
