@@ -404,3 +404,26 @@ def test_update_without_build_applies_the_skipped_step():
     step_both(fused, plain, s2, pad_to=s2.total_tokens + 2)
     assert fused.last_step_stats.num_applies == 1
     assert_tables_current(fused)
+
+
+def test_many_requests_several_lookup_chunks():
+    """~600 requests (more than one request chunk of the fused lookup; trailing capacity rows are
+    zero-length) and a second step that appends blocks: fused == unfused."""
+    from dsv4_index.kernels.token_to_req import qsl_chunk_size
+    layout = tiny_layout()
+    rng = random.Random(600)
+    fused, plain = pipelines(layout, max_reqs=640, max_tokens=700)
+    assert 640 > qsl_chunk_size(fused._fused._block_t)
+    blocks = Blocks(layout, rng)
+    step = random_step(layout, rng, blocks, "decode", n_reqs=600, max_ctx=200, replay=True)
+    step_both(fused, plain, step)
+    ctx = {r.req_id: r.num_computed_tokens + step.num_scheduled_tokens[r.req_id] for r in step.new_requests}
+    running, sched2 = [], {}
+    for i, (rid, c) in enumerate(ctx.items()):
+        if i % 3 == 0:
+            continue  # NOTE: unscheduled this step: leaves gaps in the batch
+        q = 1 + (i % 2)
+        running.append(RunningRequest(rid, blocks.lists(c + q, [blocks.count(g, c) for g in layout.groups]), c))
+        sched2[rid] = q
+    finished = {rid for i, rid in enumerate(ctx) if i % 3 == 0}
+    step_both(fused, plain, StepInput([], running, sched2, finished, set()))
