@@ -7,9 +7,10 @@
 #
 # Stages:
 #   tests      the whole pytest suite, kernels compiled (no interpreter), GPU-only tests included
+#              (pytest-xdist, 8 workers sharing the GPU, when the machine has it)
 #   bench      benchmarks/bench_step.py (JSON + markdown table)
 #   demo       examples/sparse_decode_loop.py on CUDA
-#   cp         examples/cp_decode.py with NCCL, 2 processes (2 GPUs when present, else sharing one)
+#   cp         examples/cp_decode.py with NCCL: 2 ranks, and 4 ranks when 4 GPUs are present
 #   memcheck   compute-sanitizer memcheck over the kernel, fused, pipeline and graph tests
 #   racecheck  compute-sanitizer racecheck over the fused-kernel tests
 set -u
@@ -40,13 +41,17 @@ NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 stages=${*:-tests bench demo cp}
 for s in $stages; do
   case $s in
-    tests)     stage tests 300 $PY -m pytest -q -p no:warnings tests ;;
+    tests)     XD=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+               TAIL=25 stage tests 300 $PY -m pytest -q -p no:warnings $XD --durations=12 tests ;;
     bench)     TAIL=40 stage bench 300 $PY benchmarks/bench_step.py --out "$OUT/bench.json" ;;
     demo)      stage demo 120 $PY examples/sparse_decode_loop.py --device cuda ;;
-    cp)        stage cp 180 $PY -m torch.distributed.run --nproc-per-node 2 examples/cp_decode.py --device cuda ;;
-    memcheck)  HYPOTHESIS_PROFILE=dev stage memcheck 400 compute-sanitizer --tool memcheck --error-exitcode 7 \
+    cp)        stage cp2 120 $PY -m torch.distributed.run --nproc-per-node 2 examples/cp_decode.py --device cuda
+               if [ "$NGPU" -ge 4 ]; then
+                 stage cp4 120 $PY -m torch.distributed.run --nproc-per-node 4 examples/cp_decode.py --device cuda --interleave 2
+               fi ;;
+    memcheck)  HYPOTHESIS_PROFILE=dev TAIL=12 stage memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 7 \
                  $PY -m pytest -q -p no:warnings tests/kernels tests/test_fused.py tests/test_pipeline.py ;;
-    racecheck) HYPOTHESIS_PROFILE=dev stage racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 7 \
+    racecheck) HYPOTHESIS_PROFILE=dev TAIL=12 stage racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 7 \
                  $PY -m pytest -q -p no:warnings tests/test_fused.py ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -1,10 +1,11 @@
 """Host cost of ``MetadataPipeline.update()`` (CPU only, no kernels) and the bytes one step copies.
 
-    python benchmarks/host_profile.py [--reqs 256] [--steps 200] [--max-model-len 131072]
+    python benchmarks/host_profile.py [--reqs 256 1024] [--steps 500] [--max-model-len 131072]
 
 Steady decode of ``--reqs`` requests on the Flash layout: every step each request schedules one
 token and appends a block to a group whenever its length crosses that group's block boundary.
-Prints the median ``update()`` time (µs) and the mean H2D bytes per step (``last_step_stats``).
+Prints the median and p90 ``update()`` time (µs) per batch size and the mean H2D bytes per step
+(``last_step_stats``).
 ``build()`` is not timed: on CPU it would run the reference or the interpreter, not the host path.
 """
 
@@ -54,32 +55,37 @@ def decode_steps(layout, B: int, steps: int, ctx0: int = 3000):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reqs", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--reqs", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--max-model-len", type=int, default=131072)
     a = ap.parse_args(argv)
     layout = DSV4Layout.from_config(CONFIGS / "flash.json", max_model_len=a.max_model_len)
-    pipe = MetadataPipeline(layout, a.reqs, max(a.reqs, 256), "cpu", fused=True)
+    widths = {g.name: g.table_width for g in layout.groups}
+    print(f"flash max_model_len={a.max_model_len} table widths {widths}")
+    for B in a.reqs:
+        run(layout, B, a.steps)
+
+
+def run(layout, B: int, steps: int) -> None:
+    pipe = MetadataPipeline(layout, B, max(B, 256), "cpu", fused=True)
     assert pipe._fused is not None
-    admit, steps = decode_steps(layout, a.reqs, a.steps)
+    admit, trace = decode_steps(layout, B, steps)
     pipe.update(admit)
+    pipe._pending = []
     times, nbytes, tbytes = [], [], []
-    for st in steps:
+    for st in trace:
         t0 = time.perf_counter()
         pipe.update(st)
         times.append((time.perf_counter() - t0) * 1e6)
         pipe._pending = []  # NOTE: stands in for build(), whose one launch applies the staged segments
         nbytes.append(pipe.last_step_stats.h2d_bytes)
         tbytes.append(pipe.last_step_stats.table_bytes)
-    widths = {g.name: g.table_width for g in layout.groups}
-    print(f"flash max_model_len={a.max_model_len} table widths {widths}")
-    print(f"B={a.reqs} decode: update() median {statistics.median(times):.1f} us "
-          f"(p90 {sorted(times)[int(0.9 * len(times))]:.1f} us); H2D {statistics.mean(nbytes):.0f} B/step "
-          f"(block-table segments {statistics.mean(tbytes):.0f} B), 1 copy/step")
-    whole = sum(4 * (g.table_width + 1) * a.reqs / g.alloc_block_size * g.blocks_per_kv_block
-                for g in layout.groups)
-    print(f"whole-row commit of the same appends would copy ~{whole:.0f} B/step")
-
+    print(f"B={B} decode: update() median {statistics.median(times):.1f} us "
+          f"(p90 {sorted(times)[int(0.9 * len(times))]:.1f} us) over {len(times)} steps; "
+          f"H2D {statistics.mean(nbytes):.0f} B/step (block-table segments {statistics.mean(tbytes):.0f} B), "
+          f"1 copy/step")
+    whole = sum(4 * (g.table_width + 1) * B / g.alloc_block_size * g.blocks_per_kv_block for g in layout.groups)
+    print(f"  whole-row commit of the same appends would copy ~{whole:.0f} B/step")
 
 if __name__ == "__main__":
     main()

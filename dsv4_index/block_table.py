@@ -232,6 +232,72 @@ class BlockTable:
             self.dirty_lo[row] = start
         self.dirty_hi[row] = end  # NOTE: hull of the old range (inside [0, start)) and the new columns
 
+    def append_rows(self, rows, counts, block_ids) -> None:
+        """Bulk :meth:`append_row`: append ``counts[i]`` ids to row ``rows[i]`` for every ``i``.
+
+        Parameters
+        ----------
+        rows : array-like of int, ``[k]``
+            Distinct rows in ``[0, max_num_reqs)``.
+        counts : array-like of int, ``[k]``
+            Allocation block ids appended per row (``>= 0``).
+        block_ids : array-like of int, ``[sum(counts)]``
+            The ids, row after row (allocation ids; expanded to kernel blocks when ``f > 1``).
+
+        Raises ValueError (nothing written) on a bad row, a repeated row, a bad id, or a row that
+        would exceed the table width.
+        """
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        f = self.blocks_per_kv_block
+        if counts.shape != rows.shape or (counts.size and counts.min() < 0) or ids.size != int(counts.sum()):
+            raise ValueError(f"counts must hold one count >= 0 per row and sum to len(block_ids) = {ids.size}")
+        if rows.size and (rows.min() < 0 or rows.max() >= self.max_num_reqs or np.unique(rows).size != rows.size):
+            raise ValueError(f"rows must be distinct ints in [0, {self.max_num_reqs}), got {rows.tolist()}")
+        if ids.size and (ids.min() < 0 or ids.max() > (_INT32_MAX - f + 1) // f):
+            raise ValueError("block_ids must be >= 0 and fit int32 as kernel-block ids")
+        start = self.num_blocks[rows].astype(np.int64)
+        n = counts * f
+        end = start + n
+        over = np.flatnonzero(end > self.width)
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"row {int(rows[i])}: appending {int(n[i])} kernel blocks to {int(start[i])} exceeds "
+                             f"the table width {self.width}")
+        m = counts > 0
+        self._append_rows(rows[m], counts[m], ids, start[m])
+
+    def _append_rows(self, rows: np.ndarray, counts: np.ndarray, ids: np.ndarray,
+                     start: Optional[np.ndarray] = None) -> None:
+        """:meth:`append_rows` without checks (int64 arrays; the caller checked rows, ids and width).
+
+        NOTE: every count must be > 0 (then ``sum(counts) == len(rows)`` means one id per row)."""
+        if ids.size == 0:
+            return
+        f = self.blocks_per_kv_block
+        if start is None:
+            start = self.num_blocks[rows].astype(np.int64)
+        if f == 1 and ids.size == rows.size:
+            # NOTE: one id per row (steady decode): no repeat / cumsum
+            self.np[rows, start] = ids
+            end = start + 1
+        else:
+            # NOTE: entry e of row i goes to column start[i] + (e - first entry of row i) (times f, plus j)
+            first = np.cumsum(counts) - counts
+            r = np.repeat(rows, counts)
+            col = np.repeat(start - first * f, counts) + np.arange(ids.size) * f
+            if f > 1:
+                col = (col[:, None] + self._kernel_offsets).reshape(-1)
+                r = np.repeat(r, f)
+                ids = (ids[:, None] * f + self._kernel_offsets).reshape(-1)
+            self.np[r, col] = ids
+            end = start + counts * f
+        self.num_blocks[rows] = end
+        lo, hi = self.dirty_lo, self.dirty_hi
+        lo[rows] = np.where(hi[rows] <= lo[rows], start, lo[rows])
+        hi[rows] = end  # NOTE: hull of the old range (inside [0, start)) and the new columns
+
     def clear_row(self, row: int) -> None:
         """Set the row's length to 0 (entries are left stale; nothing to send to the device)."""
         row = self._check_row("row", row)
@@ -293,12 +359,19 @@ class BlockTable:
         (int, int)
             ``k`` descriptors written and the end offset (``offset + 4k + sum(n)``).
         """
+        k, end, rows, _, _ = self._pack(buf, offset, max_piece)
+        if rows_out is not None:
+            rows_out[: rows.size] = rows
+        return k, end
+
+    def _pack(self, buf: np.ndarray, offset: int, max_piece: Optional[int]):
+        """:meth:`pack_segments`; also returns the dirty rows (ascending) and their int64 ``lo``, ``n``."""
         lo, hi = self.dirty_lo, self.dirty_hi
         rows = np.flatnonzero(hi > lo)
         if rows.size == 0:
-            return 0, offset
+            return 0, offset, rows, rows, rows
         r_lo = lo[rows].astype(np.int64)
-        r_n = hi[rows].astype(np.int64) - r_lo
+        r_n = hi[rows] - r_lo
         if max_piece is not None and int(r_n.max()) > max_piece:
             pieces = (r_n + max_piece - 1) // max_piece
             seg = np.repeat(np.arange(rows.size), pieces)
@@ -321,10 +394,9 @@ class BlockTable:
         # payload: the ranges of the table, flattened (entry e of piece i: column d_lo[i] + e - starts[i])
         src = np.repeat(d_row * self.width + d_lo - starts, d_n) + np.arange(total)
         np.take(self.np.reshape(-1), src, out=buf[pay:end])
-        if rows_out is not None:
-            rows_out[: rows.size] = rows
-        self._clean(rows)
-        return k, end
+        lo[rows] = 0
+        hi[rows] = 0
+        return k, end, rows, r_lo, r_n
 
     def pack_updates(self, buf: np.ndarray, offset: int = 0) -> int:
         """Pack the dirty rows whole (legacy row format) into ``buf`` and mark them clean.

@@ -188,6 +188,10 @@ class MetadataPipeline:
                 self._fused = FusedPlan(self._ctx, self._builders, token_to_req=self.token_to_req,
                                         positions=self.positions, is_valid_token=self.is_valid_token,
                                         stage=self._dev)
+        from .channels.base import ChannelBuilder
+        self._views = None  # (key, channel views, common slices) of the last build
+        self._views_cacheable = all(type(b).views.__module__ == "dsv4_index.channels.builtin"
+                                    and type(b)._meta is ChannelBuilder._meta for b in self._builders.values())
         self._launches = (None if self._fused is None else
                           1 + sum(1 for n in self._builders if n not in self._fused.covered))
 
@@ -200,6 +204,11 @@ class MetadataPipeline:
         self._sched = np.zeros(R, dtype=np.int64)   # tokens scheduled this step per row
         self._replay = np.zeros(R, dtype=np.int64)  # replay_start of this step per row
         self._key = np.zeros(R, dtype=np.int8)
+        self._width_arr = np.array([g.table_width for g in layout.groups], dtype=np.int64)
+        self._bs_arr = np.array([g.block_size for g in layout.groups], dtype=np.int64)
+        self._f_arr = np.array([g.blocks_per_kv_block for g in layout.groups], dtype=np.int64)
+        self._rows_cache = None   # (req ids, int64 rows) of the last bulk step without new requests
+        self._sched_plan = None   # (rows, scheduled tokens) of the step being applied, from _plan_step
         self._gmeta = [(g.block_size, g.table_width, g.blocks_per_kv_block, g.kind == "full") for g in layout.groups]
         self._batch: List[str] = []
         self._counts = dict(num_decodes=0, num_prefills=0, num_decode_tokens=0, num_prefill_tokens=0)
@@ -228,14 +237,137 @@ class MetadataPipeline:
     def _num_computed(self, rid: str) -> int:
         return int(self._computed[self._row_of[rid]])
 
-    def _check_step(self, step: StepInput) -> None:
+    def _check_step(self, step: StepInput):
         """Every check that can reject the step, before any state changes (ValueError).
 
-        Per-request work is O(1) dict lookups; the table-capacity checks run vectorized over the
-        scheduled requests, and only a failing step re-runs them one by one to name the culprit.
+        Returns the bulk plan of :meth:`_plan_step` when the step passes the bulk checks, else None
+        after the one-by-one checks of :meth:`_check_step_slow` passed (they raise naming the culprit).
         """
         if not isinstance(step, StepInput):
             raise ValueError(f"step must be a StepInput, got {type(step).__name__}")
+        if type(step).validate_static is StepInput.validate_static:
+            summary = step._summary()
+            if summary is not None:
+                plan = self._plan_step(step, summary)
+                if plan is not None:
+                    return plan
+        self._check_step_slow(step)
+        return None
+
+    def _plan_step(self, step: StepInput, sm):
+        """Bulk checks (numpy over the scheduled requests); None when a check fails or the step needs
+        the one-by-one path (resumed requests, ids past int32, appends past the table width).
+
+        NOTE: a plan is returned only when every check of :meth:`_check_step_slow` would pass."""
+        G = len(self._gmeta)
+        row_of, known = self._row_of, self._known
+        new, running = step.new_requests, step.running_requests
+        if running and True in [r.resumed for r in running]:
+            return None
+        fin, pre = step.finished_req_ids, step.preempted_req_ids
+        gone = set(fin) | set(pre) if fin or pre else ()
+        n_live = len(row_of)
+        for rid in gone:
+            if rid in row_of:
+                n_live -= 1
+            elif rid not in known:
+                return None
+        S, n_new = len(sm.reqs), len(new)
+        if S and sm.width != G:
+            return None
+        for rid in sm.rids[:n_new]:
+            if (rid in row_of and rid not in gone) or rid in known and rid not in gone:
+                return None
+        rc = self._rows_cache
+        if n_new or rc is None or rc[0] != sm.rids:
+            rc = None
+            rows_l = [row_of.get(rid, -1) for rid in sm.rids[n_new:]] if n_new else list(map(row_of.get, sm.rids))
+            if None in rows_l or -1 in rows_l:
+                return None
+        n_live += n_new
+        if n_live > self.max_num_reqs:
+            return None
+        nst = step.num_scheduled_tokens
+        q = np.fromiter(nst.values(), dtype=np.int64, count=S)
+        if int(q.sum()) > self.max_num_tokens:
+            return None
+        if rc is None:
+            rows = np.full(S, -1, dtype=np.int64)
+            rows[n_new:] = rows_l
+            if not n_new:
+                # NOTE: the same requests in the same order next step map to the same rows unless a row
+                # moves (swap, drop, add): those clear the cache
+                self._rows_cache = (sm.rids, rows)
+        else:
+            rows = rc[1]
+        c = np.array(sm.ncs, dtype=np.int64)
+        # scheduled-token counts in request order (nst may list them in another order)
+        if list(nst) != sm.rids:
+            q = np.fromiter(map(nst.__getitem__, sm.rids), dtype=np.int64, count=S)
+        have = np.zeros((S, G), dtype=np.int64)
+        run_rows = rows[n_new:]
+        tables = self.tables.tables
+        for gid, t in enumerate(tables):
+            have[n_new:, gid] = t.num_blocks[run_rows]
+        # appended entries of running requests (entry = one id of one per-gid list)
+        nz, lens, flat = sm.nz, sm.lens, sm.flat
+        f = self._f_arr
+        entries = None
+        if nz.size:
+            have[nz] += lens * f
+            if flat.size and int(flat.max()) > (np.iinfo(np.int32).max - int(f.max()) + 1) // int(f.max()):
+                return None
+            run = nz >= n_new
+            if run.any():
+                if bool((have[nz[run]] > self._width_arr).any()):
+                    return None  # NOTE: appends past the table width: the slow path raises in append_row
+                ln = lens.reshape(-1)
+                e_list = np.repeat(np.arange(ln.size), ln)
+                e_req, e_gid = nz[e_list // G], e_list % G
+                if n_new:
+                    keep = e_req >= n_new
+                    e_req, e_gid, flat = e_req[keep], e_gid[keep], flat[keep]
+                    lens = lens[run]
+                e_rows = rows[e_req]
+                lens_rows = rows[nz[run]]
+                order = np.argsort(e_gid, kind="stable")  # NOTE: entries by gid, request order kept
+                cut = np.cumsum(np.bincount(e_gid, minlength=G)).tolist()
+                by_gid = flat[order]
+                entries = []
+                for gid, g in enumerate(self.layout.groups):
+                    a, b = cut[gid - 1] if gid else 0, cut[gid]
+                    if a == b:
+                        continue
+                    sel = lens[:, gid] > 0
+                    r, ids = lens_rows[sel], by_gid[a:b]
+                    entries.append((gid, r, lens[sel, gid], ids))
+                    if g.kind != "full":
+                        continue
+                    # NOTE: duplicates against the blocks already in the row (full groups keep every block)
+                    er, fg = e_rows[order[a:b]], int(f[gid])
+                    nb = tables[gid].num_blocks[er].astype(np.int64) // fg
+                    w = int(nb.max())
+                    if w == 0:
+                        continue
+                    cols = np.arange(w)
+                    old = tables[gid].np[er[:, None], cols * fg] // fg
+                    if bool(((old == ids[:, None]) & (cols < nb[:, None]) & (ids != 0)[:, None]).any()):
+                        return None
+        local = self._owned(c + q)
+        bs, width = self._bs_arr, self._width_arr
+        need = -(-local[:, None] // bs[None, :])
+        if bool(((need > width[None, :]) | ((q[:, None] > 0) & (need > have))).any()):
+            return None
+        for rid, rs in step.replay_start.items():
+            # NOTE: statically checked already: scheduled, int, <= num_computed when it schedules tokens
+            if nst[rid] == 0:
+                return None
+        self._sched_plan = (rows, q) if not n_new else None
+        return rows, entries, sm.ncs
+
+    def _check_step_slow(self, step: StepInput) -> None:
+        """The checks one request at a time (names the culprit). Table capacity runs vectorized, and
+        only a failing step re-runs it one by one."""
         if hasattr(step, "validate_static"):
             step.validate_static()
         G = len(self.layout.groups)
@@ -361,13 +493,25 @@ class MetadataPipeline:
 
         Raises ValueError on bad input; the pipeline state is then unchanged.
         """
-        self._check_step(step)
+        self._sched_plan = None
+        plan = self._check_step(step)
         T = step.total_tokens if hasattr(step, "total_tokens") else sum(step.num_scheduled_tokens.values())
         Tp = T if pad_to is None else pad_to
         if isinstance(Tp, bool) or not isinstance(Tp, int) or not T <= Tp <= self.max_num_tokens:
             raise ValueError(f"pad_to must be an int in [{T}, {self.max_num_tokens}], got {pad_to!r}")
+        self._drop_gone(step)
+        if plan is None:
+            self._apply_slow(step)
+        else:
+            self._apply_plan(step, plan)
+        self._order_batch(step)
+        self._fill_host(step, T, Tp)
+        self._updated = True
 
+    def _drop_gone(self, step: StepInput) -> None:
         tables, row_of, known = self.tables, self._row_of, self._known
+        if step.finished_req_ids or step.preempted_req_ids:
+            self._rows_cache = None
         preempted = step.preempted_req_ids
         for rid in (*step.finished_req_ids, *preempted):
             row = row_of.pop(rid, None)
@@ -379,6 +523,34 @@ class MetadataPipeline:
                 known[rid] = int(self._computed[row]) if row is not None else known.get(rid, 0)
             else:
                 known.pop(rid, None)
+
+    def _add_fresh(self, fresh) -> None:
+        if fresh:
+            self._rows_cache = None
+            row_of, computed = self._row_of, self._computed
+            free = np.flatnonzero(~self._occupied)[:len(fresh)].tolist()
+            for row, (rid, ids, nc) in zip(free, fresh):
+                self.tables.add_row(ids, row)
+                self._row_req[row] = rid
+                row_of[rid] = row
+                computed[row] = nc
+            self._occupied[free] = True
+
+    def _apply_plan(self, step: StepInput, plan) -> None:
+        """Bulk apply of a step checked by :meth:`_plan_step` (no resumed requests)."""
+        rows, entries, ncs = plan
+        n_new = len(step.new_requests)
+        if rows.size > n_new:
+            self._computed[rows[n_new:]] = ncs[n_new:]
+        if entries is not None:
+            tables = self.tables.tables
+            for gid, r, counts, ids in entries:
+                tables[gid]._append_rows(r, counts, ids)
+        self._add_fresh([(r.req_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests])
+
+    def _apply_slow(self, step: StepInput) -> None:
+        self._rows_cache = self._sched_plan = None
+        tables, row_of, known = self.tables, self._row_of, self._known
         fresh = [(r.req_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests]
         computed = self._computed
         for r in step.running_requests:
@@ -394,20 +566,10 @@ class MetadataPipeline:
                 if any(r.new_block_ids):
                     tables.append_row(r.new_block_ids, row)
                 computed[row] = r.num_computed_tokens
-        if fresh:
-            free = np.flatnonzero(~self._occupied)[:len(fresh)].tolist()
-            for row, (rid, ids, nc) in zip(free, fresh):
-                tables.add_row(ids, row)
-                self._row_req[row] = rid
-                row_of[rid] = row
-                computed[row] = nc
-            self._occupied[free] = True
-
-        self._order_batch(step)
-        self._fill_host(step, T, Tp)
-        self._updated = True
+        self._add_fresh(fresh)
 
     def _swap(self, a: int, b: int) -> None:
+        self._rows_cache = None
         self.tables.swap_row(a, b)
         rr = self._row_req
         ra, rb = rr[a], rr[b]
@@ -428,8 +590,11 @@ class MetadataPipeline:
         nst = step.num_scheduled_tokens
         sched, key = self._sched, self._key
         sched[:] = 0
-        if nst:
-            rows = np.fromiter((self._row_of[r] for r in nst), dtype=np.int64, count=len(nst))
+        if self._sched_plan is not None:
+            rows, q = self._sched_plan
+            sched[rows] = q
+        elif nst:
+            rows = np.fromiter(map(self._row_of.__getitem__, nst), dtype=np.int64, count=len(nst))
             sched[rows] = np.fromiter(nst.values(), dtype=np.int64, count=len(nst))
         threshold = 1 + self.num_speculative_tokens
         # key: 0 decode, 1 prefill, 2 held but not scheduled, 3 free
@@ -479,14 +644,12 @@ class MetadataPipeline:
         off, hdr = self._fixed, self._hdr
         pending = []
         for gid, t in enumerate(self.tables.tables):
-            lo_all, hi_all = t.dirty_lo, t.dirty_hi
-            rows = np.flatnonzero(hi_all > lo_all)
-            if rows.size == 0:
+            k, end, rows, lo, n = t._pack(h, off, self._PIECE)
+            if k == 0:
                 h[hdr + 3 * gid: hdr + 3 * gid + 3] = (0, off, -1)
                 continue
-            lo, hi = lo_all[rows], hi_all[rows]
-            k, end = t.pack_segments(h, off, max_piece=self._PIECE)
-            pending.append((gid, off, k, end - off - SEGMENT_INTS * k))
+            p = end - off - SEGMENT_INTS * k
+            pending.append((gid, off, k, p))
             stats.num_segments += k
             stats.table_bytes += 4 * (end - off)
             ov = -1
@@ -495,12 +658,10 @@ class MetadataPipeline:
                 ov = end
                 o = h[end:end + 3 * B].reshape(B, 3)
                 o[:] = 0
-                n = (hi - lo).astype(np.int64)
-                pay = end - int(n.sum()) + np.cumsum(n) - n
                 sel = rows[:nb]
                 o[sel, 0] = lo[:nb]
-                o[sel, 1] = hi[:nb]
-                o[sel, 2] = pay[:nb]
+                o[sel, 1] = lo[:nb] + n[:nb]
+                o[sel, 2] = (end - p) + (np.cumsum(n[:nb]) - n[:nb])
                 end += 3 * B
             h[hdr + 3 * gid: hdr + 3 * gid + 3] = (k, off, ov)
             off = end
@@ -548,13 +709,20 @@ class MetadataPipeline:
         for name, builder in self._builders.items():
             if name not in covered:
                 builder.launch(ctx)
-        channels = {name: builder.views(ctx) for name, builder in self._builders.items()}
-        ttr, pos, valid = self.token_to_req[:Tp], self.positions[:Tp], self.is_valid_token[:Tp]
+        key = (B, Tp, ctx.num_decodes)
+        views = self._views if self._views is not None and self._views[0] == key else None
+        if views is None:
+            # NOTE: built-in views depend on (B, Tp, num_decodes) only: reuse them while those repeat
+            channels = {name: builder.views(ctx) for name, builder in self._builders.items()}
+            views = (key, channels, qsl[:B + 1], seq_lens[:B], self.positions[:Tp], self.token_to_req[:Tp],
+                     self.is_valid_token[:Tp], [bt[:B] for bt in ctx.block_tables])
+            if self._views_cacheable:
+                self._views = views
+        _, channels, q_v, s_v, pos, ttr, valid, bts = views
         meta = DSV4Metadata(
             num_reqs=B, num_tokens=T, num_tokens_padded=Tp, req_ids=list(self._batch), **self._counts,
-            query_start_loc=qsl[:B + 1], seq_lens=seq_lens[:B], positions=pos, token_to_req=ttr,
-            is_valid_token=valid, block_tables=[bt[:B] for bt in ctx.block_tables], channels=channels,
-            _pipeline=self)
+            query_start_loc=q_v, seq_lens=s_v, positions=pos, token_to_req=ttr,
+            is_valid_token=valid, block_tables=list(bts), channels=dict(channels), _pipeline=self)
         if self.validate:
             from .validate import check_metadata
             check_metadata(meta)
@@ -575,7 +743,8 @@ class MetadataPipeline:
         pos.masked_fill_(~valid, 0)
 
     def warmup(self) -> None:
-        """Run one empty build so every kernel the pipeline uses is compiled before serving."""
+        """Run one empty build and one top-k conversion per channel that has one (int32 ``[1, index_topk]``
+        of ``-1``), so every kernel the pipeline uses is compiled before serving."""
         saved = (self._updated, self._ctx.num_reqs, self._ctx.num_tokens, self._ctx.num_tokens_padded,
                  self._pending)
         head = self._dev[:self._fixed]
@@ -586,6 +755,14 @@ class MetadataPipeline:
         ctx.num_reqs, ctx.num_tokens, ctx.num_tokens_padded = 0, 0, 1
         self._updated = True
         self.build()
+        # NOTE: top-k conversion kernels too (one [1, index_topk] int32 call each), so that a trace after
+        # warmup compiles nothing new
+        from .channels.base import ChannelBuilder
+        k_default = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
+        for b in self._builders.values():
+            if type(b).topk_to_slots is not ChannelBuilder.topk_to_slots:
+                K = int(getattr(b, "k_capacity", k_default))
+                b.topk_to_slots(ctx, torch.full((1, K), -1, dtype=torch.int32, device=self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         head.copy_(saved_dev)

@@ -325,3 +325,41 @@ def test_swap_and_clear_send_valid_prefixes_only():
     t.clear_row(2)
     assert t.commit() == 4 * ((4 + 2) + (4 + 500))
     assert t.device_table[0, :2].tolist() == [7, 8] and t.device_table[1, :500].tolist() == list(range(1, 501))
+
+
+@pytest.mark.parametrize("f", [1, 2])
+def test_append_rows_matches_append_row(f):
+    rng = np.random.default_rng(f)
+    a = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f, pin_memory=False)
+    b = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f, pin_memory=False)
+    for t in (a, b):
+        t.add_row([7], 0)
+        t.add_row([1, 2], 3)
+        t._clean()
+        t.append_row([9], 3)  # a dirty range before the bulk append: the hull must cover it
+    nxt = 100
+    for _ in range(6):
+        rows = rng.permutation(6)[:rng.integers(0, 5)]
+        counts = rng.integers(0, 3, size=rows.size)
+        ids = np.arange(nxt, nxt + counts.sum())
+        nxt += int(counts.sum())
+        a.append_rows(rows, counts, ids)
+        for r, c, s in zip(rows.tolist(), counts.tolist(), (np.cumsum(counts) - counts).tolist()):
+            b.append_row(ids[s:s + c].tolist(), r)
+        assert np.array_equal(a.num_blocks, b.num_blocks)
+        assert np.array_equal(a.dirty_lo, b.dirty_lo) and np.array_equal(a.dirty_hi, b.dirty_hi)
+        for r in range(6):
+            assert np.array_equal(a.row(r), b.row(r))
+
+
+def test_append_rows_errors_write_nothing():
+    t = BlockTable(4, 3, device="cpu", block_size=4, pin_memory=False)
+    t.add_row([1, 2], 0)
+    before = (t.np.copy(), t.num_blocks.copy(), t.dirty_hi.copy())
+    for args, match in [(([0, 0], [1, 1], [5, 6]), "rows"), (([4], [1], [5]), "rows"),
+                        (([1], [2], [5]), "counts"), (([1], [-1], []), "counts"),
+                        (([1], [1], [-5]), "block_ids"), (([1], [1], [2 ** 31]), "block_ids"),
+                        (([1, 0], [1, 2], [5, 6, 7]), "width")]:
+        with pytest.raises(ValueError, match=match):
+            t.append_rows(*args)
+        assert all(np.array_equal(x, y) for x, y in zip(before, (t.np, t.num_blocks, t.dirty_hi)))

@@ -206,3 +206,41 @@ def test_scheduler_trace_fused_vs_unfused_vs_python(device):
                 n = int(t.num_blocks[r])
                 assert torch.equal(a[r, :n].cpu(), b[r, :n].cpu()), (i, gid, r)
     assert segs > 0
+
+
+def test_bulk_path_equals_one_by_one_path(monkeypatch):
+    """The bulk checks + appends (_plan_step) stage exactly what the one-by-one path stages."""
+    monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
+    layout = tiny_layout()
+    bulk = MetadataPipeline(layout, 6, 64, "cpu", num_speculative_tokens=2)
+    slow = MetadataPipeline(layout, 6, 64, "cpu", num_speculative_tokens=2)
+    monkeypatch.setattr(slow, "_plan_step", lambda step, sm: None)
+    planned = []
+    orig = bulk._plan_step
+    monkeypatch.setattr(bulk, "_plan_step", lambda step, sm: planned.append(orig(step, sm)) or planned[-1])
+    for step, views in random_trace(layout, 80, 21, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=6,
+                                    num_speculative_tokens=2):
+        bulk.update(step)
+        slow.update(step)
+        assert bulk.req_ids == slow.req_ids
+        n = bulk.last_step_stats.h2d_bytes // 4
+        assert n == slow.last_step_stats.h2d_bytes // 4
+        assert (bulk._host_np[:n] == slow._host_np[:n]).all()
+        check_step(layout, bulk.build(), views, 3)
+        slow.build()
+    assert sum(p is not None for p in planned) > 40
+
+
+def test_warmup_compiles_topk_conversion(monkeypatch):
+    monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
+    layout = tiny_layout()
+    pipe = MetadataPipeline(layout, 4, 32, "cpu")
+    calls = []
+    for name, b in pipe._builders.items():
+        orig = b.topk_to_slots
+        monkeypatch.setattr(b, "topk_to_slots",
+                            lambda ctx, topk, orig=orig, name=name: calls.append((name, topk)) or orig(ctx, topk))
+    pipe.warmup()
+    assert "c4a" in layout.channels and [n for n, _ in calls] == ["c4a"]  # the only channel with top-k
+    for _, topk in calls:
+        assert topk.dtype == torch.int32 and topk.shape == (1, layout.index_topk) and (topk == -1).all()
