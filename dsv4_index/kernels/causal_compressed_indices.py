@@ -51,7 +51,9 @@ def check_causal_compressed_indices_args(query_start_loc, seq_lens, block_table,
     return CausalArgs(B, rows, width, out, out_lens)
 
 
-@triton.jit
+# NOTE: runtime counts are never specialised (a count of 1 would otherwise compile a new variant)
+@triton.jit(do_not_specialize=["T_out", "num_reqs", "n_iter", "bt_stride", "out_stride", "width", "max_len",
+                            "rows_per_block", "compress_ratio", "cp_world", "cp_rank", "cp_interleave"])
 def _causal_compressed_indices_kernel(
     qsl_ptr,        # [B + 1] int32
     seq_lens_ptr,   # [B] int32

@@ -99,7 +99,10 @@ def _rows_before(seq_lens_ptr, b, num_reqs, n_req_tiles, compress_ratio, cp_worl
     return acc
 
 
-@triton.jit
+# NOTE: runtime counts are never specialised (a count of 1 would otherwise compile a new variant)
+@triton.jit(do_not_specialize=["T_out", "num_reqs", "n_iter", "n_req_tiles", "compress_ratio", "cp_world",
+                            "cp_rank", "cp_interleave", "next_n", "num_decodes", "dec_rows", "n_tok_prog",
+                            "n_dec_prog"])
 def _indexer_lengths_kernel(
     qsl_ptr,        # [B + 1] int32
     seq_lens_ptr,   # [B] int32

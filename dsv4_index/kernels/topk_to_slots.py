@@ -20,7 +20,7 @@ from dsv4_index._common import (cdiv, check_batch, check_batch_values, check_cp,
 from dsv4_index.kernels._compressed import (check_slots_fit_int32, num_search_iters, resolve_rows,
                                             token_rows)
 
-TILE = 512  # entries of one program's [BLOCK_T, BLOCK_K] tile (BLOCK_T >= 1)
+TILE = 512  # entries of one program's [BLOCK_T, BLOCK_K] tile (BLOCK_T >= 2)
 
 
 class TopkArgs(NamedTuple):
@@ -60,7 +60,10 @@ def check_topk_to_slots_args(topk, query_start_loc, seq_lens, block_table, rows_
     return TopkArgs(B, rows, out, out_lens)
 
 
-@triton.jit
+# NOTE: runtime counts are never specialised (a count of 1 would otherwise compile a new variant)
+@triton.jit(do_not_specialize=["T_out", "topk_rows", "topk_stride", "K", "num_reqs", "n_iter", "bt_stride",
+                            "table_width", "rows_per_block", "compress_ratio", "cp_world", "cp_rank",
+                            "cp_interleave"])
 def _topk_to_slots_kernel(
     topk_ptr,       # [>= T, K] int32 | int64
     qsl_ptr,        # [B + 1] int32
@@ -158,7 +161,7 @@ def topk_to_slots(topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: t
     block_k = max(triton.next_power_of_2(max(K, 1)), 16)
     # NOTE (latency): ~512 entries per program (1 token for K >= 512) so that a decode batch
     # launches one program per token (B = 256 -> 256 programs) instead of a few big tiles.
-    block_t = max(1, TILE // block_k)
+    block_t = max(2, TILE // block_k)  # NOTE: a [1, K] tile failed Triton 3.6's layout pass on the H200
     _topk_to_slots_kernel[(cdiv(a.rows, block_t),)](
         topk, query_start_loc, seq_lens, block_table, a.out, a.out_lens,
         a.rows, topk.shape[0], max(topk.stride(0), 1), K, a.num_reqs,
