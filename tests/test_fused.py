@@ -407,13 +407,11 @@ def test_update_without_build_applies_the_skipped_step():
 
 
 def test_many_requests_several_lookup_chunks():
-    """~600 requests (more than one request chunk of the fused lookup; trailing capacity rows are
-    zero-length) and a second step that appends blocks: fused == unfused."""
-    from dsv4_index.kernels.token_to_req import qsl_chunk_size
+    """~600 requests (ten binary-search steps; trailing capacity rows are zero-length) and a second
+    step that appends blocks: fused == unfused."""
     layout = tiny_layout()
     rng = random.Random(600)
     fused, plain = pipelines(layout, max_reqs=640, max_tokens=700)
-    assert 640 > qsl_chunk_size(fused._fused._block_t)
     blocks = Blocks(layout, rng)
     step = random_step(layout, rng, blocks, "decode", n_reqs=600, max_ctx=200, replay=True)
     step_both(fused, plain, step)

@@ -1,6 +1,6 @@
 """Helpers shared by the compressed-row ops (causal indices, top-k -> slots, indexer lengths).
 
-Triton device functions (request lookup by chunked counting, ``n_c``, DCP owned counts) and the host
+Triton device functions (request lookup by binary search, ``n_c``, DCP owned counts) and the host
 helpers their wrappers share with the references (``out=`` row count, int32 slot range check).
 """
 
@@ -15,7 +15,7 @@ import triton.language as tl
 from dsv4_index._common import cp_owned_count, resolve_num_tokens
 
 # NOTE: one request search and one DCP count for every kernel (defined next to token_to_req)
-from .token_to_req import find_request, lookup_request, owned_count  # noqa: F401
+from .token_to_req import find_request, owned_count  # noqa: F401
 from .token_to_req import search_iters as num_search_iters  # noqa: F401
 
 INT32_MIN = -(2 ** 31)
@@ -91,11 +91,10 @@ def token_rows(qsl_ptr, seq_lens_ptr, t, T_out, num_reqs, n_iter, compress_ratio
     with ``pos = seq_lens[b] - qsl[b+1] + t`` in int64; the count is 0 for tokens that are not live.
     """
     n_live = tl.load(qsl_ptr + num_reqs)
-    # NOTE: seq_lens[b] / qsl[b + 1] come with the lookup (no load waits on b); n_iter is unused
-    b, sl, end = lookup_request(qsl_ptr, seq_lens_ptr, t, num_reqs)
+    b = find_request(qsl_ptr, t, num_reqs, n_iter)
     live = (t < T_out) & (t < n_live) & (b < num_reqs)  # NOTE: b < num_reqs is False iff B == 0
-    sl = tl.where(live, sl, 0).to(tl.int64)
-    end = tl.where(live, end, 0).to(tl.int64)
+    sl = tl.load(seq_lens_ptr + b, mask=live, other=0).to(tl.int64)
+    end = tl.load(qsl_ptr + b + 1, mask=live, other=0).to(tl.int64)
     n_c = tl.maximum(sl - end + t + 1, 0) // compress_ratio
     cnt = owned_count(n_c, world, rank, interleave)
     return b, live, tl.where(live, cnt, 0)

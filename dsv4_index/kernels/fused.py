@@ -1,21 +1,21 @@
 """Fused per-step build (DESIGN §8): one Triton launch fills the common token tensors and every
 built-in channel's per-step outputs.
 
-One 1-D grid of ``NUM_REQ_PROG + NUM_WRITERS * NUM_GROUPS + cdiv(T_pad, BLOCK_T) * NUM_TASKS`` programs, sized
+One 1-D grid of ``NUM_REQ_PROG + NUM_WRITERS + cdiv(T_pad, BLOCK_T) * NUM_TASKS`` programs, sized
 from host-known numbers only (padded token count, static widths, the set of channels):
 
 * request programs (only with an indexer channel): program 0 writes the indexer's ``cu`` (a prefix
   sum over request tiles with a carry), program 1 its ``decode_lens`` ``[max_num_reqs, next_n]``;
-* writer programs (``NUM_WRITERS`` per group): apply the step's block-table segments (staged by the
-  pipeline, :mod:`dsv4_index.block_table` segment format) to the persistent device tables, piece
-  ``s`` of a group by that group's writer ``s % NUM_WRITERS``;
+* writer programs (``NUM_WRITERS``): apply the step's block-table segments (staged by the pipeline,
+  :mod:`dsv4_index.block_table` segment format) to the persistent device tables, piece ``s`` of a
+  group by writer ``s % NUM_WRITERS``;
 * token programs, tile-major: program ``q`` handles token tile ``q // NUM_TASKS`` and task
   ``q % NUM_TASKS``:
 
   - task 0 (common): ``token_to_req``, ``is_valid_token``, ``positions``, the raw slot mapping of every
     window channel, every distinct compressed slot mapping (``c4a`` and ``c4i`` share one), and the
     indexer's ``lens`` / ``ks`` / ``ke`` (``ks`` sums the request counts before the token's request
-    in the same pass over request chunks that finds the request, so ``cu`` is not needed first);
+    with a loop over request tiles, so ``cu`` is not needed first);
   - task ``1 + i``: window channel ``i``'s indices ``[BLOCK_T, width]`` and lens;
   - then, per causal list (``c128a``, the optional ``c4i`` list), one task per column tile of
     ``BLOCK_C`` entries (lens written by column tile 0).
@@ -48,8 +48,7 @@ import triton.language as tl
 
 from ..channels.builtin import (CausalCompressedChannel, CompressedChannel, IndexerChannel,
                                 WindowChannel)
-from ._compressed import num_search_iters, owned_count
-from .token_to_req import qsl_chunk, qsl_chunk_size
+from ._compressed import find_request, num_search_iters, owned_count
 
 __all__ = ["FusedPlan", "MAX_WINDOW", "MAX_COMPRESSED", "MAX_CAUSAL", "MAX_GROUPS", "segment_header"]
 
@@ -69,65 +68,16 @@ def segment_header(max_num_reqs: int) -> int:
 # device functions
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _lookup_chunk(qsl_ptr, seq_lens_ptr, replay_ptr, t, j, num_reqs, REPLAY: tl.constexpr,
-                  IX_R: tl.constexpr, CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr):
-    """Requests ``j`` (one chunk) against tokens ``t``: (count of ``qsl[j + 1] <= t``, and the
-    seq_len / qsl[j + 1] / replay_start of the request holding each token, the owned indexer rows
-    of the requests before it — each 0 where none of ``j`` holds the token)."""
-    m = j < num_reqs
-    q1 = tl.load(qsl_ptr + 1 + j, mask=m, other=2147483647)
-    q0 = tl.load(qsl_ptr + j, mask=m, other=2147483647)
-    s = tl.load(seq_lens_ptr + j, mask=m, other=0)
-    le = q1[None, :] <= t[:, None]
-    hit = (q0[None, :] <= t[:, None]) & (q1[None, :] > t[:, None])  # NOTE: zero-length rows never hit
-    cnt = tl.sum(le.to(tl.int32), axis=1)
-    sl = tl.sum(tl.where(hit, s[None, :], 0), axis=1)
-    end = tl.sum(tl.where(hit, q1[None, :], 0), axis=1)
-    rep = tl.zeros_like(cnt)
-    if REPLAY:
-        r = tl.load(replay_ptr + j, mask=m, other=0)
-        rep = tl.sum(tl.where(hit, r[None, :], 0), axis=1)
-    rows = tl.zeros_like(cnt).to(tl.int64)
-    if IX_R > 0:
-        c = owned_count(tl.maximum(s, 0).to(tl.int64) // IX_R, CP_W, CP_R, CP_I)
-        # NOTE: qsl non-decreasing: qsl[j + 1] <= t  <=>  j < b for a live token
-        rows = tl.sum(tl.where(le, c[None, :], 0), axis=1)
-    return cnt, sl, end, rep, rows
-
-
-@triton.jit
-def _tokens(qsl_ptr, seq_lens_ptr, replay_ptr, tile, T_pad, num_reqs,
-            BLOCK_T: tl.constexpr, NCHUNK: tl.constexpr, REPLAY: tl.constexpr, IX_R: tl.constexpr,
-            CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr):
-    """Token tile: (t int32, in_out, request b, valid, pos int64, replay_start[b] int64, owned
-    indexer rows of the requests before b int64) — the last three 0 where not valid.
-
-    NOTE (latency): one pass over ``NCHUNK`` (constexpr: ``num_reqs`` is the pipeline's capacity)
-    unrolled request chunks whose loads depend on nothing; ``seq_lens[b]``, ``qsl[b + 1]`` and
-    ``replay_start[b]`` are picked from those chunks, so no load waits on ``b``.
-    """
+def _tokens(qsl_ptr, seq_lens_ptr, tile, T_pad, num_reqs, n_iter, BLOCK_T: tl.constexpr):
+    """Token tile: (t int32, in_out, request b, valid, pos int64 — 0 where not valid)."""
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     in_out = t < T_pad
-    CHUNK: tl.constexpr = qsl_chunk(BLOCK_T)
-    n_live = tl.load(qsl_ptr + num_reqs)
-    cnt = tl.zeros_like(t)
-    sl = tl.zeros_like(t)
-    end = tl.zeros_like(t)
-    rep = tl.zeros_like(t)
-    rows = tl.zeros_like(t).to(tl.int64)
-    for i in tl.static_range(NCHUNK):
-        c0, c1, c2, c3, c4 = _lookup_chunk(qsl_ptr, seq_lens_ptr, replay_ptr, t,
-                                           i * CHUNK + tl.arange(0, CHUNK), num_reqs, REPLAY, IX_R,
-                                           CP_W, CP_R, CP_I)
-        cnt += c0
-        sl += c1
-        end += c2
-        rep += c3
-        rows += c4
-    b = tl.maximum(tl.minimum(cnt, num_reqs - 1), 0)
-    valid = in_out & (t < n_live)  # NOTE: validity from the device qsl[B]
-    pos = tl.where(valid, sl.to(tl.int64) - end + t, 0)
-    return t, in_out, b, valid, pos, tl.where(valid, rep, 0).to(tl.int64), tl.where(valid, rows, 0)
+    b = find_request(qsl_ptr, t, num_reqs, n_iter)
+    valid = in_out & (t < tl.load(qsl_ptr + num_reqs))  # NOTE: validity from the device qsl[B]
+    sl = tl.load(seq_lens_ptr + b, mask=valid, other=0).to(tl.int64)
+    end = tl.load(qsl_ptr + b + 1, mask=valid, other=0).to(tl.int64)
+    pos = tl.where(valid, sl - end + t, 0)
+    return t, in_out, b, valid, pos
 
 
 @triton.jit
@@ -146,10 +96,8 @@ def _overlay(stage_ptr, b, valid, HDR: tl.constexpr):
 @triton.jit
 def _bt_read(bt_ptr, stage_ptr, b, blk, ok, lo, hi, pay, STRIDE: tl.constexpr):
     """Entry ``[b, blk]`` as of this step: the staged value inside ``[lo, hi)``, else the table's."""
-    # NOTE (latency): the table entry is loaded whether staged or not (in bounds: ok), so it does not
-    # wait on the overlay lookup; a staged entry's table value (maybe being written) is discarded.
     staged = ok & (blk >= lo) & (blk < hi)
-    v = tl.load(bt_ptr + b.to(tl.int64) * STRIDE + blk, mask=ok, other=0)
+    v = tl.load(bt_ptr + b.to(tl.int64) * STRIDE + blk, mask=ok & (~staged), other=0)
     w = tl.load(stage_ptr + pay + (blk - lo), mask=staged, other=0)
     return tl.where(staged, w, v)
 
@@ -207,13 +155,13 @@ def _compressed_slots(bt_ptr, stage_ptr, out_ptr, t, in_out, b, valid, pos,
 
 @triton.jit
 def _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, bt_ptr, stage_ptr, idx_ptr, lens_ptr,
-                 tile, T_pad, num_reqs,
+                 tile, T_pad, num_reqs, n_iter,
                  BS: tl.constexpr, WIN: tl.constexpr, WIDTH: tl.constexpr, WPAD: tl.constexpr,
                  TW: tl.constexpr, STRIDE: tl.constexpr, HDR: tl.constexpr,
                  CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr,
-                 BLOCK_T: tl.constexpr, NCHUNK: tl.constexpr):
-    t, in_out, b, valid, pos, floor, _ = _tokens(qsl_ptr, seq_lens_ptr, replay_ptr, tile, T_pad,
-                                                 num_reqs, BLOCK_T, NCHUNK, True, 0, CP_W, CP_R, CP_I)
+                 BLOCK_T: tl.constexpr):
+    t, in_out, b, valid, pos = _tokens(qsl_ptr, seq_lens_ptr, tile, T_pad, num_reqs, n_iter, BLOCK_T)
+    floor = tl.load(replay_ptr + b, mask=valid, other=0).to(tl.int64)
     start = tl.maximum(tl.maximum(pos - WIN + 1, floor), 0)
     first = owned_count(start, CP_W, CP_R, CP_I)
     count = owned_count(tl.maximum(pos + 1, 0), CP_W, CP_R, CP_I) - first
@@ -232,13 +180,12 @@ def _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, bt_ptr, stage_ptr, idx_ptr, 
 
 @triton.jit
 def _causal_task(qsl_ptr, seq_lens_ptr, bt_ptr, stage_ptr, idx_ptr, lens_ptr,
-                 tile, col, T_pad, num_reqs,
+                 tile, col, T_pad, num_reqs, n_iter,
                  R: tl.constexpr, S: tl.constexpr, LIMIT: tl.constexpr, STRIDE: tl.constexpr,
                  HDR: tl.constexpr,
                  WIDTH: tl.constexpr, CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, NCHUNK: tl.constexpr):
-    t, in_out, b, valid, pos, _, _ = _tokens(qsl_ptr, seq_lens_ptr, seq_lens_ptr, tile, T_pad,
-                                             num_reqs, BLOCK_T, NCHUNK, False, 0, CP_W, CP_R, CP_I)
+                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    t, in_out, b, valid, pos = _tokens(qsl_ptr, seq_lens_ptr, tile, T_pad, num_reqs, n_iter, BLOCK_T)
     n = owned_count(tl.maximum(pos + 1, 0) // R, CP_W, CP_R, CP_I)
     # NOTE: owned rows ascending are local rows 0 .. n-1; the list is that prefix, truncated to
     # LIMIT = min(WIDTH, table_width * S), so every read stays inside the table.
@@ -252,6 +199,19 @@ def _causal_task(qsl_ptr, seq_lens_ptr, bt_ptr, stage_ptr, idx_ptr, lens_ptr,
              mask=in_out[:, None] & (j < WIDTH))
     if col == 0:
         tl.store(lens_ptr + t, lens.to(tl.int32), mask=in_out)
+
+
+@triton.jit
+def _rows_before(seq_lens_ptr, b, num_reqs, n_req_tiles, R: tl.constexpr,
+                 CP_W: tl.constexpr, CP_R: tl.constexpr, CP_I: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``sum_{b' < b} owned(seq_lens[b'] // R)`` (int64) for each entry of ``b``."""
+    acc = b.to(tl.int64) * 0
+    for i in range(n_req_tiles):
+        bb = i * BLOCK_B + tl.arange(0, BLOCK_B)
+        sl = tl.load(seq_lens_ptr + bb, mask=bb < num_reqs, other=0).to(tl.int64)
+        c = owned_count(tl.maximum(sl, 0) // R, CP_W, CP_R, CP_I)
+        acc += tl.sum(tl.where(bb[None, :] < b[:, None], c[None, :], 0), axis=1)
+    return acc
 
 
 @triton.jit(do_not_specialize=["T_pad", "num_decodes", "num_reqs", "n_iter", "n_req_tiles",
@@ -280,7 +240,7 @@ def _fused_step_kernel(
     NUM_TASKS: tl.constexpr, NUM_REQ_PROG: tl.constexpr,
     NUM_GROUPS: tl.constexpr, NUM_WRITERS: tl.constexpr, BLOCK_W: tl.constexpr, SEG_HDR: tl.constexpr,
     G0_STRIDE: tl.constexpr, G1_STRIDE: tl.constexpr, G2_STRIDE: tl.constexpr, G3_STRIDE: tl.constexpr,
-    BLOCK_T: tl.constexpr, NCHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     NUM_WIN: tl.constexpr,
     W0_BS: tl.constexpr, W0_WIN: tl.constexpr, W0_WIDTH: tl.constexpr, W0_WPAD: tl.constexpr,
     W0_TW: tl.constexpr, W0_STRIDE: tl.constexpr, W0_HDR: tl.constexpr,
@@ -327,32 +287,23 @@ def _fused_step_kernel(
                     n = owned_count(tl.maximum(sl - NEXT_N + j + 1, 0) // IX_R, CP_W, CP_R, CP_I)
                     tl.store(ix_dec + e, tl.where(is_req & (j >= NEXT_N - q), n, 0).to(tl.int32),
                              mask=in_dec)
-    elif pid < NUM_REQ_PROG + NUM_WRITERS * NUM_GROUPS:
-        # NOTE (latency): NUM_WRITERS programs per group, each one group only: the header ->
-        # descriptor -> payload chains of the groups run in parallel programs, not in sequence.
+    elif pid < NUM_REQ_PROG + NUM_WRITERS:
+        w = pid - NUM_REQ_PROG
         if NUM_GROUPS > 0:
-            w = pid - NUM_REQ_PROG
-            g = w % NUM_GROUPS
-            w = w // NUM_GROUPS
-            if g == 0:
-                _write_segments(stage_ptr, g0_tab, w, SEG_HDR, G0_STRIDE, NUM_WRITERS, BLOCK_W)
-            if NUM_GROUPS > 1:
-                if g == 1:
-                    _write_segments(stage_ptr, g1_tab, w, SEG_HDR + 3, G1_STRIDE, NUM_WRITERS, BLOCK_W)
-            if NUM_GROUPS > 2:
-                if g == 2:
-                    _write_segments(stage_ptr, g2_tab, w, SEG_HDR + 6, G2_STRIDE, NUM_WRITERS, BLOCK_W)
-            if NUM_GROUPS > 3:
-                if g == 3:
-                    _write_segments(stage_ptr, g3_tab, w, SEG_HDR + 9, G3_STRIDE, NUM_WRITERS, BLOCK_W)
+            _write_segments(stage_ptr, g0_tab, w, SEG_HDR, G0_STRIDE, NUM_WRITERS, BLOCK_W)
+        if NUM_GROUPS > 1:
+            _write_segments(stage_ptr, g1_tab, w, SEG_HDR + 3, G1_STRIDE, NUM_WRITERS, BLOCK_W)
+        if NUM_GROUPS > 2:
+            _write_segments(stage_ptr, g2_tab, w, SEG_HDR + 6, G2_STRIDE, NUM_WRITERS, BLOCK_W)
+        if NUM_GROUPS > 3:
+            _write_segments(stage_ptr, g3_tab, w, SEG_HDR + 9, G3_STRIDE, NUM_WRITERS, BLOCK_W)
     else:
-        q_id = pid - NUM_REQ_PROG - NUM_WRITERS * NUM_GROUPS
+        q_id = pid - NUM_REQ_PROG - NUM_WRITERS
         tile = q_id // NUM_TASKS
         task = q_id % NUM_TASKS
         if task == 0:
-            t, in_out, b, valid, pos, _, ks = _tokens(qsl_ptr, seq_lens_ptr, seq_lens_ptr, tile, T_pad,
-                                                      num_reqs, BLOCK_T, NCHUNK, False,
-                                                      IX_R if HAS_IX else 0, CP_W, CP_R, CP_I)
+            t, in_out, b, valid, pos = _tokens(qsl_ptr, seq_lens_ptr, tile, T_pad, num_reqs, n_iter,
+                                               BLOCK_T)
             tl.store(ttr_ptr + t, tl.where(valid, b, 0), mask=in_out)
             tl.store(valid_ptr + t, valid, mask=in_out)
             tl.store(pos_ptr + t, pos, mask=in_out)
@@ -376,39 +327,41 @@ def _fused_step_kernel(
                                   C1_TW, C1_STRIDE, C1_HDR, CP_W, CP_R, CP_I)
             if HAS_IX:
                 n = tl.where(valid, owned_count(tl.maximum(pos + 1, 0) // IX_R, CP_W, CP_R, CP_I), 0)
+                ks = tl.where(valid, _rows_before(seq_lens_ptr, b, num_reqs, n_req_tiles, IX_R,
+                                                  CP_W, CP_R, CP_I, BLOCK_B), 0)
                 tl.store(ix_lens + t, n.to(tl.int32), mask=in_out)
                 tl.store(ix_ks + t, ks.to(tl.int32), mask=in_out)
                 tl.store(ix_ke + t, tl.where(valid, ks + n, 0).to(tl.int32), mask=in_out)
         if NUM_WIN > 0:
             if task == 1:
                 _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, w0_bt, stage_ptr, w0_idx, w0_lens,
-                             tile, T_pad, num_reqs, W0_BS, W0_WIN, W0_WIDTH, W0_WPAD,
+                             tile, T_pad, num_reqs, n_iter, W0_BS, W0_WIN, W0_WIDTH, W0_WPAD,
                              W0_TW, W0_STRIDE, W0_HDR,
-                             CP_W, CP_R, CP_I, BLOCK_T, NCHUNK)
+                             CP_W, CP_R, CP_I, BLOCK_T)
         if NUM_WIN > 1:
             if task == 2:
                 _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, w1_bt, stage_ptr, w1_idx, w1_lens,
-                             tile, T_pad, num_reqs, W1_BS, W1_WIN, W1_WIDTH, W1_WPAD,
+                             tile, T_pad, num_reqs, n_iter, W1_BS, W1_WIN, W1_WIDTH, W1_WPAD,
                              W1_TW, W1_STRIDE, W1_HDR,
-                             CP_W, CP_R, CP_I, BLOCK_T, NCHUNK)
+                             CP_W, CP_R, CP_I, BLOCK_T)
         if NUM_WIN > 2:
             if task == 3:
                 _window_task(qsl_ptr, seq_lens_ptr, replay_ptr, w2_bt, stage_ptr, w2_idx, w2_lens,
-                             tile, T_pad, num_reqs, W2_BS, W2_WIN, W2_WIDTH, W2_WPAD,
+                             tile, T_pad, num_reqs, n_iter, W2_BS, W2_WIN, W2_WIDTH, W2_WPAD,
                              W2_TW, W2_STRIDE, W2_HDR,
-                             CP_W, CP_R, CP_I, BLOCK_T, NCHUNK)
+                             CP_W, CP_R, CP_I, BLOCK_T)
         if NUM_CAUSAL > 0:
             if (task >= K0_START) & (task < K0_START + K0_TILES):
                 _causal_task(qsl_ptr, seq_lens_ptr, k0_bt, stage_ptr, k0_idx, k0_lens, tile,
-                             task - K0_START, T_pad, num_reqs, K0_R, K0_S, K0_LIMIT,
+                             task - K0_START, T_pad, num_reqs, n_iter, K0_R, K0_S, K0_LIMIT,
                              K0_STRIDE, K0_HDR, K0_WIDTH,
-                             CP_W, CP_R, CP_I, BLOCK_T, BLOCK_C, NCHUNK)
+                             CP_W, CP_R, CP_I, BLOCK_T, BLOCK_C)
         if NUM_CAUSAL > 1:
             if (task >= K1_START) & (task < K1_START + K1_TILES):
                 _causal_task(qsl_ptr, seq_lens_ptr, k1_bt, stage_ptr, k1_idx, k1_lens, tile,
-                             task - K1_START, T_pad, num_reqs, K1_R, K1_S, K1_LIMIT,
+                             task - K1_START, T_pad, num_reqs, n_iter, K1_R, K1_S, K1_LIMIT,
                              K1_STRIDE, K1_HDR, K1_WIDTH,
-                             CP_W, CP_R, CP_I, BLOCK_T, BLOCK_C, NCHUNK)
+                             CP_W, CP_R, CP_I, BLOCK_T, BLOCK_C)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,8 +387,8 @@ class FusedPlan:
     block_c : int, optional — columns per causal-list program (default 128).
     stage : int32 1-D device tensor, optional — the pipeline's staging buffer (step arrays at its
         start, segment headers at :func:`segment_header`); ``None``: a private one that stages nothing.
-    num_writers : int, optional — programs applying block-table segments, per group (default 32; 2
-        under the interpreter). block_w : int — entries per writer store (default 1024).
+    num_writers : int, optional — programs applying block-table segments (default 32; 2 under the
+        interpreter). block_w : int — entries per writer store (default 1024).
 
     Attributes
     ----------
@@ -509,7 +462,7 @@ class FusedPlan:
 
         if isinstance(num_writers, bool) or not isinstance(num_writers, int) or num_writers < 1:
             raise ValueError(f"num_writers must be an int >= 1, got {num_writers!r}")
-        consts = dict(cp, BLOCK_T=block_t, NCHUNK=max(1, -(-R // qsl_chunk_size(block_t))), BLOCK_R=min(1024, triton.next_power_of_2(R + 1)),
+        consts = dict(cp, BLOCK_T=block_t, BLOCK_B=64, BLOCK_R=min(1024, triton.next_power_of_2(R + 1)),
                       BLOCK_C=block_c, NUM_GROUPS=G, NUM_WRITERS=num_writers, BLOCK_W=block_w, SEG_HDR=hdr)
         tabs = list(ctx.block_tables) + [ctx.block_tables[0]] * (MAX_GROUPS - G)
         for i, bt in enumerate(tabs):
@@ -577,10 +530,10 @@ class FusedPlan:
         self._num_tasks = start
         self._num_req_prog = consts["NUM_REQ_PROG"]
         self._num_writers = num_writers
-        self._lead = consts["NUM_REQ_PROG"] + num_writers * G
+        self._lead = consts["NUM_REQ_PROG"] + num_writers
         # runtime scalars that never change for a pipeline
         self._args = tuple(args)
-        self._tail = (R, num_search_iters(R), 0, dec_rows)  # NOTE: n_iter, n_req_tiles: unused
+        self._tail = (R, num_search_iters(R), triton.cdiv(R, consts["BLOCK_B"]), dec_rows)
         self.kernel = _fused_step_kernel
         # Opt-in (DSV4_INDEX_FAST_LAUNCH=1, CUDA only): after the first launch, call the compiled
         # kernel's launcher directly, skipping Triton's per-call argument binding and cache lookup.

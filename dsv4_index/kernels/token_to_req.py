@@ -1,13 +1,7 @@
 """``token_to_req``: Triton kernel + public wrapper; also the in-kernel helpers the other ops share.
 
-``find_request`` / ``lookup_request`` (request of each token by counting ``query_start_loc``
-entries, chunk by chunk) and ``owned_count`` (DCP) are ``@triton.jit`` helpers.
-
-NOTE (latency): these kernels are latency bound. The lookup loads ``qsl`` in chunks of
-``qsl_chunk(BLOCK_T)`` entries whose addresses depend on nothing (no binary-search chain of
-``log2(B)`` dependent loads): one load latency per chunk, one chunk up to ``B = qsl_chunk``.
-``lookup_request`` also picks the token's ``seq_lens[b]`` / ``qsl[b + 1]`` out of the same chunk
-(the only request with ``qsl[j] <= t < qsl[j + 1]``), so no load waits on ``b``.
+``find_request`` (binary search over ``query_start_loc``) and ``owned_count`` (DCP) are
+``@triton.jit`` helpers; ``search_iters(B)`` is the host-side iteration count of the search.
 """
 
 from __future__ import annotations
@@ -21,68 +15,30 @@ import triton.language as tl
 from .._common import use_triton
 from ..reference.token_to_req import _check_args, _token_to_req
 
-BLOCK_T = 64
-QSL_TILE = 16384  # elements of the [BLOCK_T, chunk] compare tile of the request lookup
+BLOCK_T = 256
 
 
 def search_iters(num_reqs: int) -> int:
-    """Legacy: ``ceil(log2(B + 1))``. ``find_request`` no longer uses its ``n_iters`` (it derives
-    its chunk count from ``B``); callers still pass this value."""
+    """Iterations of ``find_request`` over ``B`` requests: ``ceil(log2(B + 1))``."""
     return int(num_reqs).bit_length()
-
-
-def qsl_chunk_size(block_t: int) -> int:
-    """``query_start_loc`` entries per lookup chunk for a token tile of ``block_t`` (power of 2)."""
-    return max(16, min(1024, QSL_TILE // int(block_t)))
-
-
-qsl_chunk = triton.constexpr_function(qsl_chunk_size)  # the same, callable inside kernels
 
 
 @triton.jit
 def find_request(qsl_ptr,  # [B + 1]
                  t, B, n_iters):
-    """Largest ``b < B`` with ``qsl[b] <= t`` (0 when ``B == 0``), elementwise over 1-D ``t``.
+    """Largest ``b < B`` with ``qsl[b] <= t`` (0 when ``B == 0``), elementwise over ``t``.
 
-    Counts ``qsl[1 .. B] <= t`` over ``cdiv(B, CHUNK)`` chunks (independent loads, all in
-    ``qsl[1 .. B]``); equals the binary search for a non-decreasing ``qsl``. ``n_iters`` is unused
-    (kept for the callers' signature).
+    NOTE: ``n_iters`` is a runtime int (``search_iters(B)``); every load stays in ``qsl[1 .. B]``.
     """
-    CHUNK: tl.constexpr = qsl_chunk(t.shape[0])
-    cnt = tl.zeros_like(t)
-    for i in range(0, tl.cdiv(B, CHUNK)):
-        j = i * CHUNK + tl.arange(0, CHUNK)
-        q = tl.load(qsl_ptr + 1 + j, mask=j < B, other=2147483647)
-        cnt += tl.sum((q[None, :] <= t[:, None]).to(t.dtype), axis=1)
-    return tl.maximum(tl.minimum(cnt, B - 1), 0)
-
-
-@triton.jit
-def lookup_request(qsl_ptr,       # [B + 1]
-                   seq_lens_ptr,  # [B]
-                   t, B):
-    """Per 1-D token ``t``: (``b`` as :func:`find_request`, ``seq_lens[b]``, ``qsl[b + 1]``), int32.
-
-    ``seq_lens[b]`` / ``qsl[b + 1]`` are 0 for tokens outside ``[0, qsl[B])``. NOTE: they are picked
-    from the chunk loads (the one ``j`` with ``qsl[j] <= t < qsl[j + 1]``; zero-length requests never
-    match), so nothing waits on ``b``; exact for a non-decreasing ``qsl``.
-    """
-    CHUNK: tl.constexpr = qsl_chunk(t.shape[0])
-    cnt = tl.zeros_like(t)
-    sl = tl.zeros_like(t)
-    end = tl.zeros_like(t)
-    for i in range(0, tl.cdiv(B, CHUNK)):
-        j = i * CHUNK + tl.arange(0, CHUNK)
-        m = j < B
-        q1 = tl.load(qsl_ptr + 1 + j, mask=m, other=2147483647)
-        q0 = tl.load(qsl_ptr + j, mask=m, other=2147483647)
-        s = tl.load(seq_lens_ptr + j, mask=m, other=0)
-        le = q1[None, :] <= t[:, None]
-        hit = (q0[None, :] <= t[:, None]) & (q1[None, :] > t[:, None])
-        cnt += tl.sum(le.to(t.dtype), axis=1)
-        sl += tl.sum(tl.where(hit, s[None, :], 0), axis=1)
-        end += tl.sum(tl.where(hit, q1[None, :], 0), axis=1)
-    return tl.maximum(tl.minimum(cnt, B - 1), 0), sl, end
+    lo = tl.zeros_like(t)  # count of qsl[1 .. B] entries <= t lies in [lo, hi]
+    hi = tl.zeros_like(t) + B
+    for _ in range(n_iters):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        le = tl.load(qsl_ptr + 1 + mid, mask=active, other=0) <= t
+        lo = tl.where(active & le, mid + 1, lo)
+        hi = tl.where(active & (le == 0), mid, hi)
+    return tl.maximum(tl.minimum(lo, B - 1), 0)
 
 
 @triton.jit

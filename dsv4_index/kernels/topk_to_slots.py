@@ -18,9 +18,7 @@ import triton.language as tl
 from dsv4_index._common import (cdiv, check_batch, check_batch_values, check_cp, check_positive_int,
                                 check_tensor, needs_value_checks, prepare_out, use_triton)
 from dsv4_index.kernels._compressed import (check_slots_fit_int32, num_search_iters, resolve_rows,
-                                            token_rows)
-
-TILE = 512  # entries of one program's [BLOCK_T, BLOCK_K] tile (BLOCK_T >= 2)
+                                            token_rows, token_tile)
 
 
 class TopkArgs(NamedTuple):
@@ -77,17 +75,14 @@ def _topk_to_slots_kernel(
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_out = t < T_out
-    k = tl.arange(0, BLOCK_K)
-    # NOTE (latency): the top-k row is loaded before the request lookup resolves (its address
-    # depends on t only): rows t < min(T_out, topk_rows) are read, in bounds; entries of tokens
-    # that are not live (t >= qsl[B]) are masked out below. Chain: {qsl chunk, topk} -> table.
-    t64 = t.to(tl.int64)
-    rd = (in_out & (t < topk_rows))[:, None] & (k < K)[None, :]
-    l = tl.load(topk_ptr + t64[:, None] * topk_stride + k[None, :], mask=rd, other=-1)
-    l = l.to(tl.int64)
     b, live, n_c = token_rows(qsl_ptr, seq_lens_ptr, t, T_out, num_reqs, n_iter, compress_ratio,
                               1, 0, 1)
-    rd = rd & live[:, None]
+    k = tl.arange(0, BLOCK_K)
+    # NOTE: only rows t < min(qsl[B], topk_rows) of topk are read.
+    rd = (live & (t < topk_rows))[:, None] & (k < K)[None, :]
+    t64 = t.to(tl.int64)
+    l = tl.load(topk_ptr + t64[:, None] * topk_stride + k[None, :], mask=rd, other=-1)
+    l = l.to(tl.int64)
     ok = rd & (l >= 0) & (l < n_c[:, None])
     l = tl.where(ok, l, 0)
     ok = ok & ((l // cp_interleave) % cp_world == cp_rank)
@@ -124,9 +119,8 @@ def topk_to_slots(topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: t
     Parameters
     ----------
     topk : int32 or int64 ``[>= T, K]``
-        Row ``t`` holds compressed row ids of token ``t``'s request (``-1`` = none). Rows
-        ``t < min(T_out, topk.shape[0])`` may be read (in bounds); those of padded tokens
-        (``t >= query_start_loc[B]``) are ignored.
+        Row ``t`` holds compressed row ids of token ``t``'s request (``-1`` = none); only the first
+        ``T`` rows are read (rows of padded tokens are not read at all).
     query_start_loc : int32 ``[B + 1]``
     seq_lens : int32 ``[B]``
     block_table : int32 ``[>= B, table_width]`` block ids of the channel's group.
@@ -159,9 +153,7 @@ def topk_to_slots(topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: t
         return a.out, a.out_lens
     K = topk.shape[1]
     block_k = max(triton.next_power_of_2(max(K, 1)), 16)
-    # NOTE (latency): ~512 entries per program (1 token for K >= 512) so that a decode batch
-    # launches one program per token (B = 256 -> 256 programs) instead of a few big tiles.
-    block_t = max(2, TILE // block_k)  # NOTE: a [1, K] tile failed Triton 3.6's layout pass on the H200
+    block_t = token_tile(block_k)
     _topk_to_slots_kernel[(cdiv(a.rows, block_t),)](
         topk, query_start_loc, seq_lens, block_table, a.out, a.out_lens,
         a.rows, topk.shape[0], max(topk.stride(0), 1), K, a.num_reqs,
