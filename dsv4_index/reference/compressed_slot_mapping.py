@@ -101,35 +101,9 @@ def compressed_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tenso
                             cp_world_size: int = 1, cp_rank: int = 0, cp_interleave: int = 1,
                             compact: bool = False, num_tokens: Optional[int] = None, out=None,
                             out_cu=None, validate: bool = False, backend=None):
-    """Cache slot of the compressed row each token completes.
+    """Reference of :func:`dsv4_index.compressed_slot_mapping`: same signature, arguments and result (the kernel must equal it).
 
-    Parameters
-    ----------
-    query_start_loc : int32 [B + 1]
-    seq_lens : int32 [B]
-    block_table : int32 [>= B, table_width]
-    rows_per_block : int
-        ``S = block_size // R`` compressed rows per block.
-    compress_ratio : int
-        ``R``: the token at ``pos`` completes row ``c = pos // R`` iff ``(pos + 1) % R == 0``.
-    cp_world_size, cp_rank, cp_interleave : int
-        DCP over compressed rows: rows owned by another rank get ``-1``.
-    compact : bool
-        List only the rows completed this step, request by request, with offsets ``cu``.
-    num_tokens : int, optional
-        Host token count; None reads ``qsl[-1]`` (a host sync on CUDA).
-    out : int64, optional
-        ``[>= num_tokens]`` (token-aligned, written in full) or ``[>= num_tokens // R + B]`` (compact).
-    out_cu : int32 [>= B + 1], optional
-        Compact offsets; entries past ``B`` repeat the total.
-    validate : bool
-        Run the value checks on CUDA inputs too.
-
-    Returns
-    -------
-    int64 [T_out] with ``bt[lc // S] * S + lc % S`` for completing tokens, ``-1`` elsewhere; or with
-    ``compact=True`` (int64 [T // R + B] or [len(out)], ``-1`` past the last row; int32 cu [B + 1]).
-    Under DCP a compact row owned elsewhere is listed as ``-1`` (cu is rank independent).
+    Plain PyTorch on any device; ``backend`` is accepted and ignored.
     """
     out, out_cu, T = _check_args(query_start_loc, seq_lens, block_table, rows_per_block,
                                  compress_ratio, cp_world_size, cp_rank, cp_interleave, compact,

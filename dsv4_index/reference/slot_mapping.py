@@ -68,33 +68,9 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
                  cp_rank: int = 0, cp_interleave: int = 1, circular_capacity: Optional[int] = None,
                  num_tokens: Optional[int] = None, out=None, validate: bool = False,
                  backend=None) -> torch.Tensor:
-    """Physical cache slot of every scheduled token of one kv-cache group.
+    """Reference of :func:`dsv4_index.slot_mapping`: same signature, arguments and result (the kernel must equal it).
 
-    Parameters
-    ----------
-    query_start_loc : int32 [B + 1]
-    seq_lens : int32 [B]
-    block_table : int32 [>= B, table_width]
-        Block ids of the group (kernel-block ids with hybrid blocks).
-    block_size : int
-        Tokens per (kernel) block; with ``blocks_per_kv_block = f`` the allocation block is
-        ``block_size * f`` and ``cp_interleave`` must divide it.
-    cp_world_size, cp_rank, cp_interleave : int
-        DCP: tokens owned by other ranks get ``-1``; owned ones use their local position.
-    circular_capacity : int, optional
-        Ring of ``capacity`` rows per request (needs ``block_size == capacity``, no DCP):
-        ``slot = bt[0] * capacity + pos % capacity``.
-    num_tokens : int, optional
-        Host token count (output length when ``out`` is None); None reads ``qsl[-1]``.
-    out : int64 [>= num_tokens], optional
-        Written in full (``T_out = out.shape[0]``).
-    validate : bool
-        Run the value checks on CUDA inputs too (they always run on CPU inputs).
-
-    Returns
-    -------
-    int64 [T_out]: ``bt[lp // block_size] * block_size + lp % block_size``; ``-1`` for padded
-    tokens, tokens owned by another rank, and blocks outside the table.
+    Plain PyTorch on any device; ``backend`` is accepted and ignored.
     """
     out = _check_args(query_start_loc, seq_lens, block_table, block_size, blocks_per_kv_block,
                       cp_world_size, cp_rank, cp_interleave, circular_capacity, num_tokens, out,

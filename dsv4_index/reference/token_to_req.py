@@ -52,19 +52,9 @@ def _token_to_req(query_start_loc: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def token_to_req(query_start_loc: torch.Tensor, num_tokens: Optional[int], *, out=None,
                  validate: bool = False, backend=None) -> torch.Tensor:
-    """Request index of every token.
+    """Reference of :func:`dsv4_index.token_to_req`: same signature, arguments and result (the kernel must equal it).
 
-    Parameters
-    ----------
-    query_start_loc : int32 [B + 1]
-    num_tokens : int or None
-        Padded token count ``T_pad`` (host int); None reads ``query_start_loc[-1]``.
-    out : int32 [>= num_tokens], optional
-        Written in full: ``T_out = out.shape[0]``.
-
-    Returns
-    -------
-    int32 [T_out]: ``b`` for ``qsl[b] <= t < qsl[b+1]``; ``0`` for padded tokens ``t >= qsl[B]``.
+    Plain PyTorch on any device; ``backend`` is accepted and ignored.
     """
     out = _check_args(query_start_loc, num_tokens, out, validate)
     out.copy_(_token_to_req(query_start_loc, out.shape[0]))

@@ -80,33 +80,9 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
                    cp_world_size: int = 1, cp_rank: int = 0, cp_interleave: int = 1,
                    num_tokens: Optional[int] = None, out=None, out_lens=None,
                    validate: bool = False, backend=None):
-    """Sliding-window slot list of every token (FlashMLA-style, ``-1`` padded).
+    """Reference of :func:`dsv4_index.window_indices`: same signature, arguments and result (the kernel must equal it).
 
-    Parameters
-    ----------
-    query_start_loc : int32 [B + 1]
-    seq_lens : int32 [B]
-    block_table : int32 [>= B, table_width]
-        Block ids of the sliding group.
-    block_size : int
-    window : int
-        ``W``: positions ``[max(pos - W + 1, floor), pos]``, oldest first, the token itself last.
-    replay_start : int32 [B], optional
-        Per-request ``floor`` of bounded replay (default 0); must be ``<=`` every scheduled position.
-    cp_world_size, cp_rank, cp_interleave : int
-        DCP: only the owned positions of the window, ascending, local slots, packed to the front.
-    num_tokens : int, optional
-        Host token count; None reads ``qsl[-1]`` when ``out`` is None.
-    out : int32 [>= num_tokens, >= window], optional
-        Row width is ``out.shape[1]``; written in full.
-    out_lens : int32 [>= T_out], optional
-    validate : bool
-        Run the value checks on CUDA inputs too.
-
-    Returns
-    -------
-    (int32 [T_out, width] slots then ``-1``, int32 [T_out] count of listed slots; ``0`` for padded
-    tokens). An entry whose block lies outside the table is ``-1`` and not counted.
+    Plain PyTorch on any device; ``backend`` is accepted and ignored.
     """
     out, out_lens = _check_args(query_start_loc, seq_lens, block_table, block_size, window,
                                 replay_start, cp_world_size, cp_rank, cp_interleave, num_tokens,
