@@ -279,6 +279,43 @@ def test_varying_tokens_compile_once():
 
 
 @pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager():
+    """build() captured once in a CUDA graph at a padded size, then replayed on a scheduler trace with only
+    update() in between: every buffer equals an eager fused build and an eager per-channel build."""
+    from dsv4_index.scheduler import random_trace
+
+    layout = tiny_layout()
+    PAD = 80
+    graph_pipe, eager = (MetadataPipeline(layout, 6, PAD, "cuda", num_speculative_tokens=2) for _ in range(2))
+    plain = MetadataPipeline(layout, 6, PAD, "cuda", num_speculative_tokens=2, fused=False)
+    for p in (graph_pipe, eager, plain):
+        p.warmup()
+    graph, steps = None, 0
+    for step, _ in random_trace(layout, 80, 9, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=6,
+                                num_speculative_tokens=2):
+        for p in (graph_pipe, eager, plain):
+            p.update(step, pad_to=PAD)
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                graph_pipe.build()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graph_pipe.build()
+        poison(graph_pipe, 4321)
+        graph.replay()
+        eager.build()
+        plain.build()
+        torch.cuda.synchronize()
+        assert_same(graph_pipe, eager, PAD)
+        assert_same(graph_pipe, plain, PAD)
+        steps += 1
+    assert steps == 80
+
+
+@pytest.mark.gpu
 def test_fast_launch_matches(monkeypatch):
     monkeypatch.setenv("DSV4_INDEX_FAST_LAUNCH", "1")
     layout = flash_layout()

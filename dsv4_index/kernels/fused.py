@@ -29,7 +29,9 @@ that another program of the same launch writes. Staging layout (int32, ``stage``
 
 Geometry (block sizes, ratios, windows, widths, DCP rank) is ``constexpr``: it is fixed for a
 pipeline. Runtime counts (``T_pad``, ``num_decodes``) are plain arguments that Triton does not
-specialise on, so one compilation serves every step (``MetadataPipeline.warmup()`` compiles it).
+specialise on, so one compilation serves every step (``MetadataPipeline.warmup()`` compiles it). Only
+``T_pad`` (the grid) is read from the host: everything else that changes per step, decode rows
+included, comes from the staged device data, so a CUDA graph of ``build()`` replays correctly.
 Every output matches the unfused builders (the per-op kernels) bit for bit, over ``[0, T_pad)``.
 
 At most ``MAX_WINDOW`` window channels, ``MAX_COMPRESSED`` distinct compressed slot mappings and
@@ -280,9 +282,13 @@ def _fused_step_kernel(
                     in_dec = e < dec_rows * NEXT_N
                     r = e // NEXT_N
                     j = e % NEXT_N
-                    is_req = in_dec & (r < num_decodes)
-                    q = (tl.load(qsl_ptr + r + 1, mask=is_req, other=0)
-                         - tl.load(qsl_ptr + r, mask=is_req, other=0))
+                    # NOTE: decode rows are found from device data (0 < q_r <= NEXT_N: the pipeline's
+                    # one threshold, decode-first order, rows past the batch have q_r = 0), not from the
+                    # host's num_decodes, so a replayed CUDA graph fills the right rows.
+                    in_tab = in_dec & (r < num_reqs)
+                    q = (tl.load(qsl_ptr + r + 1, mask=in_tab, other=0)
+                         - tl.load(qsl_ptr + r, mask=in_tab, other=0))
+                    is_req = in_tab & (q > 0) & (q <= NEXT_N)
                     sl = tl.load(seq_lens_ptr + r, mask=is_req, other=0).to(tl.int64)
                     n = owned_count(tl.maximum(sl - NEXT_N + j + 1, 0) // IX_R, CP_W, CP_R, CP_I)
                     tl.store(ix_dec + e, tl.where(is_req & (j >= NEXT_N - q), n, 0).to(tl.int32),
