@@ -52,7 +52,8 @@ class _Staging:
 
     def wait(self):
         if self._event is not None:
-            self._event.synchronize()
+            if not self._event.query():  # NOTE: block only while the previous copy still reads the buffer
+                self._event.synchronize()
             self._event = None
 
     def copy(self, n: int):

@@ -624,7 +624,8 @@ class MetadataPipeline:
             self._apply_pending()
             stats.num_applies += 1
         if self._event is not None:
-            self._event.synchronize()  # NOTE: the previous H2D may still read the pinned buffer
+            if not self._event.query():  # NOTE: the previous H2D may still read the pinned buffer
+                self._event.synchronize()
             self._event = None
         h = self._host_np
         qsl, seq_lens, replay = h[:R + 1], h[R + 1:2 * R + 1], h[2 * R + 1:3 * R + 1]
