@@ -141,3 +141,14 @@ def py_window(q_lens, seq_lens, bt, block_size, W, width, T_out, replay=None, wo
             idx[t][j] = py_slot(bt[b], x, block_size, world, rank, interleave)
         lens[t] = len(owned)
     return idx, lens
+
+
+# Named batches shared by the compressed-row op tests: (q_lens, ctx_lens) for decode-only, prefill-only,
+# mixed (decodes first) and spec runs of 2-4 tokens; contexts cross ratio (R = 4) and block (S * R = 16)
+# boundaries.
+COMPRESSED_SCENARIOS = {
+    "decode": ([1, 1, 1, 1], [0, 3, 15, 63]),
+    "prefill": ([17, 5, 33], [0, 11, 31]),
+    "mixed": ([1, 1, 20, 6], [47, 2, 0, 13]),
+    "spec": ([2, 3, 4, 2], [14, 30, 60, 1]),
+}

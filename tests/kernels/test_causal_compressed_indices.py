@@ -10,6 +10,8 @@ import dsv4_index
 from dsv4_index import reference as ref
 from dsv4_index._common import interpreting
 
+from _slot_batches import COMPRESSED_SCENARIOS
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 POISON = 12345
 needs_kernel = pytest.mark.skipif(DEV.type != "cuda" and not interpreting(),
@@ -207,14 +209,7 @@ def test_bad_arguments():
     assert lens.tolist() == [3, 3, 3]
 
 
-# decode-only, prefill-only, mixed (decodes first), spec runs of 2-4 tokens; contexts crossing
-# ratio (R = 4) and block (S * R = 16) boundaries
-SCENARIOS = {
-    "decode": ([1, 1, 1, 1], [0, 3, 15, 63]),
-    "prefill": ([17, 5, 33], [0, 11, 31]),
-    "mixed": ([1, 1, 20, 6], [47, 2, 0, 13]),
-    "spec": ([2, 3, 4, 2], [14, 30, 60, 1]),
-}
+SCENARIOS = COMPRESSED_SCENARIOS  # R = 4, S = 4 (block = 16 tokens)
 
 
 @needs_kernel

@@ -10,6 +10,8 @@ import dsv4_index
 from dsv4_index import reference as ref
 from dsv4_index._common import interpreting
 
+from _slot_batches import COMPRESSED_SCENARIOS
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 POISON = 12345
 I32, I64 = torch.iinfo(torch.int32), torch.iinfo(torch.int64)
@@ -173,12 +175,7 @@ def test_bad_arguments():
         f(topk, qsl, sl, torch.full((2, 2), 2 ** 30, dtype=torch.int32), 4, 1)
 
 
-SCENARIOS = {   # decode-only, prefill-only, mixed, spec runs; R = 4, S = 4 (block = 16 tokens)
-    "decode": ([1, 1, 1, 1], [0, 3, 15, 63]),
-    "prefill": ([17, 5, 33], [0, 11, 31]),
-    "mixed": ([1, 1, 20, 6], [47, 2, 0, 13]),
-    "spec": ([2, 3, 4, 2], [14, 30, 60, 1]),
-}
+SCENARIOS = COMPRESSED_SCENARIOS  # R = 4, S = 4 (block = 16 tokens)
 
 
 @needs_kernel
