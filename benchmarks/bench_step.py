@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "models" / "deepseek_v4" / "configs"
+CONFIGS = ROOT / "dsv4_index" / "configs"
 
 
 def parse_args(argv=None):

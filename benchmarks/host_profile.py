@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
 from dsv4_index.step import NewRequest, RunningRequest, StepInput  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[1] / "models" / "deepseek_v4" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs"
 
 
 def decode_steps(layout, B: int, steps: int, ctx0: int = 3000):

@@ -11,18 +11,16 @@ Object layer: :class:`DSV4Layout`, :class:`BlockTable`, :class:`MultiGroupBlockT
 
 import importlib
 
+from .ops import (IndexerLengths, causal_compressed_indices, compressed_slot_mapping, indexer_lengths,
+                  slot_mapping, token_to_req, topk_to_slots, window_indices)
+from . import reference  # noqa: E402  (after .ops: reference.py pins the ops to backend="reference")
+
 __version__ = "0.1.0"
 
+_OPS = ["token_to_req", "slot_mapping", "compressed_slot_mapping", "window_indices",
+        "causal_compressed_indices", "topk_to_slots", "indexer_lengths", "IndexerLengths"]
+
 _LAZY = {
-    # functional ops: public wrappers live next to their kernels
-    "token_to_req": "dsv4_index.kernels.token_to_req",
-    "slot_mapping": "dsv4_index.kernels.slot_mapping",
-    "compressed_slot_mapping": "dsv4_index.kernels.compressed_slot_mapping",
-    "window_indices": "dsv4_index.kernels.window_indices",
-    "causal_compressed_indices": "dsv4_index.kernels.causal_compressed_indices",
-    "topk_to_slots": "dsv4_index.kernels.topk_to_slots",
-    "indexer_lengths": "dsv4_index.kernels.indexer_lengths",
-    "IndexerLengths": "dsv4_index.kernels.indexer_lengths",
     # object layer
     "GroupSpec": "dsv4_index.geometry",
     "ChannelSpec": "dsv4_index.geometry",
@@ -39,7 +37,7 @@ _LAZY = {
     "DSV4Metadata": "dsv4_index.pipeline",
 }
 
-__all__ = sorted(_LAZY) + ["reference"]
+__all__ = sorted(_OPS + list(_LAZY)) + ["reference"]
 
 
 def __getattr__(name):
@@ -47,8 +45,6 @@ def __getattr__(name):
         obj = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = obj
         return obj
-    if name == "reference":
-        return importlib.import_module("dsv4_index.reference")
     raise AttributeError(f"module 'dsv4_index' has no attribute {name!r}")
 
 

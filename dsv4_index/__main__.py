@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-CONFIGS = Path(__file__).resolve().parent.parent / "models" / "deepseek_v4" / "configs"
+CONFIGS = Path(__file__).resolve().parent / "configs"  # package data (dsv4_index.config.CONFIG_DIR)
 
 
 def _config_path(name: str) -> str:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 INDEX_SENTINEL = -1
 LENGTH_SENTINEL = 0
+INT32_MAX = 2 ** 31 - 1
+INT32_MIN = -(2 ** 31)
 BACKENDS = ("triton", "reference")
 
 
@@ -53,6 +56,8 @@ def check_tensor(name: str, x, *, dtypes: Sequence[torch.dtype], ndim: int,
                  device: Optional[torch.device] = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device; the ops need real (CPU or CUDA) tensors")
     if x.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name} must have dtype {names}, got {str(x.dtype).replace('torch.', '')}")
@@ -165,10 +170,12 @@ def cp_global(lp: torch.Tensor, world: int, rank: int, interleave: int) -> torch
     return (lp // interleave) * (interleave * world) + rank * interleave + lp % interleave
 
 
-def cp_owned_count(n: torch.Tensor, world: int, rank: int, interleave: int) -> torch.Tensor:
-    """How many of ``0 .. n-1`` rank ``rank`` owns."""
+def cp_owned_count(n, world: int, rank: int, interleave: int):
+    """How many of ``0 .. n-1`` rank ``rank`` owns (torch tensor or numpy array ``n >= 0``)."""
     cycle = interleave * world
-    return (n // cycle) * interleave + (n % cycle - rank * interleave).clamp(0, interleave)
+    part = n % cycle - rank * interleave
+    part = part.clamp(0, interleave) if isinstance(part, torch.Tensor) else np.clip(part, 0, interleave)
+    return (n // cycle) * interleave + part
 
 
 def cdiv(a: int, b: int) -> int:
@@ -199,6 +206,17 @@ def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_r
     valid = t < qsl[B]
     pos = seq_lens.long()[req] - qsl[req + 1] + t
     return torch.where(valid, req, 0), torch.where(valid, pos, -1), valid
+
+
+def token_table_rows(rows: torch.Tensor, req: torch.Tensor, valid: torch.Tensor, table_rows: int):
+    """Per-token table row ``rows[req]`` and ``valid`` narrowed to rows inside ``[0, table_rows)``
+    (a token whose ``idx_mapping`` row is outside the table reads nothing: memory safety on
+    unchecked inputs). Returns (row int64, valid bool), rows 0 where not valid."""
+    if rows.numel() == 0:
+        return torch.zeros_like(req), torch.zeros_like(valid)
+    r = rows.long()[req]
+    ok = valid & (r >= 0) & (r < table_rows)
+    return torch.where(ok, r, 0), ok
 
 
 def table_slots(block_table: torch.Tensor, req: torch.Tensor, local: torch.Tensor, unit: int,

@@ -22,7 +22,7 @@ from ._common import cdiv, round_up
 __all__ = ["GroupSpec", "ChannelSpec", "DSV4Layout", "GROUP_ORDER", "CHANNEL_OUTPUTS"]
 
 GROUP_ORDER = ("mla", "swa", "c4_state", "c128_state")
-KINDS = ("full", "sliding")
+KINDS = ("full", "sliding", "circular")
 INDEX_ALIGN = 128  # NOTE: causal compressed widths are rounded up to this (DESIGN §4)
 
 # outputs each built-in channel produces (names of ChannelMetadata fields)
@@ -30,7 +30,7 @@ CHANNEL_OUTPUTS: Dict[str, FrozenSet[str]] = {
     "swa": frozenset({"slot_mapping", "indices", "lens"}),
     "c4_state": frozenset({"slot_mapping", "indices", "lens"}),
     "c128_state": frozenset({"slot_mapping", "indices", "lens"}),
-    "c4a": frozenset({"compressed_slot_mapping", "topk"}),
+    "c4a": frozenset({"compressed_slot_mapping"}),
     "c4i": frozenset({"compressed_slot_mapping", "lens", "ks", "ke", "cu", "decode_lens"}),
     "c128a": frozenset({"compressed_slot_mapping", "indices", "lens"}),
 }
@@ -47,7 +47,9 @@ class GroupSpec:
     name : str
         ``"mla"``, ``"swa"``, ``"c4_state"``, ``"c128_state"`` (or a user name).
     kind : str
-        ``"full"`` (every block kept) or ``"sliding"`` (only the last ``window`` tokens are read).
+        ``"full"`` (every block kept), ``"sliding"`` (only the last ``window`` tokens are read) or
+        ``"circular"`` (one block of ``block_size`` = capacity rows per request, written as a ring:
+        ``slot(pos) = bt[0] * capacity + pos % capacity``; vLLM's ``CircularBufferSpec``).
     block_size : int
         Tokens per block *as stored in the table*: the kernel block size. With
         ``blocks_per_kv_block = f > 1`` (hybrid) the scheduler allocates blocks of
@@ -57,10 +59,17 @@ class GroupSpec:
     prefix_cacheable : bool
         Whether blocks of this group can be shared through prefix caching.
     table_width : int
-        Block-table columns (kernel blocks) per request: enough for ``max_model_len`` tokens (per
-        rank under DCP).
+        Logical blocks (kernel blocks) per request: enough for ``max_model_len`` tokens (per rank
+        under DCP). The stored table has this many columns unless it is a ring (:meth:`columns`).
     blocks_per_kv_block : int
         Kernel blocks per allocation block ``f``.
+    ring : bool
+        Sliding groups: store a ring of the newest blocks (``ring_cols = cdiv(window - 1 +
+        max_num_batched_tokens, block_size) + 1`` columns; logical block ``i`` in column
+        ``i % ring_cols``) instead of ``table_width`` columns (DESIGN §4). Default for sliding groups.
+    sharded : bool
+        DCP: the group's positions are sharded over ranks (ownership rule); False for groups
+        replicated on every rank (the compressor-state groups: a row's pooling span straddles ranks).
     """
 
     gid: int
@@ -71,10 +80,17 @@ class GroupSpec:
     prefix_cacheable: bool
     table_width: int
     blocks_per_kv_block: int = 1
+    ring: bool = False
+    sharded: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.ring and self.kind != "sliding":
+            raise ValueError(f"ring tables are for sliding groups (group {self.name!r} is {self.kind})")
+        if self.kind == "circular" and self.window is not None and self.block_size < self.window:
+            raise ValueError(f"circular group {self.name!r}: capacity (block_size) {self.block_size} "
+                             f"is below its window {self.window}")
         if (self.window is None) != (self.kind == "full"):
             raise ValueError(f"window must be None exactly for full groups (group {self.name!r}, "
                              f"kind {self.kind!r}, window {self.window!r})")
@@ -92,6 +108,21 @@ class GroupSpec:
     def alloc_block_size(self) -> int:
         """Tokens per block the scheduler allocates: ``block_size * blocks_per_kv_block``."""
         return self.block_size * self.blocks_per_kv_block
+
+    def columns(self, max_num_batched_tokens: int) -> Tuple[int, int]:
+        """(columns of the stored table, ring width or 0) for a pipeline of that token capacity.
+
+        A sliding ring keeps ``cdiv(window - 1 + max_num_batched_tokens, block_size) + 1`` columns
+        (the blocks one step can read or write, plus one), unless that is not smaller than the full
+        width; a circular group keeps one column (a ring of width 1).
+        """
+        if self.kind == "circular":
+            return 1, 1
+        if self.ring:
+            ring = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + 1
+            if ring < self.table_width:
+                return ring, ring
+        return self.table_width, 0
 
 
 @dataclass(frozen=True)
@@ -115,6 +146,9 @@ class ChannelSpec:
         the channel has no index list of fixed width.
     outputs : frozenset of str
         Names of the ChannelMetadata fields the channel produces.
+    compact : bool
+        Compressed channels: also emit the compact compressed slot mapping (``compact_slot_mapping``
+        ``[T_pad]`` with ``compact_cu [B + 1]``: the rows the step completes, request by request).
     """
 
     name: str
@@ -124,6 +158,7 @@ class ChannelSpec:
     window: Optional[int] = None
     index_width: Optional[int] = None
     outputs: FrozenSet[str] = frozenset()
+    compact: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "outputs", frozenset(self.outputs))
@@ -134,22 +169,9 @@ class ChannelSpec:
 
 
 def _load_config(config) -> dict:
-    if isinstance(config, (str, Path)):
-        path = Path(config)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"config: no such file {str(path)!r}")
-        with open(path) as f:
-            return json.load(f)
-    if isinstance(config, Mapping):
-        return dict(config)
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.asdict(config)
-    if hasattr(config, "__dict__"):
-        return dict(vars(config))
-    raise ValueError(f"config must be a dict, a config.json path or a config object, "
-                     f"got {type(config).__name__}")
+    from .config import normalize_config
+
+    return normalize_config(config)
 
 
 def _int_arg(name: str, v, minimum: int = 1) -> int:
@@ -210,15 +232,20 @@ class DSV4Layout:
                     swa_block_size: int = 64, c4_state_block_size: int = 4,
                     c128_state_block_size: int = 8, indexer_causal_indices: bool = False,
                     kernel_block_size: Union[None, int, Mapping[str, int]] = None,
-                    cp_world_size: int = 1, cp_interleave: int = 1) -> "DSV4Layout":
+                    cp_world_size: int = 1, cp_interleave: int = 1, sliding_tables: str = "ring",
+                    circular: Optional[Mapping[str, int]] = None,
+                    compact_compressed: bool = False) -> "DSV4Layout":
         """Derive the layout of DESIGN §3 from a model config.
 
         Parameters
         ----------
-        config : dict, str or Path
-            The model's config (dict, ``config.json`` path or its folder, or a config object).
-            Needs ``num_hidden_layers``, ``compress_ratios``, ``sliding_window`` (and ``index_topk``
-            when a c4 layer exists); ``num_nextn_predict_layers`` defaults to 0.
+        config : str, Path, dict or config object
+            The model's config (read by :func:`dsv4_index.config.normalize_config`): a shipped name
+            (``"flash"``, ``"pro"``, ``"tiny"``), a ``config.json`` path or its folder, a dict, a
+            transformers ``PretrainedConfig`` (``DeepseekV4Config``: ``layer_types`` +
+            ``compress_rates``) or ``models.deepseek_v4.DSV4Config``. Needs ``num_hidden_layers``,
+            ``compress_ratios`` or ``layer_types``, ``sliding_window`` (and ``index_topk`` when a c4
+            layer exists); ``num_nextn_predict_layers`` defaults to 0.
         max_model_len : int
             Longest request (tokens); sizes every table width and causal index width.
         mla_block_size, swa_block_size, c4_state_block_size, c128_state_block_size : int
@@ -230,8 +257,19 @@ class DSV4Layout:
             Must divide the group's allocation block size; the group then stores
             ``f = alloc // kernel`` kernel blocks per allocation block.
         cp_world_size, cp_interleave : int
-            DCP: tables hold the tokens one rank stores,
-            ``round_up(ceil(max_model_len / cp_world_size), cp_interleave)``.
+            DCP: tables of sharded groups (``mla``, ``swa``) hold the tokens one rank stores,
+            ``round_up(ceil(max_model_len / cp_world_size), cp_interleave)``; the compressor-state
+            groups are replicated (``GroupSpec.sharded = False``).
+        sliding_tables : {"ring", "full"}
+            Sliding groups store a ring of their newest blocks (default) or full-width rows.
+        circular : dict[str, int], optional
+            Group name -> capacity: make those sliding groups circular (one block of ``capacity``
+            rows per request; ``capacity >= window``; the scheduler gives such a group one block id
+            per request). A step may then schedule at most ``capacity - window + 1`` tokens of a
+            request (older rows of its window would be overwritten).
+        compact_compressed : bool
+            Compressed channels (``c4a``, ``c4i``, ``c128a``) also emit the compact compressed slot
+            mapping (``ChannelSpec.compact``).
 
         Returns
         -------
@@ -239,6 +277,14 @@ class DSV4Layout:
         """
         cfg = _load_config(config)
         max_model_len = _int_arg("max_model_len", max_model_len)
+        if sliding_tables not in ("ring", "full"):
+            raise ValueError(f"sliding_tables must be 'ring' or 'full', got {sliding_tables!r}")
+        circular = dict(circular or {})
+        for g, cap in circular.items():
+            if g not in ("swa", "c4_state", "c128_state"):
+                raise ValueError(f"circular names {g!r}; only sliding groups (swa, c4_state, c128_state) "
+                                 f"can be circular")
+            _int_arg(f"circular[{g!r}]", cap)
         cp_world_size = _int_arg("cp_world_size", cp_world_size)
         cp_interleave = _int_arg("cp_interleave", cp_interleave)
         alloc = {"mla": _int_arg("mla_block_size", mla_block_size),
@@ -305,9 +351,18 @@ class DSV4Layout:
                 continue
             gid = len(groups)
             gids[name] = gid
+            sharded = name in ("mla", "swa")
+            kind = "full" if name == "mla" else ("circular" if name in circular else "sliding")
+            if kind == "circular":
+                if name in kbs:
+                    raise ValueError(f"kernel_block_size: circular group {name!r} has no kernel blocks")
+                alloc[name] = circular[name]
+                if circular[name] < gwin[name]:
+                    raise ValueError(f"circular[{name!r}] = {circular[name]} is below the group's "
+                                     f"window {gwin[name]}")
             bs = kbs.get(name, alloc[name])
             f = alloc[name] // bs
-            width = cdiv(per_rank, bs)
+            width = cdiv(per_rank if sharded else max_model_len, bs)
             if name == "mla":
                 for cname, r in (("c4a", r4), ("c128a", r128)):
                     if r is not None:
@@ -319,13 +374,17 @@ class DSV4Layout:
                                              f"divisible by the compress ratio {r} of channel {cname!r}")
                         s = bs // r
                         width = max(width, cdiv(rows_per_rank(r), s))
-            groups.append(GroupSpec(gid, name, "full" if name == "mla" else "sliding", bs,
-                                    gwin[name], name == "mla", width, f))
+            groups.append(GroupSpec(gid, name, kind, bs, gwin[name], name == "mla", width, f,
+                                    ring=kind == "sliding" and sliding_tables == "ring",
+                                    sharded=sharded))
 
         def add(name, gid, ratio, win, index_width, outputs):
             block = groups[gid].block_size
+            compact = compact_compressed and ratio > 1
+            if compact:
+                outputs = set(outputs) | {"compact_slot_mapping", "compact_cu"}
             channels[name] = ChannelSpec(name, gid, ratio, _rows_per_block(name, block, ratio),
-                                         win, index_width, frozenset(outputs))
+                                         win, index_width, frozenset(outputs), compact=compact)
 
         def causal_width(ratio):
             return round_up(cdiv(max_model_len, ratio), INDEX_ALIGN)

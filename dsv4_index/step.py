@@ -16,10 +16,7 @@ checks the rest (e.g. that a running request is known, that a table row is wide 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain, compress
-from typing import AbstractSet, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
-
-import numpy as np
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["NewRequest", "RunningRequest", "StepInput"]
 
@@ -89,20 +86,6 @@ class RunningRequest:
                            _as_block_lists(f"new_block_ids of {self.req_id!r}", self.new_block_ids))
 
 
-class _Summary(NamedTuple):
-    """What the bulk check of :meth:`StepInput._summary` learnt (requests in order new, running)."""
-
-    reqs: list            # [S] NewRequest / RunningRequest
-    rids: list            # [S] req ids
-    ncs: list             # [S] num_computed_tokens
-    lists: list           # [S] per-gid block-id lists
-    width: int            # lists per request (-1 when S == 0)
-    nz: np.ndarray        # int64 [k]: requests with at least one non-empty list
-    lens: np.ndarray      # int64 [k, width]: list lengths of those requests
-    flat: np.ndarray      # int64 [sum(lens)]: their ids, request-major then gid order
-
-
-_INT = {int}
 
 
 @dataclass(frozen=True)
@@ -127,6 +110,10 @@ class StepInput:
     replay_start : dict[str, int]
         Optional per-request floor of the sliding window (bounded replay): window lists start at
         ``max(pos - W + 1, replay_start)``. Requests not listed use 0.
+    replay_end : dict[str, int]
+        Optional per-request end of bounded replay: tokens at ``pos < replay_end`` are recomputed only
+        to rebuild the sliding and state caches, and write nothing into prefix-cacheable groups
+        (their KV is cached in blocks shared with other requests). Requests not listed use 0.
     """
 
     new_requests: Sequence[NewRequest]
@@ -135,6 +122,7 @@ class StepInput:
     finished_req_ids: IdSet = field(default_factory=set)
     preempted_req_ids: IdSet = field(default_factory=set)
     replay_start: Dict[str, int] = field(default_factory=dict)
+    replay_end: Dict[str, int] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -155,72 +143,7 @@ class StepInput:
             Expected number of per-gid block lists (``len(layout.groups)``). When None, every request
             must simply carry the same number of lists.
         """
-        if self._summary(num_groups) is None:
-            self._validate_static_slow(num_groups)
-
-    def _summary(self, num_groups: Optional[int] = None) -> Optional[_Summary]:
-        """Bulk form of :meth:`validate_static` (C-level passes, no per-id Python loop).
-
-        Returns the summary when the step passes every static check, None when it does not or when
-        the bulk check cannot tell (then :meth:`_validate_static_slow` names the culprit).
-        NOTE: None must never be returned for a step the slow check would reject silently; a
-        non-None result must mean the slow check passes.
-        """
-        try:
-            nst = self.num_scheduled_tokens
-            if type(nst) is not dict or not set(map(type, nst.values())) <= _INT:
-                return None
-            if nst and min(nst.values()) < 0:
-                return None
-            new, running = self.new_requests, self.running_requests
-            reqs = [*new, *running] if new else list(running)
-            S = len(reqs)
-            rids = [r.req_id for r in reqs]
-            ncs = [r.num_computed_tokens for r in reqs]
-            if not set(map(type, ncs)) <= _INT or (S and min(ncs) < 0):
-                return None
-            srids = set(rids)
-            if len(srids) != S or nst.keys() != srids:
-                return None
-            lists = [r.block_ids for r in new] + [r.new_block_ids for r in running] if new else \
-                [r.new_block_ids for r in running]
-            widths = set(map(len, lists))
-            if len(widths) > 1 or (num_groups is not None and widths and widths != {num_groups}):
-                return None
-            G = widths.pop() if widths else -1
-            empty = ([],) * max(G, 0)
-            nz = list(compress(range(S), map(empty.__ne__, lists)))
-            sub = [lists[i] for i in nz]
-            lens = np.fromiter(map(len, chain.from_iterable(sub)), dtype=np.int64, count=len(nz) * max(G, 0))
-            flat_l = list(chain.from_iterable(chain.from_iterable(sub)))
-            if flat_l and (not set(map(type, flat_l)) <= _INT or min(flat_l) < 0):
-                return None
-            flat = np.array(flat_l, dtype=np.int64) if flat_l else np.zeros(0, dtype=np.int64)
-            if flat.size != int(lens.sum()):
-                return None
-            if lens.size and int(lens.max()) > 1:
-                # NOTE: duplicates per (request, gid), the null block excepted: one sort of (list, id)
-                key = np.repeat(np.arange(lens.size), lens)
-                keep = flat != 0
-                key, ids = key[keep], flat[keep]
-                order = np.lexsort((ids, key))
-                key, ids = key[order], ids[order]
-                if np.any((key[1:] == key[:-1]) & (ids[1:] == ids[:-1])):
-                    return None
-            for name in ("finished_req_ids", "preempted_req_ids"):
-                if not srids.isdisjoint(getattr(self, name)):
-                    return None
-            if self.replay_start:
-                computed = dict(zip(rids, ncs))
-                for rid, start in self.replay_start.items():
-                    if rid not in computed or type(start) is not int or start < 0:
-                        return None
-                    if nst[rid] > 0 and start > computed[rid]:
-                        return None
-        except (TypeError, OverflowError, AttributeError):
-            return None
-        return _Summary(reqs, rids, ncs, lists, G, np.asarray(nz, dtype=np.int64), lens.reshape(len(nz), max(G, 0)),
-                        flat)
+        self._validate_static_slow(num_groups)
 
     def _validate_static_slow(self, num_groups: Optional[int] = None) -> None:
         nst = self.num_scheduled_tokens
@@ -264,6 +187,9 @@ class StepInput:
             raise ValueError(f"num_scheduled_tokens lists {extra[0]!r}, which is in neither "
                              f"new_requests nor running_requests")
         for name in ("finished_req_ids", "preempted_req_ids"):
+            if isinstance(getattr(self, name), (str, bytes)):
+                raise ValueError(f"{name} must be a set or list of request ids, got the bare string "
+                                 f"{getattr(self, name)!r}")
             clash = [rid for rid in getattr(self, name) if rid in computed]
             if clash:
                 raise ValueError(f"{name} contains {clash[0]!r}, which is also scheduled in this step")
@@ -275,3 +201,8 @@ class StepInput:
             if nst[rid] > 0 and start > computed[rid]:
                 raise ValueError(f"replay_start[{rid!r}] = {start} exceeds the first scheduled position "
                                  f"{computed[rid]} (num_computed_tokens)")
+        for rid, end in self.replay_end.items():
+            if rid not in computed:
+                raise ValueError(f"replay_end lists {rid!r}, which is not scheduled in this step")
+            if isinstance(end, bool) or not isinstance(end, int) or end < 0:
+                raise ValueError(f"replay_end[{rid!r}] must be an int >= 0, got {end!r}")

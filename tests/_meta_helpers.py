@@ -13,7 +13,7 @@ from dsv4_index import DSV4Layout, MetadataPipeline
 from dsv4_index._common import cdiv
 from dsv4_index.step import NewRequest, RunningRequest, StepInput
 
-TINY = Path(__file__).resolve().parents[1] / "models" / "deepseek_v4" / "configs" / "tiny.json"
+TINY = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs" / "tiny.json"
 
 
 def tiny_layout(**kw) -> DSV4Layout:

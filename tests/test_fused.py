@@ -23,7 +23,7 @@ from dsv4_index.step import NewRequest, RunningRequest, StepInput
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
                                 reason="needs CUDA or TRITON_INTERPRET=1")
 
-CONFIGS = Path(__file__).resolve().parents[1] / "models" / "deepseek_v4" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

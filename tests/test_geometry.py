@@ -9,7 +9,7 @@ from dsv4_index.geometry import ChannelSpec, DSV4Layout
 
 import torch
 
-CONFIGS = Path(__file__).resolve().parents[1] / "models" / "deepseek_v4" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs"
 BLOCKS = {"mla": 256, "swa": 64, "c4_state": 4, "c128_state": 8}
 
 

@@ -10,7 +10,7 @@ import torch
 from dsv4_index import DSV4Layout, MetadataPipeline, StepInput
 from dsv4_index.scheduler import random_trace
 
-CONFIGS = Path(__file__).resolve().parent.parent / "models" / "deepseek_v4" / "configs"
+CONFIGS = Path(__file__).resolve().parent.parent / "dsv4_index" / "configs"
 
 
 def tiny_layout(**kw):

@@ -1,11 +1,28 @@
-"""Channel-builder protocol, its per-step context, its output record and the registry."""
+"""Channel builders: the protocol, its per-pipeline context, its output record and the registry.
+
+A builder owns one channel (one cache that reads a group's block table): it allocates the
+channel's persistent buffers, says what it contributes to the one fused launch of a step
+(:meth:`ChannelBuilder.fused_tasks`, descriptors of :mod:`dsv4_index.fused.tasks`), launches the
+per-op kernels when unfused (:meth:`ChannelBuilder.launch`), returns its views
+(:meth:`ChannelBuilder.views`), tells the host checks how many blocks a request needs
+(:meth:`ChannelBuilder.blocks_needed`) and states what its outputs must equal
+(:meth:`ChannelBuilder.expected`, from the references). The pipeline and the fused plan know no
+builder class.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple, Type
+from typing import Dict, List, Optional, Tuple, Type
 
+import numpy as np
 import torch
+
+from .._common import cp_owned_count
+from ..fused.tasks import FusedTask
+
+__all__ = ["BuildContext", "ChannelBuilder", "ChannelMetadata", "register_channel", "registered_channels",
+           "builder_for"]
 
 _REGISTRY: Dict[str, Type["ChannelBuilder"]] = {}
 
@@ -13,17 +30,21 @@ _REGISTRY: Dict[str, Type["ChannelBuilder"]] = {}
 @dataclass
 class ChannelMetadata:
     """One channel's view of a step. Tensors are views of persistent buffers (CUDA-graph safe);
-    fields a channel does not produce are ``None``. ``T`` below is the padded token count.
+    fields a channel does not produce are ``None``. ``T`` is the padded token count ``T_pad``,
+    ``B`` the batch rows.
 
     Attributes
     ----------
-    slot_mapping : int64 [T] — raw slot written by each token (``-1`` for padded / unowned tokens).
+    slot_mapping : int64 [T] — raw slot written by each token (``-1``: padded / unowned / replayed).
     compressed_slot_mapping : int64 [T] — slot of the compressed row a token completes, else ``-1``.
+    compact_slot_mapping : int64 [T] — the rows the step completes, request by request (``-1`` after
+        ``compact_cu[B]``); compact_cu : int32 [B + 1].
     indices : int32 [T, width] — window (``swa``, state channels) or causal compressed list (``c128a``).
     lens : int32 [T] — valid entries of ``indices`` (for ``c4i``: visible compressed rows ``n_c``).
     ks, ke : int32 [T] — ragged indexer key ranges (``c4i``); cu : int32 [B + 1] — their request offsets.
     decode_lens : int32 [num_decodes, next_n] — right-aligned indexer lengths of decode rows (``c4i``).
-    block_table : int32 [B, table_width] — the group's device block table rows of the batch.
+    block_table : int32 [max_num_reqs, cols] — the group's device table, indexed by request slot
+        (batch row ``b`` reads row ``idx_mapping[b]``); a ring for ring groups (``ring_cols > 0``).
     """
 
     name: str
@@ -33,8 +54,12 @@ class ChannelMetadata:
     block_size: int
     window: Optional[int]
     block_table: torch.Tensor
+    idx_mapping: torch.Tensor
+    ring_cols: int = 0
     slot_mapping: Optional[torch.Tensor] = None
     compressed_slot_mapping: Optional[torch.Tensor] = None
+    compact_slot_mapping: Optional[torch.Tensor] = None
+    compact_cu: Optional[torch.Tensor] = None
     indices: Optional[torch.Tensor] = None
     lens: Optional[torch.Tensor] = None
     ks: Optional[torch.Tensor] = None
@@ -45,40 +70,52 @@ class ChannelMetadata:
 
 @dataclass
 class BuildContext:
-    """What every builder reads: capacity, DCP rank, and the step's common device tensors.
+    """What every builder reads: capacities, DCP, the group tables and the step's common buffers.
 
-    Device tensors are persistent buffers at capacity; ``update()`` refreshes them. Request arrays
-    cover all ``max_num_reqs`` rows (rows past the batch are zero-length requests), so kernels see
-    one shape every step.
+    Persistent device buffers are allocated once at capacity (``T_max = max_num_batched_tokens``);
+    the per-step host values are set by ``update()``. Per-request buffers hold ``T_pad + 1`` rows
+    (a batch never has more rows than tokens): rows past the batch are zero-length requests.
     """
 
     layout: object
     device: torch.device
     max_num_reqs: int
     max_num_tokens: int
-    num_speculative_tokens: int
+    next_n: int
     cp_world_size: int
     cp_rank: int
     cp_interleave: int
-    query_start_loc: torch.Tensor   # int32 [max_num_reqs + 1]
-    seq_lens: torch.Tensor          # int32 [max_num_reqs]
-    replay_start: torch.Tensor      # int32 [max_num_reqs]
-    block_tables: Tuple[torch.Tensor, ...]  # per gid: int32 [max_num_reqs, table_width]
-    # host values of the current step (set by update())
+    tables: Tuple[torch.Tensor, ...]          # per gid: int32 [max_num_reqs, cols]
+    ring_cols: Tuple[int, ...]                # per gid: ring width or 0
+    query_start_loc: torch.Tensor             # int32 [T_max + 1]
+    seq_lens: torch.Tensor                    # int32 [T_max + 1]
+    idx_mapping: torch.Tensor                 # int32 [T_max + 1]: request slot of each batch row
+    replay_start: torch.Tensor                # int32 [T_max + 1] (unfused path)
+    replay_end: torch.Tensor                  # int32 [T_max + 1] (unfused path)
+    token_to_req: torch.Tensor                # int32 [T_max]
+    positions: torch.Tensor                   # int64 [T_max]
+    is_valid_token: torch.Tensor              # bool [T_max]
+    backend: Optional[str] = None             # functional-op backend of the unfused path
+    # host values of the current step
     num_reqs: int = 0
     num_tokens: int = 0
     num_tokens_padded: int = 0
     num_decodes: int = 0
-    # shared outputs: identical results computed once per step (e.g. c4a / c4i compressed slots)
+    has_replay_start: bool = False
+    has_replay_end: bool = False
     _shared: Dict[tuple, torch.Tensor] = field(default_factory=dict)
     _done: set = field(default_factory=set)
 
-    @property
-    def next_n(self) -> int:
-        return 1 + self.num_speculative_tokens
+    def group_cp(self, gid: int) -> Tuple[int, int, int]:
+        """(world, rank, interleave) that applies to group ``gid`` ((1, 0, 1) when replicated)."""
+        g = self.layout.groups[gid]
+        if self.cp_world_size > 1 and g.sharded:
+            return self.cp_world_size, self.cp_rank, self.cp_interleave
+        return 1, 0, 1
 
-    def cp_kwargs(self) -> dict:
-        return dict(cp_world_size=self.cp_world_size, cp_rank=self.cp_rank, cp_interleave=self.cp_interleave)
+    def cp_kwargs(self, gid: int) -> dict:
+        w, r, i = self.group_cp(gid)
+        return dict(cp_world_size=w, cp_rank=r, cp_interleave=i)
 
     def shared_buffer(self, key: tuple, shape, dtype) -> torch.Tensor:
         """One persistent buffer per ``key``, shared by every builder that asks for it."""
@@ -88,58 +125,119 @@ class BuildContext:
             self._shared[key] = buf
         return buf
 
-    def once(self, key: tuple, fn: Callable[[], None]) -> None:
-        """Run ``fn`` the first time ``key`` is seen in this step (reset by :meth:`new_step`)."""
-        if key not in self._done:
-            self._done.add(key)
-            fn()
+    def fill_token_map(self) -> None:
+        """``token_to_req``, ``is_valid_token`` and ``positions`` of ``[0, T_pad)`` from this step's
+        ``query_start_loc`` and ``seq_lens`` (torch ops; the unfused path and the host checker)."""
+        from ..ops import token_to_req
+        B, T, Tp = self.num_reqs, self.num_tokens, self.num_tokens_padded
+        qsl, seq = self.query_start_loc[:B + 1], self.seq_lens[:B]
+        ttr = token_to_req(qsl, Tp, out=self.token_to_req[:Tp], backend=self.backend)
+        t = torch.arange(Tp, device=self.device)
+        valid = torch.lt(t, T, out=self.is_valid_token[:Tp])
+        b = ttr.long()
+        pos = self.positions[:Tp]
+        if B:
+            torch.add(self.seq_lens[b].long() - self.query_start_loc[b + 1].long(), t, out=pos)
+        pos.masked_fill_(~valid, 0)
 
-    def new_step(self) -> None:
-        self._done.clear()
+    def once(self, key: tuple) -> bool:
+        """True the first time ``key`` is seen in this step (unfused path: shared outputs)."""
+        if key in self._done:
+            return False
+        self._done.add(key)
+        return True
 
 
 class ChannelBuilder:
-    """Base class of channel builders.
+    """Base class of channel builders (subclass it and :func:`register_channel` the class).
 
-    A builder declares its channel (``spec``: gid, compress ratio, rows per block, window, outputs),
-    allocates persistent buffers once in :meth:`allocate`, and fills them in :meth:`build`, which must
-    do no host sync, no allocation and have no data-dependent shape (DESIGN §7).
+    Required: :meth:`allocate`, :meth:`launch`, :meth:`views`, :meth:`blocks_needed`. Optional:
+    :meth:`fused_tasks` (join the one fused launch; default: none, so :meth:`launch` runs),
+    :meth:`num_staged_arrays` / :meth:`fill_staged` (per-request host arrays staged with the step),
+    :attr:`int32_unit`, :meth:`expected` (used by :mod:`dsv4_index.validate`), :meth:`topk_to_slots`.
+    Device work must do no host sync, no allocation and have no data-dependent shape (DESIGN §7).
     """
 
     def __init__(self, spec, layout):
         self.spec = spec
         self.layout = layout
         self.group = layout.groups[spec.gid]
+        self.extra_index = -1  # NOTE: first staged array of this builder (set by the pipeline)
 
-    # geometry shortcuts
     @property
     def kernel_block_size(self) -> int:
-        return self.group.block_size  # NOTE: GroupSpec.block_size is already the kernel block size
+        return self.group.block_size  # NOTE: GroupSpec.block_size is the kernel block size
 
+    @property
+    def int32_unit(self) -> int:
+        """Slots per block of the group that the channel's int32 index lists address (block size for
+        window lists, rows per block for compressed lists); 1 when it writes int64 slots only."""
+        return 1
+
+    # -- required ----------------------------------------------------------------------------
     def allocate(self, ctx: BuildContext) -> None:  # pragma: no cover - interface
-        """Allocate every persistent buffer at capacity (``ctx.max_num_tokens``, ``ctx.max_num_reqs``)."""
+        """Allocate every persistent buffer at capacity (``ctx.max_num_tokens`` rows)."""
         raise NotImplementedError
 
     def launch(self, ctx: BuildContext) -> None:  # pragma: no cover - interface
-        """Launch the kernels that fill this step's outputs (skipped when a fused plan covers the channel)."""
+        """Unfused path: fill this step's outputs with the functional ops (``ctx.backend``)."""
         raise NotImplementedError
 
     def views(self, ctx: BuildContext) -> ChannelMetadata:  # pragma: no cover - interface
         """This step's outputs as views of the persistent buffers (no device work)."""
         raise NotImplementedError
 
-    def build(self, ctx: BuildContext) -> ChannelMetadata:
-        self.launch(ctx)
-        return self.views(ctx)
+    def blocks_needed(self, ctx: BuildContext, seq_lens: np.ndarray) -> np.ndarray:
+        """Kernel blocks of the channel's group that requests of these lengths need, int64 ``[B]``
+        (the host's coverage check: a missing block would be read as a stale id)."""
+        if self.group.kind == "circular":
+            return (seq_lens > 0).astype(np.int64)
+        w, r, i = ctx.group_cp(self.spec.gid)
+        rows = seq_lens // self.spec.compress_ratio if self.spec.compress_ratio > 1 else seq_lens
+        unit = self.spec.rows_per_block if self.spec.compress_ratio > 1 else self.group.block_size
+        local = cp_owned_count(rows, w, r, i) if w > 1 else rows
+        return -(-local // unit)
 
-    def topk_to_slots(self, ctx: BuildContext, topk: torch.Tensor):
+    # -- optional ----------------------------------------------------------------------------
+    def fused_tasks(self, ctx: BuildContext) -> List[FusedTask]:
+        """This channel's share of the one fused launch (identical tasks of several builders run
+        once); an empty list keeps the channel on its own :meth:`launch`."""
+        return []
+
+    def num_staged_arrays(self) -> int:
+        """Per-request int32 arrays (``[B + 1]`` each) the channel stages with every step."""
+        return 0
+
+    def fill_staged(self, ctx: BuildContext, seq_lens: np.ndarray, num_scheduled: np.ndarray,
+                    arrays: List[np.ndarray]) -> None:
+        """Fill the staged arrays for a step (host, numpy; ``arrays[k]`` has ``B + 1`` entries)."""
+
+    def expected(self, host_ctx: BuildContext) -> ChannelMetadata:
+        """What this step's outputs must equal: :meth:`launch` run by a fresh builder of the same
+        class on ``host_ctx`` (host copies of the step, PyTorch references; see
+        :func:`dsv4_index.validate.host_context`). Override for outputs ``launch`` does not state."""
+        twin = type(self)(self.spec, self.layout)
+        twin.allocate(host_ctx)
+        twin.launch(host_ctx)
+        return twin.views(host_ctx)
+
+    def topk_to_slots(self, ctx: BuildContext, topk: torch.Tensor, *, compact: bool = False):
         raise ValueError(f"channel {self.spec.name!r} does not convert top-k indices")
 
-    def _meta(self, ctx: BuildContext, **outputs) -> ChannelMetadata:
+    # -- helpers -----------------------------------------------------------------------------
+    def batch_args(self, ctx: BuildContext) -> dict:
+        """Keyword arguments of the functional ops for this step (unfused path)."""
+        B = ctx.num_reqs
+        return dict(idx_mapping=ctx.idx_mapping[:B], num_tokens=ctx.num_tokens, backend=ctx.backend,
+                    **ctx.cp_kwargs(self.spec.gid))
+
+    def meta(self, ctx: BuildContext, **outputs) -> ChannelMetadata:
         s = self.spec
         return ChannelMetadata(name=s.name, gid=s.gid, compress_ratio=s.compress_ratio,
                                rows_per_block=s.rows_per_block, block_size=self.kernel_block_size,
-                               window=s.window, block_table=ctx.block_tables[s.gid][:ctx.num_reqs], **outputs)
+                               window=s.window, block_table=ctx.tables[s.gid],
+                               idx_mapping=ctx.idx_mapping[:ctx.num_reqs], ring_cols=ctx.ring_cols[s.gid],
+                               **outputs)
 
 
 def register_channel(name: str, builder: Optional[Type[ChannelBuilder]] = None, *, replace: bool = False):

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 attention config: the fields of ``configs/{flash,pro,tiny}.json`` that the attention uses.
+"""DeepSeek-V4 attention config: the fields of ``dsv4_index/configs/{flash,pro,tiny}.json`` (package data of
+``dsv4_index``) that the attention uses.
 
 Block sizes are not config fields: they belong to the cache layout (``DSV4Layout.from_config`` takes
 them as arguments) and the model never needs them.
@@ -11,9 +12,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, Tuple, Union
 
-__all__ = ["DSV4Config", "load_config", "CONFIG_DIR"]
+from dsv4_index.config import CONFIG_DIR, SHIPPED  # the shipped configs are package data of dsv4_index
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+__all__ = ["DSV4Config", "load_config", "CONFIG_DIR"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,6 @@ class DSV4Config:
 def load_config(name: str) -> DSV4Config:
     """One of the shipped configs: ``"tiny"``, ``"flash"`` or ``"pro"``."""
     path = CONFIG_DIR / f"{name}.json"
-    if name not in ("tiny", "flash", "pro") or not path.exists():
+    if name not in SHIPPED or not path.exists():
         raise ValueError(f"name must be 'tiny', 'flash' or 'pro', got {name!r}")
     return DSV4Config.from_json(path)

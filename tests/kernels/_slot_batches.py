@@ -93,44 +93,51 @@ def py_owned_local(p, world, rank, interleave):
     return (p // (interleave * world)) * interleave + p % interleave
 
 
-def py_slot(row, p, unit, world=1, rank=0, interleave=1):
+def py_slot(row, p, unit, world=1, rank=0, interleave=1, ring=False):
+    """Slot of position (or compressed row) ``p`` in table row ``row``; ``ring``: logical block
+    ``i`` lives in column ``i % len(row)``."""
     lp = py_owned_local(p, world, rank, interleave)
     if lp is None:
         return -1
-    return int(row[lp // unit]) * unit + lp % unit
+    blk = lp // unit
+    return int(row[blk % len(row) if ring else blk]) * unit + lp % unit
 
 
 def py_slot_mapping(q_lens, seq_lens, bt, block_size, T_out, world=1, rank=0, interleave=1,
-                    circular=None):
+                    circular=None, ring=False, replay_end=None):
     out = [-1] * T_out
     for t, (b, p) in enumerate(py_tokens(q_lens, seq_lens)):
+        if replay_end is not None and p < replay_end[b]:
+            continue  # bounded replay: the prefix-shared blocks are never written
         if circular is not None:
             out[t] = int(bt[b][0]) * circular + p % circular
         else:
-            out[t] = py_slot(bt[b], p, block_size, world, rank, interleave)
+            out[t] = py_slot(bt[b], p, block_size, world, rank, interleave, ring)
     return out
 
 
-def py_compressed(q_lens, seq_lens, bt, S, R, T_out, world=1, rank=0, interleave=1):
+def py_compressed(q_lens, seq_lens, bt, S, R, T_out, world=1, rank=0, interleave=1, replay_end=None):
     out = [-1] * T_out
     for t, (b, p) in enumerate(py_tokens(q_lens, seq_lens)):
-        if (p + 1) % R == 0:
+        if (p + 1) % R == 0 and (replay_end is None or p >= replay_end[b]):
             out[t] = py_slot(bt[b], p // R, S, world, rank, interleave)
     return out
 
 
-def py_compact(q_lens, seq_lens, bt, S, R, n_out, world=1, rank=0, interleave=1):
+def py_compact(q_lens, seq_lens, bt, S, R, n_out, world=1, rank=0, interleave=1, replay_end=None):
+    """Every completed row listed (``-1`` when owned elsewhere or replayed), ``cu`` per request."""
     rows, cu = [], [0]
     for b, (q, s) in enumerate(zip(q_lens, seq_lens)):
         for p in range(s - q, s):
             if (p + 1) % R == 0:
-                rows.append(py_slot(bt[b], p // R, S, world, rank, interleave))
+                replayed = replay_end is not None and p < replay_end[b]
+                rows.append(-1 if replayed else py_slot(bt[b], p // R, S, world, rank, interleave))
         cu.append(len(rows))
     return rows + [-1] * (n_out - len(rows)), cu
 
 
 def py_window(q_lens, seq_lens, bt, block_size, W, width, T_out, replay=None, world=1, rank=0,
-              interleave=1):
+              interleave=1, ring=False, circular=None):
     idx = [[-1] * width for _ in range(T_out)]
     lens = [0] * T_out
     for t, (b, p) in enumerate(py_tokens(q_lens, seq_lens)):
@@ -138,7 +145,10 @@ def py_window(q_lens, seq_lens, bt, block_size, W, width, T_out, replay=None, wo
         owned = [x for x in range(max(p - W + 1, floor), p + 1)
                  if py_owned_local(x, world, rank, interleave) is not None]
         for j, x in enumerate(owned):
-            idx[t][j] = py_slot(bt[b], x, block_size, world, rank, interleave)
+            if circular is not None:
+                idx[t][j] = int(bt[b][0]) * circular + x % circular
+            else:
+                idx[t][j] = py_slot(bt[b], x, block_size, world, rank, interleave, ring)
         lens[t] = len(owned)
     return idx, lens
 

@@ -32,7 +32,8 @@ def make_batch(q_lens, ctx_lens, table_width, *, extra_rows=1, seed=0, device=DE
 
 
 def python_causal(qsl, sl, bt, S, R, width, T, world=1, rank=0, inter=1):
-    """DESIGN §4 written out token by token in plain Python (lists)."""
+    """DESIGN §4 written out token by token in plain Python (lists); None when a row does not fit
+    the width or the table (the op must raise: rows are never cut)."""
     qsl, sl, bt = qsl.tolist(), sl.tolist(), bt.tolist()
     rows, lens = [], []
     for t in range(T):
@@ -45,11 +46,15 @@ def python_causal(qsl, sl, bt, S, R, width, T, world=1, rank=0, inter=1):
                     continue
                 lc = (c // (inter * world)) * inter + c % inter
                 if lc // S >= len(bt[b]) or len(entries) == width:
-                    break
+                    return None
                 entries.append(bt[b][lc // S] * S + lc % S)
         lens.append(len(entries))
         rows.append(entries + [-1] * (width - len(entries)))
     return rows, lens
+
+
+def _owned_rows(pos, R, world, rank, inter):
+    return sum(1 for c in range((pos + 1) // R) if (c // inter) % world == rank)
 
 
 @st.composite
@@ -67,6 +72,10 @@ def cases(draw, max_reqs=4):
     inter = draw(st.sampled_from([1, 8, 64]))
     width = draw(st.sampled_from([1, 3, 16, 40, 300]))
     pad = draw(st.integers(0, 3))
+    if draw(st.integers(0, 3)):  # NOTE: mostly batches that fit; the rest must be rejected
+        most = max([_owned_rows(c + i, R, world, rank, inter) for c, n in zip(ctx, q) for i in range(n)],
+                   default=0)
+        width, tw = max(width, most), max(tw, -(-most // S))
     return dict(q=q, ctx=ctx, R=R, S=S, tw=tw, world=world, rank=rank, inter=inter, width=width,
                 pad=pad, seed=draw(st.integers(0, 99)))
 
@@ -78,15 +87,30 @@ def run_both(c, **extra):
     out = torch.full((T, c["width"]), POISON, dtype=torch.int32, device=DEV)
     out_lens = torch.full((T,), POISON, dtype=torch.int32, device=DEV)
     got = dsv4_index.causal_compressed_indices(qsl, sl, bt, c["S"], c["R"], c["width"], out=out,
-                                               out_lens=out_lens, backend="triton", **kw)
+                                               out_lens=out_lens, backend="triton", validate=True, **kw)
     want = ref.causal_compressed_indices(qsl, sl, bt, c["S"], c["R"], c["width"], num_tokens=T, **kw)
     assert got[0] is out and got[1] is out_lens
     return got, want, (qsl, sl, bt, T)
 
 
+def _fits(c):
+    qsl, sl, bt = make_batch(c["q"], c["ctx"], c["tw"], seed=c["seed"], device="cpu")
+    return python_causal(qsl, sl, bt, c["S"], c["R"], c["width"], sum(c["q"]), c["world"], c["rank"],
+                         c["inter"]) is not None
+
+
 @needs_kernel
 @given(cases())
 def test_kernel_matches_reference(c):
+    if not _fits(c):  # a row wider than width or the table: both backends refuse, naming it
+        for backend in ("triton", "reference"):
+            with pytest.raises(ValueError, match="width|block_table"):
+                qsl, sl, bt = make_batch(c["q"], c["ctx"], c["tw"], seed=c["seed"])
+                dsv4_index.causal_compressed_indices(qsl, sl, bt, c["S"], c["R"], c["width"],
+                                                     cp_world_size=c["world"], cp_rank=c["rank"],
+                                                     cp_interleave=c["inter"], backend=backend,
+                                                     validate=True)
+        return
     got, want, _ = run_both(c)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -96,12 +120,14 @@ def test_kernel_matches_reference(c):
 def test_reference_matches_python_formula(c):
     qsl, sl, bt = make_batch(c["q"], c["ctx"], c["tw"], seed=c["seed"], device="cpu")
     T = sum(c["q"]) + c["pad"]
-    idx, lens = ref.causal_compressed_indices(
-        qsl, sl, bt, c["S"], c["R"], c["width"], cp_world_size=c["world"], cp_rank=c["rank"],
-        cp_interleave=c["inter"], num_tokens=T)
-    rows, plens = python_causal(qsl, sl, bt, c["S"], c["R"], c["width"], T, c["world"], c["rank"],
-                                c["inter"])
-    assert idx.tolist() == rows and lens.tolist() == plens
+    kw = dict(cp_world_size=c["world"], cp_rank=c["rank"], cp_interleave=c["inter"], num_tokens=T)
+    want = python_causal(qsl, sl, bt, c["S"], c["R"], c["width"], T, c["world"], c["rank"], c["inter"])
+    if want is None:
+        with pytest.raises(ValueError, match="width|block_table"):
+            ref.causal_compressed_indices(qsl, sl, bt, c["S"], c["R"], c["width"], **kw)
+        return
+    idx, lens = ref.causal_compressed_indices(qsl, sl, bt, c["S"], c["R"], c["width"], **kw)
+    assert idx.tolist() == want[0] and lens.tolist() == want[1]
 
 
 def test_hand_example():
@@ -172,11 +198,26 @@ def test_empty_batch_and_tail_sentinel():
 
 @needs_kernel
 def test_out_wider_than_width_is_filled():
-    qsl, sl, bt = make_batch([1, 3], [40, 9], 4)
-    out = torch.full((6, 20), POISON, dtype=torch.int32, device=DEV)
-    dsv4_index.causal_compressed_indices(qsl, sl, bt, 4, 2, 16, out=out, backend="triton")
-    want, _ = ref.causal_compressed_indices(qsl, sl, bt, 4, 2, 20, num_tokens=6)
+    qsl, sl, bt = make_batch([1, 3], [40, 9], 6)  # 24 rows of table; token 0 sees 20
+    out = torch.full((6, 24), POISON, dtype=torch.int32, device=DEV)
+    dsv4_index.causal_compressed_indices(qsl, sl, bt, 4, 2, 20, out=out, backend="triton")
+    want, _ = ref.causal_compressed_indices(qsl, sl, bt, 4, 2, 24, num_tokens=6)
     assert torch.equal(out, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("width,tw", [(3, 8), (64, 2), (2, 1)])
+def test_unchecked_rows_are_clamped_in_bounds(width, tw):
+    """No value checks (the kernel entry, as on unvalidated CUDA inputs): rows wider than the width or
+    the table are clamped to min(width, cols * S), never read past the table; kernel == reference."""
+    from dsv4_index.ops.causal_compressed_indices import kernel, naive
+    qsl, sl, bt = make_batch([1, 3, 2], [40, 9, 70], tw)
+    out = torch.full((8, width), POISON, dtype=torch.int32, device=DEV)
+    lens = torch.full((8,), POISON, dtype=torch.int32, device=DEV)
+    kernel.launch(qsl, sl, bt, None, 4, 2, 1, 0, 1, out, lens)
+    want, want_lens = naive.causal_compressed_indices(qsl, sl, bt, 4, 2, torch.arange(3), 1, 0, 1, 8, width)
+    assert torch.equal(out, want) and torch.equal(lens, want_lens)
+    assert int(lens.max()) == min(width, tw * 4)
 
 
 def test_bad_arguments():
@@ -203,10 +244,12 @@ def test_bad_arguments():
         f(qsl, sl, bt, 2, 4, 4, cp_world_size=2, cp_rank=2)
     big = torch.full((2, 2), 2 ** 30, dtype=torch.int32)     # 2**30 * 4 overflows int32
     with pytest.raises(ValueError, match="int32"):
-        f(qsl, sl, big, 4, 1, 4)
-    # width smaller than the visible rows is not an error: rows are truncated
-    idx, lens = f(qsl, torch.tensor([40, 40], dtype=torch.int32), bt, 2, 1, 3)
-    assert lens.tolist() == [3, 3, 3]
+        f(qsl, sl, big, 4, 1, 8)
+    # a width or a table narrower than the visible rows is an error: rows are never cut (DESIGN §4)
+    with pytest.raises(ValueError, match="width"):
+        f(qsl, torch.tensor([40, 40], dtype=torch.int32), bt, 2, 1, 3)
+    with pytest.raises(ValueError, match="block_table"):
+        f(qsl, torch.tensor([40, 40], dtype=torch.int32), bt, 2, 1, 64)
 
 
 SCENARIOS = COMPRESSED_SCENARIOS  # R = 4, S = 4 (block = 16 tokens)

@@ -1,7 +1,5 @@
 """compressed_slot_mapping (token-aligned and compact): kernel == reference == DESIGN §4 model."""
 
-import importlib
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,8 +15,8 @@ from dsv4_index._common import cp_owned_count
 from _slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_table,
                            needs_triton, poisoned, py_compact, py_compressed)
 
-K = importlib.import_module("dsv4_index.kernels.compressed_slot_mapping")
-Rm = importlib.import_module("dsv4_index.reference.compressed_slot_mapping")
+from dsv4_index.ops.compressed_slot_mapping import kernel as K, naive as Rm
+
 GEOMS = [(2, 4), (4, 64), (128, 2)]  # (R, S)
 
 
@@ -192,10 +190,10 @@ def test_kernel_garbage_inputs_stay_in_bounds(device):
     for compact in (False, True):
         out = poisoned((20,), torch.int64, device)
         cu = poisoned((4,), torch.int32, device) if compact else None
-        K._launch(qsl, sl, bt, 4, 2, 1, 0, 1, 13, out, cu)
-        slots, req, c, done = Rm._compressed_slot_mapping(qsl, sl, bt, 4, 2, 1, 0, 1, 13)
+        K.launch(qsl, sl, bt, None, None, 4, 2, 1, 0, 1, 13, out, cu)
+        slots = Rm.compressed_slot_mapping(qsl, sl, bt, 4, 2, torch.arange(3), None, 1, 0, 1, 13)
         if compact:
-            slots, want_cu = Rm._compact(qsl, sl, slots, req, c, done, 2, 20, 4)
+            slots, want_cu = Rm.compact(qsl, sl, bt, 4, 2, torch.arange(3), None, 1, 0, 1, 13, 20, 4)
             assert torch.equal(cu.cpu(), want_cu.cpu())
         assert torch.equal(out[:slots.numel()].cpu(), slots.cpu())
 

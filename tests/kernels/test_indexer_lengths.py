@@ -9,7 +9,7 @@ MORE = settings(max_examples=4 * settings().max_examples)  # reference-only: che
 import dsv4_index
 from dsv4_index import reference as ref
 from dsv4_index._common import interpreting
-from dsv4_index.kernels.indexer_lengths import IndexerLengths
+from dsv4_index.ops import IndexerLengths
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 POISON = 12345

@@ -1,7 +1,5 @@
 """slot_mapping: Triton kernel == reference == plain-Python DESIGN §4 model."""
 
-import importlib
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,8 +11,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning")  # Triton interpreter noise
 from dsv4_index import reference
 from dsv4_index._common import cp_owned_count
-K = importlib.import_module("dsv4_index.kernels.slot_mapping")
-Rm = importlib.import_module("dsv4_index.reference.slot_mapping")
+from dsv4_index.ops.slot_mapping import kernel as K, naive as Rm
 
 from _slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_table, needs_triton,
                            poisoned, py_slot_mapping)
@@ -139,7 +136,8 @@ def test_kernel_dcp_every_rank(device, world, inter):
 
 @needs_triton
 def test_kernel_hybrid_and_circular(device):
-    q_lens, seq_lens = [1, 4, 9], [33, 8, 9]
+    # NOTE: a circular group of capacity 8 holds at most 8 positions written in one step
+    q_lens, seq_lens = [1, 4, 8], [33, 8, 9]
     qsl, sl = batch_tensors(q_lens, seq_lens, device)
     bt = make_table(_needed(seq_lens, 4), seed=3, device=device)
     a, b = _both(device, qsl, sl, bt, 4, 16, blocks_per_kv_block=4, cp_world_size=2,
@@ -184,10 +182,9 @@ def test_kernel_garbage_inputs_stay_in_bounds(device):
     bt = make_table([1, 2, 1], seed=6, extra_cols=0, device=device)
     for kw in (dict(), dict(cp_world_size=2, cp_rank=1, cp_interleave=2)):
         out = poisoned((12,), torch.int64, device)
-        K._launch(qsl, sl, bt, 64, kw.get("cp_world_size", 1), kw.get("cp_rank", 0),
-                  kw.get("cp_interleave", 1), None, out)
-        want = Rm._slot_mapping(qsl, sl, bt, 64, kw.get("cp_world_size", 1),
-                                kw.get("cp_rank", 0), kw.get("cp_interleave", 1), None, 12)
+        cp = (kw.get("cp_world_size", 1), kw.get("cp_rank", 0), kw.get("cp_interleave", 1))
+        K.launch(qsl, sl, bt, None, None, 64, bt.shape[1], 0, *cp, out)
+        want = Rm.slot_mapping(qsl, sl, bt, 64, torch.arange(3), 0, None, *cp, 12)
         assert torch.equal(out.cpu(), want.cpu())
     assert out[:2].tolist() == [-1, -1]  # positions -2, -1
 
@@ -246,9 +243,9 @@ def _compiled_variants(jit_fn):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay_matches_reference():
-    from dsv4_index.kernels.compressed_slot_mapping import _compressed_slot_mapping_kernel
-    from dsv4_index.kernels.token_to_req import _token_to_req_kernel
-    from dsv4_index.kernels.window_indices import _window_indices_kernel
+    from dsv4_index.ops.compressed_slot_mapping.kernel import _compressed_slot_mapping_kernel
+    from dsv4_index.ops.token_to_req.kernel import _token_to_req_kernel
+    from dsv4_index.ops.window_indices.kernel import _window_indices_kernel
     dev = torch.device("cuda")
     B_pad, T_pad, width = 6, 48, 16
     qsl = torch.zeros(B_pad + 1, dtype=torch.int32, device=dev)

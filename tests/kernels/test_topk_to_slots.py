@@ -196,3 +196,95 @@ def test_scenarios_every_rank(name, world, inter):
             got = dsv4_index.topk_to_slots(*args, out=out, backend="triton", **kw)
             want = ref.topk_to_slots(*args, num_tokens=T, **kw)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# the pipeline entry: per-token rows and n_c precomputed, no search (launch_rows) == public op
+# ----------------------------------------------------------------------------------------------
+def python_token_info(q, ctx, R, T, rows=None):
+    """(token_rows, token_nc) int32 ``[T]`` as a step build precomputes them: the table row of the
+    token's request (``rows[b]`` or ``b``; -1 padded) and ``n_c = (pos + 1) // R`` (0 padded)."""
+    tr, nc = [-1] * T, [0] * T
+    t = 0
+    for b, (n, c) in enumerate(zip(q, ctx)):
+        for i in range(n):
+            tr[t], nc[t] = (rows[b] if rows is not None else b), (c + i + 1) // R
+            t += 1
+    return torch.tensor(tr, dtype=torch.int32), torch.tensor(nc, dtype=torch.int32)
+
+
+@needs_kernel
+@given(cases(), st.integers(0, 3), st.booleans())
+def test_launch_rows_equals_public_op_and_reference(c, extra, use_idx):
+    from dsv4_index.ops.topk_to_slots import kernel, naive, topk_to_slots_rows
+    (topk, qsl, sl, bt, S, R), kw, T = args_of(c)
+    B, K = len(c["q"]), topk.shape[1]
+    idx = None
+    if use_idx:  # slot-indexed table: request b lives in row perm[b] of a bigger table
+        g = torch.Generator().manual_seed(c["seed"])
+        perm = torch.randperm(bt.shape[0] + 3, generator=g)
+        big = torch.randint(1, 50_000, (bt.shape[0] + 3, bt.shape[1]), generator=g, dtype=torch.int32)
+        big[perm[:bt.shape[0]]] = bt.cpu()
+        bt, idx = big.to(DEV), perm[:B].to(torch.int32).to(DEV)
+    full = lambda *s: torch.full(s, POISON, dtype=torch.int32, device=DEV)  # noqa: E731
+    a = dsv4_index.topk_to_slots(topk, qsl, sl, bt, S, R, idx_mapping=idx, out=full(T, K),
+                                 out_lens=full(T), backend="triton", **kw)
+    want = ref.topk_to_slots(topk, qsl, sl, bt, S, R, idx_mapping=idx, num_tokens=T, **kw)
+    trow, tnc = python_token_info(c["q"], c["ctx"], R, T, idx.tolist() if use_idx else None)
+    cp = (c["world"], c["rank"], c["inter"])
+    out, lens = full(T + extra, K), full(T + extra)
+    kernel.launch_rows(topk, trow.to(DEV), tnc.to(DEV), bt, S, R, bt.shape[1], *cp, c["compact"], out,
+                       lens, T)
+    assert torch.equal(a[0], want[0]) and torch.equal(a[1], want[1])
+    assert torch.equal(out[:T], want[0]) and torch.equal(lens[:T], want[1])
+    assert bool((out[T:] == POISON).all()) and bool((lens[T:] == POISON).all())  # rows past T_out
+    s, n = naive.topk_to_slots_rows(topk, trow.to(DEV), tnc.to(DEV), bt, S, *cp, c["compact"], T)
+    assert torch.equal(s, want[0]) and torch.equal(n, want[1])
+    for backend in ("triton", "reference"):
+        s, n = topk_to_slots_rows(topk, trow.to(DEV), tnc.to(DEV), bt, S, R, T, cp_world_size=cp[0],
+                                  cp_rank=cp[1], cp_interleave=cp[2], compact=c["compact"],
+                                  out=full(T, K), out_lens=full(T), backend=backend)
+        assert torch.equal(s, want[0]) and torch.equal(n, want[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_launch_rows_padded_and_garbage_rows(compact, dtype):
+    """Padded tokens (-1 rows), rows outside the table, n_c larger than the table: -1 / 0, no read
+    outside the table; huge int64 picks never alias a small row."""
+    from dsv4_index.ops.topk_to_slots import kernel, naive
+    bt = torch.randint(1, 1000, (3, 4), dtype=torch.int32, device=DEV)
+    trow = torch.tensor([0, 2, -1, 3, 1, -7], dtype=torch.int32, device=DEV)
+    tnc = torch.tensor([5, 100, 9, 4, 2 ** 31 - 1, 3], dtype=torch.int32, device=DEV)
+    picks = [0, 1, 4, 15, 16, 99, -1, I32.max, I32.min] + ([2 ** 32, 2 ** 32 + 1, I64.max, I64.min]
+                                                           if dtype == torch.int64 else [])
+    topk = torch.tensor(picks, dtype=dtype, device=DEV).repeat(6, 1)
+    K = topk.shape[1]
+    out = torch.full((6, K), POISON, dtype=torch.int32, device=DEV)
+    lens = torch.full((6,), POISON, dtype=torch.int32, device=DEV)
+    kernel.launch_rows(topk, trow, tnc, bt, 4, 4, 4, 1, 0, 1, compact, out, lens, 6)
+    want, want_lens = naive.topk_to_slots_rows(topk, trow, tnc, bt, 4, 1, 0, 1, compact, 6)
+    assert torch.equal(out, want) and torch.equal(lens, want_lens)
+    assert lens.tolist() == [3, 4, 0, 0, 4, 0]  # picks 0 1 4 15 fit the 16 rows of a table row
+
+
+@needs_kernel
+def test_int64_picks_beyond_int32_never_alias():
+    """A pick 2**32 + l must not act like l after the int32 narrowing (compares run on the input dtype)."""
+    qsl, sl, bt = make_batch([2], [4000], 64)
+    topk = torch.tensor([[5, 2 ** 32 + 5, -2 ** 32 + 5, 2 ** 31 + 5, I64.max],
+                         [6, 2 ** 32 + 6, 2 ** 40, -1, I64.min]], dtype=torch.int64, device=DEV)
+    for backend in ("triton", "reference"):
+        s, n = dsv4_index.topk_to_slots(topk, qsl, sl, bt, 64, 4, backend=backend)
+        assert n.tolist() == [1, 1] and bool((s[:, 1:] == -1).all())
+        assert s[:, 0].tolist() == [int(bt[0, 0]) * 64 + 5, int(bt[0, 0]) * 64 + 6]
+
+
+def test_tile_config_shapes():
+    from dsv4_index.ops.topk_to_slots.kernel import tile_config
+    assert tile_config(512) == (4, 512, 4)
+    for K in (1, 5, 16, 33, 512, 600, 1024, 2048, 4096):
+        bt, bk, nw = tile_config(K)
+        assert bk >= K and bk & (bk - 1) == 0 and bt >= 1 and nw in (4, 8)
+        assert bt * bk <= 4096 or bt == 1

@@ -1,7 +1,5 @@
 """window_indices: kernel == reference == DESIGN §4 model (replay floor, DCP, wide rows)."""
 
-import importlib
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,8 +15,7 @@ from dsv4_index._common import cp_owned_count
 from _slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_table,
                            needs_triton, poisoned, py_window)
 
-K = importlib.import_module("dsv4_index.kernels.window_indices")
-Rm = importlib.import_module("dsv4_index.reference.window_indices")
+from dsv4_index.ops.window_indices import kernel as K, naive as Rm
 
 
 def _needed(seq_lens, unit, world=1, rank=0, interleave=1):
@@ -169,8 +166,8 @@ def test_kernel_garbage_inputs_stay_in_bounds(device):
     for rp in (None, replay):
         out = poisoned((15, 16), torch.int32, device)
         lens = poisoned((15,), torch.int32, device)
-        K._launch(qsl, sl, bt, 64, 16, rp, 1, 0, 1, out, lens)
-        want, want_lens = Rm._window_indices(qsl, sl, bt, 64, 16, rp, 1, 0, 1, 15, 16)
+        K.launch(qsl, sl, bt, None, rp, 64, 16, bt.shape[1], 0, 1, 0, 1, out, lens)
+        want, want_lens = Rm.window_indices(qsl, sl, bt, 64, 16, torch.arange(4), 0, rp, 1, 0, 1, 15, 16)
         assert torch.equal(out.cpu(), want.cpu()) and torch.equal(lens.cpu(), want_lens.cpu())
     assert int(lens[3]) == 0  # request 1's positions 894.. lie beyond the 2-column table
 

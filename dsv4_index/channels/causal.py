@@ -1,0 +1,40 @@
+"""Compressed cache read whole (``c128a``): compressed slots + every visible row of each token."""
+
+from __future__ import annotations
+
+import torch
+
+from ..fused.tasks import FusedTask
+from ..ops import causal_compressed_indices
+from .base import BuildContext
+from .compressed import CompressedBase
+
+__all__ = ["CausalCompressedChannel"]
+
+
+class CausalCompressedChannel(CompressedBase):
+    """``indices`` int32 ``[T, spec.index_width]`` (rows ``0 .. n_c - 1`` as slots, then ``-1``) and
+    ``lens`` int32 ``[T]``, plus the shared compressed slot mapping."""
+
+    def allocate(self, ctx: BuildContext):
+        super().allocate(ctx)
+        T = ctx.max_num_tokens
+        self.indices = torch.full((T, self.spec.index_width), -1, dtype=torch.int32, device=ctx.device)
+        self.lens = torch.zeros((T,), dtype=torch.int32, device=ctx.device)
+
+    def fused_tasks(self, ctx: BuildContext):
+        s = self.spec
+        return super().fused_tasks(ctx) + [FusedTask("causal", (self.indices, self.lens), gid=s.gid,
+                                                     a=s.compress_ratio, b=s.rows_per_block,
+                                                     width=self.indices.shape[1])]
+
+    def launch(self, ctx: BuildContext):
+        super().launch(ctx)
+        s, B, Tp = self.spec, ctx.num_reqs, ctx.num_tokens_padded
+        causal_compressed_indices(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], ctx.tables[s.gid],
+                                  s.rows_per_block, s.compress_ratio, s.index_width, out=self.indices[:Tp],
+                                  out_lens=self.lens[:Tp], **self.batch_args(ctx))
+
+    def views(self, ctx: BuildContext):
+        Tp = ctx.num_tokens_padded
+        return self.meta(ctx, indices=self.indices[:Tp], lens=self.lens[:Tp], **self.compressed_views(ctx))

@@ -1,0 +1,142 @@
+"""Compressed caches of the full group: the compressed slot mapping (computed once per step for
+every channel of one geometry) and the top-k -> slot conversion of ``c4a``."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._common import use_triton
+from ..fused.tasks import FusedTask
+from ..ops import compressed_slot_mapping, indexer_lengths
+from ..ops.topk_to_slots import kernel as topk_kernel
+from ..ops.topk_to_slots import topk_to_slots_rows
+from .base import BuildContext, ChannelBuilder
+
+__all__ = ["CompressedBase", "CompressedChannel"]
+
+
+class CompressedBase(ChannelBuilder):
+    """Compressed slot mapping int64 ``[T]`` (shared by channels of one geometry), and with
+    ``spec.compact`` its compact form (``compact_slot_mapping`` int64 ``[T]``, ``compact_cu`` int32
+    ``[B + 1]``)."""
+
+    @property
+    def int32_unit(self) -> int:
+        return self.spec.rows_per_block
+
+    def allocate(self, ctx: BuildContext):
+        s = self.spec
+        self.key = ("compressed", s.gid, s.compress_ratio, s.rows_per_block)
+        T = ctx.max_num_tokens
+        self.compressed = ctx.shared_buffer(self.key, (T,), torch.int64)
+        self.compact = self.compact_cu = None
+        if s.compact:
+            self.compact = ctx.shared_buffer(self.key + ("compact",), (T,), torch.int64)
+            self.compact_cu = ctx.shared_buffer(self.key + ("compact_cu",), (T + 1,), torch.int32)
+
+    def num_staged_arrays(self) -> int:
+        return 1 if self.spec.compact else 0
+
+    def fill_staged(self, ctx, seq_lens, num_scheduled, arrays):
+        # NOTE: rows completed this step per request: seq_len // R - (seq_len - q) // R (every rank
+        # lists every row, owned or not, so cu does not depend on the rank)
+        R = self.spec.compress_ratio
+        cu = arrays[0]
+        cu[0] = 0
+        np.cumsum(seq_lens // R - (seq_lens - num_scheduled) // R, out=cu[1:])
+
+    def fused_tasks(self, ctx: BuildContext):
+        s = self.spec
+        tasks = [FusedTask("compressed", (self.compressed, self.compact), gid=s.gid, a=s.compress_ratio,
+                           b=s.rows_per_block, write_floor=self.group.prefix_cacheable, extra=self.extra_index)]
+        if s.compact:
+            tasks.append(FusedTask("staged_copy", (self.compact_cu,), extra=self.extra_index))
+        return tasks
+
+    def launch(self, ctx: BuildContext):
+        s, B, Tp = self.spec, ctx.num_reqs, ctx.num_tokens_padded
+        if not ctx.once(self.key):
+            return
+        args = (ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], ctx.tables[s.gid], s.rows_per_block,
+                s.compress_ratio)
+        floor = ctx.replay_end[:B] if self.group.prefix_cacheable else None
+        compressed_slot_mapping(*args, replay_end=floor, out=self.compressed[:Tp], **self.batch_args(ctx))
+        if s.compact:
+            kw = self.batch_args(ctx)
+            kw.pop("num_tokens")
+            out, cu = compressed_slot_mapping(*args, replay_end=floor, compact=True, num_tokens=ctx.num_tokens,
+                                              **kw)
+            # NOTE: the pipeline's compact buffer is [T_pad] with -1 after the last row
+            self.compact[:Tp].fill_(-1)
+            n = min(out.shape[0], Tp)
+            self.compact[:n].copy_(out[:n])
+            self.compact_cu[:B + 1].copy_(cu)
+            self.compact_cu[B + 1:Tp + 1].copy_(cu[B:B + 1].expand(Tp - B))
+
+    def compressed_views(self, ctx: BuildContext) -> dict:
+        Tp, B = ctx.num_tokens_padded, ctx.num_reqs
+        v = dict(compressed_slot_mapping=self.compressed[:Tp])
+        if self.spec.compact:
+            v.update(compact_slot_mapping=self.compact[:Tp], compact_cu=self.compact_cu[:B + 1])
+        return v
+
+    def views(self, ctx: BuildContext):
+        return self.meta(ctx, **self.compressed_views(ctx))
+
+
+class CompressedChannel(CompressedBase):
+    """Compressed cache read through the indexer's top-k (``c4a``): compressed slots + top-k
+    conversion (per layer, after the indexer) from the per-token table row and ``n_c`` the step
+    build leaves behind."""
+
+    def allocate(self, ctx: BuildContext):
+        super().allocate(ctx)
+        T, dev = ctx.max_num_tokens, ctx.device
+        self.k_capacity = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
+        self.token_rows = torch.full((T,), -1, dtype=torch.int32, device=dev)
+        self.token_nc = torch.zeros((T,), dtype=torch.int32, device=dev)
+        self.topk_flat = torch.full((T * self.k_capacity,), -1, dtype=torch.int32, device=dev)
+        self.topk_lens = torch.zeros((T,), dtype=torch.int32, device=dev)
+
+    def fused_tasks(self, ctx: BuildContext):
+        return super().fused_tasks(ctx) + [FusedTask("token_rows", (self.token_rows, self.token_nc),
+                                                     gid=self.spec.gid, a=self.spec.compress_ratio)]
+
+    def launch(self, ctx: BuildContext):
+        super().launch(ctx)
+        s, B, Tp = self.spec, ctx.num_reqs, ctx.num_tokens_padded
+        # NOTE: n_c of every row (picks are global row ids; ownership is checked per pick)
+        indexer_lengths(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], s.compress_ratio, out=self.token_nc[:Tp],
+                        num_tokens=ctx.num_tokens, backend=ctx.backend)
+        valid = ctx.is_valid_token[:Tp]
+        rows = ctx.idx_mapping[:B][ctx.token_to_req[:Tp].long().clamp(max=max(B - 1, 0))] if B else \
+            torch.zeros_like(self.token_rows[:Tp])
+        self.token_rows[:Tp].copy_(torch.where(valid, rows, -1))
+
+    def topk_to_slots(self, ctx: BuildContext, topk: torch.Tensor, *, compact: bool = False):
+        if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
+            raise ValueError(f"topk must be a 2-D tensor [T, K], got {getattr(topk, 'shape', topk)!r}")
+        if topk.dtype not in (torch.int32, torch.int64) or topk.device != ctx.device:
+            raise ValueError(f"topk must be int32 or int64 on {ctx.device}, got {topk.dtype} on {topk.device}")
+        Tp, K = ctx.num_tokens_padded, topk.shape[1]
+        if K > self.k_capacity:
+            raise ValueError(f"topk has K = {K} columns, channel {self.spec.name!r} was sized for "
+                             f"index_topk = {self.k_capacity}")
+        if topk.shape[0] < Tp:
+            raise ValueError(f"topk has {topk.shape[0]} rows, the step has T_pad = {Tp}")
+        if topk.stride(1) != 1:
+            raise ValueError("topk must have a unit stride in its last dimension")
+        s = self.spec
+        out = self.topk_flat[:Tp * K].view(Tp, K)
+        lens = self.topk_lens[:Tp]
+        w, r, i = ctx.group_cp(s.gid)
+        bt = ctx.tables[s.gid]
+        if use_triton(ctx.device, ctx.backend):
+            topk_kernel.launch_rows(topk, self.token_rows, self.token_nc, bt, s.rows_per_block, s.compress_ratio,
+                                    bt.shape[1], w, r, i, bool(compact), out, lens, Tp)
+        else:
+            topk_to_slots_rows(topk, self.token_rows, self.token_nc, bt, s.rows_per_block, s.compress_ratio, Tp,
+                               cp_world_size=w, cp_rank=r, cp_interleave=i, compact=bool(compact), out=out,
+                               out_lens=lens, backend="reference")
+        return out, lens

@@ -1,0 +1,80 @@
+"""Lightning-indexer cache (``c4i``): compressed slots (shared with ``c4a``), indexer lengths
+(``lens``, ``ks``, ``ke``, ``cu``, ``decode_lens``) and optionally every visible row as a causal list."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._common import cp_owned_count
+from ..fused.tasks import FusedTask
+from ..ops import causal_compressed_indices, indexer_lengths
+from .base import BuildContext
+from .compressed import CompressedBase
+
+__all__ = ["IndexerChannel"]
+
+
+class IndexerChannel(CompressedBase):
+    """Per token ``lens = n_c(pos)``, ``ks = cu[b]``, ``ke = cu[b] + n_c`` (int32 ``[T]``); ``cu``
+    int32 ``[B + 1]`` (staged by the host with the step); ``decode_lens`` int32 ``[num_decodes,
+    next_n]`` right-aligned; with ``"indices"`` in ``spec.outputs`` a causal list of width
+    ``spec.index_width``."""
+
+    def allocate(self, ctx: BuildContext):
+        super().allocate(ctx)
+        T, dev = ctx.max_num_tokens, ctx.device
+        self.lens = torch.zeros((T,), dtype=torch.int32, device=dev)
+        self.ks = torch.zeros((T,), dtype=torch.int32, device=dev)
+        self.ke = torch.zeros((T,), dtype=torch.int32, device=dev)
+        self.cu = torch.zeros((T + 1,), dtype=torch.int32, device=dev)
+        self.decode_lens = torch.zeros((T, ctx.next_n), dtype=torch.int32, device=dev)
+        self.with_indices = "indices" in self.spec.outputs
+        if self.with_indices:
+            self.indices = torch.full((T, self.spec.index_width), -1, dtype=torch.int32, device=dev)
+            self.index_lens = torch.zeros((T,), dtype=torch.int32, device=dev)
+
+    def num_staged_arrays(self) -> int:
+        return super().num_staged_arrays() + 1
+
+    def fill_staged(self, ctx, seq_lens, num_scheduled, arrays):
+        if self.spec.compact:
+            super().fill_staged(ctx, seq_lens, num_scheduled, arrays[:1])
+        w, r, i = ctx.group_cp(self.spec.gid)
+        rows = seq_lens // self.spec.compress_ratio
+        cu = arrays[-1]
+        cu[0] = 0
+        np.cumsum(cp_owned_count(rows, w, r, i) if w > 1 else rows, out=cu[1:])
+
+    def fused_tasks(self, ctx: BuildContext):
+        s, cu_index = self.spec, self.extra_index + (1 if self.spec.compact else 0)
+        tasks = super().fused_tasks(ctx) + [
+            FusedTask("indexer", (self.lens, self.ks, self.ke), gid=s.gid, a=s.compress_ratio, extra=cu_index),
+            FusedTask("staged_copy", (self.cu,), extra=cu_index),
+            FusedTask("decode_lens", (self.decode_lens,), gid=s.gid, a=s.compress_ratio, b=ctx.next_n)]
+        if self.with_indices:
+            tasks.append(FusedTask("causal", (self.indices, self.index_lens), gid=s.gid, a=s.compress_ratio,
+                                   b=s.rows_per_block, width=self.indices.shape[1]))
+        return tasks
+
+    def launch(self, ctx: BuildContext):
+        super().launch(ctx)
+        s, B, Tp = self.spec, ctx.num_reqs, ctx.num_tokens_padded
+        kw = self.batch_args(ctx)
+        kw.pop("idx_mapping")
+        qsl, seq = ctx.query_start_loc[:B + 1], ctx.seq_lens[:B]
+        indexer_lengths(qsl, seq, s.compress_ratio, next_n=ctx.next_n, num_decodes=ctx.num_decodes,
+                        out=self.lens[:Tp], out_decode=self.decode_lens[:max(ctx.num_decodes, 1)],
+                        out_ks=self.ks[:Tp], out_ke=self.ke[:Tp], out_cu=self.cu[:B + 1], **kw)
+        self.cu[B + 1:Tp + 1].copy_(self.cu[B:B + 1].expand(Tp - B))
+        self.decode_lens[ctx.num_decodes:Tp].zero_()
+        if self.with_indices:
+            causal_compressed_indices(qsl, seq, ctx.tables[s.gid], s.rows_per_block, s.compress_ratio,
+                                      s.index_width, out=self.indices[:Tp], out_lens=self.index_lens[:Tp],
+                                      **self.batch_args(ctx))
+
+    def views(self, ctx: BuildContext):
+        Tp, B = ctx.num_tokens_padded, ctx.num_reqs
+        extra = {"indices": self.indices[:Tp]} if self.with_indices else {}
+        return self.meta(ctx, lens=self.lens[:Tp], ks=self.ks[:Tp], ke=self.ke[:Tp], cu=self.cu[:B + 1],
+                         decode_lens=self.decode_lens[:ctx.num_decodes], **self.compressed_views(ctx), **extra)

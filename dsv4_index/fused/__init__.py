@@ -1,0 +1,2 @@
+"""The fused step build: task descriptors (:mod:`.tasks`), the one kernel (:mod:`.kernel`) and its
+host plan (:mod:`.plan`)."""

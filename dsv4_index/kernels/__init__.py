@@ -1,1 +1,0 @@
-"""Triton kernels, one module per op; each module also holds the op's public wrapper."""

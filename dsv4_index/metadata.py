@@ -1,0 +1,117 @@
+"""One step's metadata (:class:`DSV4Metadata`) and the per-step counters (:class:`StepStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .channels.base import ChannelMetadata
+
+__all__ = ["DSV4Metadata", "StepStats"]
+
+
+@dataclass
+class DSV4Metadata:
+    """One step's metadata. Device tensors are views of persistent buffers (CUDA-graph safe): the
+    same addresses every step; ``T = num_tokens_padded``, ``B = num_reqs`` (decode rows first).
+
+    Attributes
+    ----------
+    num_reqs, num_tokens, num_tokens_padded : int — batch rows, live tokens, tokens incl. padding.
+    num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens : int (host).
+    req_slots : int64 numpy [B] — request slot of each batch row (host copy of ``idx_mapping``).
+    req_ids : list[str] or None — request id of each batch row (id-keyed front ends only).
+    query_start_loc : int32 [B + 1]; seq_lens : int32 [B]; idx_mapping : int32 [B] (device).
+    positions : int64 [T]; token_to_req : int32 [T] (batch row); is_valid_token : bool [T].
+    block_tables : list of int32 [max_num_reqs, cols] per gid — slot-indexed device tables (batch row
+        ``b`` reads row ``idx_mapping[b]``); ``ring_cols[gid] > 0`` marks a ring (logical block ``i`` in
+        column ``i % ring_cols``).
+    channels : dict name -> ChannelMetadata; ``meta["swa"]`` is ``meta.channels["swa"]``.
+    layout : DSV4Layout; cp : (world, rank, interleave); next_n : int.
+    replay_start, replay_end : int64 numpy [B] or None (host).
+    builders : dict name -> ChannelBuilder — who produced each channel (what its outputs must equal:
+        ``ChannelBuilder.expected``, used by :mod:`dsv4_index.validate`).
+    """
+
+    num_reqs: int
+    num_tokens: int
+    num_tokens_padded: int
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    req_slots: np.ndarray
+    req_ids: Optional[List[str]]
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    idx_mapping: torch.Tensor
+    positions: torch.Tensor
+    token_to_req: torch.Tensor
+    is_valid_token: torch.Tensor
+    block_tables: List[torch.Tensor]
+    ring_cols: Tuple[int, ...]
+    channels: Dict[str, ChannelMetadata]
+    layout: object
+    cp: Tuple[int, int, int]
+    next_n: int
+    replay_start: Optional[np.ndarray] = None
+    replay_end: Optional[np.ndarray] = None
+    builders: Dict[str, object] = field(default_factory=dict, repr=False)
+    _converters: Dict[str, Callable] = field(default_factory=dict, repr=False)
+
+    def __getitem__(self, name: str) -> ChannelMetadata:
+        try:
+            return self.channels[name]
+        except KeyError:
+            raise KeyError(f"no channel {name!r} in this layout; channels: {sorted(self.channels)}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.channels
+
+    def topk_to_slots(self, channel: str, topk: torch.Tensor, *, compact: bool = False):
+        """Convert one layer's indexer picks into physical slots of ``channel``'s cache.
+
+        Parameters
+        ----------
+        channel : str — a channel with top-k conversion (``"c4a"``).
+        topk : int32 or int64 [>= T, K] — request-local compressed row ids, ``-1`` = none.
+        compact : bool — valid entries first (order kept), then ``-1``.
+
+        Returns
+        -------
+        (slots int32 [T, K], lens int32 [T]) — views of persistent buffers, overwritten by the next
+        call; ``lens`` counts the valid entries (0 for padded tokens).
+        """
+        if channel not in self.channels:
+            raise KeyError(f"no channel {channel!r} in this layout; channels: {sorted(self.channels)}")
+        conv = self._converters.get(channel)
+        if conv is None:
+            raise ValueError(f"channel {channel!r} does not convert top-k indices")
+        return conv(topk, compact=compact)
+
+    def batch_block_table(self, gid: int) -> torch.Tensor:
+        """int32 ``[B, cols]`` rows of group ``gid`` in batch order (a gather: allocates; debugging)."""
+        return self.block_tables[gid][self.idx_mapping.long()]
+
+
+@dataclass
+class StepStats:
+    """What one ``update()`` staged and what the following ``build()`` launches (host counts).
+
+    Attributes
+    ----------
+    num_h2d_copies : int — host-to-device copies made by ``update()`` (1).
+    h2d_bytes : int — bytes of that copy.
+    num_writes : int — block ids staged (after ring trimming).
+    num_launches : int — kernel launches ``build()`` makes (1 when every channel is fused).
+    num_applies : int — extra launches ``update()`` made to apply a staged step that was never built.
+    """
+
+    num_h2d_copies: int = 0
+    h2d_bytes: int = 0
+    num_writes: int = 0
+    num_launches: Optional[int] = None
+    num_applies: int = 0

@@ -1,0 +1,217 @@
+"""Host-side argument handling shared by the functional ops: ``out=`` buffers, batch value checks,
+table-width, ring-span and int32 checks, the optional ``idx_mapping``, ring tables.
+
+Shape / dtype / device checks always run; checks that read device values run on CPU inputs or with
+``validate=True`` (:func:`dsv4_index._common.needs_value_checks`). Every failure is a ``ValueError``
+naming the argument.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from .._common import (INT32_MAX, INT32_MIN, cdiv, check_batch_values, check_tensor, prepare_out,
+                       resolve_num_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# out= buffers
+# ----------------------------------------------------------------------------------------------
+def resolve_rows(query_start_loc: torch.Tensor, num_tokens: Optional[int],
+                 outs: Mapping[str, Optional[torch.Tensor]]) -> int:
+    """Rows ``T_out`` of an op's per-token outputs (the one resolver of every op).
+
+    The rows of the given ``out=`` buffers (all given ones must agree), else ``num_tokens``, else
+    ``query_start_loc[-1]`` read back (a host sync on CUDA).
+    """
+    rows = first = None
+    for name, buf in outs.items():
+        if buf is None:
+            continue
+        if not isinstance(buf, torch.Tensor) or buf.dim() < 1:
+            raise ValueError(f"{name} must be a torch.Tensor with at least one dimension")
+        if rows is None:
+            rows, first = buf.shape[0], name
+        elif buf.shape[0] != rows:
+            raise ValueError(f"{name} has {buf.shape[0]} rows but {first} has {rows}; they must agree")
+    if rows is not None:
+        if num_tokens is not None:
+            resolve_num_tokens(query_start_loc, num_tokens)  # NOTE: type / sign check only
+        return rows
+    return resolve_num_tokens(query_start_loc, num_tokens)
+
+
+def token_out(name: str, out, rows: int, num_tokens: Optional[int], dtype: torch.dtype,
+              device: torch.device, cols: Optional[int] = None, exact_cols: bool = False) -> torch.Tensor:
+    """Checked per-token ``out=`` buffer of ``rows`` rows (at least ``num_tokens``), or a new one."""
+    shape = (rows,) if cols is None else (rows, cols)
+    return prepare_out(name, out, shape=shape, min_rows=num_tokens or 0, dtype=dtype, device=device,
+                       exact_cols=exact_cols)
+
+
+def prepare_rows(name: str, out, query_start_loc: torch.Tensor, num_tokens: Optional[int],
+                 dtype: torch.dtype, cols: Optional[int] = None) -> torch.Tensor:
+    """Single-output form of :func:`resolve_rows` + :func:`token_out`: ``T_out`` is ``out.shape[0]``
+    when ``out`` is given, else ``num_tokens`` (read from ``query_start_loc[-1]`` when None)."""
+    rows = resolve_rows(query_start_loc, num_tokens, {name: out})
+    return token_out(name, out, rows, num_tokens, dtype, query_start_loc.device, cols)
+
+
+# ----------------------------------------------------------------------------------------------
+# batch and per-request arguments
+# ----------------------------------------------------------------------------------------------
+def check_values(query_start_loc, seq_lens, num_tokens: Optional[int], rows: int) -> None:
+    """Batch value checks, and that the live tokens fit the ``rows`` of the output."""
+    check_batch_values(query_start_loc, seq_lens, num_tokens=num_tokens)
+    live = int(query_start_loc[-1])
+    if live > rows:
+        raise ValueError(f"out has {rows} rows, but query_start_loc[-1] = {live} tokens are live")
+
+
+def check_block_table(block_table, device: torch.device, name: str = "block_table") -> torch.Tensor:
+    """int32 ``[rows, cols]`` table on ``device`` with unit column stride (rows checked by
+    :func:`table_rows`)."""
+    return check_tensor(name, block_table, dtypes=(torch.int32,), ndim=2, device=device)
+
+
+def check_per_request(name: str, x, num_reqs: int, device: torch.device) -> Optional[torch.Tensor]:
+    """Optional int32 ``[B]`` per-request array (``replay_start``, ``replay_end``, ``idx_mapping``)."""
+    if x is None:
+        return None
+    check_tensor(name, x, dtypes=(torch.int32,), ndim=1, device=device)
+    if x.numel() < num_reqs:
+        raise ValueError(f"{name} has {x.numel()} entries, needs B = {num_reqs}")
+    return x
+
+
+def table_rows(block_table: torch.Tensor, idx_mapping: Optional[torch.Tensor], num_reqs: int,
+               check: bool) -> torch.Tensor:
+    """The table row of each request ``[B]`` (int64): ``idx_mapping[b]``, or ``b``.
+
+    Without ``idx_mapping`` the table needs ``B`` rows (always checked). With it and ``check``
+    (value checks), every row must lie in ``[0, block_table.shape[0])``.
+    """
+    if idx_mapping is None:
+        if block_table.shape[0] < num_reqs:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows, needs at least B = {num_reqs}")
+        return torch.arange(num_reqs, device=block_table.device)
+    rows = idx_mapping[:num_reqs].long()
+    if check and num_reqs:
+        bad = (rows < 0) | (rows >= block_table.shape[0])
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0])
+            raise ValueError(f"idx_mapping[{b}] = {int(rows[b])} is not a row of block_table "
+                             f"({block_table.shape[0]} rows)")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# ring / circular tables
+# ----------------------------------------------------------------------------------------------
+def check_ring(ring: bool, circular_capacity: Optional[int], block_size: int, cp_world_size: int):
+    """Ring / circular table arguments (DESIGN §4 "Sliding tables as rings")."""
+    if circular_capacity is not None:
+        if isinstance(circular_capacity, bool) or not isinstance(circular_capacity, int) \
+                or circular_capacity < 1:
+            raise ValueError(f"circular_capacity must be an int >= 1, got {circular_capacity!r}")
+        if circular_capacity != block_size:
+            raise ValueError(f"circular_capacity={circular_capacity} must equal block_size={block_size}")
+        if cp_world_size != 1:
+            raise ValueError("circular_capacity needs cp_world_size == 1")
+        if ring:
+            raise ValueError("ring and circular_capacity are exclusive (a circular group is a ring of one column)")
+    if not isinstance(ring, bool):
+        raise ValueError(f"ring must be a bool, got {ring!r}")
+
+
+def ring_cols(block_table: torch.Tensor, ring: bool, circular_capacity: Optional[int]) -> int:
+    """Columns of the ring (0: a plain table); a circular group is a ring of one column."""
+    if circular_capacity is not None:
+        return 1
+    return block_table.shape[1] if ring else 0
+
+
+def check_ring_span(name: str, ring_width: int, block_size: int, first: torch.Tensor,
+                    last: torch.Tensor, need: torch.Tensor, req: torch.Tensor,
+                    circular: bool = False) -> None:
+    """A ring holds the (local) positions ``first .. last`` of a request at once only if they span
+    at most ``ring_width`` blocks (older blocks are overwritten by newer ones); a circular group
+    (one block of ``block_size`` = capacity rows) holds at most ``capacity`` consecutive positions.
+    Tensors are per entry (``need`` marks the entries to check, ``req`` names their request)."""
+    if circular:
+        span, limit, unit = last - first + 1, block_size, "positions"
+    else:
+        span, limit, unit = last // block_size - first // block_size + 1, ring_width, f"blocks of {block_size}"
+    bad = need & (span > limit)
+    if bool(bad.any()):
+        t = int(torch.nonzero(bad)[0])
+        what = (f"a circular group of capacity {block_size}" if circular
+                else f"a ring of {ring_width} columns")
+        raise ValueError(f"{name} is {what}, but request {int(req[t])} needs positions "
+                         f"{int(first[t])}..{int(last[t])} at once ({int(span[t])} {unit})")
+
+
+def ring_columns_used(width: int, ring_width: int, blk_lo: torch.Tensor, blk_hi: torch.Tensor,
+                      any_: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, width]``: the columns holding logical blocks ``blk_lo .. blk_hi`` of each request
+    (where ``any_``); a ring maps block ``i`` to column ``i % ring_width``."""
+    col = torch.arange(width, device=blk_lo.device)[None, :]
+    lo, hi = blk_lo[:, None], blk_hi[:, None]
+    if ring_width:
+        used = (col - lo) % ring_width <= hi - lo
+    else:
+        used = (col >= lo) & (col <= hi)
+    return used & any_[:, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# table contents
+# ----------------------------------------------------------------------------------------------
+def check_table_width(name: str, width: int, req: torch.Tensor, blk: torch.Tensor,
+                      need: torch.Tensor) -> None:
+    """ValueError when an entry that must be read (``need``) has its block outside ``[0, width)``."""
+    bad = need & ((blk < 0) | (blk >= width))
+    if bool(bad.any()):
+        i = tuple(int(x[0]) for x in torch.nonzero(bad, as_tuple=True))
+        raise ValueError(f"{name} has {width} columns, but request {int(req.expand(bad.shape)[i])} "
+                         f"needs block {int(blk.expand(bad.shape)[i])}")
+
+
+def check_slots_fit_int32(name: str, block_table: torch.Tensor, rows: torch.Tensor,
+                          used_blocks: torch.Tensor, unit: int) -> None:
+    """Value check for int32 index lists: every block a request reads (``used_blocks [B, cols]``
+    bool over its table row ``rows[b]``) keeps its slots ``bt * unit .. bt * unit + unit - 1``
+    inside int32 (slots are stored as int32; a wrapped value would be a silent wrong slot)."""
+    if rows.numel() == 0 or block_table.shape[1] == 0:
+        return
+    bt = block_table.detach().cpu()[rows.cpu()].long()
+    used = used_blocks.cpu()
+    bad = used & ((bt * unit < INT32_MIN) | (bt * unit + (unit - 1) > INT32_MAX))
+    if bool(bad.any()):
+        b, k = (int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(f"{name}[{int(rows[b])}, {k}] = {int(bt[b, k])} gives slots outside int32 "
+                         f"with {unit} slots per block (index lists are int32)")
+
+
+def prefix_blocks_used(req: torch.Tensor, n_rows: torch.Tensor, need: torch.Tensor, num_reqs: int,
+                       width: int, rows_per_block: int) -> torch.Tensor:
+    """bool ``[B, width]``: the blocks holding local compressed rows ``0 .. n - 1`` of each request,
+    ``n`` the largest ``n_rows`` of its tokens where ``need`` (per-token tensors, host)."""
+    most = torch.zeros(num_reqs, dtype=torch.long)
+    if num_reqs and bool(need.any()):
+        most.scatter_reduce_(0, req[need].cpu(), n_rows[need].cpu().long(), "amax")
+    blocks = (most + rows_per_block - 1) // rows_per_block
+    return torch.arange(width)[None, :] < blocks[:, None]
+
+
+def check_int32_total(name: str, total: int, what: str) -> None:
+    if total > INT32_MAX:
+        raise ValueError(f"{name}: {what} ({total}) exceeds int32")
+
+
+__all__ = ["resolve_rows", "token_out", "prepare_rows", "check_values", "check_block_table",
+           "check_per_request", "table_rows", "check_ring", "ring_cols", "check_ring_span",
+           "ring_columns_used", "check_table_width", "check_slots_fit_int32", "prefix_blocks_used",
+           "check_int32_total", "cdiv"]

@@ -1,0 +1,280 @@
+"""Every index formula of DESIGN §4, once, as Triton device functions.
+
+The per-op kernels (``ops/<op>/kernel.py``) and the fused step kernel (``dsv4_index/fused/kernel.py``)
+both call these; only the token prologue differs (a binary search over ``query_start_loc`` in the
+ops, a token -> batch-row map staged by the host in the fused launch). The PyTorch references
+(``ops/<op>/naive.py``) are the readable spec these must equal bit for bit.
+
+Conventions
+-----------
+* Token tiles: ``t`` int32 ``[BT]``; ``b`` the token's batch row; ``row`` the block-table row that
+  holds the request (``b`` itself, or ``idx_mapping[b]`` for slot-indexed tables); ``pos`` int32;
+  ``valid`` bool (a live token; padded tokens read nothing and get ``-1`` / ``0``).
+* Positions, rows and block ids are int32 (every value is checked to fit on the host); a slot is
+  computed in int64 and stored as int64 (slot mappings) or int32 (index lists, whose slots are
+  checked to fit int32 by the callers' value checks).
+* Block tables: ``bt_ptr`` points at row 0 of an int32 table with row stride ``row_stride``;
+  ``table_width`` bounds the *logical* block index (reads past it give ``-1``); ``ring_cols > 0``
+  makes the row a ring, logical block ``i`` living in column ``i % ring_cols`` (DESIGN §4 "Sliding
+  tables as rings"; a circular group is a ring of one column whose block size is its capacity).
+* Overlay (``HAS_OVERLAY``, fused launch only): this step's staged block ids of logical blocks
+  ``[ov_lo, ov_hi)`` of the row sit at ``stage[ov_pay + blk - ov_lo]``; the same launch writes them
+  into the table, so readers take them from the stage (no program reads an entry another writes).
+* DCP (``cp_world``, ``cp_rank``, ``cp_interleave``): position / row ``p`` is owned by rank
+  ``(p // I) % W`` and stored there at local ``(p // (I * W)) * I + p % I``; pass ``(1, 0, 1)`` for
+  groups that are not sharded.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# ----------------------------------------------------------------------------------------------
+# tokens, requests, ownership
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def find_request(qsl_ptr,  # [B + 1] int32
+                 t, num_reqs, n_iter):
+    """Largest ``b < num_reqs`` with ``qsl[b] <= t`` (0 when ``num_reqs == 0``), elementwise.
+
+    NOTE: ``n_iter = num_reqs.bit_length()`` (host); every load stays inside ``qsl[1 .. B]``.
+    """
+    lo = tl.zeros_like(t)
+    hi = tl.zeros_like(t) + num_reqs
+    for _ in range(n_iter):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        le = tl.load(qsl_ptr + 1 + mid, mask=active, other=0) <= t
+        lo = tl.where(active & le, mid + 1, lo)
+        hi = tl.where(active & (le == 0), mid, hi)
+    return tl.maximum(tl.minimum(lo, num_reqs - 1), 0)
+
+
+@triton.jit
+def searched_tokens(qsl_ptr,       # [B + 1] int32
+                    seq_lens_ptr,  # [B] int32
+                    idx_ptr,       # [B] int32 table row of each batch row (read when HAS_IDX)
+                    t, T_out, num_reqs, n_iter, HAS_IDX: tl.constexpr):
+    """Token prologue of the per-op kernels: (b, row, valid, pos) of token tile ``t``.
+
+    ``valid = t < T_out and t < qsl[B]`` (the device value: padded tokens are never trusted to the
+    host count); ``pos = seq_lens[b] - qsl[b + 1] + t`` (0 where not valid).
+    """
+    b = find_request(qsl_ptr, t, num_reqs, n_iter)
+    valid = (t < T_out) & (t < tl.load(qsl_ptr + num_reqs)) & (b < num_reqs)
+    seq = tl.load(seq_lens_ptr + b, mask=valid, other=0)
+    end = tl.load(qsl_ptr + b + 1, mask=valid, other=0)
+    pos = tl.where(valid, seq - end + t, 0)
+    if HAS_IDX:
+        row = tl.load(idx_ptr + b, mask=valid, other=0)
+    else:
+        row = b
+    return b, row, valid, pos
+
+
+@triton.jit
+def row_in_table(row, valid, table_rows, HAS_IDX: tl.constexpr):
+    """``valid`` narrowed to tokens whose table row lies in ``[0, table_rows)``: a row read from
+    ``idx_mapping`` is checked on the host only under value checks, so unchecked inputs must not
+    send a token outside the table (such a token reads nothing and gets ``-1`` / ``0``)."""
+    if HAS_IDX:
+        return valid & (row >= 0) & (row < table_rows)
+    else:
+        return valid
+
+
+@triton.jit
+def owned_count(n, cp_world, cp_rank, cp_interleave):
+    """How many of ``0 .. n - 1`` (``n >= 0``) rank ``cp_rank`` owns."""
+    cycle = cp_interleave * cp_world
+    part = tl.minimum(tl.maximum(n % cycle - cp_rank * cp_interleave, 0), cp_interleave)
+    return (n // cycle) * cp_interleave + part
+
+
+@triton.jit
+def cp_local(p, cp_world, cp_rank, cp_interleave):
+    """(owned by this rank, local position) of position / row ``p >= 0``."""
+    own = ((p // cp_interleave) % cp_world) == cp_rank
+    return own, (p // (cp_interleave * cp_world)) * cp_interleave + p % cp_interleave
+
+
+# ----------------------------------------------------------------------------------------------
+# block-table read
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def table_entry(bt_ptr,     # [rows, >= cols] int32
+                row, blk, ok, row_stride, ring_cols,
+                stage_ptr,  # [*] int32 (read when HAS_OVERLAY)
+                ov_lo, ov_hi, ov_pay, HAS_OVERLAY: tl.constexpr):
+    """Block id of logical block ``blk`` of table row ``row`` as of this step (0 where not ``ok``).
+
+    NOTE: callers bound ``blk`` (``0 <= blk < table_width``) inside ``ok``; the ring maps it to a
+    column inside the row, so no read leaves the table.
+    """
+    col = blk
+    if ring_cols > 0:
+        col = blk % ring_cols
+    if HAS_OVERLAY:
+        staged = ok & (blk >= ov_lo) & (blk < ov_hi)
+        v = tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok & (staged == 0), other=0)
+        w = tl.load(stage_ptr + ov_pay + (blk - ov_lo), mask=staged, other=0)
+        return tl.where(staged, w, v)
+    else:
+        return tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok, other=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# one body per index
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def raw_slot(bt_ptr, row, pos, valid, write_floor, block_size, table_width, ring_cols, row_stride,
+             cp_world, cp_rank, cp_interleave, stage_ptr, ov_lo, ov_hi, ov_pay,
+             HAS_OVERLAY: tl.constexpr):
+    """Slot written by a token (int64; ``-1``: padded, owned by another rank, below ``write_floor``
+    (bounded replay of a prefix-cacheable group), or outside the table).
+
+    ``slot(pos) = bt[lp // block_size] * block_size + lp % block_size`` with ``lp`` the local position.
+    """
+    own, lp = cp_local(pos, cp_world, cp_rank, cp_interleave)
+    blk = lp // block_size
+    # NOTE: pos >= 0 guards garbage inputs (seq_lens < q_len, negative floor): Triton's // and %
+    # truncate toward zero, so a negative position would give a negative column
+    ok = valid & (pos >= 0) & (pos >= write_floor) & own & (blk < table_width)
+    bid = table_entry(bt_ptr, row, blk, ok, row_stride, ring_cols, stage_ptr, ov_lo, ov_hi, ov_pay,
+                      HAS_OVERLAY)
+    return tl.where(ok, bid.to(tl.int64) * block_size + lp % block_size, -1)
+
+
+@triton.jit
+def compressed_slot(bt_ptr, row, pos, valid, write_floor, compress_ratio, rows_per_block,
+                    table_width, row_stride, cp_world, cp_rank, cp_interleave,
+                    stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY: tl.constexpr):
+    """Slot of the compressed row a token completes (int64), ``-1`` unless ``(pos + 1) % R == 0``.
+
+    Row ``c = pos // R`` (local ``lc`` under DCP) lives at ``bt[lc // S] * S + lc % S``. Tokens below
+    ``write_floor`` (replayed positions of a prefix-cacheable group) write nothing.
+    """
+    c = pos // compress_ratio
+    own, lc = cp_local(c, cp_world, cp_rank, cp_interleave)
+    blk = lc // rows_per_block
+    ok = valid & (pos >= 0) & ((pos + 1) % compress_ratio == 0) & (pos >= write_floor) & own \
+        & (blk < table_width)
+    bid = table_entry(bt_ptr, row, blk, ok, row_stride, 0, stage_ptr, ov_lo, ov_hi, ov_pay,
+                      HAS_OVERLAY)
+    return tl.where(ok, bid.to(tl.int64) * rows_per_block + lc % rows_per_block, -1)
+
+
+@triton.jit
+def window_len(pos, valid, floor, window, cp_world, cp_rank, cp_interleave):
+    """(first local position, entries) of a token's window ``[max(pos - W + 1, floor, 0), pos]``:
+    the owned positions of the window are the consecutive local positions ``first .. first + n - 1``."""
+    start = tl.maximum(tl.maximum(pos - window + 1, floor), 0)
+    first = owned_count(start, cp_world, cp_rank, cp_interleave)
+    n = owned_count(pos + 1, cp_world, cp_rank, cp_interleave) - first
+    return first, tl.where(valid, tl.maximum(n, 0), 0)
+
+
+@triton.jit
+def window_row(bt_ptr, row, first, n, j, block_size, table_width, ring_cols, row_stride,
+               stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY: tl.constexpr):
+    """Columns ``j`` (int32 ``[1, BC]``) of window rows: the slots of local positions
+    ``first + j`` for ``j < n`` (oldest first, the token itself last), ``-1`` after. int32 ``[BT, BC]``.
+
+    NOTE: entries past the table's logical width are ``-1`` (only on bad input: hosts check widths).
+    """
+    lp = first[:, None] + j
+    blk = lp // block_size
+    ok = (j < n[:, None]) & (blk < table_width)
+    bid = table_entry(bt_ptr, row[:, None], blk, ok, row_stride, ring_cols, stage_ptr,
+                      ov_lo[:, None], ov_hi[:, None], ov_pay[:, None], HAS_OVERLAY)
+    slot = (bid.to(tl.int64) * block_size + lp % block_size).to(tl.int32)
+    return tl.where(ok, slot, -1)
+
+
+@triton.jit
+def window_count(first, n, block_size, table_width):
+    """Entries of :func:`window_row` that are slots: the ``n`` local positions ``first ..`` whose
+    block lies inside the table's logical width (``== n`` on checked inputs; int32)."""
+    room = tl.maximum((first.to(tl.int64) * 0 + table_width) * block_size - first, 0)  # int64: no wrap
+    return tl.minimum(n.to(tl.int64), room).to(tl.int32)
+
+
+@triton.jit
+def visible_rows(pos, valid, compress_ratio, cp_world, cp_rank, cp_interleave):
+    """Compressed rows a token sees, ``n_c(pos) = (pos + 1) // R`` (owned count under DCP); 0 if not valid."""
+    n = owned_count(tl.maximum(pos + 1, 0) // compress_ratio, cp_world, cp_rank, cp_interleave)
+    return tl.where(valid, n, 0)
+
+
+@triton.jit
+def causal_row(bt_ptr, row, n, j, rows_per_block, row_stride, stage_ptr, ov_lo, ov_hi, ov_pay,
+               HAS_OVERLAY: tl.constexpr):
+    """Columns ``j`` (int32 ``[1, BC]``) of causal compressed rows: local row ``j`` ->
+    ``bt[j // S] * S + j % S`` for ``j < n``, ``-1`` after. int32 ``[BT, BC]``.
+
+    NOTE: callers clamp ``n`` to the row width and the table's rows (``table_width * S``)."""
+    ok = j < n[:, None]
+    bid = table_entry(bt_ptr, row[:, None], j // rows_per_block, ok, row_stride, 0, stage_ptr,
+                      ov_lo[:, None], ov_hi[:, None], ov_pay[:, None], HAS_OVERLAY)
+    slot = (bid.to(tl.int64) * rows_per_block + j % rows_per_block).to(tl.int32)
+    return tl.where(ok, slot, -1)
+
+
+@triton.jit
+def completed_rows(qsl_ptr,       # [B + 1] int32
+                   seq_lens_ptr,  # [B] int32
+                   j, mask, compress_ratio):
+    """(first row, count) of the compressed rows requests ``j`` complete this step (0 where not
+    ``mask``): rows ``c`` with ``ctx <= c * R + R - 1 < seq_len``, ``ctx = seq_len - q_len``.
+
+    NOTE: negatives from garbage inputs are clamped to 0 (the reference does the same).
+    """
+    start = tl.load(qsl_ptr + j, mask=mask, other=0)
+    end = tl.load(qsl_ptr + j + 1, mask=mask, other=0)
+    seq = tl.load(seq_lens_ptr + j, mask=mask, other=0)
+    first = tl.maximum(seq - (end - start), 0) // compress_ratio
+    n = tl.maximum(tl.maximum(seq, 0) // compress_ratio - first, 0)
+    return first, tl.where(mask, n, 0)
+
+
+@triton.jit
+def rows_before(seq_lens_ptr,  # [B] int32
+                b, num_reqs, n_req_tiles, compress_ratio, cp_world, cp_rank, cp_interleave,
+                BLOCK_B: tl.constexpr):
+    """``sum_{b' < b} owned(seq_lens[b'] // R)`` (int64) for each entry of ``b``: the indexer's
+    ``cu[b]`` (``n_req_tiles = cdiv(B, BLOCK_B)``; negative lengths count as 0)."""
+    acc = b.to(tl.int64) * 0
+    for i in range(n_req_tiles):
+        bb = i * BLOCK_B + tl.arange(0, BLOCK_B)
+        sl = tl.load(seq_lens_ptr + bb, mask=bb < num_reqs, other=0)
+        c = owned_count(tl.maximum(sl, 0) // compress_ratio, cp_world, cp_rank, cp_interleave)
+        acc += tl.sum(tl.where(bb[None, :] < b[:, None], c[None, :], 0).to(tl.int64), axis=1)
+    return acc
+
+
+@triton.jit
+def decode_row_lens(seq_len, q_len, j, next_n, compress_ratio, cp_world, cp_rank, cp_interleave):
+    """Indexer decode view: entry ``[r, j]`` is the request's token ``j - (next_n - q)``, position
+    ``seq_len - next_n + j``; its visible rows, 0 before the request's first token (right-aligned)."""
+    pos = seq_len[:, None] - next_n + j
+    n = owned_count(tl.maximum(pos + 1, 0) // compress_ratio, cp_world, cp_rank, cp_interleave)
+    return tl.where(j >= next_n - q_len[:, None], n, 0)
+
+
+@triton.jit
+def topk_slot(bt_ptr, row, pick, ok, n_c, rows_per_block, table_width, row_stride,
+              cp_world, cp_rank, cp_interleave):
+    """Top-k pick ``l`` (request-local compressed row, any int dtype) -> (slot int32, valid).
+
+    Valid iff ``ok``, ``0 <= l < n_c``, this rank owns row ``l`` and its local block lies inside the
+    table; the slot is ``bt[lc // S] * S + lc % S`` (``-1`` when not valid).
+    """
+    ok = ok & (pick >= 0) & (pick < n_c)
+    pick = tl.where(ok, pick, 0).to(tl.int32)
+    own, lc = cp_local(pick, cp_world, cp_rank, cp_interleave)
+    blk = lc // rows_per_block
+    ok = ok & own & (blk < table_width)
+    bid = tl.load(bt_ptr + row.to(tl.int64) * row_stride + blk, mask=ok, other=0)
+    return tl.where(ok, bid * rows_per_block + lc % rows_per_block, -1), ok

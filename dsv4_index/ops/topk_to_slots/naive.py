@@ -1,0 +1,62 @@
+"""Reference math of ``topk_to_slots`` (DESIGN §4 "Top-k -> physical slots", DCP, compact form):
+plain PyTorch, the spec."""
+
+from __future__ import annotations
+
+import torch
+
+from ..._common import cp_local, cp_owner, token_positions, token_table_rows
+
+
+def token_rows(query_start_loc, seq_lens, rows: torch.Tensor, table_rows: int, compress_ratio: int,
+               num_rows: int):
+    """Per token slot: (table row int64, ``-1`` for padded tokens; visible rows ``n_c = (pos + 1) //
+    R`` int64, 0 for padded tokens): what the pipeline's step build precomputes for
+    :func:`topk_to_slots_rows`. ``n_c`` counts every row (picks are global row ids, DCP or not)."""
+    req, pos, valid = token_positions(query_start_loc, seq_lens, num_rows)
+    row, valid = token_table_rows(rows, req, valid, table_rows)
+    n_c = (pos + 1).clamp(min=0) // compress_ratio
+    return torch.where(valid, row, -1), torch.where(valid, n_c, 0)
+
+
+def topk_to_slots_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: torch.Tensor,
+                       block_table: torch.Tensor, rows_per_block: int, cp_world_size: int, cp_rank: int,
+                       cp_interleave: int, compact: bool, num_rows: int):
+    """(int32 ``[num_rows, K]``, int32 ``[num_rows]``) from per-token table rows and ``n_c``.
+
+    Pick ``l = topk[t, k]`` of a token with row ``r = token_rows[t] >= 0`` is valid iff
+    ``0 <= l < token_nc[t]``, this rank owns row ``l`` and its local block ``lc // S`` lies inside the
+    table; it becomes ``bt[r][lc // S] * S + lc % S``, anything else ``-1``; ``compact`` moves the
+    valid entries to the front in their order. ``lens`` = valid count. Compares are int64, so any
+    pick value is safe.
+    """
+    K = topk.shape[1]
+    device = topk.device
+    r = token_rows[:num_rows].long()
+    valid = (r >= 0) & (r < block_table.shape[0])
+    l = torch.full((num_rows, K), -1, dtype=torch.long, device=device)
+    m = min(num_rows, topk.shape[0])
+    l[:m] = topk[:m].long()
+    ok = valid[:, None] & (l >= 0) & (l < token_nc[:num_rows].long()[:, None])
+    l = torch.where(ok, l, 0)
+    ok &= cp_owner(l, cp_world_size, cp_interleave) == cp_rank
+    lc = cp_local(l, cp_world_size, cp_interleave)
+    blk = lc // rows_per_block
+    ok &= blk < block_table.shape[1]
+    slots = torch.full((num_rows, K), -1, dtype=torch.long, device=device)
+    if bool(ok.any()):
+        rr = torch.where(valid, r, 0)[:, None].expand(ok.shape)
+        slots[ok] = block_table[rr[ok], blk[ok]].long() * rows_per_block + lc[ok] % rows_per_block
+    if compact:  # valid first, original order kept (stable sort)
+        order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
+        slots = slots.gather(1, order)
+    return slots.to(torch.int32), ok.sum(1).to(torch.int32)
+
+
+def topk_to_slots(topk, query_start_loc, seq_lens, block_table, rows_per_block: int,
+                  compress_ratio: int, rows: torch.Tensor, cp_world_size: int, cp_rank: int,
+                  cp_interleave: int, compact: bool, num_rows: int):
+    """The public op's reference: :func:`token_rows` of the batch, then :func:`topk_to_slots_rows`."""
+    trow, nc = token_rows(query_start_loc, seq_lens, rows, block_table.shape[0], compress_ratio, num_rows)
+    return topk_to_slots_rows(topk, trow, nc, block_table, rows_per_block, cp_world_size, cp_rank,
+                              cp_interleave, compact, num_rows)

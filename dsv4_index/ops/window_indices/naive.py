@@ -1,0 +1,51 @@
+"""Reference math of ``window_indices`` (DESIGN §4 "Sliding-window indices", bounded replay, DCP,
+ring and circular tables): plain PyTorch, the spec."""
+
+from __future__ import annotations
+
+import torch
+
+from ..._common import cp_owned_count, token_positions, token_table_rows
+
+
+def window_range(query_start_loc, seq_lens, num_rows: int, window: int, replay_start,
+                 cp_world_size: int, cp_rank: int, cp_interleave: int):
+    """(req, first local position, count of listed entries), each int64 ``[num_rows]``.
+
+    The window ``[max(pos - W + 1, floor, 0), pos]`` holds, on rank ``r``, the owned positions
+    whose local positions are the consecutive ``[owned(start), owned(pos + 1))``.
+    """
+    req, pos, valid = token_positions(query_start_loc, seq_lens, num_rows)
+    start = (pos - window + 1).clamp(min=0)
+    if replay_start is not None and replay_start.numel():
+        start = torch.maximum(start, replay_start.long()[req])
+    first = cp_owned_count(start, cp_world_size, cp_rank, cp_interleave)
+    last = cp_owned_count((pos + 1).clamp(min=0), cp_world_size, cp_rank, cp_interleave)
+    count = torch.where(valid, (last - first).clamp(min=0), 0)
+    return req, first, count
+
+
+def window_indices(query_start_loc, seq_lens, block_table, block_size: int, window: int,
+                   rows: torch.Tensor, ring_width: int, replay_start, cp_world_size: int,
+                   cp_rank: int, cp_interleave: int, num_rows: int, width: int):
+    """(int32 ``[num_rows, width]``, int32 ``[num_rows]``): entry ``j < count`` of a token is the
+    slot of local position ``lp = first + j``, ``bt[rows[req]][col(lp // block_size)] * block_size +
+    lp % block_size`` (``col(i) = i % ring_width`` for rings, ``i`` otherwise; a circular group is a
+    ring of one column); ``-1`` after, and for entries past a plain table's width (not counted)."""
+    req, first, count = window_range(query_start_loc, seq_lens, num_rows, window, replay_start,
+                                     cp_world_size, cp_rank, cp_interleave)
+    row, live = token_table_rows(rows, req, count > 0, block_table.shape[0])
+    j = torch.arange(width, device=first.device)[None, :]
+    lp = first[:, None] + j
+    blk = lp // block_size
+    listed = live[:, None] & (j < count[:, None])
+    if ring_width:
+        col = blk % ring_width
+    else:
+        listed &= blk < block_table.shape[1]
+        col = blk
+    slots = torch.full(listed.shape, -1, dtype=torch.long, device=first.device)
+    if bool(listed.any()):
+        bid = block_table[row[:, None].expand(listed.shape)[listed], col[listed]].long()
+        slots[listed] = bid * block_size + lp[listed] % block_size
+    return slots.to(torch.int32), listed.sum(1).to(torch.int32)

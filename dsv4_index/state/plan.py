@@ -1,0 +1,320 @@
+"""Every check of one step, before anything changes: :func:`plan_step` turns a :class:`StepBatch`
+into a :class:`StepPlan` or raises ``ValueError`` naming the culprit.
+
+Check levels (DESIGN §5):
+
+* ``"safe"`` (always): what keeps memory and other requests' KV intact — array shapes and integer
+  dtypes; slots in range, distinct, occupied (new rows: free); counts ``>= 0``; capacities (rows,
+  tokens, staged ids); write runs: group and slot in range, one per (group, slot), no hole before
+  the run, inside the logical width, ids ``>= 0`` and small enough that every slot fits int32;
+  every scheduled token's blocks present (coverage) in every group; ring tables holding the blocks a
+  step reads; circular groups holding a step's tokens; replay bounds.
+* ``"full"`` (``validate=True`` or ``checks="full"``): also no id twice in a row of a full group (nor
+  an id already in the row), no null block (id 0) in a full group.
+
+Nothing here mutates its inputs; :meth:`MetadataPipeline.update` commits the plan afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..batch import APPEND, StepBatch
+from .tables import BlockTables
+
+__all__ = ["StepPlan", "plan_step", "CHECK_LEVELS"]
+
+CHECK_LEVELS = ("safe", "full")
+
+
+@dataclass
+class StepPlan:
+    """A checked step. Device batch = the rows with tokens, decode first; ``B`` rows, ``T`` tokens."""
+
+    rows: np.ndarray            # int64 [B]: StepBatch row of each device batch row
+    slots: np.ndarray           # int64 [B]
+    num_scheduled: np.ndarray   # int64 [B]
+    seq_lens: np.ndarray        # int64 [B]
+    replay_start: Optional[np.ndarray]  # int64 [B] or None
+    replay_end: Optional[np.ndarray]    # int64 [B] or None
+    num_decodes: int
+    num_decode_tokens: int
+    num_tokens: int
+    num_tokens_padded: int
+    # state changes
+    free_slots: np.ndarray      # int64 [F]
+    new_slots: np.ndarray       # int64 [K]
+    all_slots: np.ndarray       # int64 [rows]: every StepBatch row's slot
+    all_computed: np.ndarray    # int64 [rows]
+    # kernel-block write runs (validated; ring runs not yet trimmed)
+    w_gid: np.ndarray           # int64 [N]
+    w_slot: np.ndarray
+    w_start: np.ndarray
+    w_end: np.ndarray
+    w_cu: np.ndarray            # int64 [N + 1]
+    w_ids: np.ndarray           # int64 [n]
+
+
+def _arr(name: str, x, n: Optional[int] = None, *, dtype_kind="iu") -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        try:
+            x = np.asarray(x)
+        except Exception:
+            raise ValueError(f"{name} must be a 1-D integer array, got {type(x).__name__}") from None
+        if x.size == 0:
+            x = x.astype(np.int64)
+    if x.ndim != 1 or x.dtype.kind not in dtype_kind:
+        raise ValueError(f"{name} must be a 1-D {'bool' if dtype_kind == 'b' else 'integer'} array, "
+                         f"got dtype {x.dtype} and shape {x.shape}")
+    if n is not None and x.shape[0] != n:
+        raise ValueError(f"{name} has {x.shape[0]} entries, expected {n}")
+    return x.astype(np.int64, copy=False) if dtype_kind == "iu" else x
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, max_num_tokens: int,
+              max_writes: int, pad_to: Optional[int], decode_threshold: int,
+              blocks_needed: Callable[[np.ndarray], np.ndarray],
+              first_read: Callable[[np.ndarray, Optional[np.ndarray]], np.ndarray],
+              windows: np.ndarray, level: str = "safe") -> StepPlan:
+    """Check ``batch`` against the pipeline state; return the plan or raise ``ValueError``.
+
+    Parameters
+    ----------
+    occupied : bool ``[R]`` slots holding a request before the step.
+    tables : the pipeline's :class:`BlockTables` (geometry and block counts; read only).
+    max_num_tokens, max_writes : capacities (tokens per step, staged ids per step).
+    pad_to : padded token count or None.
+    decode_threshold : a row with ``1 <= q <= decode_threshold`` tokens is a decode.
+    blocks_needed : ``seq_lens int64 [B] -> int64 [G, B]`` kernel blocks each group must hold.
+    first_read : ``(first scheduled positions [B], replay_start [B] | None) -> int64 [G, B]``
+        lowest logical block a row reads this step (for ring checks).
+    windows : int64 ``[G]`` window of each group (0 for full groups).
+    level : ``"safe"`` or ``"full"``.
+    """
+    if not isinstance(batch, StepBatch):
+        raise ValueError(f"step must be a StepInput or a StepBatch, got {type(batch).__name__}")
+    R = occupied.shape[0]
+    G = len(tables.groups)
+    slots = _arr("req_slots", batch.req_slots)
+    n_rows = slots.shape[0]
+    nc = _arr("num_computed_tokens", batch.num_computed_tokens, n_rows)
+    q = _arr("num_scheduled_tokens", batch.num_scheduled_tokens, n_rows)
+    is_new = (np.zeros(n_rows, dtype=bool) if batch.is_new is None
+              else _arr("is_new", batch.is_new, n_rows, dtype_kind="b"))
+    free = (np.zeros(0, dtype=np.int64) if batch.free_slots is None
+            else _arr("free_slots", batch.free_slots))
+    if n_rows:
+        if slots.min() < 0 or slots.max() >= R:
+            i = _first((slots < 0) | (slots >= R))
+            raise ValueError(f"req_slots[{i}] = {int(slots[i])} is not a slot in [0, {R})")
+        if nc.min() < 0:
+            i = _first(nc < 0)
+            raise ValueError(f"num_computed_tokens[{i}] = {int(nc[i])} is negative")
+        if q.min() < 0:
+            i = _first(q < 0)
+            raise ValueError(f"num_scheduled_tokens[{i}] = {int(q[i])} is negative")
+        count = np.bincount(slots, minlength=R)
+        if count.max() > 1:
+            s = int(np.argmax(count))
+            raise ValueError(f"req_slots: slot {s} appears in {int(count[s])} batch rows")
+    # -- slots freed, then taken ------------------------------------------------------------
+    occ = occupied.copy()
+    if free.size:
+        if free.min() < 0 or free.max() >= R:
+            i = _first((free < 0) | (free >= R))
+            raise ValueError(f"free_slots[{i}] = {int(free[i])} is not a slot in [0, {R})")
+        if np.bincount(free, minlength=R).max() > 1:
+            raise ValueError("free_slots lists a slot twice")
+        if not occ[free].all():
+            i = _first(~occ[free])
+            raise ValueError(f"free_slots[{i}] = {int(free[i])} does not hold a request")
+        occ[free] = False
+    if n_rows:
+        held = occ[slots]
+        bad = held == is_new
+        if bad.any():
+            i = _first(bad)
+            if is_new[i]:
+                raise ValueError(f"req_slots[{i}] = {int(slots[i])} is new but still holds a request "
+                                 f"(free it first)")
+            raise ValueError(f"req_slots[{i}] = {int(slots[i])} holds no request (mark it is_new)")
+    new_slots = slots[is_new]
+    occ[new_slots] = True
+    # -- device batch -----------------------------------------------------------------------
+    T = int(q.sum()) if n_rows else 0
+    if T > max_num_tokens:
+        raise ValueError(f"num_scheduled_tokens: the step schedules {T} tokens, more than "
+                         f"max_num_batched_tokens = {max_num_tokens}")
+    T_pad = T if pad_to is None else pad_to
+    if isinstance(T_pad, bool) or not isinstance(T_pad, (int, np.integer)) or not T <= T_pad <= max_num_tokens:
+        raise ValueError(f"pad_to must be an int in [{T}, {max_num_tokens}], got {pad_to!r}")
+    live = np.flatnonzero(q > 0) if n_rows and q.min() == 0 else None
+    dec = q <= decode_threshold
+    if live is not None:
+        order = np.concatenate([live[dec[live]], live[~dec[live]]])
+    elif n_rows == 0:
+        order = None
+    else:
+        k = int(np.argmin(dec))  # NOTE: first prefill row (0 when every row is a decode)
+        done = bool(dec[k]) or not dec[k:].any()
+        order = None if done else np.concatenate([np.flatnonzero(dec), np.flatnonzero(~dec)])
+    take = (lambda a: a) if order is None else (lambda a: a[order])
+    b_slots, b_q, b_nc = take(slots), take(q), take(nc)
+    B = b_slots.shape[0]
+    b_dec = b_q <= decode_threshold
+    nd = int(b_dec.sum()) if B else 0
+    seq = b_nc + b_q
+    rs = re = None
+    if batch.replay_start is not None:
+        rs = take(_arr("replay_start", batch.replay_start, n_rows))
+        if B and (rs.min() < 0 or (rs > b_nc).any()):
+            i = _first((rs < 0) | (rs > b_nc))
+            raise ValueError(f"replay_start of slot {int(b_slots[i])} = {int(rs[i])} is outside "
+                             f"[0, num_computed_tokens = {int(b_nc[i])}]")
+    if batch.replay_end is not None:
+        re = take(_arr("replay_end", batch.replay_end, n_rows))
+        if B and re.min() < 0:
+            i = _first(re < 0)
+            raise ValueError(f"replay_end of slot {int(b_slots[i])} = {int(re[i])} is negative")
+    # -- write runs ---------------------------------------------------------------------------
+    runs = _runs(batch, R, G, occ, is_new, new_slots, tables, max_writes)
+    w_gid, w_slot, w_start, w_end, w_cu, w_ids = runs
+    # -- coverage and ring / circular capacity ------------------------------------------------
+    if B and G:
+        nb = tables.num_blocks[:, b_slots].copy()
+        if is_new.any():
+            nb[:, take(is_new)] = 0
+        if w_gid.size:
+            row_of = np.full(R, -1, dtype=np.int64)
+            row_of[b_slots] = np.arange(B)
+            r = row_of[w_slot]
+            m = r >= 0
+            nb[w_gid[m], r[m]] = w_end[m]
+        need = blocks_needed(seq)
+        short = nb < need
+        if short.any():
+            g, i = (int(x) for x in np.argwhere(short)[0])
+            raise ValueError(f"block ids missing for gid {g} ({tables.groups[g].name}) of slot "
+                             f"{int(b_slots[i])}: {int(seq[i])} tokens need {int(need[g, i])} blocks, "
+                             f"the row has {int(nb[g, i])}")
+        ring = tables.ring
+        if (ring > 0).any():
+            lo = first_read(b_nc, rs)
+            over = (ring[:, None] > 0) & ~tables.circular[:, None] & (nb - lo > ring[:, None])
+            if over.any():
+                g, i = (int(x) for x in np.argwhere(over)[0])
+                raise ValueError(f"gid {g} ({tables.groups[g].name}) is a ring of {int(ring[g])} blocks, "
+                                 f"but slot {int(b_slots[i])} holds blocks up to {int(nb[g, i])} and reads "
+                                 f"from block {int(lo[g, i])} this step")
+            circ = tables.circular & (windows > 0)
+            if circ.any():
+                cap = np.asarray([g.block_size for g in tables.groups], dtype=np.int64)
+                over = circ[:, None] & (windows[:, None] - 1 + b_q[None, :] > cap[:, None])
+                if over.any():
+                    g, i = (int(x) for x in np.argwhere(over)[0])
+                    raise ValueError(f"gid {g} ({tables.groups[g].name}) is circular with capacity "
+                                     f"{int(cap[g])}: slot {int(b_slots[i])} schedules {int(b_q[i])} tokens, "
+                                     f"at most {int(cap[g] - windows[g] + 1)} fit with its window")
+    if level == "full":
+        _full_checks(tables, w_gid, w_slot, w_start, w_cu, w_ids)
+    return StepPlan(
+        rows=np.arange(n_rows) if order is None else order, slots=b_slots, num_scheduled=b_q,
+        seq_lens=seq, replay_start=rs, replay_end=re, num_decodes=nd,
+        num_decode_tokens=int(b_q[:nd].sum()) if nd else 0, num_tokens=T, num_tokens_padded=int(T_pad),
+        free_slots=free, new_slots=new_slots, all_slots=slots, all_computed=nc,
+        w_gid=w_gid, w_slot=w_slot, w_start=w_start, w_end=w_end, w_cu=w_cu, w_ids=w_ids)
+
+
+def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, is_new: np.ndarray,
+          new_slots: np.ndarray, tables: BlockTables, max_writes: int):
+    """Validated kernel-block write runs: (gid, slot, start, end, cu, ids), int64."""
+    empty = np.zeros(0, dtype=np.int64)
+    if batch.write_gids is None or len(batch.write_gids) == 0:
+        return empty, empty, empty, empty, np.zeros(1, dtype=np.int64), empty
+    gid = _arr("write_gids", batch.write_gids)
+    N = gid.shape[0]
+    slot = _arr("write_slots", batch.write_slots, N)
+    start = _arr("write_starts", batch.write_starts, N)
+    cu = _arr("write_cu", batch.write_cu, N + 1)
+    ids = _arr("write_ids", batch.write_ids)
+    if gid.min() < 0 or gid.max() >= G:
+        i = _first((gid < 0) | (gid >= G))
+        raise ValueError(f"write_gids[{i}] = {int(gid[i])} is not a group in [0, {G})")
+    if slot.min() < 0 or slot.max() >= R:
+        i = _first((slot < 0) | (slot >= R))
+        raise ValueError(f"write_slots[{i}] = {int(slot[i])} is not a slot in [0, {R})")
+    if not occ[slot].all():
+        i = _first(~occ[slot])
+        raise ValueError(f"write_slots[{i}] = {int(slot[i])} holds no request after this step")
+    n = np.diff(cu)
+    if cu[0] != 0 or (n < 0).any() or cu[-1] != ids.shape[0]:
+        raise ValueError(f"write_cu must rise from 0 to len(write_ids) = {ids.shape[0]}")
+    key = gid * R + slot
+    if N > 1:
+        k = np.sort(key)
+        dup = k[1:] == k[:-1]
+        if dup.any():
+            kk = int(k[1:][dup][0])
+            raise ValueError(f"two write runs for gid {kk // R}, slot {kk % R} (one run per (group, slot))")
+    f = tables.f[gid]
+    fresh = np.zeros(R, dtype=bool)
+    fresh[new_slots] = True
+    have = np.where(fresh[slot], 0, tables.num_blocks[gid, slot])   # kernel blocks held now
+    start_k = np.where(start == APPEND, have, start * f)
+    if (start < APPEND).any() or (start_k > have).any():
+        i = _first((start < APPEND) | (start_k > have))
+        raise ValueError(f"write_starts[{i}] = {int(start[i])} leaves a hole: gid {int(gid[i])} of slot "
+                         f"{int(slot[i])} holds {int(have[i] // f[i])} blocks")
+    end_k = start_k + n * f
+    over = end_k > tables.logical[gid]
+    if over.any():
+        i = _first(over)
+        g = tables.groups[int(gid[i])]
+        raise ValueError(f"write run {i}: slot {int(slot[i])} would hold {int(end_k[i])} blocks in gid "
+                         f"{g.gid} ({g.name}), the table holds {int(tables.logical[gid[i]])} "
+                         f"(max_model_len)")
+    if ids.size:
+        if ids.min() < 0:
+            raise ValueError(f"write_ids[{_first(ids < 0)}] = {int(ids[ids < 0][0])} is negative")
+        fmax = int(tables.f.max())
+        if int(ids.max()) * fmax + fmax - 1 > int(tables.id_max.min()):
+            per = np.repeat(gid, n)
+            lim = (tables.id_max[per] - (tables.f[per] - 1)) // tables.f[per]
+            bad = ids > lim
+            if bad.any():
+                j = _first(bad)
+                g = int(per[j])
+                raise ValueError(f"write_ids[{j}] = {int(ids[j])} in gid {g} ({tables.groups[g].name}) "
+                                 f"gives slots beyond int32 (largest id {int(lim[j])})")
+    start_k, cu_k, ids_k = tables.expand(gid, start_k, cu, ids)
+    n_kept = np.minimum(np.diff(cu_k), np.where(tables.ring[gid] > 0, tables.ring[gid], np.diff(cu_k)))
+    if int(n_kept.sum()) > max_writes:
+        raise ValueError(f"write_ids: the step stages {int(n_kept.sum())} block ids, more than "
+                         f"max_staged_blocks = {max_writes}")
+    return gid, slot, start_k, end_k, cu_k, ids_k
+
+
+def _full_checks(tables: BlockTables, gid, slot, start, cu, ids) -> None:
+    """Contract checks of ``checks="full"`` (full groups: no null id, no id twice in a row)."""
+    for r in range(gid.shape[0]):
+        g = int(gid[r])
+        if tables.groups[g].kind != "full":
+            continue
+        run = ids[cu[r]:cu[r + 1]]
+        if not run.size:
+            continue
+        if (run == 0).any():
+            raise ValueError(f"write run {r}: the null block 0 in full group gid {g} (slot {int(slot[r])})")
+        old = tables.mirrors[g][int(slot[r]), :int(start[r])]
+        both = np.concatenate([old, run])
+        if np.unique(both).size != both.size:
+            u, c = np.unique(both, return_counts=True)
+            raise ValueError(f"write run {r}: block id {int(u[c > 1][0])} twice in gid {g} of slot "
+                             f"{int(slot[r])}")

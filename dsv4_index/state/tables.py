@@ -1,0 +1,147 @@
+"""The pipeline's block tables: one device buffer holding every group's table, indexed by request
+slot, a host mirror of it, and the block count of every (group, slot).
+
+Rows never move: a request keeps its slot from arrival to finish, and the batch order is an
+``idx_mapping`` (batch row -> slot). Block ids arrive as write runs (group, slot, first logical
+block, ids) and are staged as ``(flat destination, value)`` pairs that the fused launch applies
+(:mod:`dsv4_index.state.staging`); the host mirror is updated at the same time.
+
+Column of logical (kernel) block ``i`` of group ``g``: ``i`` for plain tables, ``i % ring_cols`` for
+ring tables (sliding groups, DESIGN §4), ``0`` for circular groups (one block per request).
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .._common import INT32_MAX
+
+__all__ = ["BlockTables"]
+
+
+class BlockTables:
+    """Block tables of every group of a layout, for ``max_num_reqs`` request slots.
+
+    Parameters
+    ----------
+    groups : sequence of GroupSpec
+    max_num_reqs : int
+    max_num_batched_tokens : int
+        Sizes ring tables (:meth:`GroupSpec.columns`).
+    device : torch.device
+    int32_units : sequence of int
+        Per group: the largest number of slots per block that an int32 index list of the group
+        addresses (block size for window lists, rows per block for compressed lists; 1 when the
+        group feeds int64 slot mappings only). Block ids are limited so those slots fit int32.
+
+    Attributes
+    ----------
+    flat : int32 ``[total]`` device buffer; ``tables[g]`` int32 ``[max_num_reqs, cols[g]]`` views.
+    mirror : int32 ``[total]`` numpy host mirror; ``mirrors[g]`` views like ``tables``.
+    num_blocks : int64 ``[G, max_num_reqs]`` logical (kernel) blocks of each (group, slot).
+    base, cols, ring, width, logical, f, id_max : int64 ``[G]`` per-group geometry (flat offset,
+        stored columns, ring width or 0, kernel read bound, logical blocks a row may hold, kernel
+        blocks per allocation block, largest kernel-block id).
+    """
+
+    def __init__(self, groups: Sequence, max_num_reqs: int, max_num_batched_tokens: int,
+                 device: torch.device, int32_units: Sequence[int]):
+        G, R = len(groups), max_num_reqs
+        self.groups = tuple(groups)
+        self.max_num_reqs = R
+        cols, ring = zip(*(g.columns(max_num_batched_tokens) for g in groups)) if G else ((), ())
+        self.cols = np.asarray(cols, dtype=np.int64)
+        self.ring = np.asarray(ring, dtype=np.int64)
+        # NOTE: `width` bounds logical blocks in kernels (a ring has none: columns wrap);
+        # `logical` bounds the runs the host accepts (max_model_len, per rank when sharded)
+        self.width = np.asarray([INT32_MAX if r else g.table_width for g, r in zip(groups, ring)],
+                                dtype=np.int64)
+        self.logical = np.asarray([1 if g.kind == "circular" else g.table_width for g in groups],
+                                  dtype=np.int64)
+        self.f = np.asarray([g.blocks_per_kv_block for g in groups], dtype=np.int64)
+        self.circular = np.asarray([g.kind == "circular" for g in groups], dtype=bool)
+        units = np.maximum(np.asarray(int32_units, dtype=np.int64), 1)
+        self.id_max = (INT32_MAX - (units - 1)) // units  # NOTE: largest kernel-block id
+        self.base = np.zeros(G, dtype=np.int64)
+        if G:
+            self.base[1:] = np.cumsum(self.cols * R)[:-1]
+        total = int((self.cols * R).sum())
+        if total > INT32_MAX:
+            raise ValueError(f"block tables need {total} entries, beyond int32 offsets; lower "
+                             f"max_num_reqs or max_model_len")
+        self.total = total
+        self.flat = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
+        self.mirror = np.zeros(max(total, 1), dtype=np.int32)
+        self.tables: List[torch.Tensor] = []
+        self.mirrors: List[np.ndarray] = []
+        for g in range(G):
+            lo, n = int(self.base[g]), int(self.cols[g]) * R
+            self.tables.append(self.flat[lo:lo + n].view(R, int(self.cols[g])))
+            self.mirrors.append(self.mirror[lo:lo + n].reshape(R, int(self.cols[g])))
+        self.num_blocks = np.zeros((G, R), dtype=np.int64)
+
+    # ------------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of the device tables (the host mirror has as many)."""
+        return 4 * self.total
+
+    def row(self, gid: int, slot: int) -> np.ndarray:
+        """Host copy of the valid logical blocks of a slot, in logical order (int32 ``[n]``).
+
+        For rings only the newest ``ring`` blocks are stored; older ones read as ``-1``.
+        """
+        n = int(self.num_blocks[gid, slot])
+        logical = np.arange(n)
+        r = int(self.ring[gid])
+        col = logical % r if r else logical
+        out = self.mirrors[gid][slot, col].astype(np.int32)
+        if r:
+            out[logical < n - r] = -1
+        return out
+
+    def expand(self, gid: np.ndarray, starts: np.ndarray, cu: np.ndarray, ids: np.ndarray):
+        """Allocation-block runs -> kernel-block runs (hybrid blocks ``f > 1``): ``(starts, cu, ids)``."""
+        f = self.f[gid] if len(gid) else np.zeros(0, dtype=np.int64)
+        if not (f > 1).any():
+            return starts, cu, ids
+        n = np.diff(cu)
+        per_id = np.repeat(f, n)
+        k_ids = np.repeat(ids * per_id, per_id) + _ragged_arange(per_id)
+        k_cu = np.zeros(len(cu), dtype=np.int64)
+        np.cumsum(n * f, out=k_cu[1:])
+        return starts * f, k_cu, k_ids
+
+    def destinations(self, gid: np.ndarray, slot: np.ndarray, start: np.ndarray, cu: np.ndarray
+                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where each staged id goes, for validated kernel-block runs.
+
+        Returns ``(keep, dst, first, kept)``: ``keep`` bool ``[n]`` (ids a ring keeps: the newest
+        ``ring`` of a run), ``dst`` int64 flat offsets of the kept ids, ``first`` int64 ``[N]`` first
+        kept logical block of each run, ``kept`` int64 ``[N]`` ids kept per run.
+        """
+        n = np.diff(cu)
+        ring = self.ring[gid]
+        skip = np.where(ring > 0, np.maximum(n - ring, 0), 0)
+        first = start + skip
+        k = _ragged_arange(n)
+        run = np.repeat(np.arange(len(n)), n)
+        keep = k >= skip[run]
+        logical = (start[run] + k)[keep]
+        r = ring[run][keep]
+        col = np.where(r > 0, logical % np.maximum(r, 1), logical)
+        g = gid[run][keep]
+        dst = self.base[g] + slot[run][keep] * self.cols[g] + col
+        return keep, dst, first, n - skip
+
+
+def _ragged_arange(n: np.ndarray) -> np.ndarray:
+    """``concat(arange(k) for k in n)`` without a Python loop."""
+    total = int(n.sum()) if len(n) else 0
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.zeros(len(n), dtype=np.int64)
+    np.cumsum(n[:-1], out=starts[1:])
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, n)
