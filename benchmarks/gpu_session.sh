@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# One lent-GPU session: install, then the stages named on the command line (default: all), each with its
-# log under $OUT. Used for the figures in BENCHMARKS.md and RELIABILITY.md.
+# One lent-GPU session: install, then the stages named on the command line, each with its log under
+# $OUT and a time limit. Used for the figures in BENCHMARKS.md and RELIABILITY.md.
 #
-#   bash benchmarks/gpu_session.sh                 # tests bench demo cp
-#   bash benchmarks/gpu_session.sh memcheck racecheck
+#   bash benchmarks/gpu_session.sh check bench ncu cp memcheck racecheck
 #
-# Stages:
-#   tests      the whole pytest suite, kernels compiled (no interpreter), GPU-only tests included
-#              (pytest-xdist, 8 workers sharing the GPU, when the machine has it)
+# Stages (limits in seconds; the sanitizer stages run small traces that exercise every kernel once):
+#   check      benchmarks/gpu_check.py: compiled fused launch + top-k == the PyTorch reference (traces)
 #   bench      benchmarks/bench_step.py (JSON + markdown table)
-#   demo       examples/sparse_decode_loop.py on CUDA
-#   cp         examples/cp_decode.py with NCCL: 2 ranks, and 4 ranks when 4 GPUs are present
-#   memcheck   compute-sanitizer memcheck over the kernel, fused, pipeline and graph tests
-#   racecheck  compute-sanitizer racecheck over the fused-kernel tests
+#   ncu        Nsight Compute on one server-sized decode B=256 step (fused kernel + top-k conversion)
+#   cp         examples/cp_decode.py with NCCL on 2 GPUs (when present)
+#   flash      examples/flash_decode_step.py (V4-Flash-shaped sparse decode fed by the metadata)
+#   gpu-tests  pytest -m gpu (CUDA-only tests)
+#   memcheck   compute-sanitizer memcheck over gpu_check.py (few steps)
+#   racecheck  compute-sanitizer racecheck over gpu_check.py (few steps)
 set -u
 export PYTHONUNBUFFERED=1
 # NOTE: NVLink multicast stays off on the lent machines (shared hosts).
@@ -20,40 +20,30 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
+$PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -3 "$OUT/install.log"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 
-$PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-} >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
-
-stage() {  # stage NAME TIMEOUT CMD...
+stage() {  # stage NAME LIMIT CMD...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc, $(( $(date +%s) - t0 )) s"
-  tail -n "${TAIL:-6}" "$OUT/$name.log"
+  echo "== $name: rc=$? $(( $(date +%s) - t0 ))s"
+  tail -n "${TAIL:-4}" "$OUT/$name.log"
 }
 
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
-stages=${*:-tests bench demo cp}
-for s in $stages; do
+for s in "$@"; do
   case $s in
-    tests)     XD=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-               TAIL=25 stage tests 300 $PY -m pytest -q -p no:warnings $XD --durations=12 tests ;;
-    bench)     TAIL=40 stage bench 300 $PY benchmarks/bench_step.py --out "$OUT/bench.json" ;;
-    demo)      stage demo 120 $PY examples/sparse_decode_loop.py --device cuda ;;
-    cp)        stage cp2 120 $PY -m torch.distributed.run --nproc-per-node 2 examples/cp_decode.py --device cuda
-               if [ "$NGPU" -ge 4 ]; then
-                 stage cp4 120 $PY -m torch.distributed.run --nproc-per-node 4 examples/cp_decode.py --device cuda --interleave 2
-               fi ;;
-    memcheck)  HYPOTHESIS_PROFILE=dev TAIL=12 stage memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 7 \
-                 $PY -m pytest -q -p no:warnings tests/kernels tests/test_fused.py tests/test_pipeline.py ;;
-    racecheck) HYPOTHESIS_PROFILE=dev TAIL=12 stage racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 7 \
-                 $PY -m pytest -q -p no:warnings tests/test_fused.py ;;
+    check)     stage check 110 $PY benchmarks/gpu_check.py --steps 30 ;;
+    bench)     TAIL=30 stage bench 170 $PY benchmarks/bench_step.py --out "$OUT/bench.json" --replays 30 --host-steps 40 ;;
+    ncu)       TAIL=2 stage ncu 60 ncu --clock-control none -k "regex:fused_step_kernel|_topk_rows" -c 2 \
+                 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+                 $PY benchmarks/bench_step.py --profile-one "decode B=256" ;;
+    cp)        [ "$NGPU" -ge 2 ] && stage cp 60 $PY -m torch.distributed.run --nproc-per-node 2 examples/cp_decode.py --device cuda ;;
+    flash)     TAIL=20 stage flash 150 $PY examples/flash_decode_step.py --out "$OUT/flash.json" ;;
+    gpu-tests) stage gpu_tests 120 $PY -m pytest -q -x -m gpu -p no:warnings tests ;;
+    memcheck)  stage memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 6 ;;
+    racecheck) stage racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 4 ;;
     *) echo "unknown stage $s" ;;
   esac
 done
-echo "gpus: $NGPU"

@@ -1,7 +1,10 @@
-"""Command line: ``python -m dsv4_index layout|demo``.
+"""Command line: ``python -m dsv4_index layout|demo|inspect|replay``.
 
 ``layout`` prints the groups and channels derived from a DeepSeek-V4 config; ``demo`` builds and prints
-the metadata of one sample DeepSeek-V4-Flash step (two decodes, one speculative decode, one prefill chunk).
+the metadata of one sample DeepSeek-V4-Flash step (two decodes, one speculative decode, one prefill chunk);
+``inspect`` draws one sample step of a layout as a PNG (needs matplotlib); ``replay`` feeds a recorded
+step trace (``dsv4_index.trace.record_steps``) through a checked pipeline and the reference and prints the
+first step, channel, token and values where anything goes wrong, or a summary table.
 """
 
 from __future__ import annotations
@@ -90,7 +93,27 @@ def demo(args) -> None:
               f"token 0 -> {slots[0, :4].tolist()} len {int(lens[0])}")
 
 
-def main(argv=None) -> None:
+def inspect_step(args) -> int:
+    from .plot import draw_step, sample_step
+
+    pipe, meta = sample_step(_config_path(args.config), args.requests, max_model_len=args.max_model_len,
+                             device=args.device or "cpu", seed=args.seed)
+    draw_step(meta, args.out, seed=args.seed)
+    print(f"{args.config}: {meta.num_reqs} requests ({meta.num_decodes} decodes first), {meta.num_tokens} tokens "
+          f"padded to {meta.num_tokens_padded} -> {args.out} ({os.path.getsize(args.out) // 1024} KiB)")
+    return 0
+
+
+def replay(args) -> int:
+    from .trace import replay_trace
+
+    res = replay_trace(args.trace, config=_config_path(args.config) if args.config else None, device=args.device,
+                       backend=args.backend, topk_seed=args.seed, progress=not args.no_progress)
+    print(res.report())
+    return 0 if res.ok else 1
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv4_index", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -99,13 +122,34 @@ def main(argv=None) -> None:
         p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json")
         p.add_argument("--max-model-len", type=int, default=131072)
         p.add_argument("--device", default=None)
+    p = sub.add_parser("inspect", help="draw one sample step of a layout as a PNG")
+    p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json")
+    p.add_argument("--requests", type=int, default=None, help="requests in the step (default: 300; tiny: 6)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: 32768 (tiny: 128)")
+    p.add_argument("--out", default="step.png", help="output PNG (default: step.png)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="pipeline device (default: cpu)")
+    p = sub.add_parser("replay", help="replay a recorded step trace through the checker and the reference")
+    p.add_argument("trace", help="JSONL trace written by dsv4_index.trace.record_steps")
+    p.add_argument("--config", default=None, help="replay with this config instead of the recorded layout "
+                   "(flash | pro | tiny | path); the recorded block sizes, rings and DCP are kept")
+    p.add_argument("--device", default=None, help="device of the checked pipeline (default: cuda if available)")
+    p.add_argument("--backend", default=None, choices=("triton", "reference"),
+                   help="backend of the checked pipeline (default: triton on CUDA or under TRITON_INTERPRET=1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random top-k picks compared every step")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if args.cmd == "layout":
         from . import DSV4Layout
         print(DSV4Layout.from_config(_config_path(args.config), max_model_len=args.max_model_len))
-    else:
+    elif args.cmd == "demo":
         demo(args)
+    elif args.cmd == "inspect":
+        return inspect_step(args)
+    else:
+        return replay(args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

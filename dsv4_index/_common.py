@@ -1,8 +1,10 @@
-"""Shared plumbing of the functional ops: argument checks, backend dispatch, ``out=`` buffers, DCP math.
+"""Shared plumbing of the library: argument checks, backend dispatch, ``out=`` buffers, DCP math, and
+the torch helpers of the op references (``ops/<op>/naive.py`` import only these).
 
-Every public op validates its arguments here first (shape / dtype / device / geometry always; values
-that need device data only on CPU inputs or with ``validate=True``), then runs either the Triton
-kernel or the pure-PyTorch reference of :mod:`dsv4_index.reference`.
+Every public op (:mod:`dsv4_index.ops`) validates its arguments with these and
+:mod:`dsv4_index.ops._args` first (shape / dtype / device / geometry always; values that need device
+data only on CPU inputs or with ``validate=True``), then runs either its Triton kernel or its
+pure-PyTorch reference (:mod:`dsv4_index.reference`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ the pipeline accepted the batch, so a rejected step changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -168,6 +170,61 @@ def _id_set(name: str, ids) -> Sequence[str]:
     return ids
 
 
+_INT = {int}
+
+
+def _convert_bulk(slots: SlotMap, num_groups: Optional[int], rids: list, lists: list, ncs: list, nst: dict
+                  ) -> Optional[Tuple[StepBatch, SlotMapDelta]]:
+    """The common step (running requests only: no new, resumed, finished or preempted request, no
+    replay) in C-level passes over the request lists. Returns None whenever anything is unusual;
+    then :func:`_convert` decides (and names the culprit).
+
+    NOTE: it accepts only steps that :func:`_convert` accepts, with the same result
+    (``tests/test_convert_bulk.py`` compares the two on random steps).
+    """
+    try:
+        S = len(rids)
+        if S == 0 or type(nst) is not dict or len(nst) != S or len(set(rids)) != S \
+                or not set(map(type, rids)) <= {str} or nst.keys() != set(rids):
+            return None
+        sl = list(map(slots.slot_of.get, rids))
+        if None in sl:
+            return None
+        qs = list(map(nst.__getitem__, rids))
+        if not set(map(type, ncs)) <= _INT or not set(map(type, qs)) <= _INT or min(ncs) < 0 or min(qs) < 0:
+            return None
+        widths = set(map(len, lists))
+        if len(widths) != 1 or not set(map(type, lists)) <= {tuple}:
+            return None
+        G = widths.pop()
+        if num_groups is not None and G != num_groups:
+            return None
+        flat = list(chain.from_iterable(lists))
+        if not set(map(type, flat)) <= {list}:
+            return None
+        lens = np.fromiter(map(len, flat), dtype=np.int64, count=S * G)
+        ids = list(chain.from_iterable(flat))
+        if ids and (not set(map(type, ids)) <= _INT or min(ids) < 0):
+            return None
+    except (TypeError, KeyError, AttributeError):
+        return None
+    nz = np.flatnonzero(lens)
+    slot_arr = np.asarray(sl, dtype=np.int64)
+    cu = np.zeros(nz.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens[nz], out=cu[1:])
+    batch = StepBatch(
+        req_slots=slot_arr, num_computed_tokens=np.asarray(ncs, dtype=np.int64),
+        num_scheduled_tokens=np.asarray(qs, dtype=np.int64), is_new=np.zeros(S, dtype=bool),
+        free_slots=np.zeros(0, dtype=np.int64), write_gids=nz % G, write_slots=slot_arr[nz // G],
+        write_starts=np.full(nz.shape[0], APPEND, dtype=np.int64), write_cu=cu,
+        write_ids=np.asarray(ids, dtype=np.int64))
+    return batch, SlotMapDelta(order=rids)
+
+
+_REQ_ID, _NEW_BLOCKS, _COMPUTED, _RESUMED = (attrgetter(a) for a in ("req_id", "new_block_ids",
+                                                                      "num_computed_tokens", "resumed"))
+
+
 def _convert(slots: SlotMap, num_groups: Optional[int], new, running, nst: dict, finished, preempted,
              replay_start: dict, replay_end: dict) -> Tuple[StepBatch, SlotMapDelta]:
     """Core of both front ends. ``new``: [(rid, lists, nc)]; ``running``: [(rid, lists, nc, resumed)]."""
@@ -299,6 +356,13 @@ def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] =
     """
     if not isinstance(step, StepInput):
         raise ValueError(f"step must be a StepInput, got {type(step).__name__}")
+    run = step.running_requests
+    if not step.new_requests and not step.finished_req_ids and not step.preempted_req_ids \
+            and not step.replay_start and not getattr(step, "replay_end", None) and not any(map(_RESUMED, run)):
+        done = _convert_bulk(slots, num_groups, list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
+                             list(map(_COMPUTED, run)), step.num_scheduled_tokens)
+        if done is not None:
+            return done
     new = [(r.req_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests]
     running = [(r.req_id, r.new_block_ids, r.num_computed_tokens, bool(r.resumed))
                for r in step.running_requests]
@@ -317,17 +381,24 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
     (a list of bools)), ``out.num_scheduled_tokens`` (dict), ``out.finished_req_ids`` and, when
     present, ``out.preempted_req_ids``. A resumed request carries its whole block lists.
     """
-    new = [(r.req_id, tuple(r.block_ids), r.num_computed_tokens) for r in out.scheduled_new_reqs]
     c = out.scheduled_cached_reqs
     ids = list(c.req_ids)
     resumed_set = getattr(c, "resumed_req_ids", None)
     if resumed_set is not None:
-        resumed = [rid in resumed_set for rid in ids]
+        resumed = [rid in resumed_set for rid in ids] if resumed_set else [False] * len(ids)
     else:
         resumed = list(getattr(c, "resumed_from_preemption", [False] * len(ids)))
+    finished = getattr(out, "finished_req_ids", ())
+    preempted = getattr(out, "preempted_req_ids", ()) or ()
+    if not out.scheduled_new_reqs and not finished and not preempted and not replay_start and not replay_end \
+            and not any(resumed) and None not in c.new_block_ids:
+        done = _convert_bulk(slots, num_groups, ids, [tuple(x) for x in c.new_block_ids], list(c.num_computed_tokens),
+                             dict(out.num_scheduled_tokens))
+        if done is not None:
+            return done
+    new = [(r.req_id, tuple(r.block_ids), r.num_computed_tokens) for r in out.scheduled_new_reqs]
     empty = (None,) * (num_groups or 0)
     running = [(rid, tuple(nb) if nb is not None else empty, nc, rs)
                for rid, nb, nc, rs in zip(ids, c.new_block_ids, c.num_computed_tokens, resumed)]
-    return _convert(slots, num_groups, new, running, dict(out.num_scheduled_tokens),
-                    getattr(out, "finished_req_ids", ()), getattr(out, "preempted_req_ids", ()) or (),
+    return _convert(slots, num_groups, new, running, dict(out.num_scheduled_tokens), finished, preempted,
                     replay_start or {}, replay_end or {})

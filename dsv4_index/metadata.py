@@ -23,6 +23,7 @@ class DSV4Metadata:
     num_reqs, num_tokens, num_tokens_padded : int — batch rows, live tokens, tokens incl. padding.
     num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens : int (host).
     req_slots : int64 numpy [B] — request slot of each batch row (host copy of ``idx_mapping``).
+    host_query_start_loc : int64 numpy [B + 1]; host_seq_lens : int64 numpy [B] — host copies.
     req_ids : list[str] or None — request id of each batch row (id-keyed front ends only).
     query_start_loc : int32 [B + 1]; seq_lens : int32 [B]; idx_mapping : int32 [B] (device).
     positions : int64 [T]; token_to_req : int32 [T] (batch row); is_valid_token : bool [T].
@@ -45,6 +46,8 @@ class DSV4Metadata:
     num_prefill_tokens: int
     req_slots: np.ndarray
     req_ids: Optional[List[str]]
+    host_query_start_loc: np.ndarray
+    host_seq_lens: np.ndarray
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     idx_mapping: torch.Tensor
@@ -91,6 +94,59 @@ class DSV4Metadata:
         if conv is None:
             raise ValueError(f"channel {channel!r} does not convert top-k indices")
         return conv(topk, compact=compact)
+
+    def decode_view(self, channel: str, *, padded: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A channel's index list for the decode tokens in FlashMLA's sparse-decode shape (no copy).
+
+        Every decode token is its own batch entry (``s_q = 1``).
+
+        Parameters
+        ----------
+        channel : str — a channel with ``indices`` and ``lens`` (``"swa"``, ``"c128a"``, state channels).
+        padded : bool — cover all ``T_pad`` rows (padded tokens: ``-1`` rows, length 0) instead of the
+            ``num_decode_tokens`` decode rows; use it inside CUDA graphs captured per ``T_pad``.
+
+        Returns
+        -------
+        (indices int32 [Td, 1, width], lens int32 [Td]) — ``Td = num_decode_tokens`` (or ``T_pad``).
+        """
+        c = self[channel]
+        if c.indices is None or c.lens is None:
+            raise ValueError(f"channel {channel!r} has no index list")
+        n = self.num_tokens_padded if padded else self.num_decode_tokens
+        return c.indices[:n].unsqueeze(1), c.lens[:n]
+
+    def sparse_decode_args(self, layer_kind: str, topk: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, *,
+                           padded: bool = False) -> Dict[str, Optional[torch.Tensor]]:
+        """The index arguments of FlashMLA's sparse decode (two pools) for one layer kind, as views.
+
+        Parameters
+        ----------
+        layer_kind : {"swa", "c4", "c128"}
+        topk : (slots int32 [>= Td, K], lens int32 [>= Td]), for ``"c4"`` — this layer's
+            :meth:`topk_to_slots` result with ``compact=True`` (FlashMLA reads only the first
+            ``extra_topk_length`` entries; uncompacted, a valid slot after an invalid pick is dropped).
+        padded : bool — see :meth:`decode_view`.
+
+        Returns
+        -------
+        dict with ``indices [Td, 1, 128]`` + ``topk_length [Td]`` (the SWA list) and
+        ``extra_indices [Td, 1, K or Wc]`` + ``extra_topk_length [Td]`` (converted top-k for ``"c4"``,
+        the causal C128A list for ``"c128"``, None for ``"swa"``). Widths are multiples of 128.
+        """
+        idx, lens = self.decode_view("swa", padded=padded)
+        n = idx.shape[0]
+        extra = extra_len = None
+        if layer_kind == "c4":
+            if topk is None:
+                raise ValueError("topk: a c4 layer needs its converted top-k (meta.topk_to_slots('c4a', picks))")
+            slots, slot_lens = topk
+            extra, extra_len = slots[:n].unsqueeze(1), slot_lens[:n]
+        elif layer_kind == "c128":
+            extra, extra_len = self.decode_view("c128a", padded=padded)
+        elif layer_kind != "swa":
+            raise ValueError(f"layer_kind must be 'swa', 'c4' or 'c128', got {layer_kind!r}")
+        return dict(indices=idx, topk_length=lens, extra_indices=extra, extra_topk_length=extra_len)
 
     def batch_block_table(self, gid: int) -> torch.Tensor:
         """int32 ``[B, cols]`` rows of group ``gid`` in batch order (a gather: allocates; debugging)."""

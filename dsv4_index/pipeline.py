@@ -58,21 +58,26 @@ class MetadataPipeline:
         capped at 2**20); a step staging more is rejected.
     backend : {None, "triton", "reference"} — functional-op backend (default: Triton on CUDA or under
         the interpreter, the PyTorch reference otherwise).
+    cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
+        launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
     """
 
     def __init__(self, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
-                 max_staged_blocks: Optional[int] = None, backend: Optional[str] = None):
+                 max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
+                 cuda_graphs: bool = False):
         for name, v, lo in (("max_num_reqs", max_num_reqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("num_speculative_tokens", num_speculative_tokens, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if checks not in CHECK_LEVELS:
             raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
-        sharded = [g for g in layout.groups if g.sharded]
-        check_cp(cp_world_size, cp_rank, cp_interleave,
-                 min(g.alloc_block_size for g in sharded) if cp_world_size > 1 and sharded else None)
+        check_cp(cp_world_size, cp_rank, cp_interleave)
+        for g in layout.groups:
+            if cp_world_size > 1 and g.sharded and g.alloc_block_size % cp_interleave:
+                raise ValueError(f"cp_interleave={cp_interleave} must divide the allocation block size "
+                                 f"{g.alloc_block_size} of sharded group {g.name!r}")
         if cp_world_size != layout.cp_world_size and cp_world_size > 1:
             raise ValueError(f"cp_world_size={cp_world_size} differs from the layout's "
                              f"cp_world_size={layout.cp_world_size} (its tables were sized for that)")
@@ -102,16 +107,16 @@ class MetadataPipeline:
             replay_end=torch.zeros(T + 1, dtype=i32, device=dev), token_to_req=torch.zeros(T, dtype=i32, device=dev),
             positions=torch.zeros(T, dtype=torch.int64, device=dev),
             is_valid_token=torch.zeros(T, dtype=torch.bool, device=dev), backend=backend)
-        n_extra = 0
+        n_extra, self._staging_builders = 0, []
         for b in self._builders.values():
             b.allocate(self.ctx)
             k = b.num_staged_arrays()
             if k:
                 b.extra_index, n_extra = n_extra, n_extra + k
+                self._staging_builders.append((b, k))
         cap = min(self.tables.total, 1 << 20) if max_staged_blocks is None else max_staged_blocks
         self.max_staged_blocks = max(int(cap), 1)
-        self.staging = StepStaging(dev, T, len(layout.groups), n_extra, self.max_staged_blocks)
-        self._windows = np.asarray([g.window or 0 for g in layout.groups], dtype=np.int64)
+        self.staging = StepStaging(dev, T, len(layout.groups), n_extra, self.max_staged_blocks, max_num_reqs)
 
         self._fused: Optional[FusedPlan] = None
         self._unfused = list(self._builders.values())
@@ -127,6 +132,9 @@ class MetadataPipeline:
                 else:
                     self._unfused.append(b)
             self._fused = FusedPlan(tasks, self.tables, self.ctx.group_cp, self.staging.dev, self.ctx.next_n)
+        if cuda_graphs and (self._fused is None or self._unfused or self.device.type != "cuda"):
+            raise ValueError("cuda_graphs needs a CUDA device and every channel in the fused launch")
+        self._graphs = {} if cuda_graphs else None
         self._occupied = np.zeros(max_num_reqs, dtype=bool)
         self._computed = np.zeros(max_num_reqs, dtype=np.int64)
         self._row_of = np.full(max_num_reqs, -1, dtype=np.int64)
@@ -163,10 +171,9 @@ class MetadataPipeline:
             batch = step
         else:
             raise ValueError(f"step must be a StepInput or a StepBatch, got {type(step).__name__}")
-        plan = plan_step(batch, occupied=self._occupied, tables=self.tables, max_num_tokens=self.max_num_tokens,
-                         max_writes=self.max_staged_blocks, pad_to=pad_to,
-                         decode_threshold=1 + self.num_speculative_tokens, blocks_needed=self._blocks_needed,
-                         first_read=self._first_read, windows=self._windows, level=self.checks)
+        plan = plan_step(batch, occupied=self._occupied, tables=self.tables, cp=self.cp,
+                         max_num_tokens=self.max_num_tokens, max_writes=self.max_staged_blocks, pad_to=pad_to,
+                         decode_threshold=1 + self.num_speculative_tokens, level=self.checks)
         # NOTE: every check passed; from here on nothing raises
         stats = StepStats(num_h2d_copies=1, num_launches=(1 if self._fused else 0) + len(self._unfused))
         if self._staged_writes:
@@ -185,27 +192,6 @@ class MetadataPipeline:
         ctx.has_replay_start, ctx.has_replay_end = plan.replay_start is not None, plan.replay_end is not None
         self._plan = plan
         self.last_step_stats = stats
-
-    def _blocks_needed(self, seq_lens: np.ndarray) -> np.ndarray:
-        need = np.zeros((len(self.layout.groups), seq_lens.shape[0]), dtype=np.int64)
-        for b in self._builders.values():
-            np.maximum(need[b.spec.gid], b.blocks_needed(self.ctx, seq_lens), out=need[b.spec.gid])
-        return need
-
-    def _first_read(self, first_pos: np.ndarray, replay_start: Optional[np.ndarray]) -> np.ndarray:
-        """Lowest logical block each row reads or writes this step, per group ``[G, B]``."""
-        from ._common import cp_owned_count
-        out = np.zeros((len(self.layout.groups), first_pos.shape[0]), dtype=np.int64)
-        for g in self.layout.groups:
-            if not self.tables.ring[g.gid]:
-                continue
-            start = np.maximum(first_pos - g.window + 1, 0)
-            if replay_start is not None:
-                start = np.maximum(start, replay_start)
-            w, r, i = self.ctx.group_cp(g.gid)
-            local = cp_owned_count(start, w, r, i) if w > 1 else start
-            out[g.gid] = local // g.block_size
-        return out
 
     def _commit(self, plan: StepPlan) -> None:
         occ, tables = self._occupied, self.tables
@@ -230,8 +216,8 @@ class MetadataPipeline:
         # writes (kernel blocks; rings keep a run's newest ids)
         N, w0 = 0, lay.writes
         if plan.w_gid.size:
-            keep, dst, first, kept = tables.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_cu)
-            vals = plan.w_ids[keep]
+            keep, dst = tables.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
+            vals = plan.w_ids if keep is None else plan.w_ids[keep]
             N = vals.shape[0]
             h[w0:w0 + N] = vals
             h[w0 + N:w0 + 2 * N] = dst
@@ -242,6 +228,7 @@ class MetadataPipeline:
         h[H_REPLAY_END] = plan.replay_end is not None
         h[lay.qsl] = 0
         np.cumsum(q, out=h[lay.qsl + 1:lay.qsl + B + 1])
+        self._host_qsl = h[lay.qsl:lay.qsl + B + 1].astype(np.int64)
         h[lay.seq_lens:lay.seq_lens + B] = plan.seq_lens
         h[lay.slots:lay.slots + B] = plan.slots
         if plan.replay_start is not None:
@@ -250,22 +237,33 @@ class MetadataPipeline:
             h[lay.replay_end:lay.replay_end + B] = plan.replay_end
         rows = np.arange(B)
         h[lay.tok_row:lay.tok_row + T] = rows if T == B else np.repeat(rows, q)
-        for b in self._builders.values():
-            k = b.num_staged_arrays()
-            if k:
-                arrays = [h[lay.extra_at(b.extra_index + i):lay.extra_at(b.extra_index + i) + B + 1] for i in range(k)]
-                b.fill_staged(self.ctx, plan.seq_lens, q, arrays)
-        ov = h[lay.overlay:lay.overlay + 3 * G * max(lay.t_pad, 1)].reshape(G, max(lay.t_pad, 1), 3)
+        for b, k in self._staging_builders:
+            arrays = [h[lay.extra_at(b.extra_index + i):lay.extra_at(b.extra_index + i) + B + 1] for i in range(k)]
+            b.fill_staged(self.ctx, plan.seq_lens, q, arrays)
+        tp = lay.rows
+        ov = h[lay.overlay:lay.overlay + 3 * G * tp].reshape(G, tp, 3)
         ov[:, :B] = 0
         if N:
             row_of = self._row_of
             row_of[plan.slots] = rows
             r = row_of[plan.w_slot]
-            m = r >= 0
-            if m.any():
-                pay = w0 + np.cumsum(kept) - kept
-                ov[plan.w_gid[m], r[m]] = np.stack([first[m], plan.w_end[m], pay[m]], axis=1)
             row_of[plan.slots] = -1
+            if keep is None:
+                # NOTE: every id kept (one per run): run i's id is value i
+                first, pay = plan.w_start, w0 + np.arange(plan.w_gid.shape[0])
+            else:
+                first = np.maximum(plan.w_keep, plan.w_start)
+                kept = np.minimum(plan.w_end - first, np.diff(plan.w_cu)).clip(min=0)
+                pay = w0 + np.cumsum(kept) - kept
+            m = r >= 0
+            at = lay.overlay + 3 * (plan.w_gid * tp + r)
+            if not m.all():
+                at, first, end, pay = at[m], first[m], plan.w_end[m], pay[m]
+            else:
+                end = plan.w_end
+            h[at] = first
+            h[at + 1] = end
+            h[at + 2] = pay
         used = w0 + 2 * N
         st.copy(used)
         self._lay = lay
@@ -291,7 +289,7 @@ class MetadataPipeline:
         ctx = self.ctx
         ctx._done.clear()
         if self._fused is not None:
-            self._fused.launch(self._lay)
+            self._launch_fused()
             self._staged_writes = 0
         else:
             self._build_requests()
@@ -302,6 +300,21 @@ class MetadataPipeline:
             from .validate import check_metadata
             check_metadata(meta)
         return meta
+
+    def _launch_fused(self) -> None:
+        lay = self._lay
+        if self._graphs is None:
+            self._fused.launch(lay)
+            return
+        graph = self._graphs.get(lay.t_pad)
+        if graph is not None:
+            graph.replay()
+            return
+        self._fused.launch(lay)  # NOTE: this step's work; the capture below records without running
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._fused.launch(lay)
+        self._graphs[lay.t_pad] = graph
 
     def _build_requests(self) -> None:
         """Unfused path: apply writes, then the per-request and per-token common tensors (torch)."""
@@ -331,24 +344,29 @@ class MetadataPipeline:
         return DSV4Metadata(
             num_reqs=B, num_tokens=T, num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd,
             num_decode_tokens=plan.num_decode_tokens, num_prefill_tokens=T - plan.num_decode_tokens,
-            req_slots=plan.slots, req_ids=self._req_ids, query_start_loc=ctx.query_start_loc[:B + 1],
+            req_slots=plan.slots, req_ids=self._req_ids, host_query_start_loc=self._host_qsl,
+            host_seq_lens=plan.seq_lens, query_start_loc=ctx.query_start_loc[:B + 1],
             seq_lens=ctx.seq_lens[:B], idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
             token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
             block_tables=list(self.tables.tables), ring_cols=ctx.ring_cols, channels=channels,
             layout=self.layout, cp=self.cp, next_n=ctx.next_n, replay_start=plan.replay_start,
             replay_end=plan.replay_end, builders=self._builders, _converters=self._converters)
 
-    def warmup(self) -> None:
-        """Compile every kernel the pipeline uses (one empty step, one top-k conversion per channel
-        that has one), before serving. Call it before the first ``update()``."""
+    def warmup(self, pad_sizes=(1,)) -> None:
+        """Compile every kernel the pipeline uses (an empty step per size in ``pad_sizes``, one top-k
+        conversion per channel that has one) and, with ``cuda_graphs``, capture a graph per size.
+        Call it before the first ``update()``."""
         if self._plan is not None:
             raise RuntimeError("warmup() must run before the first update()")
-        self.update(StepBatch(req_slots=np.zeros(0, np.int64), num_computed_tokens=np.zeros(0, np.int64),
-                              num_scheduled_tokens=np.zeros(0, np.int64)), pad_to=1)
-        self.build()
+        empty = StepBatch(req_slots=np.zeros(0, np.int64), num_computed_tokens=np.zeros(0, np.int64),
+                          num_scheduled_tokens=np.zeros(0, np.int64))
+        for n in pad_sizes:
+            self.update(empty, pad_to=int(n))
+            self.build()
         for conv in self._converters.values():
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
-            conv(torch.full((1, K), -1, dtype=torch.int32, device=self.device))
+            # NOTE: topk needs >= T_pad rows (the last warm-up size), not 1
+            conv(torch.full((max(1, self.ctx.num_tokens_padded), K), -1, dtype=torch.int32, device=self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._plan = None

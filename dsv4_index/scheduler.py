@@ -12,15 +12,23 @@ What it supports
   ``c - W + 1``). Blocks wholly below that are released at the start of the next ``schedule()``;
   in the scheduler's view their entries become the null block 0, while the pipeline's rows keep
   the stale ids (``new_block_ids`` are append-only; nothing reads those entries). Entries never
-  needed (below ``replay_start``) are appended as 0.
+  needed (below ``replay_start``) are appended as 0. Steps always carry logical block order, so a
+  pipeline storing sliding tables as rings (DESIGN §4) needs nothing else from the scheduler.
+* Circular groups (``kind == "circular"``, vLLM's ``CircularBufferSpec``: one block of
+  ``capacity = block_size`` rows per request, written as a ring): one block per request, allocated
+  at admission (a new or resumed request lists ``[b]`` for the group, a running one ``[]``), freed
+  at finish or preemption, never trimmed. A step schedules at most ``capacity - window + 1``
+  tokens of a request (``window - 1 + q <= capacity`` for every circular group: older rows of the
+  oldest token's window would be overwritten otherwise), like a long-prefill threshold that also
+  caps decodes (fewer speculative tokens when it binds).
 * Hybrid blocks (``blocks_per_kv_block = f``): the pool hands out allocation blocks ``b``; steps
   carry those allocation ids (as a real scheduler does), while block tables (the pipeline's, and
   the views here) hold kernel-block ids ``b*f .. b*f+f-1`` (``f`` zeros for the null block).
 * Token budget ``max_num_batched_tokens``: running decodes first (``1 + num_speculative_tokens``
-  tokens each, fewer near the budget or ``max_model_len``), then running prefills (chunked, at most
-  ``long_prefill_threshold`` tokens each), then waiting requests (preempted ones first, then
-  arrivals in order) while the budget and ``max_num_seqs`` allow and their blocks fit. Batch order
-  in the step is the scheduling order, so decodes come first.
+  tokens each, fewer near the budget, ``max_model_len`` or the circular cap), then running
+  prefills (chunked, at most ``long_prefill_threshold`` tokens each), then waiting requests
+  (preempted ones first, then arrivals in order) while the budget and ``max_num_seqs`` allow and
+  their blocks fit. Batch order in the step is the scheduling order, so decodes come first.
 * Speculative decoding: after a step, ``update_after_step(accepted)`` keeps ``1 + accepted`` tokens
   of a decode (``num_computed_tokens`` advances by that; rejected positions are rewritten next
   step). A request is a decode once it has produced its first token and has one token left
@@ -39,30 +47,34 @@ What it supports
   ``L // alloc_block_size`` blocks (X an earlier request id, whose keys are inherited, or any other
   string naming a shared prefix). A block is registered once its KV is computed (prompt blocks
   only, not generated tokens). A hit of ``N`` tokens (whole blocks, ``N < prompt_len``) shares those
-  blocks, ref-counted, never freed while held. Sliding groups do not have those tokens, so the
-  request uses bounded replay: ``replay_start = max(0, N - max_sliding_window)`` and it is scheduled
-  from ``num_computed_tokens = replay_start``; every step that schedules it carries
-  ``replay_start[req_id]`` (the sliding-window floor). Tokens in ``[replay_start, N)`` are
-  recomputed; their compressed writes rewrite identical values into the shared blocks.
+  blocks, ref-counted, never freed while held. Sliding and circular groups do not have those
+  tokens, so the request uses bounded replay (DESIGN §4): ``replay_start = max(0, N - W_max)``
+  (``W_max`` the largest window of a sliding or circular group) and it is scheduled from
+  ``num_computed_tokens = replay_start``; every step that schedules it carries
+  ``replay_start[req_id]`` (the sliding-window floor), and every step that schedules positions
+  below ``N`` also carries ``replay_end[req_id] = N``. Tokens in ``[replay_start, N)`` are
+  recomputed only to rebuild the sliding and state caches: they write nothing into the
+  prefix-cacheable group (their compressed rows are already cached in the blocks shared with the
+  prefix owner, and a recomputed row need not be bit-identical, so it must not overwrite them).
 
 ``add_request`` refuses a request that could not run alone in the pool (a conservative bound:
-full blocks for the whole length, sliding blocks for ``W - 1`` + the largest chunk), so the oldest
-running request can always progress.
+full blocks for the whole length, sliding blocks for ``W - 1`` + the largest chunk, one block per
+circular group), so the oldest running request can always progress.
 
-Not modelled: DCP (tables cover global positions), circular groups, priorities, aborts, caching of
-generated tokens, encoder inputs.
+Not modelled: DCP (tables cover global positions), priorities, aborts, caching of generated tokens,
+encoder inputs.
 """
-
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ._common import cdiv
 from .step import NewRequest, RunningRequest, StepInput
 
-__all__ = ["ReferenceScheduler", "ReqState", "ScheduledView", "random_trace", "scripted_trace"]
+__all__ = ["ReferenceScheduler", "ReqState", "ScheduledView", "CacheWrite", "random_trace", "scripted_trace",
+           "cache_writes"]
 
 
 @dataclass(frozen=True)
@@ -87,8 +99,11 @@ class ScheduledView:
     """One scheduled request of a step, in the scheduler's own view (what the pipeline must build).
 
     ``positions`` = ``range(num_computed_tokens, num_computed_tokens + num_scheduled_tokens)``;
-    ``block_ids[gid]``: the table row (kernel-block ids, 0 where released); ``replay_start``: window
-    floor (0 when none); ``is_decode``: scheduled as a decode (``1 + spec`` tokens)."""
+    ``block_ids[gid]``: the table row (kernel-block ids, 0 where released; one id for a circular
+    group); ``replay_start``: window floor (0 when none); ``is_decode``: scheduled as a decode
+    (``1 + spec`` tokens); ``replay_end``: the step's ``replay_end`` of the request (the prefix-hit
+    length when the step schedules positions below it, else 0): positions below it write nothing
+    into the prefix-cacheable group."""
 
     req_id: str
     num_computed_tokens: int
@@ -96,6 +111,7 @@ class ScheduledView:
     block_ids: Tuple[List[int], ...]
     replay_start: int
     is_decode: bool
+    replay_end: int = 0
 
     @property
     def positions(self) -> range:
@@ -141,8 +157,9 @@ class ReferenceScheduler:
     Parameters
     ----------
     groups : sequence of GroupSpec, or a DSV4Layout
-        kv-cache groups in gid order (fields ``kind``, ``block_size``, ``window``,
-        ``prefix_cacheable``, ``table_width``, optional ``blocks_per_kv_block``).
+        kv-cache groups in gid order (fields ``kind`` (``"full"``, ``"sliding"`` or ``"circular"``),
+        ``block_size``, ``window``, ``prefix_cacheable``, ``table_width``, optional
+        ``blocks_per_kv_block``).
     num_blocks : int
         Pool size, ids ``0..num_blocks-1`` (0 is the null block).
     max_num_batched_tokens, max_num_seqs : int
@@ -163,8 +180,11 @@ class ReferenceScheduler:
         if not groups:
             raise ValueError("groups must not be empty")
         for g in groups:
-            if g.kind not in ("full", "sliding") or (g.kind == "sliding") != (g.window is not None):
+            if g.kind not in ("full", "sliding", "circular") or (g.kind == "full") != (g.window is None):
                 raise ValueError(f"groups: group {g.name!r} has kind {g.kind!r}, window {g.window!r}")
+            if g.kind == "circular" and (getattr(g, "blocks_per_kv_block", 1) != 1 or g.block_size < g.window):
+                raise ValueError(f"groups: circular group {g.name!r} needs blocks_per_kv_block 1 and a "
+                                 f"capacity (block_size {g.block_size}) >= its window {g.window}")
         self.groups = groups
         self.num_blocks = _int("num_blocks", num_blocks, 2)
         self.max_num_batched_tokens = _int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -176,9 +196,13 @@ class ReferenceScheduler:
         self.seed = seed
         self._f = [getattr(g, "blocks_per_kv_block", 1) for g in groups]
         self._abs = [g.block_size * f for g, f in zip(groups, self._f)]  # allocation block sizes
-        self.max_model_len = min(g.table_width * g.block_size for g in groups)
-        sliding = [g.window for g in groups if g.kind == "sliding"]
-        self.max_window = max(sliding, default=0)
+        self.max_model_len = min((g.table_width * g.block_size for g in groups if g.kind != "circular"),
+                                 default=min(g.table_width * g.block_size for g in groups))
+        # NOTE: bounded replay rebuilds the last W positions of every sliding and circular group
+        self.max_window = max((g.window for g in groups if g.kind != "full"), default=0)
+        # tokens of one request per step: window - 1 + q <= capacity for every circular group
+        self.circular_token_cap = min((g.block_size - g.window + 1 for g in groups if g.kind == "circular"),
+                                      default=None)
         pc = [g.gid for g in groups if g.prefix_cacheable]
         if len(pc) > 1:
             raise ValueError(f"groups: at most one prefix_cacheable group is supported, got gids {pc}")
@@ -244,8 +268,9 @@ class ReferenceScheduler:
         k = self.num_speculative_tokens  # NOTE: a decode may write k positions past the length
         top = min(length + k, self.max_model_len)
         prefill = min(length, self.long_prefill_threshold or length)
-        chunk = min(self.max_num_batched_tokens, max(prefill, 1 + k))
-        return sum(cdiv(top, a) if g.kind == "full" else cdiv(g.window - 1 + chunk, a) + 1
+        chunk = min(self.max_num_batched_tokens, max(prefill, 1 + k), self.circular_token_cap or length + k)
+        return sum(cdiv(top, a) if g.kind == "full" else 1 if g.kind == "circular"
+                   else cdiv(g.window - 1 + chunk, a) + 1
                    for g, a in zip(self.groups, self._abs))
 
     def has_unfinished(self) -> bool:
@@ -270,6 +295,19 @@ class ReferenceScheduler:
     def free_block_ids(self) -> List[int]:
         """Pool ids on the free queue (cached ones included), LRU first."""
         return list(self._free)
+
+    def block_holders(self) -> Dict[int, Set[str]]:
+        """Pool id -> ids of the running requests holding it (any group); the null block is absent.
+
+        Between :meth:`schedule` and :meth:`update_after_step` this is the ownership the step's cache
+        writes must respect (see :func:`cache_writes`)."""
+        out: Dict[int, Set[str]] = {}
+        for rid in self._running:
+            for ids in self._reqs[rid].blocks or ():
+                for b in ids:
+                    if b:
+                        out.setdefault(b, set()).add(rid)
+        return out
 
     # ------------------------------------------------------------------ pool
     def _take(self) -> int:
@@ -310,6 +348,9 @@ class ReferenceScheduler:
         """Entries to append per gid for scheduling ``[c, c + n)``: True = allocate, False = null."""
         c, plan = r.num_computed, []
         for g, a, ids in zip(self.groups, self._abs, r.blocks):
+            if g.kind == "circular":  # NOTE: one block for the request's whole life
+                plan.append([] if ids else [True])
+                continue
             lo = 0 if g.kind == "full" else max(0, r.replay_start, c - g.window + 1) // a
             plan.append([j >= lo for j in range(len(ids), cdiv(c + n, a))])
         return plan
@@ -353,6 +394,8 @@ class ReferenceScheduler:
             n = r.num_tokens - r.num_computed
             if self.long_prefill_threshold is not None:
                 n = min(n, self.long_prefill_threshold)
+        if self.circular_token_cap is not None:
+            n = min(n, self.circular_token_cap)
         return min(n, budget)
 
     def _preempt(self, r: _Req) -> None:
@@ -424,10 +467,13 @@ class ReferenceScheduler:
                 running_reqs.append(RunningRequest(r.req_id, tuple(t[s:] for t, s in zip(alloc, r.sent_len)),
                                                    r.num_computed))
             r.in_batch, r.resumed, r.sent_len = True, False, [len(t) for t in alloc]
-            views.append(ScheduledView(r.req_id, r.num_computed, n, table, r.replay_start, dec))
+            end = r.prefix_hit if r.num_computed < r.prefix_hit else 0  # NOTE: replayed positions
+            views.append(ScheduledView(r.req_id, r.num_computed, n, table, r.replay_start, dec, end))
         step = StepInput(new_reqs, running_reqs, {r.req_id: n for r, n, _ in order},
                          finished_req_ids=list(self._finished), preempted_req_ids=preempted,
-                         replay_start={r.req_id: r.replay_start for r, _, _ in order if r.prefix_hit})
+                         replay_start={r.req_id: r.replay_start for r, _, _ in order if r.prefix_hit},
+                         replay_end={r.req_id: r.prefix_hit for r, _, _ in order
+                                     if r.num_computed < r.prefix_hit})
         self._finished = []
         self._last, self._pending = (step, views), True
         return step
@@ -500,6 +546,64 @@ class ReferenceScheduler:
             step = self.schedule()
             yield step, self.batch_view(step)
             self.update_after_step(self.random_acceptance(step, rng))
+
+
+class CacheWrite(NamedTuple):
+    """One cache write of a step (see :func:`cache_writes`)."""
+
+    channel: str
+    field: str         # "slot_mapping" or "compressed_slot_mapping"
+    token: int         # token index in the step
+    position: int
+    req_id: str        # the writer
+    slot: int
+    block: int         # pool (allocation) block id holding the slot
+    others: frozenset  # running requests other than the writer that hold ``block``
+    owned: bool        # the writer holds ``block``
+
+
+def cache_writes(meta, holders: Dict[int, Set[str]], channels: Optional[Sequence[str]] = None
+                 ) -> List[CacheWrite]:
+    """Every cache write of one step's metadata, with the block ownership it touches.
+
+    Parameters
+    ----------
+    meta : DSV4Metadata
+        Built from an id-keyed step (``meta.req_ids`` set), without DCP.
+    holders : dict[int, set[str]]
+        Pool id -> requests holding it: :meth:`ReferenceScheduler.block_holders` taken after the
+        ``schedule()`` that produced the step.
+    channels : sequence of str, optional
+        Channels to read (default: all); a channel's ``slot_mapping`` and ``compressed_slot_mapping``.
+
+    Returns
+    -------
+    list of CacheWrite
+        One entry per (channel, field, token) with a slot ``>= 0``. A write with ``others`` non-empty
+        lands in a block another live request holds (prefix-shared KV); ``owned`` False: in a block
+        the writer does not hold. Both must never happen.
+    """
+    T = meta.num_tokens
+    if meta.req_ids is None:
+        raise ValueError("meta: needs req_ids (a step given as StepInput)")
+    req = [meta.req_ids[b] for b in meta.token_to_req[:T].tolist()]
+    pos = meta.positions[:T].tolist()
+    out: List[CacheWrite] = []
+    for name, ch in meta.channels.items():
+        if channels is not None and name not in channels:
+            continue
+        f = meta.layout.groups[ch.gid].blocks_per_kv_block
+        for fld in ("slot_mapping", "compressed_slot_mapping"):
+            sm = getattr(ch, fld)
+            if sm is None:
+                continue
+            for t, s in enumerate(sm[:T].tolist()):
+                if s < 0:
+                    continue
+                b = s // ch.rows_per_block // f
+                hs = holders.get(b, set())
+                out.append(CacheWrite(name, fld, t, pos[t], req[t], s, b, frozenset(hs - {req[t]}), req[t] in hs))
+    return out
 
 
 def random_trace(groups, num_steps: int, seed: int = 0, *, num_blocks: int = 48,

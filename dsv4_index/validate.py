@@ -157,14 +157,15 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
     g = s.meta.layout.groups[spec.gid]
     valid = s.valid
     for field in ("slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "compact_cu", "indices",
-                  "lens", "ks", "ke", "cu", "decode_lens"):
+                  "lens", "ks", "ke", "cu", "decode_lens", "lens_clamped", "decode_lens_clamped"):
         found, want = getattr(c, field), getattr(exp, field)
         if (found is None) != (want is None):
             s.fail(name, f"{field} present / absent", expected=want is not None, found=found is not None)
         if found is None:
             continue
         found = _cpu(found)
-        per_token = field not in ("cu", "compact_cu", "decode_lens", "compact_slot_mapping")
+        per_token = field not in ("cu", "compact_cu", "decode_lens", "compact_slot_mapping", "lens_clamped",
+                                  "decode_lens_clamped")
         if per_token:
             pad = ~valid if found.dim() == 1 else ~valid[:, None]
             sentinel = 0 if field in _LEN_FIELDS else -1

@@ -10,8 +10,11 @@ compressed rows. It touches its paged caches ONLY through the metadata:
 * ``meta.topk_to_slots("c4a", topk)``     an indexer's request-local picks -> physical C4A slots
 
 Two hand-written steps: two requests prefill, then one decodes and one decodes with a speculative token.
+Writes go through ``index_copy_`` into a scratch row for ``-1`` slots (no data-dependent shape), so the
+forward compiles with ``torch.compile(fullgraph=True)``; inside a compiled forward, convert top-k picks
+with ``dsv4_index.torch_ops.topk_to_slots(meta, "c4a", topk)`` (a registered custom op).
 
-    python examples/custom_forward.py [device]      # default: cuda if available, else cpu
+    python examples/custom_forward.py [device] [--compile]   # default: cuda if available, else cpu
 """
 
 import os
@@ -19,10 +22,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import argparse
+
 import torch
 
 from dsv4_index import DSV4Layout, MetadataPipeline, NewRequest, RunningRequest, StepInput
-from models.deepseek_v4 import load_config
 
 HIDDEN, HEADS, D = 64, 4, 32
 NUM_BLOCKS = 64
@@ -37,11 +41,14 @@ def my_attention(x, meta, cache, w):
     swa, c128 = meta["swa"], meta["c128a"]
     ok = meta.is_valid_token                           # padded tokens write and read nothing
 
-    # writes: raw KV of every token; a compressed row from each token that completes one
-    sm = swa.slot_mapping
-    cache["swa"][sm[ok & (sm >= 0)]] = kv[ok & (sm >= 0)]
-    cm = c128.compressed_slot_mapping
-    cache["c128"][cm[ok & (cm >= 0)]] = comp[ok & (cm >= 0)]
+    # writes: raw KV of every token; a compressed row from each token that completes one; tokens
+    # with slot -1 (padding, no completed row) write the scratch row at the end of the cache
+    def write(rows, slots, vals):
+        scratch = rows.shape[0] - 1
+        rows.index_copy_(0, torch.where(ok & (slots >= 0), slots, scratch), vals)
+
+    write(cache["swa"], swa.slot_mapping, kv)
+    write(cache["c128"], c128.compressed_slot_mapping, comp)
 
     # reads: per-token key lists, -1 padded, first `lens` entries valid
     def gather(rows, idx, lens):
@@ -59,19 +66,27 @@ def my_attention(x, meta, cache, w):
     return torch.einsum("thn,tnd->thd", p, keys).reshape(T, HEADS * D)
 
 
-def main() -> None:
-    device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda" if torch.cuda.is_available() else "cpu")
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("device", nargs="?", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--compile", action="store_true", help="run my_attention under torch.compile(fullgraph=True)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    cfg = load_config("tiny")                          # window 8, compress ratios 4 and 16
-    layout = DSV4Layout.from_config(cfg.to_dict(), max_model_len=128, mla_block_size=32, swa_block_size=4)
+    # the tiny DSV4 config shipped with the package: window 8, compress ratios 4 and 16, top-k 4
+    layout = DSV4Layout.from_config("tiny", max_model_len=128, mla_block_size=32, swa_block_size=4)
     pipe = MetadataPipeline(layout, max_num_reqs=4, max_num_batched_tokens=64, device=device,
                             num_speculative_tokens=1)
     pipe.warmup()
+    attention = my_attention
+    if args.compile:
+        attention = torch.compile(my_attention, fullgraph=True,
+                                  backend="inductor" if device.type == "cuda" else "aot_eager")
 
     next_id = iter(range(1, NUM_BLOCKS))               # block 0 is the null block
 
     def blocks(n_tokens):                              # fresh block ids per group (mla, swa, c4_state, c128_state)
-        return tuple([next(next_id) for _ in range(-(-n_tokens // g.block_size))] for g in layout.groups)
+        return tuple([next(next_id) for _ in range(-(-n_tokens // g.alloc_block_size))] for g in layout.groups)
 
     none = tuple([] for _ in layout.groups)
     steps = [
@@ -87,17 +102,24 @@ def main() -> None:
     w = {k: torch.randn(HIDDEN, n, device=device) / HIDDEN ** 0.5
          for k, n in (("q", HEADS * D), ("kv", D), ("comp", D))}
     rows = {name: NUM_BLOCKS * layout.channels[ch].rows_per_block for name, ch in (("swa", "swa"), ("c128", "c128a"))}
-    cache = {name: torch.full((n, D), float("nan"), device=device) for name, n in rows.items()}  # NaN: unwritten
+    # NaN: unwritten; one scratch row at the end takes the writes of slot -1
+    cache = {name: torch.full((n + 1, D), float("nan"), device=device) for name, n in rows.items()}
 
     for i, step in enumerate(steps):
         T = step.total_tokens
         pipe.update(step, pad_to=-(-T // 8) * 8)       # pad like a CUDA-graph batch size
         meta = pipe.build()
         x = torch.randn(meta.num_tokens_padded, HIDDEN, device=device)
-        out = my_attention(x, meta, cache, w)
+        before = {k: v.clone() for k, v in cache.items()} if args.compile else None
+        out = attention(x, meta, cache, w)
+        if args.compile:                               # the compiled forward equals eager, writes included
+            ref = my_attention(x, meta, before, w)
+            torch.testing.assert_close(out, ref)
+            assert all(torch.equal(cache[k][:-1].nan_to_num(7.0), before[k][:-1].nan_to_num(7.0)) for k in cache)
+            print(f"step {i}: compiled forward (fullgraph) == eager, max |diff| {float((out - ref).abs().max()):.1e}")
         assert torch.isfinite(out).all() and not out[T:].any()  # NaN-poisoned cache: no unwritten read
 
-        topk = torch.full((meta.num_tokens_padded, cfg.index_topk), -1, dtype=torch.int32, device=device)
+        topk = torch.full((meta.num_tokens_padded, layout.index_topk), -1, dtype=torch.int32, device=device)
         topk[:, :3] = torch.tensor([0, 1, 7], dtype=torch.int32)  # made-up indexer picks (request-local rows)
         slots, lens = meta.topk_to_slots("c4a", topk)
 

@@ -7,11 +7,24 @@ the next multiple of 8, like a CUDA-graph batch size) and ``build`` make the met
 ``forward_paged`` writes and reads its paged caches only through that metadata; every valid token's
 output is compared with ``forward_dense`` over its request's (accepted history ++ this step's inputs).
 
+Bounded replay (DESIGN §4): after a prefix-cache hit of N tokens the request is rescheduled from
+``replay_start = N - W_max`` to rebuild its sliding-window and compressor-state caches; tokens below
+``replay_end = N`` write nothing into the prefix-shared blocks. Replayed tokens are compared too, with
+the dense model's sliding window floored at ``replay_start`` (what their window lists hold; their
+compressed rows come from the shared blocks). Every cache write of every step (the metadata's slot
+mappings) is checked against the scheduler's block ownership: none may land in a block that another
+live request holds, nor in one the writer does not hold.
+
+Sliding tables are rings (the default layout); ``--circular`` makes both compressor-state groups
+circular (one block of ``capacity`` rows per request; the scheduler caps a request's tokens per step).
+
     python examples/sparse_decode_loop.py                 # 200 steps, reference backend on CPU
     python examples/sparse_decode_loop.py --validate      # + check_metadata every step
+    python examples/sparse_decode_loop.py --circular      # circular c4_state / c128_state groups
     python examples/sparse_decode_loop.py --kernels       # CPU: Triton kernels in the interpreter (slow)
 
-Exit code 1 when any output differs from dense by more than 1e-4 (or an expected event did not happen).
+Exit code 1 when any output differs from dense by more than 1e-4, when a write lands in a block another
+request holds (or the writer does not hold), or when an expected event did not happen.
 """
 
 import os
@@ -37,6 +50,10 @@ BUDGET = 32            # max_num_batched_tokens per step
 CHUNK = 16             # long_prefill_threshold: prompts are prefilled in chunks
 SPEC = 2               # speculative tokens per decode
 PAD = 8                # token count padded to a multiple of this
+# --circular: capacity (rows per request) of each compressor-state group; window 8 (c4) and 16 (c128)
+# -> at most min(16 - 8, 28 - 16) + 1 = 9 tokens of a request per step (prefill chunks of 9, not 16)
+CIRCULAR = {"c4_state": 16, "c128_state": 28}
+NUM_BLOCKS_CIRCULAR = 40  # a circular group holds one block per request: a smaller pool still preempts
 
 
 def parse_args(argv=None):
@@ -45,6 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=200, help="scheduler steps (default 200)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--validate", action="store_true", help="run dsv4_index.validate.check_metadata every step")
+    ap.add_argument("--circular", action="store_true",
+                    help=f"circular compressor-state groups (capacities {CIRCULAR}) instead of ring tables")
     ap.add_argument("--kernels", action="store_true",
                     help="on CPU: run the Triton kernels in the interpreter (TRITON_INTERPRET=1; slow) "
                          "instead of the PyTorch reference")
@@ -104,7 +123,8 @@ class Inputs:
 
 def make_trace(sched, inputs, steps, seed):
     """Scripted start (so every event shows up within ~30 steps), then random arrivals. Yields
-    ``(step, views, accepted)`` and advances the scheduler after each."""
+    ``(step, views, accepted, holders)`` (``holders``: pool block -> running requests holding it, the
+    ownership the step's writes must respect) and advances the scheduler after each."""
     rng = random.Random(seed)
     script = {
         0: [dict(req_id="a", prompt_len=80, max_new_tokens=10, prefix_of="sys", prefix_len=64),
@@ -134,7 +154,7 @@ def make_trace(sched, inputs, steps, seed):
         step = sched.schedule()
         views = sched.batch_view(step)
         accepted = sched.random_acceptance(step, rng)
-        yield step, views, accepted
+        yield step, views, accepted, sched.block_holders()
         sched.update_after_step(accepted)
 
 
@@ -166,7 +186,7 @@ def main(argv=None) -> int:
     backend = pick_backend(args)
 
     from dsv4_index import DSV4Layout, MetadataPipeline
-    from dsv4_index.scheduler import ReferenceScheduler
+    from dsv4_index.scheduler import ReferenceScheduler, cache_writes
     from dsv4_index.validate import check_metadata
     from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load, load_config, save
 
@@ -178,7 +198,7 @@ def main(argv=None) -> int:
 
     cfg = load_config("tiny")
     layout = DSV4Layout.from_config(cfg.to_dict(), MAX_LEN, mla_block_size=MLA_BLOCK, swa_block_size=SWA_BLOCK,
-                                    indexer_causal_indices=True)
+                                    indexer_causal_indices=True, circular=CIRCULAR if args.circular else None)
     kinds = {k: cfg.layer_ids(k)[0] for k in ("swa", "c4", "c128")}
 
     # weights from the seed, round-tripped through a safetensors file
@@ -193,23 +213,28 @@ def main(argv=None) -> int:
     print(f"tiny DSV4 attention: layers {kinds} (kind: layer id); weights seed {args.seed}, "
           f"safetensors round trip {size / 1024:.1f} KiB")
     print(f"device {device}, metadata backend: {backend}")
+    print("groups: " + ", ".join(
+        f"{g.name} ({g.kind}{', ring of %d blocks' % g.columns(BUDGET)[1] if g.ring else ''}"
+        f"{', capacity %d' % g.block_size if g.kind == 'circular' else ''})" for g in layout.groups))
 
-    sched = ReferenceScheduler(layout, NUM_BLOCKS, max_num_batched_tokens=BUDGET, max_num_seqs=6,
+    num_blocks = NUM_BLOCKS_CIRCULAR if args.circular else NUM_BLOCKS
+    sched = ReferenceScheduler(layout, num_blocks, max_num_batched_tokens=BUDGET, max_num_seqs=6,
                                num_speculative_tokens=SPEC, long_prefill_threshold=CHUNK,
                                enable_prefix_caching=True, seed=args.seed)
     capacity = -(-BUDGET // PAD) * PAD
     pipe = MetadataPipeline(layout, 8, capacity, device, num_speculative_tokens=SPEC)
     pipe.warmup()
-    caches = PagedCaches(cfg, layout, NUM_BLOCKS, device=device)
+    caches = PagedCaches(cfg, layout, num_blocks, device=device)
     inputs = Inputs(cfg.hidden_size, args.seed, device)
 
     ev = dict(steps=0, tokens=0, padded=0, prefill_chunks=0, partial_chunks=0, decodes=0, spec_accepted=0,
               spec_rejected=0, preemptions=0, resumes=0, prefix_hits=0, replayed=0, finished=0, compared=0,
-              checks=0)
+              checks=0, writes=0, shared_writes=0, unowned_writes=0)
     reqs, err = set(), {k: 0.0 for k in kinds}
     times = []
     bar = progress(args.steps)
-    for step, views, accepted in make_trace(sched, inputs, args.steps, args.seed):
+    bad_writes = []
+    for step, views, accepted, holders in make_trace(sched, inputs, args.steps, args.seed):
         ev["steps"] += 1
         ev["preemptions"] += len(step.preempted_req_ids)
         ev["resumes"] += sum(r.resumed for r in step.running_requests)
@@ -224,11 +249,18 @@ def main(argv=None) -> int:
         sync()
         times.append(time.perf_counter() - t0)
         if args.validate:
-            check_metadata(meta, num_blocks=NUM_BLOCKS)
+            check_metadata(meta, num_blocks=num_blocks)
             ev["checks"] += 1
         bar.update(1)
         if T == 0:
             continue
+        # every cache write of the step vs the scheduler's ownership (prefix-shared blocks above all)
+        for w in cache_writes(meta, holders):
+            ev["writes"] += 1
+            ev["shared_writes"] += bool(w.others)
+            ev["unowned_writes"] += not w.owned
+            if (w.others or not w.owned) and len(bad_writes) < 5:
+                bad_writes.append((ev["steps"] - 1, w))
         ev["tokens"] += T
         ev["padded"] += Tp - T
         by_id = {v.req_id: v for v in views}
@@ -256,18 +288,15 @@ def main(argv=None) -> int:
                 e = y[T:].abs().amax().item() if Tp > T else 0.0  # padded tokens must give zeros
                 for b, rid in enumerate(meta.req_ids):
                     v = by_id[rid]
-                    ref_y = m.forward_dense(dense_in[rid])[v.num_computed_tokens:]
-                    # NOTE: bounded replay after a prefix hit: tokens whose window reaches below
-                    # replay_start only rewrite caches (their outputs are discarded by an engine).
-                    skip = 0
-                    if v.replay_start:
-                        skip = min(v.num_scheduled_tokens, max(
-                            0, v.replay_start + layout.sliding_window - 1 - v.num_computed_tokens))
-                    d = (y[qsl[b] + skip:qsl[b + 1]] - ref_y[skip:]).abs()
+                    # NOTE: bounded replay after a prefix hit: window lists start at replay_start at the
+                    # earliest (an engine discards the outputs of the replayed tokens, but they are
+                    # defined: the dense model with the same floor; no token after them reaches it)
+                    ref_y = m.forward_dense(dense_in[rid], window_floor=v.replay_start)[v.num_computed_tokens:]
+                    d = (y[qsl[b]:qsl[b + 1]] - ref_y).abs()
                     e = max(e, torch.nan_to_num(d, nan=float("inf")).amax().item() if d.numel() else 0.0)
                     if kind == "swa":
-                        ev["replayed"] += skip
-                        ev["compared"] += v.num_scheduled_tokens - skip
+                        ev["replayed"] += max(0, min(v.seq_len, v.replay_end) - v.num_computed_tokens)
+                        ev["compared"] += v.num_scheduled_tokens
                 err[kind] = max(err[kind], e)
         bar.set_postfix_str(f"reqs {len(reqs)} max|err| {max(err.values()):.1e}")
     bar.close()
@@ -281,10 +310,14 @@ def main(argv=None) -> int:
         ("decodes", ev["decodes"]),
         ("spec tokens accepted / rejected", f"{ev['spec_accepted']} / {ev['spec_rejected']}"),
         ("preemptions / resumes", f"{ev['preemptions']} / {ev['resumes']}"),
-        ("prefix hits (replayed, not compared)", f"{ev['prefix_hits']} ({ev['replayed']})"),
-        ("tokens compared with dense", ev["compared"]),
+        ("prefix hits (replayed tokens)", f"{ev['prefix_hits']} ({ev['replayed']})"),
+        ("tokens compared with dense (replayed included)", ev["compared"]),
+        ("cache writes checked", ev["writes"]),
+        ("writes into blocks held by another request", ev["shared_writes"]),
+        ("writes into blocks the writer does not hold", ev["unowned_writes"]),
         ("check_metadata passes", ev["checks"] if args.validate else "off (--validate)"),
         ("metadata backend", backend),
+        ("state groups", "circular" if args.circular else "sliding (ring tables)"),
         ("update+build ms median / p90", f"{statistics.median(ms):.3f} / {p90:.3f}"),
     ] + [(f"max |paged - dense| {k} (layer {kinds[k]})", f"{err[k]:.2e}") for k in kinds]
     w = max(len(k) for k, _ in rows)
@@ -298,9 +331,15 @@ def main(argv=None) -> int:
     if max(err.values()) > TOL or any(e != e for e in err.values()):
         print(f"FAIL: max |paged - dense| {max(err.values()):.2e} > {TOL:g}")
         ok = False
+    if ev["shared_writes"] or ev["unowned_writes"]:
+        print(f"FAIL: {ev['shared_writes']} writes into blocks held by another request, "
+              f"{ev['unowned_writes']} into blocks the writer does not hold; first ones:")
+        for i, w in bad_writes:
+            print(f"  step {i}: {w}")
+        ok = False
     want = dict(partial_chunks="chunked prefill", decodes="decode", spec_accepted="spec tokens accepted",
                 spec_rejected="spec tokens rejected", preemptions="preemption", resumes="resume",
-                prefix_hits="prefix-cache hit")
+                prefix_hits="prefix-cache hit", replayed="replayed tokens")
     missing = [name for key, name in want.items() if ev[key] == 0]
     if missing:
         msg = f"events that did not happen in {ev['steps']} steps: {', '.join(missing)}"
@@ -309,7 +348,8 @@ def main(argv=None) -> int:
     else:
         print("events seen: " + ", ".join(want.values()))
     if ok:
-        print(f"OK: paged == dense within {TOL:g} for every compared token of every layer kind")
+        print(f"OK: paged == dense within {TOL:g} for every token (replayed ones included) of every layer "
+              f"kind; no write into a block another request holds")
     return 0 if ok else 1
 
 

@@ -1,19 +1,30 @@
-"""Shared helpers of test_validate / test_adversarial / test_fuzz_pipeline: the tiny layout, a
-block-id allocator for hand-written steps, and a deep copy of one step's metadata."""
+"""Shared helpers of the pipeline tests: the tiny layout, a block-id allocator for hand-written steps,
+a deep copy of one step's metadata, and the poisoned three-way comparison of pipelines over a trace
+(fused Triton launch == per-op kernels == PyTorch reference, bit for bit)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from pathlib import Path
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
 from dsv4_index import DSV4Layout, MetadataPipeline
-from dsv4_index._common import cdiv
+from dsv4_index._common import cdiv, interpreting
 from dsv4_index.step import NewRequest, RunningRequest, StepInput
 
 TINY = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs" / "tiny.json"
+
+# every per-channel output of ChannelMetadata, and the common step tensors of DSV4Metadata
+CHANNEL_FIELDS = ("slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "compact_cu", "indices",
+                  "lens", "ks", "ke", "cu", "decode_lens", "lens_clamped", "decode_lens_clamped")
+COMMON_FIELDS = ("query_start_loc", "seq_lens", "idx_mapping", "positions", "token_to_req", "is_valid_token")
+HOST_FIELDS = ("num_reqs", "num_tokens", "num_tokens_padded", "num_decodes", "num_prefills", "num_decode_tokens",
+               "num_prefill_tokens")
+HAS_TRITON = torch.cuda.is_available() or interpreting()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def tiny_layout(**kw) -> DSV4Layout:
@@ -24,7 +35,7 @@ def tiny_layout(**kw) -> DSV4Layout:
 
 class Pool:
     """Hands out fresh block ids (never 0) for hand-written steps; ``blocks(n)`` covers ``n`` tokens
-    in every group (``alloc_block_size`` each, kernel-block ids with hybrid blocks)."""
+    in every group (``alloc_block_size`` each; steps carry allocation block ids)."""
 
     def __init__(self, layout, start: int = 1):
         self.layout, self.next = layout, itertools.count(start)
@@ -32,10 +43,8 @@ class Pool:
     def blocks(self, n_tokens: int, have=None):
         out = []
         for g, old in zip(self.layout.groups, have or [[] for _ in self.layout.groups]):
-            f = g.blocks_per_kv_block
-            need = cdiv(n_tokens, g.alloc_block_size) - len(old) // f
-            ids = [next(self.next) for _ in range(max(need, 0))]
-            out.append([b * f + j for b in ids for j in range(f)])
+            need = 1 if g.kind == "circular" else cdiv(n_tokens, g.alloc_block_size)
+            out.append([next(self.next) for _ in range(max(need - len(old), 0))])
         return tuple(out)
 
 
@@ -62,12 +71,251 @@ def clone_meta(meta):
     """Deep copy of the tensors of one step's metadata (corrupt the copy, not the pipeline's buffers).
     NOTE: c4a / c4i share one compressed-slot tensor in the pipeline; the copy gives each its own."""
     def c(x):
-        return x.clone() if isinstance(x, torch.Tensor) else x
+        return x.clone() if isinstance(x, torch.Tensor) else (x.copy() if hasattr(x, "copy") and
+                                                                 not isinstance(x, dict) else x)
 
     chans = {n: dataclasses.replace(ch, **{f.name: c(getattr(ch, f.name)) for f in dataclasses.fields(ch)})
              for n, ch in meta.channels.items()}
-    top = {f.name: c(getattr(meta, f.name)) for f in dataclasses.fields(meta)
-           if f.name not in ("channels", "_pipeline")}
+    top = {f.name: c(getattr(meta, f.name)) for f in dataclasses.fields(meta) if f.name != "channels"}
     top["block_tables"] = [bt.clone() for bt in meta.block_tables]
-    top["req_ids"] = list(meta.req_ids)
+    top["req_ids"] = None if meta.req_ids is None else list(meta.req_ids)
     return dataclasses.replace(meta, channels=chans, **top)
+
+
+# ----------------------------------------------------------------------------------------------
+# poisoned comparison of pipelines
+# ----------------------------------------------------------------------------------------------
+def output_buffers(pipe) -> list:
+    """Every persistent buffer a ``build()`` writes, at capacity: the builders' tensors (shared ones
+    once), the common per-token / per-request buffers of the build context. Never the block tables
+    or the staging buffer (state, not output)."""
+    ctx, seen, out = pipe.ctx, set(), []
+    state = {pipe.tables.flat.untyped_storage().data_ptr(), pipe.staging.dev.untyped_storage().data_ptr()}
+    cands = [v for b in pipe._builders.values() for v in vars(b).values()] + list(ctx._shared.values())
+    cands += [getattr(ctx, n) for n in ("query_start_loc", "seq_lens", "idx_mapping", "replay_start", "replay_end",
+                                        "token_to_req", "positions", "is_valid_token")]
+    for t in cands:
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+            assert t.untyped_storage().data_ptr() not in state, "an output aliases the tables or the staging"
+            seen.add(t.data_ptr())
+            out.append(t)
+    return out
+
+
+def poison(pipe, value: int) -> None:
+    """Fill every output buffer (whole capacity) with ``value`` (bools: ``value`` is odd)."""
+    for t in output_buffers(pipe):
+        t.fill_(bool(value % 2) if t.dtype == torch.bool else value)
+
+
+def meta_tensors(meta) -> Dict[str, object]:
+    """Host copies of everything a step's metadata exposes (views, so rows ``[0, T_pad)``)."""
+    out = {f: getattr(meta, f) for f in HOST_FIELDS}
+    out["req_slots"] = meta.req_slots.tolist()
+    out["req_ids"] = meta.req_ids
+    for f in COMMON_FIELDS:
+        out[f] = getattr(meta, f).cpu().clone()
+    for name, ch in meta.channels.items():
+        for f in CHANNEL_FIELDS:
+            x = getattr(ch, f)
+            out[f"{name}.{f}"] = None if x is None else x.cpu().clone()
+    return out
+
+
+def assert_same(a: Dict[str, object], b: Dict[str, object], tag) -> None:
+    assert a.keys() == b.keys(), (tag, sorted(set(a) ^ set(b)))
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor), (tag, k, x, y)
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f"{tag}: {k}\n{x}\n!=\n{y}"
+        else:
+            assert x == y, f"{tag}: {k}: {x} != {y}"
+
+
+def tables_of(pipe) -> list:
+    return [t.cpu().clone() for t in pipe.tables.tables]
+
+
+def three_pipelines(layout, max_num_reqs, max_tokens, **kw) -> Dict[str, MetadataPipeline]:
+    """fused (one Triton launch), unfused (``fused=False``: the per-op kernels) and reference
+    (``backend="reference"``), same arguments."""
+    p = {"fused": MetadataPipeline(layout, max_num_reqs, max_tokens, DEVICE, fused=True, **kw),
+         "unfused": MetadataPipeline(layout, max_num_reqs, max_tokens, DEVICE, fused=False, **kw),
+         "reference": MetadataPipeline(layout, max_num_reqs, max_tokens, DEVICE, backend="reference", **kw)}
+    assert p["fused"].num_launches == 1 and p["fused"]._fused is not None, "fused: not one launch"
+    assert p["unfused"]._fused is None and p["reference"]._fused is None
+    return p
+
+
+POISONS = (7777, -5555, 3333, 1231)
+
+
+def topk_channels(meta) -> list:
+    return [n for n in meta.channels if n in meta._converters]
+
+
+def compare_step(pipes: Dict[str, MetadataPipeline], step, pad_to: Optional[int] = None, *, check=None,
+                 gen: Optional[torch.Generator] = None, topk_k: int = 4, tag=None):
+    """Feed ``step`` to every pipeline, poison each one's outputs with its own value before its
+    ``build()``, and assert that every output view, the host counts, the block tables and every top-k
+    conversion (plain and compact, random picks incl. out-of-range ones) are equal across pipelines.
+    ``check(meta)`` runs on the first pipeline's metadata. Returns (that metadata, valid top-k picks)."""
+    names = list(pipes)
+    gen = gen or torch.Generator().manual_seed(0)
+    got = {}
+    for k, name in enumerate(names):
+        p = pipes[name]
+        p.update(step, pad_to=pad_to)
+        poison(p, POISONS[k])
+        m = p.build()
+        got[name] = (m, meta_tensors(m), tables_of(p))
+    m0, v0, t0 = got[names[0]]
+    for name in names[1:]:
+        m, v, t = got[name]
+        assert_same(v0, v, (tag, names[0], name))
+        for g, (a, b) in enumerate(zip(t0, t)):
+            assert torch.equal(a, b), (tag, "block table", g, names[0], name)
+    if check is not None:
+        check(m0)
+    valid = 0
+    for ch in topk_channels(m0):
+        n_c = (m0.positions.long().cpu() + 1) // m0.layout.channels[ch].compress_ratio
+        picks = (torch.rand(m0.num_tokens_padded, topk_k, generator=gen) * (n_c[:, None] + 3)).long() - 2
+        picks = picks.to(torch.int32).to(DEVICE)
+        for compact in (False, True):
+            ref = None
+            for name in names:
+                s, ln = got[name][0].topk_to_slots(ch, picks, compact=compact)
+                cur = (s.cpu().clone(), ln.cpu().clone())
+                if ref is None:
+                    ref = cur
+                else:
+                    assert torch.equal(ref[0], cur[0]) and torch.equal(ref[1], cur[1]), (tag, ch, compact, name)
+            valid += int(ref[1].sum())
+    return m0, valid
+
+
+def compare_over_trace(pipes: Dict[str, MetadataPipeline], trace: Iterable, *, pad: Optional[Sequence[int]] = None,
+                       check=None, seed: int = 0) -> dict:
+    """:func:`compare_step` over every ``(step, views)`` of ``trace``; ``pad[i % len(pad)]``: extra
+    padded tokens of step ``i`` (capped by capacity). Returns counters of what the trace exercised."""
+    gen = torch.Generator().manual_seed(seed)
+    cap = min(p.max_num_tokens for p in pipes.values())
+    seen = dict(steps=0, tokens=0, padded=0, decodes=0, prefills=0, topk=0)
+    for i, (step, _views) in enumerate(trace):
+        T = step.total_tokens
+        pad_to = None if pad is None else min(cap, T + pad[i % len(pad)])
+        m0, valid = compare_step(pipes, step, pad_to, check=check, gen=gen, tag=i)
+        seen["steps"] += 1
+        seen["tokens"] += T
+        seen["padded"] += int(m0.num_tokens_padded > T)
+        seen["decodes"] += m0.num_decodes
+        seen["prefills"] += m0.num_prefills
+        seen["topk"] += valid
+    return seen
+
+
+# ----------------------------------------------------------------------------------------------
+# scheduler traces
+# ----------------------------------------------------------------------------------------------
+def trace_events(trace) -> Dict[str, int]:
+    """What a list of ``(step, views)`` exercises: preemptions, resumes, bounded replay, finishes,
+    speculative decodes, prefill rows."""
+    ev = dict(preempted=0, resumed=0, replay=0, finished=0, spec=0, prefill=0, new=0)
+    for step, views in trace:
+        ev["preempted"] += len(step.preempted_req_ids)
+        ev["resumed"] += sum(r.resumed for r in step.running_requests)
+        ev["replay"] += len(step.replay_end)
+        ev["finished"] += len(step.finished_req_ids)
+        ev["spec"] += sum(v.is_decode and v.num_scheduled_tokens > 1 for v in views)
+        ev["prefill"] += sum(not v.is_decode for v in views)
+        ev["new"] += len(step.new_requests)
+    return ev
+
+
+TRACE_KW = dict(num_blocks=40, max_num_batched_tokens=32, max_num_seqs=4, num_speculative_tokens=2,
+                prompt_len=(1, 80), max_new_tokens=(1, 8), arrival_prob=0.8)
+
+
+def eventful_trace(groups, steps: int, *, need=("preempted", "resumed", "replay", "finished", "spec"),
+                   seeds=range(64), **kw) -> list:
+    """The first reference-scheduler trace (over ``seeds``) of ``steps`` steps that exercises every
+    event in ``need`` (scanning costs only the scheduler). ``groups``: a layout or its groups."""
+    from dsv4_index.scheduler import random_trace
+
+    args = {**TRACE_KW, **kw}
+    for seed in seeds:
+        trace = list(random_trace(groups, steps, seed, **args))
+        ev = trace_events(trace)
+        if all(ev[k] for k in need):
+            return trace
+    raise AssertionError(f"no seed in {seeds} gives a {steps}-step trace with {need} ({args})")
+
+
+def dcp_groups(layout):
+    """The groups as a DCP-unaware scheduler must see them so that its block lists are valid on
+    every rank: sharded groups with ``block_size * cp_world_size`` tokens per block (scheduler block
+    ``i`` then covers exactly the positions of every rank's local block ``i``; needs the interleave
+    to divide the rows per block of the compressed channels)."""
+    w = layout.cp_world_size
+    return [dataclasses.replace(g, block_size=g.block_size * w) if g.sharded else g for g in layout.groups]
+
+
+# ----------------------------------------------------------------------------------------------
+# hand-written steps with large random block ids
+# ----------------------------------------------------------------------------------------------
+def flash_layout(**kw) -> DSV4Layout:
+    return DSV4Layout.from_config("flash", max_model_len=kw.pop("max_model_len", 2048), **kw)
+
+
+class Blocks:
+    """Distinct random allocation block ids from a big pool (id 0 is the null block); counts per
+    group cover a rank's share under DCP (``cp``), plus one spare block."""
+
+    def __init__(self, layout, rng, cp=(1, 0, 1)):
+        self.layout, self.rng = layout, rng
+        self.pool = list(range(1, 200_000))
+        rng.shuffle(self.pool)
+        self.world, self.rank, self.inter = cp
+
+    def owned(self, n):
+        cyc = self.inter * self.world
+        return (n // cyc) * self.inter + min(max(n % cyc - self.rank * self.inter, 0), self.inter)
+
+    def count(self, g, seq_len):
+        if g.kind == "circular":
+            return 1
+        n = self.owned(seq_len) if g.sharded else seq_len
+        return min(cdiv(n, g.alloc_block_size) + 1, cdiv(g.table_width, g.blocks_per_kv_block))
+
+    def take(self, n):
+        return [self.pool.pop() for _ in range(n)]
+
+    def lists(self, seq_len, have=None):
+        have = have or [0] * len(self.layout.groups)
+        return tuple(self.take(max(self.count(g, seq_len) - h, 0)) for g, h in zip(self.layout.groups, have))
+
+
+def random_step(rng, blocks: Blocks, kind: str, *, n_reqs: int, max_ctx: int, spec: int = 0, replay: bool = False,
+                prefix: str = "r") -> StepInput:
+    """A step of new requests only (``kind``: "decode", "prefill" or "mixed"), with random bounded
+    replay floors when ``replay``."""
+    new, sched, rs = [], {}, {}
+    for i in range(n_reqs):
+        k = kind if kind != "mixed" else rng.choice(["decode", "prefill"])
+        q = rng.randint(1, 1 + spec) if k == "decode" else rng.randint(2 + spec, 40)
+        ctx = rng.randint(0, max_ctx)
+        rid = f"{prefix}{i}"
+        new.append(NewRequest(rid, blocks.lists(ctx + q), ctx))
+        sched[rid] = q
+        if replay and ctx and rng.random() < 0.7:
+            rs[rid] = rng.randint(0, ctx)
+    return StepInput(new, [], sched, set(), set(), rs)
+
+
+def step_all(pipes: Dict[str, MetadataPipeline], step, pad_to: Optional[int] = None):
+    """:func:`compare_step` with ``check_metadata`` on the first pipeline; returns its metadata."""
+    from dsv4_index.validate import check_metadata
+
+    return compare_step(pipes, step, pad_to, check=check_metadata)[0]

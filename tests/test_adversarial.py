@@ -1,16 +1,22 @@
-"""Malformed input: the pipeline rejects bad steps with ValueError and keeps its state; the functional
-ops reject bad arguments with ValueError naming them, and on hostile values (huge block ids, null
-blocks, zero-length requests, garbage top-k) give the formula's answer (or -1), never a crash."""
+"""Malformed input: the pipeline rejects bad steps with ValueError naming the culprit and keeps its
+state; garbage array-form steps are either rejected (state unchanged) or built exactly, every listed
+slot inside a block the request holds; the functional ops reject bad arguments with ValueError naming
+them, and on hostile values (huge block ids, null blocks, zero-length requests, garbage top-k) give
+the formula's answer (or -1), never a crash."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dsv4_index as di
 from dsv4_index import reference as ref
+from dsv4_index.batch import StepBatch, batch_from_step
 from dsv4_index.step import NewRequest, RunningRequest, StepInput
-from dsv4_index.validate import check_metadata
+from dsv4_index.validate import check_metadata, host_context
 
 from _meta_helpers import Pool, clone_meta, make_pipeline, tiny_layout, two_steps
 
@@ -29,7 +35,8 @@ def _empty(layout):
 
 
 def _bad_steps(layout, pool):
-    """Malformed steps after two_steps (live: a seq 64, b seq 37, d seq 23 with replay floor 6)."""
+    """Malformed steps after two_steps (live: a seq 64 in slot 0, b seq 37 in slot 1, d seq 23 with
+    replay floor 6): name -> (step, check level that rejects it, message fragment)."""
     G = len(layout.groups)
     e = _empty(layout)
     short = list(pool.blocks(20))
@@ -38,29 +45,46 @@ def _bad_steps(layout, pool):
     dup_new[0] = dup_new[0] + dup_new[0][:1]            # mla: the same id twice
     a_mla = [[3]] + [[] for _ in range(G - 1)]          # a's mla row already holds block 3 (pool ids 1..)
     return {
-        "unknown running request": StepInput([], [RunningRequest("zz", e, 0)], {"zz": 1}),
-        "block ids missing for a gid": StepInput([NewRequest("n", tuple(short), 0)], [], {"n": 20}),
-        "more tokens than the table holds": StepInput([NewRequest("n", pool.blocks(256), 250)], [], {"n": 10}),
-        "duplicate block id in a new request": StepInput([NewRequest("n", tuple(dup_new), 0)], [], {"n": 8}),
-        "appended block already in the row": StepInput([], [RunningRequest("a", tuple(a_mla), 64)], {"a": 1}),
-        "new request id already live": StepInput([NewRequest("b", pool.blocks(4), 0)], [], {"b": 4}),
-        "replay_start beyond num_computed": StepInput([], [RunningRequest("b", e, 37)], {"b": 1},
-                                                      replay_start={"b": 38}),
-        "resumed unknown request": StepInput([], [RunningRequest("zz", pool.blocks(4), 0, resumed=True)],
-                                             {"zz": 4}),
-        "finished unknown request": StepInput([], [], {}, finished_req_ids={"zz"}),
-        "scheduled request not in the batch": StepInput([], [], {"zz": 3}),
-        "wrong number of block lists": StepInput([NewRequest("n", ([1],), 0)], [], {"n": 1}),
-        "too many tokens": StepInput([NewRequest("n", pool.blocks(97), 0)], [], {"n": 97}),
+        "unknown running request": (StepInput([], [RunningRequest("zz", e, 0)], {"zz": 1}), "safe",
+                                    "request 'zz' is not in the batch"),
+        "block ids missing for a gid": (StepInput([NewRequest("n", tuple(short), 0)], [], {"n": 20}), "safe",
+                                        "block ids missing for gid 1 (swa)"),
+        "more blocks than the table holds": (StepInput([NewRequest("n", pool.blocks(260), 250)], [], {"n": 10}),
+                                             "safe", "the table holds 8 (max_model_len)"),
+        "more tokens than the blocks cover": (StepInput([NewRequest("n", pool.blocks(256), 250)], [], {"n": 10}),
+                                              "safe", "block ids missing for gid 0 (mla)"),
+        "duplicate block id in a new request": (StepInput([NewRequest("n", tuple(dup_new), 0)], [], {"n": 8}),
+                                                "full", f"block id {dup_new[0][0]} twice in gid 0"),
+        "appended block already in the row": (StepInput([], [RunningRequest("a", tuple(a_mla), 64)], {"a": 1}),
+                                              "full", "block id 3 twice in gid 0 of slot 0"),
+        "null block in a full group": (StepInput([NewRequest("n", ([0],) + pool.blocks(8)[1:], 0)], [], {"n": 8}),
+                                       "full", "null block 0 in full group gid 0"),
+        "new request id already live": (StepInput([NewRequest("b", pool.blocks(4), 0)], [], {"b": 4}), "safe",
+                                        "request 'b' already holds a slot"),
+        "replay_start beyond num_computed": (StepInput([], [RunningRequest("b", e, 37)], {"b": 1},
+                                                       replay_start={"b": 38}), "safe", "replay_start of slot 1 = 38"),
+        "resumed unknown request": (StepInput([], [RunningRequest("zz", pool.blocks(4), 0, resumed=True)],
+                                              {"zz": 4}), "safe", "'zz' is resumed but was never preempted"),
+        "finished ids as a bare string": (StepInput([], [], {}, finished_req_ids="ab"), "safe", "bare string 'ab'"),
+        "scheduled request not in the batch": (StepInput([], [], {"zz": 3}), "safe", "num_scheduled_tokens lists 'zz'"),
+        "wrong number of block lists": (StepInput([NewRequest("n", ([1],), 0)], [], {"n": 1}), "safe",
+                                        "request 'n' has 1 per-gid block lists, expected 4"),
+        "too many tokens": (StepInput([NewRequest("n", pool.blocks(97), 0)], [], {"n": 97}), "safe",
+                            "more than max_num_batched_tokens = 96"),
+        "block id beyond int32": (StepInput([NewRequest("n", pool.blocks(4)[:3] + ([2**31 - 1],), 0)], [], {"n": 4}),
+                                  "safe", "gives slots beyond int32"),
     }
 
 
 def _meta_equal(m1, m2):
     for f in dataclasses.fields(m1):
-        if f.name in ("_pipeline", "channels", "block_tables"):
+        if f.name in ("channels", "block_tables", "layout", "builders", "_converters"):
             continue
         x, y = getattr(m1, f.name), getattr(m2, f.name)
-        assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f.name
+        if isinstance(x, np.ndarray):
+            assert np.array_equal(x, y), f.name
+        else:
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f.name
     assert all(torch.equal(x, y) for x, y in zip(m1.block_tables, m2.block_tables))
     assert m1.channels.keys() == m2.channels.keys()
     for name, c1 in m1.channels.items():
@@ -75,6 +99,13 @@ def _next_step(layout):
                      {"a": 1, "b": 2, "d": 5}, replay_start={"d": 6})
 
 
+def _host_state(pipe):
+    """What a rejected step must leave as it was (host and device tables, request slots, slot map)."""
+    t = pipe.tables
+    return (t.mirror.tobytes(), t.num_blocks.tobytes(), t.flat.cpu().numpy().tobytes(), pipe._occupied.tobytes(),
+            dict(pipe.slot_map.slot_of), set(pipe.slot_map.preempted), pipe.last_step_stats)
+
+
 def test_rejected_steps_leave_the_pipeline_unchanged():
     layout = tiny_layout()
     # NOTE: the reference pipeline and every bad step draw ids from separate pools
@@ -86,14 +117,15 @@ def test_rejected_steps_leave_the_pipeline_unchanged():
     want = clone_meta(fresh.build())
     check_metadata(want)
 
-    pipe = make_pipeline(layout)
+    pipe = make_pipeline(layout, checks="full")
     for i, s in enumerate(two_steps(layout)):
         pipe.update(s, pad_to=40 if i else None)
         pipe.build()
-    bad = _bad_steps(layout, Pool(layout, start=1000))
-    for name, step in bad.items():
-        with pytest.raises(ValueError):
+    before = _host_state(pipe)
+    for name, (step, _, fragment) in _bad_steps(layout, Pool(layout, start=1000)).items():
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             pipe.update(step)
+        assert _host_state(pipe) == before, name
     with pytest.raises(ValueError, match="pad_to"):
         pipe.update(_next_step(layout), pad_to=3)
     pipe.update(_next_step(layout))
@@ -103,14 +135,135 @@ def test_rejected_steps_leave_the_pipeline_unchanged():
 
 
 @pytest.mark.parametrize("name", list(_bad_steps(tiny_layout(), Pool(tiny_layout(), start=1000))))
-def test_each_bad_step_raises(name):
+def test_each_bad_step_raises_at_its_level(name):
+    layout = tiny_layout()
+    step, level, fragment = _bad_steps(layout, Pool(layout, start=1000))[name]
+    for checks in ("safe", "full"):
+        pipe = make_pipeline(layout, checks=checks, backend="reference")
+        for s in two_steps(layout):
+            pipe.update(s)
+        if level == "full" and checks == "safe":
+            pipe.update(step)  # NOTE: a contract check, not a memory-safety one: only "full" rejects it
+            continue
+        with pytest.raises(ValueError) as e:
+            pipe.update(step)
+        assert fragment in str(e.value)
+
+
+def test_unknown_finished_id_is_a_no_op():
+    """A finished id the pipeline never saw (aborted while waiting) changes nothing."""
+    layout = tiny_layout()
+    pipes = [make_pipeline(layout, backend="reference") for _ in range(2)]
+    for p in pipes:
+        for s in two_steps(layout):
+            p.update(s)
+            p.build()
+    pipes[0].update(dataclasses.replace(_next_step(layout), finished_req_ids={"never-seen"}))
+    pipes[1].update(_next_step(layout))
+    assert _host_state(pipes[0])[:-1] == _host_state(pipes[1])[:-1]
+    _meta_equal(pipes[0].build(), pipes[1].build())
+
+
+# ------------------------------------------------------------------------------------------------
+# pipeline: garbage array-form steps
+# ------------------------------------------------------------------------------------------------
+_FIELDS = ("req_slots", "num_computed_tokens", "num_scheduled_tokens", "is_new", "free_slots", "write_gids",
+           "write_slots", "write_starts", "write_cu", "write_ids", "replay_start", "replay_end")
+_VALUES = st.one_of(st.integers(-2, 8), st.integers(0, 120), st.integers(-2**31, 2**31),
+                    st.sampled_from([2**31 - 1, 2**31, 2**28, 2**28 - 1, 2**29, -2**31, 2**40]))
+
+
+def _garbage_base(layout):
+    """A real next step as a StepBatch: b finishes, a and d decode, e arrives (runs in every group)."""
+    e = _empty(layout)
+    return StepInput([NewRequest("e", Pool(layout, start=500).blocks(20), 0)],
+                     [RunningRequest("a", e, 64), RunningRequest("d", e, 23)], {"a": 2, "d": 5, "e": 20},
+                     finished_req_ids={"b"}, replay_start={"d": 6})
+
+
+@st.composite
+def _mutations(draw):
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        out.append((draw(st.sampled_from(_FIELDS)), draw(st.sampled_from(["set"] * 6 + ["drop", "append", "dtype"])),
+                    draw(st.integers(0, 40)), draw(_VALUES)))
+    return out
+
+
+def _mutate(b: StepBatch, muts) -> StepBatch:
+    for field, op, i, v in muts:
+        a = getattr(b, field)
+        a = np.zeros(b.num_rows, np.int64) if a is None else np.array(a)
+        if op == "set" and a.size:
+            if a.dtype == bool:
+                v = bool(v & 1)
+            elif a.dtype.kind != "f":
+                a = a.astype(np.int64)
+            a[i % a.size] = v
+        elif op == "drop" and a.size:
+            a = np.delete(a, i % a.size)
+        elif op == "append":
+            a = np.append(a.astype(np.int64), v)
+        elif op == "dtype":
+            a = a.astype([np.float64, np.int32, np.uint8, bool][i % 4])
+        b = dataclasses.replace(b, **{field: a})
+    return b
+
+
+def _inside_own_blocks(pipe, meta):
+    """Every slot a token writes or lists lies in a block its request's row holds (host mirror)."""
+    assert torch.equal(pipe.tables.flat.cpu(), torch.from_numpy(pipe.tables.mirror))  # device == mirror
+    T = meta.num_tokens
+    req = meta.token_to_req[:T].long().cpu()
+    for name, ch in meta.channels.items():
+        g = pipe.layout.groups[ch.gid]
+        for field in ("slot_mapping", "compressed_slot_mapping", "indices"):
+            x = getattr(ch, field)
+            if x is None:
+                continue
+            unit = g.block_size if field == "slot_mapping" or ch.compress_ratio == 1 else ch.rows_per_block
+            x = x[:T].cpu().reshape(T, -1)
+            for t, b in zip(*torch.nonzero(x != -1, as_tuple=True)):
+                slot = int(meta.req_slots[int(req[t])])
+                held = set(pipe.tables.row(ch.gid, slot).tolist())
+                assert int(x[t, b]) // unit in held, (name, field, int(t), int(x[t, b]))
+
+
+@given(_mutations())
+def test_garbage_batches_are_rejected_or_built_exactly(muts):
+    layout = tiny_layout()
+    pipe = make_pipeline(layout, backend="reference")
+    for s in two_steps(layout):
+        pipe.update(s)
+        pipe.build()
+    bad = _mutate(batch_from_step(_garbage_base(layout), pipe.slot_map, len(layout.groups))[0], muts)
+    before = _host_state(pipe)
+    try:
+        pipe.update(bad)
+    except ValueError:
+        assert _host_state(pipe) == before
+        return
+    meta = pipe.build()
+    _inside_own_blocks(pipe, meta)
+    ctx = host_context(meta)  # NOTE: every output equals its builder's reference on host copies
+    for name, ch in meta.channels.items():
+        exp = meta.builders[name].expected(ctx)
+        for f in ("slot_mapping", "compressed_slot_mapping", "indices", "lens", "ks", "ke", "cu", "decode_lens"):
+            if getattr(ch, f) is not None:
+                assert torch.equal(getattr(ch, f).cpu(), getattr(exp, f).cpu()), (name, f)
+
+
+def test_garbage_base_is_accepted():
+    """The unmutated base of the garbage test is a valid step (so mutations probe real checks)."""
     layout = tiny_layout()
     pipe = make_pipeline(layout)
     for s in two_steps(layout):
         pipe.update(s)
-    step = _bad_steps(layout, Pool(layout, start=1000))[name]
-    with pytest.raises(ValueError):
-        pipe.update(step)
+        pipe.build()
+    pipe.update(batch_from_step(_garbage_base(layout), pipe.slot_map, len(layout.groups))[0])
+    meta = pipe.build()
+    check_metadata(meta)
+    _inside_own_blocks(pipe, meta)
 
 
 def test_request_on_null_blocks_and_zero_length_request_in_pipeline():

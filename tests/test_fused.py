@@ -1,181 +1,214 @@
-"""Fused per-step build (dsv4_index.kernels.fused) == the unfused builders, bit for bit.
+"""The fused per-step build (one launch) == the per-op kernels (``fused=False``) == the PyTorch
+reference (``backend="reference"``), bit for bit.
 
-Two pipelines see the same steps; one builds with ``fused=True`` (one launch), the other with
-``fused=False`` (the per-op kernels). Their buffers are poisoned with different values before each
-build, so any entry one path leaves unwritten fails ``torch.equal``.
+Pipelines see the same steps; before each ``build()`` every output buffer of each pipeline is
+poisoned at capacity with its own value (``_meta_helpers.poison``), so any entry in ``[0, T_pad)``
+that one path leaves unwritten fails ``torch.equal``. Block tables, top-k conversions and the host
+counts are compared too, and the fused metadata goes through ``check_metadata``.
 """
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
-from dsv4_index._common import cdiv, interpreting
-from dsv4_index.channels import register_channel
-from dsv4_index.channels.builtin import WindowChannel
-from dsv4_index.geometry import ChannelSpec, DSV4Layout
+from dsv4_index._common import cdiv
+from dsv4_index.channels import WindowChannel, register_channel
+from dsv4_index.channels.base import _REGISTRY
+from dsv4_index.geometry import ChannelSpec
 from dsv4_index.pipeline import MetadataPipeline
 from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.validate import check_metadata
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
-                                reason="needs CUDA or TRITON_INTERPRET=1")
+from _meta_helpers import (DEVICE, HAS_TRITON, Blocks, assert_same, compare_over_trace, compare_step, dcp_groups,
+                           eventful_trace, flash_layout, meta_tensors, poison, random_step, step_all, tables_of,
+                           three_pipelines, tiny_layout)
 
-CONFIGS = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs"
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
 
-
-def tiny_layout(**kw):
-    return DSV4Layout.from_config(CONFIGS / "tiny.json", max_model_len=kw.pop("max_model_len", 256),
-                                  mla_block_size=16, swa_block_size=8, indexer_causal_indices=True, **kw)
+SPEC = 2
 
 
-def flash_layout(**kw):
-    return DSV4Layout.from_config(CONFIGS / "flash.json", max_model_len=kw.pop("max_model_len", 2048), **kw)
+def _check(num_blocks):
+    return lambda m: check_metadata(m, num_blocks=num_blocks)
 
 
 # ----------------------------------------------------------------------------------------------
-# helpers
+# reference-scheduler traces, one per geometry
 # ----------------------------------------------------------------------------------------------
-def buffers(pipe):
-    """(name, tensor, per_token) for every buffer a build writes."""
-    out = [("token_to_req", pipe.token_to_req, True), ("positions", pipe.positions, True),
-           ("is_valid_token", pipe.is_valid_token, True)]
-    seen = set()
-    for name, b in pipe._builders.items():
-        for attr, per_token in (("slots", True), ("indices", True), ("lens", True), ("compressed", True),
-                                ("ks", True), ("ke", True), ("index_lens", True), ("cu", False),
-                                ("decode_lens", False)):
-            t = getattr(b, attr, None)
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                out.append((f"{name}.{attr}", t, per_token))
-    return out
+CASES = {
+    # name: (layout kwargs, pipeline kwargs, extra padding per step, pool size)
+    "tiny_ring_indexer_causal": (dict(), dict(), (0, 5, 2), 40),
+    "full_sliding_tables_graph_padding": (dict(sliding_tables="full"), dict(), (40,), 40),  # padded to capacity
+    "compact_compressed": (dict(compact_compressed=True), dict(), (0, 4), 40),
+    "circular_state_groups": (dict(circular={"c4_state": 16, "c128_state": 32}), dict(), (2, 0), 24),
+    "hybrid_kernel_blocks": (dict(kernel_block_size={"mla": 16, "swa": 2}), dict(), (0, 3), 40),
+    "dcp_rank1": (dict(cp_world_size=2, cp_interleave=2),
+                  dict(cp_world_size=2, cp_rank=1, cp_interleave=2), (1, 0), 40),
+}
+STEPS = 7
+NUM_BLOCKS = 40
 
 
-def poison(pipe, value):
-    for _, t, _ in buffers(pipe):
-        t.fill_(bool(value) if t.dtype == torch.bool else value)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_equals_unfused_equals_reference_over_a_trace(case):
+    lay_kw, pipe_kw, pad, num_blocks = CASES[case]
+    layout = tiny_layout(**lay_kw)
+    # geometry really is what the case says
+    kinds = {g.name: (g.kind, g.ring, g.blocks_per_kv_block) for g in layout.groups}
+    if case.startswith("full_sliding"):
+        assert not any(g.ring for g in layout.groups)
+    elif case == "circular_state_groups":
+        assert kinds["c4_state"][0] == kinds["c128_state"][0] == "circular" and kinds["swa"][1]
+    elif case == "hybrid_kernel_blocks":
+        assert kinds["mla"][2] == 2 and kinds["swa"][2] == 2
+    elif case == "compact_compressed":
+        assert all(layout.channels[c].compact for c in ("c4a", "c4i", "c128a"))
+    else:
+        assert kinds["swa"][1] and kinds["c4_state"][1]
+    dcp = pipe_kw.get("cp_world_size", 1) > 1
+    groups = dcp_groups(layout) if dcp else layout
+    # NOTE: DCP traces have no prefix hit (the scheduler's virtual blocks are not the rank's blocks)
+    need = ("preempted", "resumed", "finished", "spec") + (() if dcp else ("replay",))
+    trace = eventful_trace(groups, STEPS, need=need, num_blocks=num_blocks, seeds=range(200))
+    pipes = three_pipelines(layout, 4, 40, num_speculative_tokens=SPEC, **pipe_kw)
+    seen = compare_over_trace(pipes, trace, pad=pad, check=_check(num_blocks))
+    assert seen["steps"] == STEPS and seen["decodes"] and seen["prefills"] and seen["padded"] and seen["topk"]
+    if case == "compact_compressed":
+        m = pipes["fused"].build()
+        assert m["c4a"].compact_slot_mapping is not None and m["c128a"].compact_cu is not None
 
 
-def assert_same(fused, plain, Tp):
-    fb, pb = buffers(fused), buffers(plain)
-    assert [n for n, _, _ in fb] == [n for n, _, _ in pb]
-    for (name, a, per_token), (_, b, _) in zip(fb, pb):
-        if per_token:
-            a, b = a[:Tp], b[:Tp]
-        assert torch.equal(a, b), f"{name} differs:\nfused {a}\nplain {b}"
+def test_dcp_rank0_and_the_partition_of_writes():
+    """Rank 0 of a DCP trace (rank 1 is a case above): fused == reference, and at every step the two
+    ranks' outputs partition every write of the sharded groups (``check_cp_partition``)."""
+    from dsv4_index.validate import check_cp_partition
 
-
-def step_both(fused, plain, step, pad_to=None):
-    assert fused._fused is not None and plain._fused is None
-    for p, v in ((fused, 7777), (plain, -5555)):
-        p.update(step, pad_to=pad_to)
-    poison(fused, 7777)
-    poison(plain, -5555)
-    mf, mp = fused.build(), plain.build()
-    assert_same(fused, plain, mf.num_tokens_padded)
-    for name in mf.channels:
-        for f in ("slot_mapping", "compressed_slot_mapping", "indices", "lens", "ks", "ke", "cu", "decode_lens"):
-            x, y = getattr(mf[name], f), getattr(mp[name], f)
-            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (name, f)
-    return mf
-
-
-class Blocks:
-    """Distinct random block ids from a big pool (id 0 is the null block)."""
-
-    def __init__(self, layout, rng, cp=(1, 0, 1)):
-        self.layout, self.rng = layout, rng
-        self.pool = list(range(1, 200_000))
-        rng.shuffle(self.pool)
-        self.world, self.rank, self.inter = cp
-
-    def owned(self, n):
-        cyc = self.inter * self.world
-        return (n // cyc) * self.inter + min(max(n % cyc - self.rank * self.inter, 0), self.inter)
-
-    def count(self, g, seq_len):
-        return min(cdiv(self.owned(seq_len), g.alloc_block_size) + 1, cdiv(g.table_width, g.blocks_per_kv_block))
-
-    def take(self, n):
-        return [self.pool.pop() for _ in range(n)]
-
-    def lists(self, seq_len, have=None):
-        have = have or [0] * len(self.layout.groups)
-        return tuple(self.take(max(self.count(g, seq_len) - h, 0)) for g, h in zip(self.layout.groups, have))
-
-
-def random_step(layout, rng, blocks, kind, *, n_reqs, max_ctx, spec=0, replay=False, prefix="r"):
-    """A step of new requests only: (StepInput, {req: (ctx, q)})."""
-    new, sched, rs = [], {}, {}
-    for i in range(n_reqs):
-        k = kind if kind != "mixed" else rng.choice(["decode", "prefill"])
-        q = rng.randint(1, 1 + spec) if k == "decode" else rng.randint(2 + spec, 40)
-        ctx = rng.randint(0, max_ctx)
-        rid = f"{prefix}{i}"
-        new.append(NewRequest(rid, blocks.lists(ctx + q), ctx))
-        sched[rid] = q
-        if replay and ctx and rng.random() < 0.7:
-            rs[rid] = rng.randint(0, ctx)
-    return StepInput(new, [], sched, set(), set(), rs)
-
-
-def pipelines(layout, max_reqs=6, max_tokens=160, **kw):
-    return (MetadataPipeline(layout, max_reqs, max_tokens, DEV, fused=True, **kw),
-            MetadataPipeline(layout, max_reqs, max_tokens, DEV, fused=False, **kw))
+    layout = tiny_layout(cp_world_size=2, cp_interleave=2)
+    trace = eventful_trace(dcp_groups(layout), 5, need=("finished", "spec"), num_blocks=NUM_BLOCKS)
+    kw = dict(num_speculative_tokens=SPEC, cp_world_size=2, cp_interleave=2)
+    rank0 = {"fused": MetadataPipeline(layout, 4, 40, DEVICE, cp_rank=0, **kw),
+             "reference": MetadataPipeline(layout, 4, 40, DEVICE, cp_rank=0, backend="reference", **kw)}
+    rank1 = MetadataPipeline(layout, 4, 40, DEVICE, cp_rank=1, backend="reference", **kw)
+    for i, (step, _) in enumerate(trace):
+        pad_to = step.total_tokens + i % 2
+        rank1.update(step, pad_to=pad_to)
+        m1 = rank1.build()
+        compare_step(rank0, step, pad_to, tag=i,
+                     check=lambda m0: (check_metadata(m0, num_blocks=NUM_BLOCKS), check_cp_partition([m0, m1])))
 
 
 # ----------------------------------------------------------------------------------------------
-# tests
+# build() is idempotent; a staged step that is never built is applied by the next update()
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["fused", "unfused"])
+def test_build_twice_is_idempotent(kind):
+    layout = tiny_layout()
+    trace = eventful_trace(layout, 5, need=("finished", "spec"), num_blocks=NUM_BLOCKS)
+    pipe = three_pipelines(layout, 4, 32, num_speculative_tokens=SPEC)[kind]
+    for i, (step, _) in enumerate(trace):
+        pipe.update(step, pad_to=min(32, step.total_tokens + i % 3))
+        first = meta_tensors(pipe.build())
+        tables = tables_of(pipe)
+        poison(pipe, 999 + i)
+        second = meta_tensors(pipe.build())
+        assert_same(first, second, (kind, i))
+        for a, b in zip(tables, tables_of(pipe)):
+            assert torch.equal(a, b), (kind, i, "tables changed by a second build")
+
+
+def assert_tables_follow_views(pipe, views):
+    """Independent of every other pipeline: the device tables equal the host mirror, and each
+    scheduled request's row holds the scheduler's block ids (kernel ids, logical order) for every
+    block the step can read (rings keep only the newest ``ring`` blocks)."""
+    tb = pipe.tables
+    for g in range(len(tb.tables)):
+        assert torch.equal(tb.tables[g].cpu(), torch.from_numpy(tb.mirrors[g])), f"gid {g}: device != mirror"
+    for v in views:
+        slot = pipe.slot_of(v.req_id)
+        for g, grp in enumerate(pipe.layout.groups):
+            want = list(v.block_ids[g])
+            row = tb.row(g, slot).tolist()
+            assert len(row) == len(want), (v.req_id, g, row, want)
+            lo = 0
+            if grp.window is not None and grp.kind != "circular":
+                lo = max(v.num_computed_tokens - grp.window + 1, v.replay_start, 0) // grp.block_size
+            for i in range(lo, len(want)):
+                assert row[i] == want[i], (v.req_id, grp.name, i, row, want)
+
+
+@pytest.mark.parametrize("kind", ["fused", "unfused"])
+def test_update_without_build_still_leaves_tables_right(kind):
+    """Step ``k`` is staged but never built; the next ``update()`` applies its writes (one extra
+    apply), and from then on the pipeline equals one that built every step."""
+    layout = tiny_layout()
+    trace = eventful_trace(layout, 6, need=("finished", "spec"), num_blocks=NUM_BLOCKS)
+    skip = next(i for i, (s, _) in enumerate(trace) if i >= 2 and any(len(x) for r in s.running_requests
+                                                                     for x in r.new_block_ids))
+    a = three_pipelines(layout, 4, 32, num_speculative_tokens=SPEC)[kind]
+    b = MetadataPipeline(layout, 4, 32, DEVICE, SPEC, backend="reference")
+    for i, (step, views) in enumerate(trace):
+        a.update(step)
+        b.update(step)
+        assert a.last_step_stats.num_applies == (1 if i == skip + 1 else 0), i
+        if i == skip:
+            continue  # never built
+        ma, mb = a.build(), b.build()
+        assert_same(meta_tensors(ma), meta_tensors(mb), (kind, i))
+        assert_tables_follow_views(a, views)
+        for x, y in zip(tables_of(a), tables_of(b)):
+            assert torch.equal(x, y), i
+    assert b.last_step_stats.num_applies == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# hand-written steps: large random block ids, replay floors, padding
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind,spec,pad,replay", [
     ("decode", 0, 0, False), ("prefill", 0, 7, False), ("mixed", 0, 0, True), ("decode", 1, 5, True),
     ("mixed", 1, 0, False),
 ])
-def test_tiny_matches_unfused(kind, spec, pad, replay):
-    layout = tiny_layout()
+def test_tiny_one_step(kind, spec, pad, replay):
+    layout = tiny_layout(mla_block_size=16, swa_block_size=8)
     rng = random.Random(hash((kind, spec, pad, replay)) & 0xFFFF)
-    fused, plain = pipelines(layout, num_speculative_tokens=spec)
-    assert fused._fused.covered == set(layout.channels)
-    blocks = Blocks(layout, rng)
-    step = random_step(layout, rng, blocks, kind, n_reqs=rng.randint(1, 4), max_ctx=200, spec=spec,
+    pipes = three_pipelines(layout, 6, 160, num_speculative_tokens=spec)
+    step = random_step(rng, Blocks(layout, rng), kind, n_reqs=rng.randint(1, 4), max_ctx=200, spec=spec,
                        replay=replay)
-    T = step.total_tokens
-    step_both(fused, plain, step, pad_to=min(T + pad, 160) if pad else None)
+    step_all(pipes, step, pad_to=min(step.total_tokens + pad, 160) if pad else None)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(3))
 def test_tiny_random_batches(seed):
     rng = random.Random(100 + seed)
     spec = rng.randint(0, 2)
-    layout = tiny_layout()
-    fused, plain = pipelines(layout, num_speculative_tokens=spec)
-    blocks = Blocks(layout, rng)
-    step = random_step(layout, rng, blocks, rng.choice(["decode", "prefill", "mixed"]),
+    layout = tiny_layout(mla_block_size=16, swa_block_size=8, sliding_tables=rng.choice(["ring", "full"]))
+    pipes = three_pipelines(layout, 6, 160, num_speculative_tokens=spec)
+    step = random_step(rng, Blocks(layout, rng), rng.choice(["decode", "prefill", "mixed"]),
                        n_reqs=rng.randint(1, 6), max_ctx=220, spec=spec, replay=rng.random() < 0.5)
-    step_both(fused, plain, step, pad_to=min(160, step.total_tokens + rng.randint(0, 40)))
+    step_all(pipes, step, pad_to=min(160, step.total_tokens + rng.randint(0, 40)))
 
 
-def test_no_plan_without_triton(monkeypatch):
+def test_no_fused_plan_without_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("DSV4_INDEX_BACKEND", raising=False)
-    pipe = MetadataPipeline(tiny_layout(), 2, 16, "cpu")
-    assert pipe._fused is None  # the reference path: nothing to fuse
-
-
-def test_tiny_multi_step_running_and_finish():
-    """Persistent rows: running requests append blocks, some finish, zero-length rows past the batch."""
     layout = tiny_layout()
+    pipe = MetadataPipeline(layout, 2, 16, "cpu")
+    assert pipe._fused is None and pipe.num_launches == len(layout.channels)  # the reference path
+
+
+def test_multi_step_running_and_finish():
+    """Running requests append blocks, one finishes, the others keep their slots."""
+    layout = tiny_layout(mla_block_size=16, swa_block_size=8)
     rng = random.Random(3)
-    fused, plain = pipelines(layout, num_speculative_tokens=1)
+    pipes = three_pipelines(layout, 6, 160, num_speculative_tokens=1)
     blocks = Blocks(layout, rng)
-    step = random_step(layout, rng, blocks, "mixed", n_reqs=4, max_ctx=120, spec=1)
-    step_both(fused, plain, step, pad_to=step.total_tokens + 3)
+    step = random_step(rng, blocks, "mixed", n_reqs=4, max_ctx=120, spec=1)
+    step_all(pipes, step, pad_to=step.total_tokens + 3)
     state = {r.req_id: (r.num_computed_tokens + step.num_scheduled_tokens[r.req_id], [len(b) for b in r.block_ids])
              for r in step.new_requests}
+    slots = {r: pipes["fused"].slot_of(r) for r in state}
     for it in range(2):
         done = sorted(state)[:1] if it == 1 else []
         running, sched, rs = [], {}, {}
@@ -191,175 +224,101 @@ def test_tiny_multi_step_running_and_finish():
                 rs[rid] = rng.randint(0, c)
         for rid in done:
             state.pop(rid)
-        step = StepInput([], running, sched, set(done), set(), rs)
-        step_both(fused, plain, step, pad_to=step.total_tokens + 2 * it)
+        step_all(pipes, StepInput([], running, sched, set(done), set(), rs), pad_to=sum(sched.values()) + 2 * it)
+        assert {r: pipes["fused"].slot_of(r) for r in state} == {r: slots[r] for r in state}  # slots are stable
 
 
 @pytest.mark.parametrize("kind,pad", [("mixed", 4), ("prefill", 0)])
-def test_flash_matches_unfused(kind, pad):
+def test_flash_one_step(kind, pad):
     layout = flash_layout()
     rng = random.Random(11 if kind == "mixed" else 12)
-    fused, plain = pipelines(layout, max_reqs=5, max_tokens=128, num_speculative_tokens=1)
-    assert fused._fused.covered == set(layout.channels)
-    blocks = Blocks(layout, rng)
-    step = random_step(layout, rng, blocks, kind, n_reqs=3, max_ctx=1900, spec=1, replay=True)
-    step_both(fused, plain, step, pad_to=step.total_tokens + pad)
+    pipes = three_pipelines(layout, 5, 128, num_speculative_tokens=1)
+    step = random_step(rng, Blocks(layout, rng), kind, n_reqs=3, max_ctx=1900, spec=1, replay=True)
+    step_all(pipes, step, pad_to=step.total_tokens + pad)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("make", [tiny_layout, flash_layout])
-def test_dcp_rank1_interleave(make, backend, monkeypatch):
+def test_dcp_rank1_interleave_hand_written(make):
     inter = 4
     layout = make(cp_world_size=2, cp_interleave=inter)
     rng = random.Random(5)
-    fused, plain = pipelines(layout, max_reqs=4, max_tokens=128, cp_world_size=2, cp_rank=1,
-                             cp_interleave=inter)
-    monkeypatch.setenv("DSV4_INDEX_BACKEND", backend)  # the unfused side: per-op kernels or references
-    blocks = Blocks(layout, rng, cp=(2, 1, inter))
-    step = random_step(layout, rng, blocks, "mixed", n_reqs=3, max_ctx=min(layout.max_model_len // 2 - 60, 900),
-                       replay=True)
-    step_both(fused, plain, step, pad_to=step.total_tokens + 3)
+    pipes = three_pipelines(layout, 4, 128, cp_world_size=2, cp_rank=1, cp_interleave=inter)
+    step = random_step(rng, Blocks(layout, rng, cp=(2, 1, inter)), "mixed", n_reqs=3,
+                       max_ctx=min(layout.max_model_len // 2 - 60, 900), replay=True)
+    step_all(pipes, step, pad_to=step.total_tokens + 3)
 
 
-def test_user_channel_keeps_its_own_launch():
+@pytest.fixture
+def registry():
+    saved = dict(_REGISTRY)
+    yield
+    _REGISTRY.clear()
+    _REGISTRY.update(saved)
+
+
+def test_registered_window_subclass_joins_the_fused_launch(registry):
     class MyWindow(WindowChannel):
         pass
 
-    register_channel("test_fused_win", MyWindow, replace=True)
+    register_channel("test_fused_win", MyWindow)
     base = tiny_layout()
     swa = base.group("swa")
     layout = base.with_channel(ChannelSpec("test_fused_win", swa.gid, 1, swa.block_size, window=4,
                                            index_width=4, outputs={"slot_mapping", "indices", "lens"}))
     rng = random.Random(9)
-    fused, plain = pipelines(layout)
-    assert "test_fused_win" not in fused._fused.covered
-    assert fused._fused.covered == set(base.channels)
-    step = random_step(layout, rng, Blocks(layout, rng), "mixed", n_reqs=3, max_ctx=150, replay=True)
-    step_both(fused, plain, step, pad_to=step.total_tokens + 1)
+    pipes = three_pipelines(layout, 6, 160)
+    assert pipes["fused"].num_launches == 1 and type(pipes["fused"]._builders["test_fused_win"]) is MyWindow
+    step = random_step(rng, Blocks(layout, rng), "mixed", n_reqs=3, max_ctx=150, replay=True)
+    m = step_all(pipes, step, pad_to=step.total_tokens + 1)
+    assert int(m["test_fused_win"].lens.max()) == 4
 
 
 def test_warmup_then_empty_and_padded_only_steps():
     layout = tiny_layout()
-    fused, plain = pipelines(layout)
-    fused.warmup()
-    plain.warmup()
+    pipes = three_pipelines(layout, 6, 160)
+    for p in pipes.values():
+        p.warmup(pad_sizes=(1, 8))
     rng = random.Random(2)
-    step = random_step(layout, rng, Blocks(layout, rng), "decode", n_reqs=2, max_ctx=60)
-    step_both(fused, plain, step, pad_to=step.total_tokens + 9)
+    step = random_step(rng, Blocks(layout, rng), "decode", n_reqs=2, max_ctx=60)
+    step_all(pipes, step, pad_to=step.total_tokens + 9)
     # a step that schedules nothing, padded to a graph size: every row is a sentinel
-    m = step_both(fused, plain, StepInput([], [], {}, set(), set()), pad_to=5)
-    assert m.num_tokens == 0 and not bool(m.is_valid_token.any())
+    m = step_all(pipes, StepInput([], [], {}, set(), set()), pad_to=5)
+    assert m.num_tokens == 0 and m.num_reqs == 0 and not bool(m.is_valid_token.any())
     assert torch.equal(m["swa"].indices, torch.full_like(m["swa"].indices, -1))
+    assert torch.equal(m["c4i"].lens, torch.zeros_like(m["c4i"].lens))
 
 
-def test_plan_grid_is_host_sized():
+def test_plan_grid_is_host_sized_and_shares_identical_geometry():
     layout = flash_layout()
-    fused, _ = pipelines(layout)
-    plan = fused._fused
-    n1, n2 = plan.num_programs(1), plan.num_programs(1 + plan._block_t)
-    assert n2 - n1 == plan._num_tasks  # one more token tile: one more program per task
-    assert plan._consts["NUM_TASKS"] == 1 + 3 + cdiv(layout.channels["c128a"].index_width, 128)
+    pipe = MetadataPipeline(layout, 4, 256, DEVICE)
+    plan = pipe._fused
+    n_req, n_tok = plan.num_units
+    assert plan.num_programs(1 + plan.block_t) - plan.num_programs(1) == n_tok  # one more token tile
+    # NOTE: c4a and c4i have one geometry: one compressed-slot task (DESIGN §10), one per geometry
+    geoms = {(c.gid, c.compress_ratio, c.rows_per_block) for c in layout.channels.values() if c.compress_ratio > 1}
+    assert sum(t.kind == "compressed" for t in plan.tasks) == len(geoms) == 2
+    tiles = sum(cdiv(t.width, plan.block_c) if t.kind in ("window", "causal") else 1
+                for t in plan.tasks if t.kind in ("common", "window", "compressed", "causal", "indexer", "token_rows"))
+    assert n_tok == tiles
 
 
-@pytest.mark.gpu
-def test_varying_tokens_compile_once():
-    layout = flash_layout()
-    fused, _ = pipelines(layout, max_reqs=8, max_tokens=512, num_speculative_tokens=1)
-    fused.warmup()
-    n0 = fused._fused.num_compiled()
-    assert n0 >= 1
-    rng = random.Random(0)
-    blocks = Blocks(layout, rng)
-    for i, kind in enumerate(["decode", "prefill", "mixed", "decode"]):
-        step = random_step(layout, rng, blocks, kind, n_reqs=1 + i, max_ctx=1500, spec=1, prefix=f"s{i}_")
-        fused.update(step, pad_to=step.total_tokens + i)
-        fused.build()
-        fused.update(StepInput([], [], {}, {r.req_id for r in step.new_requests}, set()))
-    assert fused._fused.num_compiled() == n0
-
-
-@pytest.mark.gpu
-def test_cuda_graph_replay_matches_eager():
-    """build() captured once in a CUDA graph at a padded size, then replayed on a scheduler trace with only
-    update() in between: every buffer equals an eager fused build and an eager per-channel build."""
-    from dsv4_index.scheduler import random_trace
-
-    layout = tiny_layout()
-    PAD = 80
-    graph_pipe, eager = (MetadataPipeline(layout, 6, PAD, "cuda", num_speculative_tokens=2) for _ in range(2))
-    plain = MetadataPipeline(layout, 6, PAD, "cuda", num_speculative_tokens=2, fused=False)
-    for p in (graph_pipe, eager, plain):
-        p.warmup()
-    graph, steps = None, 0
-    for step, _ in random_trace(layout, 80, 9, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=6,
-                                num_speculative_tokens=2):
-        for p in (graph_pipe, eager, plain):
-            p.update(step, pad_to=PAD)
-        if graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                graph_pipe.build()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                graph_pipe.build()
-        poison(graph_pipe, 4321)
-        graph.replay()
-        eager.build()
-        plain.build()
-        torch.cuda.synchronize()
-        assert_same(graph_pipe, eager, PAD)
-        assert_same(graph_pipe, plain, PAD)
-        steps += 1
-    assert steps == 80
-
-
-@pytest.mark.gpu
-def test_fast_launch_matches(monkeypatch):
-    monkeypatch.setenv("DSV4_INDEX_FAST_LAUNCH", "1")
-    layout = flash_layout()
-    fused, plain = pipelines(layout, max_reqs=6, max_tokens=256, num_speculative_tokens=1)
-    assert fused._fused._fast
-    rng = random.Random(4)
-    blocks = Blocks(layout, rng)
-    for i, kind in enumerate(["decode", "mixed", "prefill"]):
-        step = random_step(layout, rng, blocks, kind, n_reqs=2, max_ctx=1500, spec=1, prefix=f"f{i}_")
-        step_both(fused, plain, step, pad_to=step.total_tokens + i)
-        assert i == 0 or fused._fused._compiled is not None  # the direct launcher is in use
-        done = {r.req_id for r in step.new_requests}
-        for p in (fused, plain):
-            p.update(StepInput([], [], {}, done, set()))
-
-
-# ----------------------------------------------------------------------------------------------
-# block-table segments applied inside the launch (one H2D + one launch per step)
-# ----------------------------------------------------------------------------------------------
-def assert_tables_current(pipe):
-    """The device tables hold every row's valid prefix (the launch wrote the staged segments)."""
-    for t in pipe.tables.tables:
-        dev = t.device_table.cpu()
-        for r in range(t.max_num_reqs):
-            n = int(t.num_blocks[r])
-            assert torch.equal(dev[r, :n], t.host[r, :n]), f"row {r} of a table is stale"
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_multi_step_trace_rows_appended_swapped_cleared_readded(seed):
-    """Requests append blocks, switch between prefill and decode (decode-first swaps), finish, get
-    preempted and resume, new ones reuse freed rows; fused (overlay reads + writers) == unfused."""
-    layout = tiny_layout()
+@pytest.mark.parametrize("seed", [0])
+def test_multi_step_rows_appended_cleared_readded(seed):
+    """Requests append blocks, switch between prefill and decode, finish, get preempted and come back
+    (as resumed or as new), new ones reuse freed slots: all three paths agree, one H2D and one
+    launch per fused step, the same staged bytes on every path, tables current on the device."""
+    layout = tiny_layout(mla_block_size=16, swa_block_size=8)
     rng = random.Random(500 + seed)
     spec = 1
-    fused, plain = pipelines(layout, max_reqs=6, max_tokens=160, num_speculative_tokens=spec)
+    pipes = three_pipelines(layout, 6, 160, num_speculative_tokens=spec)
     blocks = Blocks(layout, rng)
-    state, preempted, nid = {}, {}, 0
-    for it in range(7):
+    state, preempted, nid, events = {}, {}, 0, {"resumed": 0, "renewed": 0, "done": 0}
+    for it in range(6):
         new, running, sched, rs = [], [], {}, {}
         done = {r for r in state if rng.random() < 0.2}
-        pre = {r for r in state if r not in done and rng.random() < 0.15}
+        pre = {r for r in state if r not in done and (rng.random() < 0.25 or (it == 1 and r == max(state)))}
         for r in done | pre:
-            c, have = state.pop(r)
+            c, _ = state.pop(r)
             if r in pre:
                 preempted[r] = c
         for rid, (c, have) in sorted(state.items()):
@@ -373,11 +332,14 @@ def test_multi_step_trace_rows_appended_swapped_cleared_readded(seed):
             if rng.random() < 0.3:
                 rs[rid] = rng.randint(0, c)
         for rid in sorted(preempted):
-            if len(state) < 6 and rid not in pre and rng.random() < 0.5:
+            if len(state) < 6 and rid not in pre and rng.random() < 0.7:
                 c = preempted.pop(rid)
                 q = rng.randint(1, 8)
                 lists = blocks.lists(c + q)
-                running.append(RunningRequest(rid, lists, c, resumed=True))
+                as_new = rng.random() < 0.5  # NOTE: a preempted request may come back either way
+                (new.append(NewRequest(rid, lists, c)) if as_new else
+                 running.append(RunningRequest(rid, lists, c, resumed=True)))
+                events["renewed" if as_new else "resumed"] += 1
                 state[rid] = (c + q, [len(x) for x in lists])
                 sched[rid] = q
         while len(state) < 6 and rng.random() < 0.7:
@@ -387,78 +349,134 @@ def test_multi_step_trace_rows_appended_swapped_cleared_readded(seed):
             new.append(NewRequest(rid, lists, c))
             state[rid] = (c + q, [len(x) for x in lists])
             sched[rid] = q
+        events["done"] += len(done)
         step = StepInput(new, running, sched, done, pre, rs)
         pad = rng.choice([0, 0, 5])
-        step_both(fused, plain, step, pad_to=min(160, step.total_tokens + pad) if pad else None)
-        st = fused.last_step_stats
-        assert st.num_h2d_copies == 1 and st.num_launches == 1 and st.num_applies == 0
-        staged = sum(1 for g in range(len(layout.groups)) if plain._host_np[plain._hdr + 3 * g] > 0)
-        assert plain.last_step_stats.num_applies == staged  # unfused: one device apply per staged group
-        assert st.h2d_bytes == plain.last_step_stats.h2d_bytes
-        assert_tables_current(fused)
-        assert_tables_current(plain)
+        step_all(pipes, step, pad_to=min(160, step.total_tokens + pad) if pad else None)
+        f, u = pipes["fused"].last_step_stats, pipes["unfused"].last_step_stats
+        assert (f.num_h2d_copies, f.num_launches, f.num_applies) == (1, 1, 0)
+        assert u.num_launches == len(layout.channels) and u.h2d_bytes == f.h2d_bytes
+        assert u.num_writes == f.num_writes == pipes["reference"].last_step_stats.num_writes
+        for p in pipes.values():
+            for g, t in enumerate(p.tables.tables):
+                assert torch.equal(t.cpu(), torch.from_numpy(p.tables.mirrors[g])), (it, g)
+    assert events["resumed"] + events["renewed"] > 0
 
 
-def test_step_stats_count_exact_bytes():
-    """Steady decode: only the appended columns of the appended rows travel, with the step arrays."""
-    layout = tiny_layout()
-    R, G = 6, len(layout.groups)
-    fused, plain = pipelines(layout, max_reqs=R, max_tokens=64)
+def test_step_stats_count_staged_ids():
+    """Steady decode: only the appended ids travel; a step with no new block stages none, and its
+    copy is smaller by exactly those (value, destination) pairs."""
+    layout = tiny_layout(mla_block_size=16, swa_block_size=8)
+    pipes = three_pipelines(layout, 6, 64)
     rng = random.Random(8)
     blocks = Blocks(layout, rng)
     ctxs = {"r0": 20, "r1": 33, "r2": 41, "r3": 7}
     new = [NewRequest(r, blocks.lists(c + 2), c) for r, c in ctxs.items()]  # NOTE: a spare block each
-    step_both(fused, plain, StepInput(new, [], {r: 1 for r in ctxs}, set(), set()))
-    assert fused.last_step_stats.num_segments >= 4 and all(not t.dirty_hi.any() for t in fused.tables.tables)
+    step_all(pipes, StepInput(new, [], {r: 1 for r in ctxs}, set(), set()))
+    # NOTE: rings store only the blocks a request can still read: from its first window block on,
+    # at most ring_cols of them (DESIGN §4); full groups store every id
+    want = 0
+    for r in new:
+        for g, ids in zip(layout.groups, r.block_ids):
+            n = len(ids)
+            if g.ring:
+                ring = cdiv(g.window - 1 + 64, g.block_size) + 1
+                lo = max(r.num_computed_tokens - g.window + 1, 0) // g.block_size
+                n -= max(lo, n - ring, 0)
+            want += n
+    assert want < sum(len(x) for r in new for x in r.block_ids)
+    assert pipes["fused"].last_step_stats.num_writes == want
     swa = layout.group("swa")
     running = [RunningRequest(r, tuple([blocks.pool.pop()] if (g.gid == swa.gid and r in ("r0", "r2")) else []
                                        for g in layout.groups), c + 1) for r, c in ctxs.items()]
-    m = step_both(fused, plain, StepInput([], running, {r: 1 for r in ctxs}, set(), set()))
-    st = fused.last_step_stats
-    f = swa.blocks_per_kv_block
-    assert m.num_reqs == 4 and st.num_segments == 2 and st.table_bytes == 4 * 2 * (4 + f)
-    assert st.h2d_bytes == 4 * (3 * R + 1 + 3 * G) + st.table_bytes + 4 * 3 * m.num_reqs  # one overlay
-    assert st.num_h2d_copies == 1 and st.num_launches == 1 and st.num_applies == 0
-    assert plain.last_step_stats.h2d_bytes == st.h2d_bytes and plain.last_step_stats.num_applies == 1
-    assert_tables_current(fused)
-    # a step that changes no table: the step arrays and headers only
+    step_all(pipes, StepInput([], running, {r: 1 for r in ctxs}, set(), set()))
+    with_ids = pipes["fused"].last_step_stats
+    assert with_ids.num_writes == 2 and with_ids.num_h2d_copies == 1 and with_ids.num_launches == 1
     running = [RunningRequest(r, tuple([] for _ in layout.groups), c + 2) for r, c in ctxs.items()]
-    step_both(fused, plain, StepInput([], running, {r: 1 for r in ctxs}, set(), set()))
-    assert fused.last_step_stats.h2d_bytes == 4 * (3 * R + 1 + 3 * G)
-    assert fused.last_step_stats.num_segments == 0
+    step_all(pipes, StepInput([], running, {r: 1 for r in ctxs}, set(), set()))
+    none = pipes["fused"].last_step_stats
+    assert none.num_writes == 0 and with_ids.h2d_bytes - none.h2d_bytes == 2 * 2 * 4  # int32 (id, dest)
+    assert all(p.last_step_stats.h2d_bytes == none.h2d_bytes for p in pipes.values())
 
 
-def test_update_without_build_applies_the_skipped_step():
-    """A staged step that is never built is applied by the next update (tables stay current)."""
-    layout = tiny_layout()
-    fused, plain = pipelines(layout)
-    rng = random.Random(21)
-    blocks = Blocks(layout, rng)
-    s1 = random_step(layout, rng, blocks, "mixed", n_reqs=3, max_ctx=100)
-    fused.update(s1)  # never built
-    s2 = random_step(layout, rng, blocks, "decode", n_reqs=2, max_ctx=100, prefix="x")
-    plain.update(s1)
-    step_both(fused, plain, s2, pad_to=s2.total_tokens + 2)
-    assert fused.last_step_stats.num_applies == 1
-    assert_tables_current(fused)
-
-
-def test_many_requests_several_lookup_chunks():
-    """~600 requests (ten binary-search steps; trailing capacity rows are zero-length) and a second
-    step that appends blocks: fused == unfused."""
-    layout = tiny_layout()
+def test_many_requests():
+    """120 requests (trailing capacity rows are zero-length) and a second step
+    that appends blocks and leaves gaps (unscheduled requests)."""
+    layout = tiny_layout(mla_block_size=16, swa_block_size=8)
     rng = random.Random(600)
-    fused, plain = pipelines(layout, max_reqs=640, max_tokens=700)
+    pipes = three_pipelines(layout, 128, 200)
     blocks = Blocks(layout, rng)
-    step = random_step(layout, rng, blocks, "decode", n_reqs=600, max_ctx=200, replay=True)
-    step_both(fused, plain, step)
+    step = random_step(rng, blocks, "decode", n_reqs=120, max_ctx=200, replay=True)
+    step_all(pipes, step)
     ctx = {r.req_id: r.num_computed_tokens + step.num_scheduled_tokens[r.req_id] for r in step.new_requests}
     running, sched2 = [], {}
     for i, (rid, c) in enumerate(ctx.items()):
         if i % 3 == 0:
-            continue  # NOTE: unscheduled this step: leaves gaps in the batch
+            continue  # NOTE: unscheduled this step
         q = 1 + (i % 2)
         running.append(RunningRequest(rid, blocks.lists(c + q, [blocks.count(g, c) for g in layout.groups]), c))
         sched2[rid] = q
-    finished = {rid for i, rid in enumerate(ctx) if i % 3 == 0}
-    step_both(fused, plain, StepInput([], running, sched2, finished, set()))
+    finished = {rid for i, rid in enumerate(ctx) if i % 3 == 0 and i % 2 == 0}
+    step_all(pipes, StepInput([], running, sched2, finished, set()))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_varying_tokens_reuse_one_compiled_launcher():
+    layout = flash_layout()
+    pipe = MetadataPipeline(layout, 8, 512, "cuda", num_speculative_tokens=1)
+    pipe.warmup()
+    rng = random.Random(0)
+    blocks = Blocks(layout, rng)
+    compiled = None
+    for i, kind in enumerate(["decode", "prefill", "mixed", "decode"]):
+        step = random_step(rng, blocks, kind, n_reqs=1 + i, max_ctx=1500, spec=1, prefix=f"s{i}_")
+        pipe.update(step, pad_to=step.total_tokens + i)
+        pipe.build()
+        compiled = compiled or pipe._fused._compiled
+        assert compiled is not None and pipe._fused._compiled is compiled  # counts are runtime arguments
+        pipe.update(StepInput([], [], {}, {r.req_id for r in step.new_requests}, set()))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_build_matches_eager():
+    """``cuda_graphs=True``: build() replays a graph per padded size; every output equals eager."""
+    from dsv4_index.scheduler import random_trace
+
+    layout = tiny_layout()
+    PAD = 80
+    graphs = MetadataPipeline(layout, 6, PAD, "cuda", num_speculative_tokens=2, cuda_graphs=True)
+    eager = MetadataPipeline(layout, 6, PAD, "cuda", num_speculative_tokens=2)
+    graphs.warmup(pad_sizes=(PAD,))
+    eager.warmup()
+    steps = 0
+    for step, _ in random_trace(layout, 60, 9, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=6,
+                                num_speculative_tokens=2):
+        for p in (graphs, eager):
+            p.update(step, pad_to=PAD)
+        poison(graphs, 4321)
+        mg, me = graphs.build(), eager.build()
+        torch.cuda.synchronize()
+        assert_same(meta_tensors(mg), meta_tensors(me), steps)
+        steps += 1
+    assert steps == 60
+
+
+@pytest.mark.gpu
+def test_direct_launch_matches_triton_launch(monkeypatch):
+    layout = flash_layout()
+    monkeypatch.setenv("DSV4_INDEX_DIRECT_LAUNCH", "0")
+    slow = MetadataPipeline(layout, 6, 256, "cuda", num_speculative_tokens=1)
+    monkeypatch.setenv("DSV4_INDEX_DIRECT_LAUNCH", "1")
+    fast = MetadataPipeline(layout, 6, 256, "cuda", num_speculative_tokens=1)
+    rng = random.Random(4)
+    blocks = Blocks(layout, rng)
+    for i, kind in enumerate(["decode", "mixed", "prefill"]):
+        step = random_step(rng, blocks, kind, n_reqs=2, max_ctx=1500, spec=1, prefix=f"f{i}_")
+        step_all({"fast": fast, "slow": slow}, step, pad_to=step.total_tokens + i)
+        assert slow._fused._compiled is None and fast._fused._compiled is not None
+        done = {r.req_id for r in step.new_requests}
+        for p in (fast, slow):
+            p.update(StepInput([], [], {}, done, set()))

@@ -1,10 +1,14 @@
 """Property tests over the whole pipeline: random reference-scheduler traces (arrivals, chunked
-prefill, spec acceptance, preemption, prefix hits, graph padding) -> update/build -> check_metadata
-passes and every channel equals the reference ops recomputed from the scheduler's own view.
+prefill, spec acceptance, preemption and resume, prefix hits with bounded replay, graph padding) over
+every kind of table (rings, full-width sliding tables, circular groups, hybrid kernel blocks, compact
+compressed mappings) -> update/build -> ``check_metadata`` passes and every channel equals the
+reference ops recomputed from the scheduler's own view of each request (batch-ordered, logical
+tables: independent of the pipeline's slots, rings and staging).
 
 Profiles: ``ci`` (default, bounded) and ``HYPOTHESIS_PROFILE=long`` (tests/conftest.py).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -17,9 +21,11 @@ from dsv4_index import reference as ref
 from dsv4_index.scheduler import random_trace
 from dsv4_index.validate import check_metadata, check_topk
 
-from _meta_helpers import tiny_layout
+from _meta_helpers import HAS_TRITON, tiny_layout
 
-LAYOUTS = {"tiny": tiny_layout(), "hybrid": tiny_layout(kernel_block_size=16)}
+LAYOUTS = {"tiny": tiny_layout(), "hybrid": tiny_layout(kernel_block_size=16),
+           "full": tiny_layout(sliding_tables="full"), "compact": tiny_layout(compact_compressed=True),
+           "circular": tiny_layout(circular={"c4_state": 16, "c128_state": 32}, kernel_block_size={"swa": 2})}
 
 
 def _expected(layout, views, order, next_n, num_decodes):
@@ -31,10 +37,11 @@ def _expected(layout, views, order, next_n, num_decodes):
     qsl[1:] = torch.cumsum(torch.tensor([v.num_scheduled_tokens for v in vs], dtype=torch.int64), 0)
     sl = torch.tensor([v.seq_len for v in vs], dtype=torch.int32)
     rs = torch.tensor([v.replay_start for v in vs], dtype=torch.int32)
+    re = torch.tensor([v.replay_end for v in vs], dtype=torch.int32)
     T = int(qsl[-1])
     tables = []
     for g in layout.groups:
-        bt = torch.zeros(B, g.table_width, dtype=torch.int32)
+        bt = torch.zeros(B, max(g.table_width, 1), dtype=torch.int32)
         for b, v in enumerate(vs):
             ids = v.block_ids[g.gid]
             bt[b, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
@@ -42,14 +49,20 @@ def _expected(layout, views, order, next_n, num_decodes):
     out = {}
     for name, c in layout.channels.items():
         g, bt = layout.groups[c.gid], tables[c.gid]
+        floor = re if g.prefix_cacheable else None
         e = {}
         if "slot_mapping" in c.outputs:
-            e["slot_mapping"] = ref.slot_mapping(qsl, sl, bt, g.block_size, num_tokens=T)
+            cap = g.block_size if g.kind == "circular" else None
+            e["slot_mapping"] = ref.slot_mapping(qsl, sl, bt, g.block_size, circular_capacity=cap, replay_end=floor,
+                                                 num_tokens=T)
             e["indices"], e["lens"] = ref.window_indices(qsl, sl, bt, g.block_size, c.window, replay_start=rs,
-                                                         num_tokens=T)
+                                                         circular_capacity=cap, num_tokens=T)
         if "compressed_slot_mapping" in c.outputs:
-            e["compressed_slot_mapping"] = ref.compressed_slot_mapping(qsl, sl, bt, c.rows_per_block,
-                                                                       c.compress_ratio, num_tokens=T)
+            args = (qsl, sl, bt, c.rows_per_block, c.compress_ratio)
+            e["compressed_slot_mapping"] = ref.compressed_slot_mapping(*args, replay_end=floor, num_tokens=T)
+            if c.compact:
+                e["compact_slot_mapping"], e["compact_cu"] = ref.compressed_slot_mapping(
+                    *args, replay_end=floor, compact=True, num_tokens=T)
         if "ks" in c.outputs:
             il = ref.indexer_lengths(qsl, sl, c.compress_ratio, next_n=next_n, num_decodes=num_decodes,
                                      num_tokens=T)
@@ -78,10 +91,16 @@ def run_trace(layout_name, seed, *, steps, num_blocks, max_tokens, max_seqs, spe
         check_metadata(m, num_blocks=num_blocks)
         qsl, sl, tables, exp = _expected(layout, views, m.req_ids, 1 + spec, m.num_decodes)
         assert torch.equal(m.query_start_loc, qsl) and torch.equal(m.seq_lens, sl)
+        assert m.req_slots.tolist() == [pipe.slot_of(r) for r in m.req_ids]
         for name, fields in exp.items():
             for f, want in fields.items():
                 got = getattr(m[name], f)
-                got = got if f in ("cu", "decode_lens") else got[:m.num_tokens]
+                if f == "compact_slot_mapping":  # NOTE: [T_pad]: the step's rows, then -1
+                    n = int(exp[name]["compact_cu"][-1])
+                    assert n <= m.num_tokens_padded and bool((got[n:] == -1).all()), (i, name, f)
+                    got, want = got[:n], want[:n]
+                elif f not in ("cu", "decode_lens", "compact_cu"):
+                    got = got[:m.num_tokens]
                 assert torch.equal(got, want), (i, name, f)
         if topk and "c4a" in m and m.num_tokens:
             n_c = (m.positions.long() + 1) // layout.channels["c4a"].compress_ratio
@@ -95,10 +114,10 @@ def run_trace(layout_name, seed, *, steps, num_blocks, max_tokens, max_seqs, spe
 
 
 TRACE = dict(
-    layout_name=st.sampled_from(["tiny", "hybrid"]),
+    layout_name=st.sampled_from(sorted(LAYOUTS)),
     seed=st.integers(0, 2**16),
     steps=st.integers(3, 10),
-    num_blocks=st.integers(40, 90),       # small pools: preemption and eviction happen
+    num_blocks=st.integers(32, 90),       # small pools: preemption and eviction happen
     max_tokens=st.sampled_from([8, 16, 32, 48]),
     max_seqs=st.integers(1, 4),
     spec=st.integers(0, 2),
@@ -108,24 +127,31 @@ TRACE = dict(
 )
 
 
-@given(**TRACE)
-def test_fuzz_pipeline_reference_backend(**kw):
-    # NOTE: the kernels are not the subject here; the per-op kernel tests compare them with the reference
-    old = os.environ.get("DSV4_INDEX_BACKEND")
-    os.environ["DSV4_INDEX_BACKEND"] = "reference"
+@contextlib.contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
-        run_trace(**kw)
+        yield
     finally:
         if old is None:
-            del os.environ["DSV4_INDEX_BACKEND"]
+            del os.environ[name]
         else:
-            os.environ["DSV4_INDEX_BACKEND"] = old
+            os.environ[name] = old
 
 
+@given(**TRACE)
+def test_fuzz_pipeline_reference_backend(**kw):
+    # NOTE: the kernels are not the subject here; the per-op kernel tests and test_fused compare them
+    with _env("DSV4_INDEX_BACKEND", "reference"):
+        run_trace(**kw)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
 @settings(max_examples=3)
 @given(**TRACE)
 def test_fuzz_pipeline_triton_interpreter(**kw):
-    run_trace(**{**kw, "steps": min(kw["steps"], 5)})
+    run_trace(**{**kw, "steps": min(kw["steps"], 4), "max_tokens": min(kw["max_tokens"], 32)})
 
 
 # regression cases (named): traces that once broke something
@@ -134,11 +160,15 @@ def test_fuzz_pipeline_triton_interpreter(**kw):
     dict(layout_name="tiny", seed=1, steps=26, num_blocks=48, max_tokens=64, max_seqs=6, spec=2,
          threshold=None, prefix=True, pad=False),
 ], ids=["replay_floor_next_to_decodes"])
-def test_regression_traces(kw):
+def test_regression_traces(kw, monkeypatch):
+    monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
     run_trace(**kw)
 
 
-def test_regression_hybrid_block_ids():
-    """Steps carry allocation block ids; only the block table expands them to kernel blocks (b*f + j)."""
-    run_trace("hybrid", 0, steps=3, num_blocks=40, max_tokens=8, max_seqs=1, spec=0, threshold=None,
+@pytest.mark.parametrize("name", ["hybrid", "circular"])
+def test_regression_hybrid_block_ids(name, monkeypatch):
+    """Steps carry allocation block ids; only the block table expands them to kernel blocks (b*f + j),
+    appended runs included (an append once landed at twice its logical block)."""
+    monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
+    run_trace(name, 0, steps=12, num_blocks=40, max_tokens=8, max_seqs=2, spec=0, threshold=None,
               prefix=False, pad=False)

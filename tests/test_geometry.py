@@ -1,13 +1,13 @@
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from dsv4_index._common import cp_owned_count
-from dsv4_index.geometry import ChannelSpec, DSV4Layout
-
-import torch
+from dsv4_index.geometry import ChannelSpec, DSV4Layout, GroupSpec
 
 CONFIGS = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs"
 BLOCKS = {"mla": 256, "swa": 64, "c4_state": 4, "c128_state": 8}
@@ -40,6 +40,8 @@ def test_published_layouts(name, L):
     assert [g.kind for g in lay.groups] == ["full", "sliding", "sliding", "sliding"]
     assert [g.window for g in lay.groups] == [None, W, 2 * r4, r128]
     assert [g.prefix_cacheable for g in lay.groups] == [True, False, False, False]
+    assert [g.ring for g in lay.groups] == [False, True, True, True]  # sliding tables are rings by default
+    assert [g.sharded for g in lay.groups] == [True, True, False, False]
     for g in lay.groups:
         assert g.block_size == BLOCKS[g.name] and g.blocks_per_kv_block == 1
         assert g.table_width == -(-L // BLOCKS[g.name])
@@ -54,7 +56,7 @@ def test_published_layouts(name, L):
     assert (ch["c128_state"].gid, ch["c128_state"].window, ch["c128_state"].index_width) == (3, r128, r128)
     assert ch["swa"].outputs == {"slot_mapping", "indices", "lens"}
     assert ch["c4_state"].outputs == ch["c128_state"].outputs == {"slot_mapping", "indices", "lens"}
-    assert ch["c4a"].outputs == {"compressed_slot_mapping", "topk"}
+    assert ch["c4a"].outputs == {"compressed_slot_mapping"}  # top-k conversion is a method, per layer
     assert ch["c4i"].outputs == {"compressed_slot_mapping", "lens", "ks", "ke", "cu", "decode_lens"}
     assert ch["c128a"].outputs == {"compressed_slot_mapping", "indices", "lens"}
     assert lay.compress_ratios == tuple(cfg["compress_ratios"])
@@ -62,6 +64,7 @@ def test_published_layouts(name, L):
     assert lay.index_topk == cfg["index_topk"] and lay.sliding_window == W
     assert (lay.c4_ratio, lay.c128_ratio) == (r4, r128)
     assert lay.max_model_len == L
+    assert not any(c.compact for c in ch.values())
 
 
 @pytest.mark.parametrize("L,expect", [(1, 128), (128 * 128, 128), (128 * 128 + 1, 256), (1 << 20, 8192)])
@@ -132,9 +135,13 @@ def test_kernel_block_size_hybrid():
 @pytest.mark.parametrize("wc,il", [(2, 1), (4, 16), (8, 64), (3, 4)])
 def test_cp_widths(L, wc, il):
     lay = DSV4Layout.from_config(load("flash"), L, cp_world_size=wc, cp_interleave=il)
+    assert (lay.cp_world_size, lay.cp_interleave) == (wc, il)
     per_rank = math.ceil(math.ceil(L / wc) / il) * il
     n = torch.tensor(L)
     for g in lay.groups:
+        if not g.sharded:  # NOTE: replicated state groups hold every position on every rank
+            assert g.name in ("c4_state", "c128_state") and g.table_width == math.ceil(L / g.block_size)
+            continue
         assert g.table_width >= math.ceil(per_rank / g.block_size)
         for r in range(wc):  # every rank's tokens fit in its row
             assert int(cp_owned_count(n, wc, r, il)) <= g.table_width * g.block_size
@@ -147,7 +154,7 @@ def test_cp_widths(L, wc, il):
 
 def test_cp_width_formula_when_tokens_dominate():
     lay = DSV4Layout.from_config(load("flash"), 1 << 16, cp_world_size=4, cp_interleave=64)
-    assert [g.table_width for g in lay.groups] == [(1 << 14) // b for b in (256, 64, 4, 8)]
+    assert [g.table_width for g in lay.groups] == [(1 << 14) // 256, (1 << 14) // 64, (1 << 16) // 4, (1 << 16) // 8]
 
 
 @pytest.mark.parametrize("mutate,match", [
@@ -174,6 +181,14 @@ def test_config_errors(mutate, match):
     (dict(max_model_len=1000, swa_block_size=0), "swa_block_size"),
     (dict(max_model_len=1000, cp_world_size=0), "cp_world_size"),
     (dict(max_model_len=1000, kernel_block_size={"nope": 4}), "nope"),
+    (dict(max_model_len=1000, sliding_tables="rings"), "sliding_tables"),
+    (dict(max_model_len=1000, circular={"mla": 64}), "circular"),
+    (dict(max_model_len=1000, circular={"nope": 64}), "circular"),
+    (dict(max_model_len=1000, circular={"c128_state": 8}), "circular"),        # below its window 16
+    (dict(max_model_len=1000, circular={"c4_state": 0}), "circular"),
+    (dict(max_model_len=1000, circular={"c4_state": 8.0}), "circular"),
+    (dict(max_model_len=1000, circular={"c4_state": 8}, kernel_block_size={"c4_state": 2}), "kernel_block_size"),
+    (dict(max_model_len=1000, cp_interleave=0), "cp_interleave"),
 ])
 def test_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -220,3 +235,113 @@ def test_with_channel():
         lay.with_channel(ChannelSpec("x", gid=1, compress_ratio=1, rows_per_block=65))
     with pytest.raises(ValueError, match="rows_per_block"):
         ChannelSpec("x", gid=0, compress_ratio=4, rows_per_block=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# ring tables, circular groups, compact compressed channels
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [1, 64, 1000, 8192])
+def test_ring_columns(T):
+    lay = DSV4Layout.from_config(load("flash"), 1 << 20)
+    for g in lay.groups:
+        cols, ring = g.columns(T)
+        if g.kind == "full":
+            assert (cols, ring) == (g.table_width, 0)
+            continue
+        want = math.ceil((g.window - 1 + T) / g.block_size) + 1  # newest blocks one step can read or write
+        assert want < g.table_width and (cols, ring) == (want, want), (g.name, T)
+    assert lay.group("c4_state").columns(8192) == (2051, 2051)     # instead of 262144 columns
+    small = DSV4Layout.from_config(load("flash"), 1024)            # a ring no narrower than the row: full width
+    assert small.group("swa").columns(8192) == (16, 0) and small.group("swa").ring
+
+
+def test_full_sliding_tables():
+    lay = DSV4Layout.from_config(load("flash"), 1 << 20, sliding_tables="full")
+    for g in lay.groups:
+        assert not g.ring and g.columns(8192) == (g.table_width, 0)
+    assert lay.group("c4_state").table_width == (1 << 20) // 4
+    ring = DSV4Layout.from_config(load("flash"), 1 << 20)
+    assert ring.channels == lay.channels and [g.table_width for g in ring.groups] == [g.table_width for g in lay.groups]
+
+
+def test_circular_groups():
+    lay = DSV4Layout.from_config(load("tiny"), 1000, circular={"c4_state": 16, "c128_state": 32})
+    c4s, c128s, swa = lay.group("c4_state"), lay.group("c128_state"), lay.group("swa")
+    assert (c4s.kind, c4s.block_size, c4s.window, c4s.ring) == ("circular", 16, 8, False)
+    assert (c128s.kind, c128s.block_size, c128s.window, c128s.ring) == ("circular", 32, 16, False)
+    assert (swa.kind, swa.ring) == ("sliding", True)
+    assert c4s.columns(64) == c128s.columns(8192) == (1, 1)  # one block of `capacity` rows per request
+    assert lay.channels["c4_state"].rows_per_block == 16 and lay.channels["c4_state"].index_width == 8
+    exact = DSV4Layout.from_config(load("tiny"), 1000, circular={"swa": 8})  # capacity == window
+    assert exact.group("swa").kind == "circular" and exact.group("swa").block_size == 8
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(kind="ring"), "kind"),
+    (dict(kind="full", ring=True, window=None), "ring"),
+    (dict(kind="circular", ring=True), "ring"),
+    (dict(kind="circular", block_size=4, window=8), "capacity"),
+    (dict(kind="sliding", window=None), "window"),
+    (dict(kind="full", window=8), "window"),
+    (dict(block_size=0), "block_size"),
+    (dict(table_width=True), "table_width"),
+    (dict(blocks_per_kv_block=0), "blocks_per_kv_block"),
+])
+def test_group_spec_errors(kw, match):
+    args = dict(gid=0, name="g", kind="sliding", block_size=8, window=8, prefix_cacheable=False, table_width=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        GroupSpec(**args)
+
+
+def test_group_spec_defaults():
+    g = GroupSpec(0, "g", "full", 16, None, True, 4)
+    assert (g.ring, g.sharded, g.blocks_per_kv_block, g.alloc_block_size, g.kernel_block_size) == (False, True, 1, 16, 16)
+    h = GroupSpec(1, "h", "sliding", 16, 32, False, 100, blocks_per_kv_block=4, ring=True, sharded=False)
+    assert h.alloc_block_size == 64 and h.columns(10) == (math.ceil(41 / 16) + 1, 4)
+
+
+def test_compact_compressed():
+    lay = DSV4Layout.from_config(load("tiny"), 1000, compact_compressed=True, indexer_causal_indices=True)
+    for name, c in lay.channels.items():
+        extra = {"compact_slot_mapping", "compact_cu"}
+        if c.compress_ratio > 1:
+            assert c.compact and extra <= c.outputs, name
+        else:
+            assert not c.compact and not extra & c.outputs, name
+    plain = DSV4Layout.from_config(load("tiny"), 1000, indexer_causal_indices=True)
+    assert {n: c.outputs - {"compact_slot_mapping", "compact_cu"} for n, c in lay.channels.items()} == \
+        {n: c.outputs for n, c in plain.channels.items()}
+
+
+def test_layouts_by_name():
+    for name in ("flash", "pro", "tiny"):
+        assert DSV4Layout.from_config(name, 4096) == DSV4Layout.from_config(CONFIGS / f"{name}.json", 4096)
+
+
+def _readme_table():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    head = text.index("| gid | group | block size | channels |")
+    rows = []
+    for line in text[head:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_readme_layout_table_matches_the_flash_layout():
+    lay = DSV4Layout.from_config("flash", 1 << 17)
+    rows = _readme_table()
+    assert len(rows) == len(lay.groups)
+    for (gid, group, block, chans), g in zip(rows, lay.groups):
+        assert int(gid) == g.gid and re.match(r"`(\w+)`", group).group(1) == g.name
+        assert int(block) == g.block_size
+        win = re.search(r"window (\d+)", group)
+        assert (g.window is None and "full" in group) or (win and int(win.group(1)) == g.window), group
+        listed = re.findall(r"`(\w+)`(?: \(R (\d+), S (\d+)\))?", chans)
+        assert [n for n, _, _ in listed] == [c.name for c in lay.channels_of(g.gid)], chans
+        for n, r, s in listed:
+            if r:
+                c = lay.channels[n]
+                assert (int(r), int(s)) == (c.compress_ratio, c.rows_per_block), n

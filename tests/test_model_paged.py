@@ -2,7 +2,13 @@
 paged caches (written and read only through that metadata) equals the dense forward of each request's
 sequence, for every layer kind, over randomized reference-scheduler traces (chunked prefill splitting
 compress groups, windows crossing blocks, spec tokens rejected and rewritten, preemption, finishing
-mid-batch, padded tokens)."""
+mid-batch, padded tokens, prefix-cache hits with bounded replay), with ring sliding tables (the default)
+and with circular compressor-state groups.
+
+Replayed tokens (positions below a prefix hit's ``replay_end``) are compared too: their window lists
+start at ``replay_start``, so their reference is the dense model with its sliding window floored
+there; their compressed rows come from the blocks shared with the prefix owner, which no replayed
+token may rewrite (checked against the scheduler's block ownership every step)."""
 
 import random
 import zlib
@@ -12,7 +18,7 @@ import torch
 
 from dsv4_index.geometry import DSV4Layout
 from dsv4_index.pipeline import MetadataPipeline
-from dsv4_index.scheduler import ReferenceScheduler
+from dsv4_index.scheduler import ReferenceScheduler, cache_writes
 from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load_config
 
 TOL = 1e-4
@@ -45,9 +51,11 @@ def x_of(rid: str, length: int, draft: bool, keys=()) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, CFG.hidden_size)
 
 
-def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False):
+def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False, prefix_prob=0.5,
+              prompt_hi=90, circular=None):
     layout = DSV4Layout.from_config(CFG.to_dict(), MAX_LEN, mla_block_size=MLA_BLOCK, swa_block_size=4,
-                                    indexer_causal_indices=True)
+                                    indexer_causal_indices=True, circular=circular)
+    assert all(g.ring for g in layout.groups if g.kind == "sliding")
     sched = ReferenceScheduler(layout, num_blocks, max_num_batched_tokens=budget, max_num_seqs=5,
                                num_speculative_tokens=SPEC, long_prefill_threshold=chunk,
                                enable_prefix_caching=prefix, seed=seed)
@@ -55,13 +63,13 @@ def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False
     models = {l: init_weights(DSV4Attention(CFG, l), 10 + l).eval() for l in LAYERS}
     caches = PagedCaches(CFG, layout, num_blocks)
     rng = random.Random(seed)
-    seen = dict(preempted=0, finished=0, rejected=0, split_group=0, replayed=0, steps=0)
+    seen = dict(preempted=0, finished=0, rejected=0, split_group=0, replayed=0, hits=0, steps=0, writes=0)
     keys = {}  # rid -> content key of each full prompt block of the mla group (as the scheduler keeps)
     for _ in range(num_steps):
         if rng.random() < 0.5 and len(sched.waiting_req_ids) < 3:
-            rid, plen = f"r{len(keys)}", rng.randint(1, 90)
+            rid, plen = f"r{len(keys)}", rng.randint(1, prompt_hi)
             of, shared = None, 0
-            if prefix and rng.random() < 0.5:
+            if prefix and rng.random() < prefix_prob:
                 of = rng.choice(list(keys) + ["sys0"])
                 shared = rng.randint(0, plen) // MLA_BLOCK
             own = keys[of][:shared] if of in keys else [(of, j) for j in range(shared)]
@@ -72,12 +80,18 @@ def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False
         accepted = sched.random_acceptance(step, rng)
         seen["preempted"] += len(step.preempted_req_ids)
         seen["finished"] += len(step.finished_req_ids)
+        seen["hits"] += len(step.replay_end)
         if not views:
             sched.update_after_step(accepted)
             continue
         T = sum(step.num_scheduled_tokens.values())
         pipe.update(step, pad_to=T + pad)
         meta = pipe.build()
+        # no write lands in a block another live request holds (the prefix owner's), nor in a foreign one
+        writes = cache_writes(meta, sched.block_holders())
+        bad = [w for w in writes if w.others or not w.owned]
+        assert not bad, (seen["steps"], bad[:3])
+        seen["writes"] += len(writes)
         qsl = meta.query_start_loc.tolist()
         # this step's x per request: real for computed / prompt / accepted tokens, draft for rejected
         x, dense_in = torch.zeros(T + pad, CFG.hidden_size), {}
@@ -101,13 +115,12 @@ def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False
                 assert torch.equal(y[T:], torch.zeros_like(y[T:])), (l, "padded token output")
                 for b, rid in enumerate(meta.req_ids):
                     v = views[rid]
-                    ref = m.forward_dense(dense_in[rid])[v.num_computed_tokens:]
-                    # NOTE: replayed tokens (window floored at replay_start) only rewrite caches
-                    skip = max(0, v.replay_start + layout.sliding_window - 1 - v.num_computed_tokens) \
-                        if v.replay_start else 0
-                    seen["replayed"] += skip > 0
-                    err = (y[qsl[b] + skip:qsl[b + 1]] - ref[skip:]).abs().amax(-1)
-                    assert (err <= TOL).all(), (seen["steps"], l, m.kind, rid, v, skip, err.tolist())
+                    # every token, replayed ones included: window lists start at replay_start
+                    ref = m.forward_dense(dense_in[rid], window_floor=v.replay_start)[v.num_computed_tokens:]
+                    if l == LAYERS[0]:
+                        seen["replayed"] += max(0, min(v.seq_len, v.replay_end) - v.num_computed_tokens)
+                    err = (y[qsl[b]:qsl[b + 1]] - ref).abs().amax(-1)
+                    assert (err <= TOL).all(), (seen["steps"], l, m.kind, rid, v, err.tolist())
         seen["steps"] += 1
         sched.update_after_step(accepted)
     return seen
@@ -122,6 +135,17 @@ def test_paged_equals_dense(seed):
 
 
 def test_paged_equals_dense_prefix_hits():
-    """Prefix-cache hits with bounded replay: outputs past the floored windows equal dense."""
-    seen = run_trace(2, 28, num_blocks=60, budget=24, chunk=12, prefix=True)
-    assert seen["replayed"] > 0, seen
+    """Prefix-cache hits with bounded replay, ring sliding tables: every token equals dense, replayed
+    ones included (dense window floored at replay_start)."""
+    seen = run_trace(1, 28, num_blocks=60, budget=24, chunk=12, prefix=True, prefix_prob=0.8, prompt_hi=120)
+    assert seen["hits"] >= 5 and seen["replayed"] >= 40, seen
+
+
+@pytest.mark.parametrize("circular", [{"c128_state": 24}, {"c4_state": 12, "c128_state": 24}],
+                         ids=["c128_state", "both_states"])
+def test_paged_equals_dense_prefix_hits_circular(circular):
+    """Circular compressor-state groups (one block of `capacity` rows per request; at most
+    capacity - window + 1 tokens per step): paged == dense over prefix hits, replayed tokens compared."""
+    seen = run_trace(3, 28, num_blocks=50, budget=24, chunk=12, prefix=True, prefix_prob=0.8, prompt_hi=120,
+                     circular=circular)
+    assert seen["hits"] >= 5 and seen["replayed"] >= 40 and seen["split_group"] > 0, seen

@@ -1,26 +1,27 @@
 """MetadataPipeline over randomized scheduler traces: every channel, every step, equals DESIGN §4
 recomputed in plain Python from the scheduler's own view of each request's blocks."""
 
-import os
-from pathlib import Path
-
+import numpy as np
 import pytest
 import torch
 
-from dsv4_index import DSV4Layout, MetadataPipeline, StepInput
+from dsv4_index import MetadataPipeline, StepInput, batch_from_step
+from dsv4_index.channels.base import _REGISTRY
 from dsv4_index.scheduler import random_trace
 
-CONFIGS = Path(__file__).resolve().parent.parent / "dsv4_index" / "configs"
-
-
-def tiny_layout(**kw):
-    return DSV4Layout.from_config(CONFIGS / "tiny.json", max_model_len=kw.pop("max_model_len", 256),
-                                  mla_block_size=32, swa_block_size=4, indexer_causal_indices=True, **kw)
+from _meta_helpers import HAS_TRITON, eventful_trace, flash_layout as _flash, tiny_layout
 
 
 def flash_layout():
-    return DSV4Layout.from_config(CONFIGS / "flash.json", max_model_len=1024, mla_block_size=256,
-                                  swa_block_size=64)
+    return _flash(max_model_len=1024, mla_block_size=256, swa_block_size=64)
+
+
+@pytest.fixture
+def registry():
+    saved = dict(_REGISTRY)
+    yield
+    _REGISTRY.clear()
+    _REGISTRY.update(saved)
 
 
 def _slot(bt, x, rows):
@@ -34,35 +35,48 @@ def expected_rows(layout, view, next_n):
     for name, ch in layout.channels.items():
         g = layout.groups[ch.gid]
         bt = view.block_ids[ch.gid]
+        if g.kind == "circular":  # NOTE: one block of `capacity` rows, written as a ring
+            assert len(bt) == 1
+
+            def slot(q, bt=bt, cap=g.block_size):
+                return bt[0] * cap + q % cap
+        else:
+            def slot(q, bt=bt, bs=g.block_size):
+                return _slot(bt, q, bs)
+        replayed = g.prefix_cacheable  # NOTE: replayed tokens write nothing into prefix-cacheable groups
         rows = {}
         for p in view.positions:
             if ch.compress_ratio == 1:  # raw-token window channel
                 lo = max(p - ch.window + 1, view.replay_start)
-                win = [_slot(bt, q, g.block_size) for q in range(lo, p + 1)]
+                win = [slot(q) for q in range(lo, p + 1)]
                 width = ch.index_width
-                rows.setdefault("slot_mapping", []).append(_slot(bt, p, g.block_size))
+                rows.setdefault("slot_mapping", []).append(-1 if replayed and p < view.replay_end else slot(p))
                 rows.setdefault("indices", []).append(win + [-1] * (width - len(win)))
                 rows.setdefault("lens", []).append(len(win))
                 continue
             R, S = ch.compress_ratio, ch.rows_per_block
             n_c = (p + 1) // R
-            rows.setdefault("compressed_slot_mapping", []).append(
-                _slot(bt, p // R, S) if (p + 1) % R == 0 else -1)
-            if name == "c4i":
+            done = (p + 1) % R == 0 and not (replayed and p < view.replay_end)
+            rows.setdefault("compressed_slot_mapping", []).append(_slot(bt, p // R, S) if done else -1)
+            if "ks" in ch.outputs:
                 rows.setdefault("lens", []).append(n_c)
             if "indices" in ch.outputs:
                 width = ch.index_width
-                ids = [_slot(bt, j, S) for j in range(min(n_c, width))]
+                assert n_c <= width  # NOTE: widths come from capacity; rows are never cut
+                ids = [_slot(bt, j, S) for j in range(n_c)]
                 rows.setdefault("indices", []).append(ids + [-1] * (width - len(ids)))
-                if name != "c4i":
+                if "ks" not in ch.outputs:
                     rows.setdefault("lens", []).append(len(ids))
         out[name] = rows
     return out
 
 
-def check_step(layout, meta, views, next_n):
+def check_step(layout, meta, views, next_n, pipe=None):
     by_id = {v.req_id: v for v in views}
     assert sorted(meta.req_ids) == sorted(by_id), "batch holds exactly the scheduled requests"
+    if pipe is not None:  # the batch reads each request's own slot
+        slots = [pipe.slot_of(r) for r in meta.req_ids]
+        assert meta.req_slots.tolist() == slots == meta.idx_mapping.cpu().tolist()
     qsl = meta.query_start_loc.cpu().tolist()
     # decode-first: decodes (<= next_n tokens) then prefills, counts consistent
     q = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
@@ -79,6 +93,9 @@ def check_step(layout, meta, views, next_n):
     cu = 0
     for b, rid in enumerate(meta.req_ids):
         v = by_id[rid]
+        rs = 0 if meta.replay_start is None else int(meta.replay_start[b])
+        re_ = 0 if meta.replay_end is None else int(meta.replay_end[b])
+        assert (rs, re_) == (v.replay_start, v.replay_end), rid
         lo, hi = qsl[b], qsl[b + 1]
         assert hi - lo == v.num_scheduled_tokens
         assert positions[lo:hi] == list(v.positions), rid
@@ -108,12 +125,16 @@ def check_step(layout, meta, views, next_n):
 def run_trace(layout, steps, seed, *, pad=0, device="cpu", max_num_reqs=6, max_tokens=64, spec=2, **kw):
     pipe = MetadataPipeline(layout, max_num_reqs=max_num_reqs, max_num_batched_tokens=max_tokens + pad,
                             device=device, num_speculative_tokens=spec)
-    n = 0
+    n, slot_of = 0, {}
     for step, views in random_trace(layout, steps, seed, max_num_batched_tokens=max_tokens,
                                     max_num_seqs=max_num_reqs, num_speculative_tokens=spec, **kw):
+        for r in step.running_requests:  # NOTE: a request keeps its slot from arrival to finish
+            if not r.resumed:
+                assert pipe.slot_of(r.req_id) == slot_of[r.req_id], r.req_id
         pipe.update(step, pad_to=step.total_tokens + pad if pad else None)
         meta = pipe.build()
-        check_step(layout, meta, views, 1 + spec)
+        check_step(layout, meta, views, 1 + spec, pipe)
+        slot_of.update(zip(meta.req_ids, meta.req_slots.tolist()))
         n += meta.num_tokens
     return n
 
@@ -121,8 +142,15 @@ def run_trace(layout, steps, seed, *, pad=0, device="cpu", max_num_reqs=6, max_t
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tiny_trace_reference_backend(monkeypatch, seed):
     monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
-    tokens = run_trace(tiny_layout(), 150, seed, pad=seed * 3, num_blocks=96)
+    tokens = run_trace(tiny_layout(), 100, seed, pad=seed * 3, num_blocks=96)
     assert tokens > 1000
+
+
+@pytest.mark.parametrize("kw", [dict(sliding_tables="full"), dict(circular={"c4_state": 16, "c128_state": 32}),
+                                dict(kernel_block_size={"mla": 16, "swa": 2})], ids=["full", "circular", "hybrid"])
+def test_tiny_trace_other_tables_reference_backend(monkeypatch, kw):
+    monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
+    assert run_trace(tiny_layout(**kw), 80, 4, pad=2, num_blocks=64) > 500
 
 
 def test_flash_trace_reference_backend(monkeypatch):
@@ -130,14 +158,13 @@ def test_flash_trace_reference_backend(monkeypatch):
     run_trace(flash_layout(), 60, 7, num_blocks=64, max_tokens=512, prompt_len=(1, 900), max_new_tokens=(1, 8))
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
 def test_tiny_trace_kernels(device):
     """The same trace on the Triton kernels (interpreter on CPU, compiled on CUDA)."""
-    if device.type == "cpu" and not os.environ.get("TRITON_INTERPRET"):
-        pytest.skip("needs TRITON_INTERPRET=1 or CUDA")
-    run_trace(tiny_layout(), 25, 3, pad=4, num_blocks=96, device=device)
+    run_trace(tiny_layout(), 12, 3, pad=4, num_blocks=96, device=device)
 
 
-def test_custom_channel_registered_outside_the_package(monkeypatch):
+def test_custom_channel_registered_outside_the_package(monkeypatch, registry):
     """A ratio-2 cache on the MLA group, added without touching dsv4_index."""
     from dsv4_index import ChannelSpec, register_channel
     from dsv4_index.channels import CausalCompressedChannel
@@ -170,65 +197,69 @@ def test_bad_step_leaves_state_unchanged(monkeypatch):
         a.update(step)
         b.update(step)
         ma, mb = a.build(), b.build()
-        assert ma.req_ids == mb.req_ids
+        assert ma.req_ids == mb.req_ids and ma.req_slots.tolist() == mb.req_slots.tolist()
         for name in ma.channels:
             for f in ("slot_mapping", "compressed_slot_mapping", "indices", "lens"):
                 x, y = getattr(ma[name], f), getattr(mb[name], f)
                 assert (x is None and y is None) or torch.equal(x, y)
+        for x, y in zip(a.tables.tables, b.tables.tables):
+            assert torch.equal(x, y), i
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
 def test_scheduler_trace_fused_vs_unfused_vs_python(device):
-    """Regression: a reference-scheduler trace (prefix hits, preemption, spec decode) through the fused
-    pipeline (segments applied in the launch), the unfused one (segments applied by torch ops) and the
-    plain-Python expectation; one H2D per step, the same bytes on both paths."""
-    if device.type == "cpu" and not os.environ.get("TRITON_INTERPRET"):
-        pytest.skip("needs TRITON_INTERPRET=1 or CUDA")
+    """A reference-scheduler trace (prefix hits with replay, preemption and resume, spec decode)
+    through the fused pipeline (block writes applied in the launch), the unfused one (applied by
+    torch ops) and the plain-Python expectation; one H2D per step, the same bytes on both paths."""
     layout = tiny_layout()
-    spec, R = 2, 6
-    fused = MetadataPipeline(layout, R, 64 + 4, device, num_speculative_tokens=spec)
-    plain = MetadataPipeline(layout, R, 64 + 4, device, num_speculative_tokens=spec, fused=False)
+    spec, R = 2, 4
+    fused = MetadataPipeline(layout, R, 32 + 4, device, num_speculative_tokens=spec)
+    plain = MetadataPipeline(layout, R, 32 + 4, device, num_speculative_tokens=spec, fused=False)
     assert fused._fused is not None and plain._fused is None
-    segs = 0
-    for i, (step, views) in enumerate(random_trace(layout, 30, 13, num_blocks=96, max_num_batched_tokens=64,
-                                                   max_num_seqs=R, num_speculative_tokens=spec)):
+    assert fused.num_launches == 1 and plain.num_launches == len(layout.channels)
+    writes = 0
+    trace = eventful_trace(layout, 8, num_blocks=40, max_num_seqs=R, seeds=range(200))
+    for i, (step, views) in enumerate(trace):
         pad = step.total_tokens + (i % 3) * 2
         fused.update(step, pad_to=pad)
         plain.update(step, pad_to=pad)
         mf, mp = fused.build(), plain.build()
-        check_step(layout, mf, views, 1 + spec)
-        check_step(layout, mp, views, 1 + spec)
+        check_step(layout, mf, views, 1 + spec, fused)
+        check_step(layout, mp, views, 1 + spec, plain)
         sf, sp = fused.last_step_stats, plain.last_step_stats
-        assert sf.num_h2d_copies == 1 and sf.num_launches == 1 and sf.h2d_bytes == sp.h2d_bytes
-        segs += sf.num_segments
-        for gid, (a, b) in enumerate(zip(mf.block_tables, mp.block_tables)):
-            t = fused.tables[gid]
-            for r in range(mf.num_reqs):
-                n = int(t.num_blocks[r])
-                assert torch.equal(a[r, :n].cpu(), b[r, :n].cpu()), (i, gid, r)
-    assert segs > 0
+        assert (sf.num_h2d_copies, sf.num_launches, sf.num_applies) == (1, 1, 0)
+        assert sf.h2d_bytes == sp.h2d_bytes and sf.num_writes == sp.num_writes
+        writes += sf.num_writes
+        for gid, (a, b) in enumerate(zip(fused.tables.tables, plain.tables.tables)):
+            assert torch.equal(a.cpu(), b.cpu()), (i, gid)
+    assert writes > 0
 
 
-def test_bulk_path_equals_one_by_one_path(monkeypatch):
-    """The bulk checks + appends (_plan_step) stage exactly what the one-by-one path stages."""
+def test_step_input_path_stages_what_the_step_batch_path_stages(monkeypatch):
+    """``update(StepInput)`` converts through the pipeline's slot map; the same step converted by
+    hand (``batch_from_step`` + commit) and given as a ``StepBatch`` stages the same bytes and builds
+    the same metadata (the array-form step is the one path underneath)."""
     monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
     layout = tiny_layout()
-    bulk = MetadataPipeline(layout, 6, 64, "cpu", num_speculative_tokens=2)
-    slow = MetadataPipeline(layout, 6, 64, "cpu", num_speculative_tokens=2)
-    monkeypatch.setattr(slow, "_plan_step", lambda step, sm: None)
-    planned = []
-    orig = bulk._plan_step
-    monkeypatch.setattr(bulk, "_plan_step", lambda step, sm: planned.append(orig(step, sm)) or planned[-1])
-    for step, views in random_trace(layout, 80, 21, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=6,
+    G = len(layout.groups)
+    ids = MetadataPipeline(layout, 6, 64, "cpu", num_speculative_tokens=2)
+    arrays = MetadataPipeline(layout, 6, 64, "cpu", num_speculative_tokens=2)
+    for step, views in random_trace(layout, 40, 21, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=6,
                                     num_speculative_tokens=2):
-        bulk.update(step)
-        slow.update(step)
-        assert bulk.req_ids == slow.req_ids
-        n = bulk.last_step_stats.h2d_bytes // 4
-        assert n == slow.last_step_stats.h2d_bytes // 4
-        assert (bulk._host_np[:n] == slow._host_np[:n]).all()
-        check_step(layout, bulk.build(), views, 3)
-        slow.build()
-    assert sum(p is not None for p in planned) > 40
+        batch, delta = batch_from_step(step, arrays.slot_map, G)
+        ids.update(step)
+        arrays.update(batch)
+        arrays.slot_map.commit(delta)
+        n = ids.last_step_stats.h2d_bytes // 4
+        assert n == arrays.last_step_stats.h2d_bytes // 4
+        assert torch.equal(ids.staging.dev[:n], arrays.staging.dev[:n])
+        mi, ma = ids.build(), arrays.build()
+        check_step(layout, mi, views, 3, ids)
+        assert ma.req_ids is None and ma.req_slots.tolist() == mi.req_slots.tolist()
+        for name in mi.channels:
+            for f in ("slot_mapping", "compressed_slot_mapping", "indices", "lens"):
+                x, y = getattr(mi[name], f), getattr(ma[name], f)
+                assert (x is None and y is None) or torch.equal(x, y)
 
 
 def test_warmup_compiles_topk_conversion(monkeypatch):
@@ -238,9 +269,13 @@ def test_warmup_compiles_topk_conversion(monkeypatch):
     calls = []
     for name, b in pipe._builders.items():
         orig = b.topk_to_slots
-        monkeypatch.setattr(b, "topk_to_slots",
-                            lambda ctx, topk, orig=orig, name=name: calls.append((name, topk)) or orig(ctx, topk))
-    pipe.warmup()
+        monkeypatch.setattr(b, "topk_to_slots", lambda ctx, topk, compact=False, orig=orig, name=name:
+                            calls.append((name, topk)) or orig(ctx, topk, compact=compact))
+    pipe.warmup(pad_sizes=(1, 4))
     assert "c4a" in layout.channels and [n for n, _ in calls] == ["c4a"]  # the only channel with top-k
     for _, topk in calls:
-        assert topk.dtype == torch.int32 and topk.shape == (1, layout.index_topk) and (topk == -1).all()
+        assert topk.dtype == torch.int32 and topk.shape[1] == layout.index_topk and (topk == -1).all()
+        assert topk.shape[0] >= 4  # NOTE: as many rows as the last warm-up size
+    with pytest.raises(RuntimeError, match="warmup"):
+        pipe.update(StepInput([], [], {}))
+        pipe.warmup()

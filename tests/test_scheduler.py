@@ -1,20 +1,33 @@
-"""Reference scheduler: invariants over random traces, plus scripted cases with hand-derived values."""
+"""Reference scheduler: invariants over random traces, plus scripted cases with hand-derived values;
+bounded replay (``replay_end``) and circular groups, also through the MetadataPipeline."""
 
+import dataclasses
+import os
 import random
 from collections import Counter
 
 import pytest
+import torch
 
 from dsv4_index.geometry import DSV4Layout, GroupSpec
-from dsv4_index.scheduler import ReferenceScheduler, random_trace, scripted_trace
+from dsv4_index.pipeline import MetadataPipeline
+from dsv4_index.scheduler import ReferenceScheduler, cache_writes, random_trace, scripted_trace
 
 TINY = dict(num_hidden_layers=2, compress_ratios=[4, 16], sliding_window=16, index_topk=8)
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def tiny_layout(max_model_len=256):
+def tiny_layout(max_model_len=256, circular=None):
     # mla bs 32 (full, prefix-cacheable), swa bs 8 W 16, c4_state bs 4 W 8, c128_state bs 8 W 16
+    # (ring tables by default); `circular`: group name -> capacity
     return DSV4Layout.from_config(TINY, max_model_len, mla_block_size=32, swa_block_size=8,
-                                  c4_state_block_size=4, c128_state_block_size=8)
+                                  c4_state_block_size=4, c128_state_block_size=8, circular=circular)
+
+
+# circular c128_state (W 16, capacity 24: at most 9 tokens per request and step); and c4_state too
+# (W 8, capacity 12: at most 5 tokens)
+CIRCULAR = {"c128_state": 24}
+CIRCULAR_BOTH = {"c128_state": 24, "c4_state": 12}
 
 
 def hybrid_groups():
@@ -122,6 +135,12 @@ def check_step(sched, step, views, pre, pre_order, mirror, stats):
         assert all(o in nst or o in step.preempted_req_ids for o in pre_order[pre_order.index(rid) + 1:])
         st = sched.req_state(rid)
         assert st.status == "waiting" and all(not x for x in st.block_ids)
+    assert set(step.replay_end) <= set(nst)
+    # circular groups: [b] when a request enters the batch (new or resumed), [] while it runs
+    for gid, g in enumerate(groups):
+        if g.kind == "circular":
+            assert all(len(r.block_ids[gid]) == 1 for r in step.new_requests)
+            assert all(len(r.new_block_ids[gid]) == (1 if r.resumed else 0) for r in step.running_requests)
     if step.preempted_req_ids:
         assert not step.new_requests and not any(r.resumed for r in step.running_requests)
     for rid in step.finished_req_ids:
@@ -139,6 +158,11 @@ def check_step(sched, step, views, pre, pre_order, mirror, stats):
         # blocks cover every position the step writes or reads; sliding blocks below the window are gone
         c, end = v.num_computed_tokens, v.seq_len
         for g, table, alloc in zip(groups, v.block_ids, st.alloc_block_ids):
+            if g.kind == "circular":  # one block for life, and the window fits the ring with q tokens
+                assert len(alloc) == 1 and alloc[0] != 0 and table == alloc, (v, g)
+                assert g.window - 1 + v.num_scheduled_tokens <= g.block_size, (v, g)
+                stats["circular_capped"] += v.num_scheduled_tokens == g.block_size - g.window + 1
+                continue
             f = getattr(g, "blocks_per_kv_block", 1)
             assert len(table) == len(alloc) * f and len(table) <= g.table_width
             assert [b // f if b else 0 for b in table[::f]] == alloc
@@ -154,7 +178,17 @@ def check_step(sched, step, views, pre, pre_order, mirror, stats):
             assert step.replay_start[v.req_id] == v.replay_start == st.replay_start
             assert st.prefix_hit_tokens > 0
             assert v.replay_start == max(0, st.prefix_hit_tokens - max(
-                g.window for g in groups if g.kind == "sliding"))
+                g.window for g in groups if g.kind != "full"))
+        # replay_end: exactly on the steps that schedule positions below the hit, equal to the hit
+        if c < st.prefix_hit_tokens:
+            assert step.replay_end[v.req_id] == v.replay_end == st.prefix_hit_tokens, (v, st)
+            pg = next(g for g in groups if g.prefix_cacheable)
+            assert v.req_id in step.replay_start and st.prefix_hit_tokens % alloc_size(pg) == 0
+            stats["replay_end"] += 1
+            stats["replay_end_straddles"] += end > st.prefix_hit_tokens
+        else:
+            assert v.req_id not in step.replay_end and v.replay_end == 0, (v, st)
+            stats["hit_past_replay"] += v.req_id in step.replay_start
         stats["tokens"] += v.num_scheduled_tokens
         stats["decode" if v.is_decode else "prefill"] += 1
         stats["chunked"] += (not v.is_decode and v.seq_len < st.prompt_len + st.num_output_tokens)
@@ -216,7 +250,21 @@ def test_random_trace_invariants(seed):
     stats = drive(sched, 400, seed, arrival_prob=0.6)
     # the trace exercised every feature (so the checks above were not vacuous)
     for k in ("decode", "prefill", "chunked", "new_hit", "resumed", "preempted", "finished",
-              "partial_accept"):
+              "partial_accept", "replay_end", "replay_end_straddles", "hit_past_replay"):
+        assert stats[k] > 0, (k, stats)
+
+
+@pytest.mark.parametrize("circular", [CIRCULAR, CIRCULAR_BOTH], ids=["c128_state", "both_states"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_trace_invariants_circular(seed, circular):
+    """Circular state groups: one block per request for life, per-step token cap, same invariants."""
+    sched = ReferenceScheduler(tiny_layout(circular=circular), 40, max_num_batched_tokens=32,
+                               max_num_seqs=5, num_speculative_tokens=2, long_prefill_threshold=24,
+                               seed=seed)
+    assert sched.circular_token_cap == min(c - w + 1 for c, w in zip(circular.values(), (16, 8)))
+    stats = drive(sched, 400, seed, arrival_prob=0.6)
+    for k in ("decode", "chunked", "new_hit", "resumed", "preempted", "finished", "replay_end",
+              "circular_capped"):
         assert stats[k] > 0, (k, stats)
 
 
@@ -464,3 +512,185 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="req_id"):
         s.req_state("nope")
     assert s.batch_view(step)[0].req_id == "a"
+
+
+# ------------------------------------------------------------------------------------------------
+# bounded replay: replay_end
+# ------------------------------------------------------------------------------------------------
+def test_replay_end_scripted_chunks():
+    """replay_end = hit length on every step that schedules positions below it (here: chunked
+    replay), absent once the request is past it; replay_start stays."""
+    s = small(num_blocks=160, max_num_batched_tokens=64, long_prefill_threshold=8)
+    s.add_request("a", 100, 30)
+    while s.req_state("a").num_computed_tokens < 100:
+        s.schedule()
+        s.update_after_step()
+    s.add_request("b", 120, 4, prefix_of="a", prefix_len=100)
+    got = []
+    while s.req_state("b").num_computed_tokens < 120:
+        step = s.schedule()
+        v = next(v for v in s.batch_view(step) if v.req_id == "b")
+        got.append((v.num_computed_tokens, v.num_scheduled_tokens, step.replay_start.get("b"),
+                    step.replay_end.get("b"), v.replay_end))
+        assert "a" not in step.replay_end and "a" not in step.replay_start
+        s.update_after_step()
+    # hit 96 tokens (3 blocks of 32), max window 16: replay [80, 96) in chunks of 8, then past it
+    assert got == [(80, 8, 80, 96, 96), (88, 8, 80, 96, 96), (96, 8, 80, None, 0), (104, 8, 80, None, 0),
+                   (112, 8, 80, None, 0)]
+
+
+def test_replay_end_on_new_requests():
+    s = small(num_blocks=160, max_num_batched_tokens=128)
+    s.add_request("a", 100, 30)
+    step = s.schedule()
+    assert step.replay_end == {} and step.replay_start == {}
+    s.update_after_step()
+    s.add_request("b", 120, 60, prefix_of="a", prefix_len=100)
+    s.add_request("c", 97, 1, prefix_of="a", prefix_len=97)
+    s.add_request("d", 40, 1, prefix_of="a", prefix_len=40)
+    step = s.schedule()
+    # b: hit 96, replays [80, 96) in a chunk [80, 120); c: hit 96 (< its prompt 97); d: hit 32 (< 40),
+    # replay from 16; a (decode) has no hit
+    assert step.replay_start == {"b": 80, "c": 80, "d": 16}
+    assert step.replay_end == {"b": 96, "c": 96, "d": 32}
+    s.update_after_step()
+    step = s.schedule()
+    assert step.replay_end == {} and set(step.replay_start) == {"b"}
+
+
+def _replay_trace(layout, seed, steps, *, validate=True):
+    """A random trace with many prefix hits through two reference pipelines: one gets the steps,
+    the other the same steps without replay_end. Counts writes by kind."""
+    sched = ReferenceScheduler(layout, 80, max_num_batched_tokens=32, max_num_seqs=6,
+                               num_speculative_tokens=2, long_prefill_threshold=24, seed=seed)
+    pipe = MetadataPipeline(layout, 8, 32, "cpu", 2, backend="reference", validate=validate)
+    bare = MetadataPipeline(layout, 8, 32, "cpu", 2, backend="reference")
+    pc = [n for n, c in layout.channels.items() if layout.groups[c.gid].prefix_cacheable]
+    n = Counter()
+    for step, views in sched.random_trace(steps, seed, prompt_len=(1, 160), max_new_tokens=(1, 16),
+                                          prefix_prob=0.7, arrival_prob=0.4):
+        holders = sched.block_holders()
+        pipe.update(step)
+        bare.update(dataclasses.replace(step, replay_end={}))
+        writes, bare_writes = cache_writes(pipe.build(), holders), cache_writes(bare.build(), holders, pc)
+        n["shared"] += sum(bool(w.others) for w in writes)
+        n["unowned"] += sum(not w.owned for w in writes)
+        n["writes"] += len(writes)
+        n["replayed_tokens"] += sum(max(0, min(v.seq_len, v.replay_end) - v.num_computed_tokens) for v in views)
+        n["bare_shared"] += sum(bool(w.others) for w in bare_writes)
+        n["hits"] += sum(r.req_id in step.replay_start for r in step.new_requests)
+    return n
+
+
+@pytest.mark.parametrize("circular", [None, CIRCULAR, CIRCULAR_BOTH], ids=["rings", "c128_state", "both_states"])
+def test_replay_never_writes_blocks_another_request_holds(circular):
+    """Through the pipeline (check_metadata after every build): no token of any step writes into a
+    block that another live request holds (slot and compressed slot mappings of every channel), nor
+    into a block the writer does not hold. Without replay_end the same trace does (the test can fail)."""
+    n = _replay_trace(tiny_layout(circular=circular), 0, 200)
+    assert n["hits"] >= 10 and n["replayed_tokens"] > 100 and n["writes"] > 1000, n
+    assert n["shared"] == 0 and n["unowned"] == 0, n
+    assert n["bare_shared"] > 0, n
+
+
+# ------------------------------------------------------------------------------------------------
+# circular groups
+# ------------------------------------------------------------------------------------------------
+def test_circular_block_per_request_and_token_cap():
+    layout = tiny_layout(circular={"c128_state": 18})  # W 16: at most 3 tokens per request and step
+    gid = layout.group("c128_state").gid
+    s = ReferenceScheduler(layout, 64, max_num_batched_tokens=64, max_num_seqs=4, num_speculative_tokens=3)
+    assert s.circular_token_cap == 3
+    s.add_request("a", 7, 2)
+    steps, held = [], []
+    for step, views in scripted_trace(s, [{}, {}, {}, {"accept": {"a": 1}}]):
+        steps.append((step, views))
+        held.append(s.req_state("a").alloc_block_ids[gid])
+    got = [(v.num_computed_tokens, v.num_scheduled_tokens, v.is_decode) for _, vs in steps for v in vs]
+    # prefill in chunks of 3, then a decode with 2 (not 3) spec tokens
+    assert got == [(0, 3, False), (3, 3, False), (6, 1, False), (7, 3, True)]
+    [new] = steps[0][0].new_requests
+    b = new.block_ids[gid]
+    assert len(b) == 1 and b[0] != 0 and held == [b] * 4
+    assert all(r.new_block_ids[gid] == [] for st, _ in steps[1:] for r in st.running_requests)
+    assert all(v.block_ids[gid] == b for _, vs in steps for v in vs)
+    assert s.req_state("a").status == "finished" and b[0] in s.free_block_ids()
+
+
+def test_circular_worst_need_and_admission():
+    layout = tiny_layout(circular={"c128_state": 24})  # W 16: at most 9 tokens per step
+    s = ReferenceScheduler(layout, 18, max_num_batched_tokens=64, max_num_seqs=4)
+    # mla cdiv(200, 32) = 7; swa (bs 8, W 16) cdiv(15 + 9, 8) + 1 = 4; c4_state (bs 4, W 8)
+    # cdiv(7 + 9, 4) + 1 = 5; c128_state: 1 block
+    assert s._worst_need(200) == 17
+    assert s.max_request_len() == 224  # 7 mla blocks + 10
+    with pytest.raises(ValueError, match="num_blocks"):
+        s.add_request("x", 225, 1)
+    s.add_request("a", 223, 1)  # runs alone to the end in 17 blocks
+    while s.has_unfinished():
+        step = s.schedule()
+        assert all(n <= 9 for n in step.num_scheduled_tokens.values())
+        s.update_after_step()
+    assert sorted(s.free_block_ids()) == list(range(1, 18))
+
+
+@pytest.mark.parametrize("circular", [CIRCULAR, CIRCULAR_BOTH], ids=["c128_state", "both_states"])
+def test_circular_traces_through_pipeline_validate(circular):
+    """Random traces (chunks, spec decode, preemption and resume, prefix hits) with circular state
+    groups: the pipeline accepts every step and check_metadata passes after every build."""
+    layout = tiny_layout(circular=circular)
+    for seed in (1, 2):
+        sched = ReferenceScheduler(layout, 40, max_num_batched_tokens=32, max_num_seqs=5,
+                                   num_speculative_tokens=2, long_prefill_threshold=24, seed=seed)
+        pipe = MetadataPipeline(layout, 6, 40, "cpu", 2, backend="reference", validate=True)
+        seen = Counter()
+        for i, (step, views) in enumerate(sched.random_trace(150, seed, prompt_len=(1, 160),
+                                                             max_new_tokens=(1, 16), prefix_prob=0.5)):
+            pipe.update(step, pad_to=min(40, step.total_tokens + i % 5))
+            meta = pipe.build()
+            seen["preempted"] += len(step.preempted_req_ids)
+            seen["resumed"] += sum(r.resumed for r in step.running_requests)
+            seen["replay"] += len(step.replay_end)
+            seen["tokens"] += meta.num_tokens
+        assert seen["preempted"] and seen["resumed"] and seen["replay"], seen
+
+
+_FIELDS = ("slot_mapping", "compressed_slot_mapping", "indices", "lens", "ks", "ke", "cu", "decode_lens",
+           "compact_slot_mapping", "compact_cu", "lens_clamped", "decode_lens_clamped")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETING),
+                    reason="the Triton path needs CUDA or TRITON_INTERPRET=1")
+def test_circular_fused_triton_equals_reference(device):
+    """The fused Triton launch (interpreter on CPU) equals the PyTorch reference field by field on a
+    short trace with both state groups circular, prefix hits with replay, and padding."""
+    layout = tiny_layout(circular=CIRCULAR_BOTH)
+    sched = ReferenceScheduler(layout, 40, max_num_batched_tokens=24, max_num_seqs=4,
+                               num_speculative_tokens=2, long_prefill_threshold=12, seed=4)
+    fused = MetadataPipeline(layout, 5, 28, device, 2)
+    ref = MetadataPipeline(layout, 5, 28, device, 2, backend="reference")
+    assert fused._fused is not None and ref._fused is None
+    seen = Counter()
+    # a prefix owner, then requests that hit it while it runs
+    script = [{"add": [dict(req_id="a", prompt_len=70, max_new_tokens=12)]}, {}, {}, {}, {}, {},
+              {"add": [dict(req_id="b", prompt_len=80, max_new_tokens=3, prefix_of="a", prefix_len=70)]},
+              {}, {"add": [dict(req_id="c", prompt_len=40, max_new_tokens=4, prefix_of="a", prefix_len=40)]}]
+    for i, (step, views) in enumerate(scripted_trace(sched, script + [{}] * 5)):
+        pad = min(28, step.total_tokens + i % 4)
+        fused.update(step, pad_to=pad)
+        ref.update(step, pad_to=pad)
+        mf, mr = fused.build(), ref.build()
+        seen["replay"] += len(step.replay_end)
+        for name in ("query_start_loc", "seq_lens", "idx_mapping", "positions", "token_to_req", "is_valid_token"):
+            assert torch.equal(getattr(mf, name), getattr(mr, name)), (i, name)
+        for ch in mf.channels:
+            for f in _FIELDS:
+                a, b = getattr(mf[ch], f, None), getattr(mr[ch], f, None)
+                assert (a is None) == (b is None), (i, ch, f)
+                assert a is None or torch.equal(a, b), (i, ch, f, a, b)
+        for g in range(len(layout.groups)):
+            assert torch.equal(fused.tables.tables[g], ref.tables.tables[g]), (i, g)
+        topk = torch.randint(-2, 24, (mf.num_tokens_padded, 4), dtype=torch.int32, device=device)
+        a, b = mf.topk_to_slots("c4a", topk), mr.topk_to_slots("c4a", topk)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), i
+    assert seen["replay"] >= 2, seen

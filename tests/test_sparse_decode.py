@@ -261,9 +261,11 @@ def test_bench_refuses_cpu():
 # V4-Flash shape on the GPU
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [True, False])
-def test_flash_shape_bf16_gpu(extra):
-    c = dict(T=64, H=64, D=512, W=128, K=512, N=8192, extra=extra, sink=True, p_bad=0.05, full=False,
+@pytest.mark.parametrize("T,H,K,extra", [(64, 64, 512, True), (64, 64, 512, False),   # V4-Flash
+                                         (256, 64, 512, True), (64, 128, 1024, True)],  # BLOCK_H=64 tiles
+                         ids=["flash-c4a", "flash-swa", "flash-T256", "pro-c4a"])
+def test_flash_shape_bf16_gpu(T, H, K, extra):
+    c = dict(T=T, H=H, D=512, W=128, K=K, N=8192, extra=extra, sink=True, p_bad=0.05, full=False,
              seed=2)
     args = build(c, torch.bfloat16)
     out, lse = sparse_decode_attention(*args)

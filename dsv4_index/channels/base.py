@@ -4,8 +4,7 @@ A builder owns one channel (one cache that reads a group's block table): it allo
 channel's persistent buffers, says what it contributes to the one fused launch of a step
 (:meth:`ChannelBuilder.fused_tasks`, descriptors of :mod:`dsv4_index.fused.tasks`), launches the
 per-op kernels when unfused (:meth:`ChannelBuilder.launch`), returns its views
-(:meth:`ChannelBuilder.views`), tells the host checks how many blocks a request needs
-(:meth:`ChannelBuilder.blocks_needed`) and states what its outputs must equal
+(:meth:`ChannelBuilder.views`) and states what its outputs must equal
 (:meth:`ChannelBuilder.expected`, from the references). The pipeline and the fused plan know no
 builder class.
 """
@@ -18,7 +17,6 @@ from typing import Dict, List, Optional, Tuple, Type
 import numpy as np
 import torch
 
-from .._common import cp_owned_count
 from ..fused.tasks import FusedTask
 
 __all__ = ["BuildContext", "ChannelBuilder", "ChannelMetadata", "register_channel", "registered_channels",
@@ -43,6 +41,8 @@ class ChannelMetadata:
     lens : int32 [T] — valid entries of ``indices`` (for ``c4i``: visible compressed rows ``n_c``).
     ks, ke : int32 [T] — ragged indexer key ranges (``c4i``); cu : int32 [B + 1] — their request offsets.
     decode_lens : int32 [num_decodes, next_n] — right-aligned indexer lengths of decode rows (``c4i``).
+    lens_clamped, decode_lens_clamped — ``max(x, 1)`` copies of ``lens`` / ``decode_lens`` (``c4i``), for
+        DeepGEMM-style consumers that crash on zero lengths (DESIGN §10); padded rows read 1.
     block_table : int32 [max_num_reqs, cols] — the group's device table, indexed by request slot
         (batch row ``b`` reads row ``idx_mapping[b]``); a ring for ring groups (``ring_cols > 0``).
     """
@@ -66,6 +66,8 @@ class ChannelMetadata:
     ke: Optional[torch.Tensor] = None
     cu: Optional[torch.Tensor] = None
     decode_lens: Optional[torch.Tensor] = None
+    lens_clamped: Optional[torch.Tensor] = None
+    decode_lens_clamped: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -151,7 +153,7 @@ class BuildContext:
 class ChannelBuilder:
     """Base class of channel builders (subclass it and :func:`register_channel` the class).
 
-    Required: :meth:`allocate`, :meth:`launch`, :meth:`views`, :meth:`blocks_needed`. Optional:
+    Required: :meth:`allocate`, :meth:`launch`, :meth:`views`. Optional:
     :meth:`fused_tasks` (join the one fused launch; default: none, so :meth:`launch` runs),
     :meth:`num_staged_arrays` / :meth:`fill_staged` (per-request host arrays staged with the step),
     :attr:`int32_unit`, :meth:`expected` (used by :mod:`dsv4_index.validate`), :meth:`topk_to_slots`.
@@ -186,17 +188,6 @@ class ChannelBuilder:
     def views(self, ctx: BuildContext) -> ChannelMetadata:  # pragma: no cover - interface
         """This step's outputs as views of the persistent buffers (no device work)."""
         raise NotImplementedError
-
-    def blocks_needed(self, ctx: BuildContext, seq_lens: np.ndarray) -> np.ndarray:
-        """Kernel blocks of the channel's group that requests of these lengths need, int64 ``[B]``
-        (the host's coverage check: a missing block would be read as a stale id)."""
-        if self.group.kind == "circular":
-            return (seq_lens > 0).astype(np.int64)
-        w, r, i = ctx.group_cp(self.spec.gid)
-        rows = seq_lens // self.spec.compress_ratio if self.spec.compress_ratio > 1 else seq_lens
-        unit = self.spec.rows_per_block if self.spec.compress_ratio > 1 else self.group.block_size
-        local = cp_owned_count(rows, w, r, i) if w > 1 else rows
-        return -(-local // unit)
 
     # -- optional ----------------------------------------------------------------------------
     def fused_tasks(self, ctx: BuildContext) -> List[FusedTask]:

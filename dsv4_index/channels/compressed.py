@@ -117,8 +117,9 @@ class CompressedChannel(CompressedBase):
     def topk_to_slots(self, ctx: BuildContext, topk: torch.Tensor, *, compact: bool = False):
         if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
             raise ValueError(f"topk must be a 2-D tensor [T, K], got {getattr(topk, 'shape', topk)!r}")
-        if topk.dtype not in (torch.int32, torch.int64) or topk.device != ctx.device:
-            raise ValueError(f"topk must be int32 or int64 on {ctx.device}, got {topk.dtype} on {topk.device}")
+        dev = self.token_rows.device  # NOTE: concrete (cuda:0), where ctx.device may be plain "cuda"
+        if topk.dtype not in (torch.int32, torch.int64) or topk.device != dev:
+            raise ValueError(f"topk must be int32 or int64 on {dev}, got {topk.dtype} on {topk.device}")
         Tp, K = ctx.num_tokens_padded, topk.shape[1]
         if K > self.k_capacity:
             raise ValueError(f"topk has K = {K} columns, channel {self.spec.name!r} was sized for "

@@ -29,6 +29,9 @@ class IndexerChannel(CompressedBase):
         self.ke = torch.zeros((T,), dtype=torch.int32, device=dev)
         self.cu = torch.zeros((T + 1,), dtype=torch.int32, device=dev)
         self.decode_lens = torch.zeros((T, ctx.next_n), dtype=torch.int32, device=dev)
+        # NOTE: clamped (>= 1) copies for DeepGEMM-style consumers (zero lengths crash some of them)
+        self.lens_clamped = torch.ones((T,), dtype=torch.int32, device=dev)
+        self.decode_lens_clamped = torch.ones((T, ctx.next_n), dtype=torch.int32, device=dev)
         self.with_indices = "indices" in self.spec.outputs
         if self.with_indices:
             self.indices = torch.full((T, self.spec.index_width), -1, dtype=torch.int32, device=dev)
@@ -49,9 +52,11 @@ class IndexerChannel(CompressedBase):
     def fused_tasks(self, ctx: BuildContext):
         s, cu_index = self.spec, self.extra_index + (1 if self.spec.compact else 0)
         tasks = super().fused_tasks(ctx) + [
-            FusedTask("indexer", (self.lens, self.ks, self.ke), gid=s.gid, a=s.compress_ratio, extra=cu_index),
+            FusedTask("indexer", (self.lens, self.ks, self.ke, self.lens_clamped), gid=s.gid, a=s.compress_ratio,
+                      extra=cu_index),
             FusedTask("staged_copy", (self.cu,), extra=cu_index),
-            FusedTask("decode_lens", (self.decode_lens,), gid=s.gid, a=s.compress_ratio, b=ctx.next_n)]
+            FusedTask("decode_lens", (self.decode_lens, self.decode_lens_clamped), gid=s.gid, a=s.compress_ratio,
+                      b=ctx.next_n)]
         if self.with_indices:
             tasks.append(FusedTask("causal", (self.indices, self.index_lens), gid=s.gid, a=s.compress_ratio,
                                    b=s.rows_per_block, width=self.indices.shape[1]))
@@ -68,6 +73,8 @@ class IndexerChannel(CompressedBase):
                         out_ks=self.ks[:Tp], out_ke=self.ke[:Tp], out_cu=self.cu[:B + 1], **kw)
         self.cu[B + 1:Tp + 1].copy_(self.cu[B:B + 1].expand(Tp - B))
         self.decode_lens[ctx.num_decodes:Tp].zero_()
+        torch.clamp(self.lens[:Tp], min=1, out=self.lens_clamped[:Tp])
+        torch.clamp(self.decode_lens[:Tp], min=1, out=self.decode_lens_clamped[:Tp])
         if self.with_indices:
             causal_compressed_indices(qsl, seq, ctx.tables[s.gid], s.rows_per_block, s.compress_ratio,
                                       s.index_width, out=self.indices[:Tp], out_lens=self.index_lens[:Tp],
@@ -76,5 +83,7 @@ class IndexerChannel(CompressedBase):
     def views(self, ctx: BuildContext):
         Tp, B = ctx.num_tokens_padded, ctx.num_reqs
         extra = {"indices": self.indices[:Tp]} if self.with_indices else {}
+        nd = ctx.num_decodes
         return self.meta(ctx, lens=self.lens[:Tp], ks=self.ks[:Tp], ke=self.ke[:Tp], cu=self.cu[:B + 1],
-                         decode_lens=self.decode_lens[:ctx.num_decodes], **self.compressed_views(ctx), **extra)
+                         decode_lens=self.decode_lens[:nd], lens_clamped=self.lens_clamped[:Tp],
+                         decode_lens_clamped=self.decode_lens_clamped[:nd], **self.compressed_views(ctx), **extra)

@@ -20,7 +20,7 @@ from ..ops._device import (causal_row, compressed_slot, decode_row_lens, raw_slo
                            window_row)
 from ..state.staging import H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START
 from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, F_A, F_B, F_CPI, F_CPR, F_CPW, F_EXTRA, F_FLAGS,
-                    F_GROUP, F_KIND, F_OUT0, F_OUT1, F_OUT2, F_RING, F_STRIDE, F_TABLE, F_TWIDTH, F_WIDTH,
+                    F_GROUP, F_KIND, F_OUT0, F_OUT1, F_OUT2, F_OUT3, F_RING, F_STRIDE, F_TABLE, F_TWIDTH, F_WIDTH,
                     FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, INDEXER, REPLAYS, REQUESTS, STAGED_COPY, TOKEN_ROWS, WINDOW)
 
 _H_NUM_REQS: tl.constexpr = tl.constexpr(H_NUM_REQS)
@@ -54,7 +54,7 @@ def _write_blocks(stage_ptr, tables_ptr, w, off_w, NUM_WRITERS: tl.constexpr, BL
 
 
 @triton.jit
-def _request_unit(stage_ptr, desc_ptr, tile, T_pad, off_qsl, off_seq, off_slots, off_rs, off_re, off_extra,
+def _request_unit(stage_ptr, desc_ptr, tile, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_extra,
                   BLOCK_R: tl.constexpr, NEXT_N_PAD: tl.constexpr):
     kind = _field(desc_ptr, F_KIND)
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -82,17 +82,22 @@ def _request_unit(stage_ptr, desc_ptr, tile, T_pad, off_qsl, off_seq, off_slots,
         j = tl.arange(0, NEXT_N_PAD)[None, :]
         n = decode_row_lens(seq, q, j, next_n, _field(desc_ptr, F_A), _field(desc_ptr, F_CPW),
                             _field(desc_ptr, F_CPR), _field(desc_ptr, F_CPI))
-        out = _ptr(desc_ptr, F_OUT0, tl.int32) + r.to(tl.int64)[:, None] * next_n + j
-        tl.store(out, tl.where(dec[:, None], n, 0), mask=(r < T_pad)[:, None] & (j < next_n))
+        n = tl.where(dec[:, None], n, 0)
+        m = (r < T_pad)[:, None] & (j < next_n)
+        off = r.to(tl.int64)[:, None] * next_n + j
+        tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + off, n, mask=m)
+        clamped = tl.load(desc_ptr + F_OUT1)
+        if clamped != 0:
+            tl.store(clamped.to(tl.pointer_type(tl.int32)) + off, tl.maximum(n, 1), mask=m)
     elif kind == STAGED_COPY:
-        src = stage_ptr + off_extra + _field(desc_ptr, F_EXTRA) * (T_pad + 1)
+        src = stage_ptr + off_extra + _field(desc_ptr, F_EXTRA) * (rows + 1)
         last = tl.load(src + B)
         v = tl.load(src + r, mask=r <= B, other=0)
         tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + r, tl.where(r <= B, v, last), mask=r <= T_pad)
 
 
 @triton.jit
-def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, off_qsl, off_seq, off_slots, off_rs, off_re, off_tok,
+def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_tok,
                 off_extra, off_ov, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     kind = _field(desc_ptr, F_KIND)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -119,7 +124,7 @@ def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, off_qsl, off_seq, off_slo
         cpw = _field(desc_ptr, F_CPW)
         cpr = _field(desc_ptr, F_CPR)
         cpi = _field(desc_ptr, F_CPI)
-        ov = off_ov + (gid * T_pad + b) * 3
+        ov = off_ov + (gid * rows + b) * 3
         lo = tl.load(stage_ptr + ov, mask=valid, other=0)
         hi = tl.load(stage_ptr + ov + 1, mask=valid, other=0)
         pay = tl.load(stage_ptr + ov + 2, mask=valid, other=0)
@@ -154,7 +159,7 @@ def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, off_qsl, off_seq, off_slo
             if out1 != 0:
                 # NOTE: compact form: the k-th row the request completes this step goes to cu[b] + k;
                 # entries from cu[B] on are -1 (written by the token with that index: disjoint stores)
-                cu = stage_ptr + off_extra + _field(desc_ptr, F_EXTRA) * (T_pad + 1)
+                cu = stage_ptr + off_extra + _field(desc_ptr, F_EXTRA) * (rows + 1)
                 start = tl.load(stage_ptr + off_qsl + b, mask=valid, other=0)
                 ctx = seq - (end - start)
                 done = valid & ((pos + 1) % a == 0)
@@ -175,11 +180,14 @@ def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, off_qsl, off_seq, off_slo
                 tl.store(_ptr(desc_ptr, F_OUT1, tl.int32) + t, n, mask=in_out)
         elif kind == INDEXER:
             n = visible_rows(pos, valid, a, cpw, cpr, cpi)
-            cu = stage_ptr + off_extra + _field(desc_ptr, F_EXTRA) * (T_pad + 1)
+            cu = stage_ptr + off_extra + _field(desc_ptr, F_EXTRA) * (rows + 1)
             ks = tl.load(cu + b, mask=valid, other=0)
             tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + t, n, mask=in_out)
             tl.store(_ptr(desc_ptr, F_OUT1, tl.int32) + t, tl.where(valid, ks, 0), mask=in_out)
             tl.store(_ptr(desc_ptr, F_OUT2, tl.int32) + t, tl.where(valid, ks + n, 0), mask=in_out)
+            clamped = tl.load(desc_ptr + F_OUT3)
+            if clamped != 0:
+                tl.store(clamped.to(tl.pointer_type(tl.int32)) + t, tl.maximum(n, 1), mask=in_out)
         elif kind == TOKEN_ROWS:
             tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + t, tl.where(valid, row, -1), mask=in_out)
             # NOTE: n_c of every row, owned or not: top-k picks are global row ids
@@ -187,13 +195,13 @@ def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, off_qsl, off_seq, off_slo
 
 
 @triton.jit(do_not_specialize=["stage_addr", "tables_addr", "tasks_addr", "units_addr", "T_pad", "num_req_units",
-                               "req_tiles", "num_tok_units", "off_qsl", "off_seq", "off_slots", "off_rs",
+                               "req_tiles", "num_tok_units", "rows", "off_qsl", "off_seq", "off_slots", "off_rs",
                                "off_re", "off_tok", "off_extra", "off_ov", "off_w"])
 def fused_step_kernel(stage_addr,   # int64 address: int32 [*] staging buffer (state/staging.py format)
                       tables_addr,  # int64 address: int32 [*] every group's block table
                       tasks_addr,   # int64 address: int64 [num_tasks, NF] task descriptors
                       units_addr,   # int64 address: int32 [num_units, 2] (task, column tile)
-                      T_pad, num_req_units, req_tiles, num_tok_units,
+                      T_pad, num_req_units, req_tiles, num_tok_units, rows,
                       off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, off_w,
                       NF: tl.constexpr, NUM_WRITERS: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -210,12 +218,12 @@ def fused_step_kernel(stage_addr,   # int64 address: int32 [*] staging buffer (s
         if p < n_req:
             unit = p % num_req_units
             task = tl.load(units_ptr + 2 * unit)
-            _request_unit(stage_ptr, tasks_ptr + task.to(tl.int64) * NF, p // num_req_units, T_pad, off_qsl,
+            _request_unit(stage_ptr, tasks_ptr + task.to(tl.int64) * NF, p // num_req_units, T_pad, rows, off_qsl,
                           off_seq, off_slots, off_rs, off_re, off_extra, BLOCK_R, NEXT_N_PAD)
         else:
             p = p - n_req
             unit = num_req_units + p % num_tok_units
             task = tl.load(units_ptr + 2 * unit)
             col = tl.load(units_ptr + 2 * unit + 1)
-            _token_unit(stage_ptr, tasks_ptr + task.to(tl.int64) * NF, p // num_tok_units, col, T_pad, off_qsl,
+            _token_unit(stage_ptr, tasks_ptr + task.to(tl.int64) * NF, p // num_tok_units, col, T_pad, rows, off_qsl,
                         off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, BLOCK_T, BLOCK_C)

@@ -5,6 +5,7 @@ once per step. The plan knows no builder class: it only packs what builders hand
 
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -14,7 +15,7 @@ import triton
 from .._common import cdiv, interpreting
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
-from .tasks import (F_A, F_B, F_CPI, F_CPR, F_CPW, F_EXTRA, F_FLAGS, F_GROUP, F_KIND, F_OUT0, F_RING, F_STRIDE,
+from .tasks import (F_A, F_B, F_CPI, F_CPR, F_CPW, F_EXTRA, F_FLAGS, F_GROUP, F_KIND, F_OUT0, F_OUT1, F_OUT2, F_OUT3, F_RING, F_STRIDE,
                     F_TABLE, F_TWIDTH, F_WIDTH, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, KINDS, NUM_FIELDS,
                     REQUEST_KINDS, TOKEN_KINDS, FusedTask)
 
@@ -64,11 +65,13 @@ class FusedPlan:
         for i, t in enumerate(self.tasks):
             d = desc[i]
             d[F_KIND] = KINDS[t.kind]
-            for k, out in enumerate(t.outputs[:3]):
+            if len(t.outputs) > 4:
+                raise ValueError(f"task {t.kind}: at most four outputs, got {len(t.outputs)}")
+            for k, out in enumerate(t.outputs):
                 if out is not None:
                     if not out.is_contiguous() or out.device != stage.device:
                         raise ValueError(f"task {t.kind}: output {k} must be a contiguous tensor on {stage.device}")
-                    d[F_OUT0 + k] = out.data_ptr()
+                    d[(F_OUT0, F_OUT1, F_OUT2, F_OUT3)[k]] = out.data_ptr()
             if t.gid is not None:
                 g = t.gid
                 d[F_TABLE] = tables.tables[g].data_ptr()
@@ -90,17 +93,33 @@ class FusedPlan:
         self._units = torch.tensor(units or [(0, 0)], dtype=torch.int32, device=stage.device)
         self._head = (stage.data_ptr(), tables.flat.data_ptr(), self._desc.data_ptr(), self._units.data_ptr())
         self._stage = stage
+        self._consts = (NUM_FIELDS, self.num_writers, self.block_w, self.block_r, self.block_t, self.block_c,
+                        self.next_n_pad)
+        self._compiled = None
+        self._direct = (stage.device.type == "cuda" and not interp
+                        and os.environ.get("DSV4_INDEX_DIRECT_LAUNCH", "1") not in ("", "0"))
 
     def num_programs(self, t_pad: int) -> int:
         n_req, n_tok = self.num_units
         return self.num_writers + n_req * cdiv(t_pad + 1, self.block_r) + cdiv(t_pad, self.block_t) * n_tok
 
     def launch(self, lay: StageLayout) -> None:
-        """One launch for the step staged with layout ``lay`` (no host sync, no allocation)."""
+        """One launch for the step staged with layout ``lay`` (no host sync, no allocation).
+
+        NOTE: every argument is an int (addresses of persistent buffers, counts, offsets), passed
+        positionally; after the first launch the compiled kernel's launcher is called directly
+        (``direct``), skipping Triton's argument binding, unless ``DSV4_INDEX_DIRECT_LAUNCH=0``.
+        """
         n_req, n_tok = self.num_units
         t_pad = lay.t_pad
         req_tiles = cdiv(t_pad + 1, self.block_r)
         grid = self.num_writers + n_req * req_tiles + cdiv(t_pad, self.block_t) * n_tok
-        fused_step_kernel[(grid,)](*self._head, t_pad, n_req, req_tiles, n_tok, *lay.kernel_args(),
-                                   NUM_FIELDS, self.num_writers, self.block_w, self.block_r, self.block_t,
-                                   self.block_c, self.next_n_pad)
+        args = (*self._head, t_pad, n_req, req_tiles, n_tok, *lay.kernel_args())
+        k = self._compiled
+        if k is not None:
+            k.run(grid, 1, 1, torch.cuda.current_stream().cuda_stream, k.function, k.packed_metadata, None,
+                  None, None, *args, *self._consts)
+            return
+        k = fused_step_kernel[(grid,)](*args, *self._consts)
+        if self._direct and hasattr(k, "run") and hasattr(k, "packed_metadata"):
+            self._compiled = k

@@ -15,11 +15,12 @@ WINDOW         indices i32 [T, width], lens i32 [T],             a = block size,
                slot_mapping i64 [T] (or none)                    width, group, floor flags
 COMPRESSED     slot_mapping i64 [T], compact i64 [T] (or none)   a = R, b = S, group, extra = cu
 CAUSAL         indices i32 [T, width], lens i32 [T]              a = R, b = S, width, group
-INDEXER        lens, ks, ke i32 [T]                              a = R, group, extra = cu
+INDEXER        lens, ks, ke i32 [T]; out3: max(lens, 1) [T]      a = R, group, extra = cu
 TOKEN_ROWS     table row i32 [T] (-1 padded), n_c i32 [T]        a = R, group
 REQUESTS       query_start_loc, seq_lens, idx_mapping i32        -
                [T_pad + 1]
-DECODE_LENS    decode_lens i32 [T_pad, next_n]                   a = R, b = next_n, group
+DECODE_LENS    decode_lens i32 [T_pad, next_n], clamped (>= 1)   a = R, b = next_n, group
+               copy i32 [T_pad, next_n] (or none)
 STAGED_COPY    copy of staged array ``extra`` i32 [T_pad + 1]    extra
 REPLAYS        replay_start, replay_end i32 [T_pad + 1]          -
 =============  ===============================================  =================================
@@ -69,7 +70,8 @@ F_CPI: tl.constexpr = tl.constexpr(13)
 F_GROUP: tl.constexpr = tl.constexpr(14)     # overlay group (gid)
 F_FLAGS: tl.constexpr = tl.constexpr(15)     # FLAG_* below
 F_EXTRA: tl.constexpr = tl.constexpr(16)     # staged array index
-NUM_FIELDS = 17
+F_OUT3: tl.constexpr = tl.constexpr(17)
+NUM_FIELDS = 18
 FLAG_WRITE_FLOOR: tl.constexpr = tl.constexpr(1)    # writes stop below replay_end (prefix-cacheable group)
 FLAG_WINDOW_FLOOR: tl.constexpr = tl.constexpr(2)   # windows start at replay_start at the earliest
 
@@ -81,7 +83,7 @@ class FusedTask:
     Attributes
     ----------
     kind : str — a key of ``KINDS`` (see the module table).
-    outputs : tuple of tensors (or None), up to three, as the kind's table row lists them; each a
+    outputs : tuple of tensors (or None), up to four, as the kind's table row lists them; each a
         contiguous persistent buffer at capacity.
     gid : int or None — the group whose table, overlay, ring and DCP sharding the task uses.
     a, b : int — the kind's parameters (module table).

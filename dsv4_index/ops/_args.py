@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .._common import (INT32_MAX, INT32_MIN, cdiv, check_batch_values, check_tensor, prepare_out,
+from .._common import (INT32_MAX, INT32_MIN, check_batch_values, check_tensor, prepare_out,
                        resolve_num_tokens)
 
 
@@ -186,7 +186,7 @@ def check_slots_fit_int32(name: str, block_table: torch.Tensor, rows: torch.Tens
     inside int32 (slots are stored as int32; a wrapped value would be a silent wrong slot)."""
     if rows.numel() == 0 or block_table.shape[1] == 0:
         return
-    bt = block_table.detach().cpu()[rows.cpu()].long()
+    bt = block_table.detach()[rows.to(block_table.device)].cpu().long()  # NOTE: the batch's rows only
     used = used_blocks.cpu()
     bad = used & ((bt * unit < INT32_MIN) | (bt * unit + (unit - 1) > INT32_MAX))
     if bool(bad.any()):
@@ -207,6 +207,7 @@ def prefix_blocks_used(req: torch.Tensor, n_rows: torch.Tensor, need: torch.Tens
 
 
 def check_int32_total(name: str, total: int, what: str) -> None:
+    """ValueError naming ``name`` when a host-summed count stored as int32 would overflow."""
     if total > INT32_MAX:
         raise ValueError(f"{name}: {what} ({total}) exceeds int32")
 
@@ -214,4 +215,4 @@ def check_int32_total(name: str, total: int, what: str) -> None:
 __all__ = ["resolve_rows", "token_out", "prepare_rows", "check_values", "check_block_table",
            "check_per_request", "table_rows", "check_ring", "ring_cols", "check_ring_span",
            "ring_columns_used", "check_table_width", "check_slots_fit_int32", "prefix_blocks_used",
-           "check_int32_total", "cdiv"]
+           "check_int32_total"]

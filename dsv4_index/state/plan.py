@@ -18,7 +18,7 @@ Nothing here mutates its inputs; :meth:`MetadataPipeline.update` commits the pla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -49,17 +49,24 @@ class StepPlan:
     new_slots: np.ndarray       # int64 [K]
     all_slots: np.ndarray       # int64 [rows]: every StepBatch row's slot
     all_computed: np.ndarray    # int64 [rows]
-    # kernel-block write runs (validated; ring runs not yet trimmed)
+    # kernel-block write runs (validated); ids of logical blocks below w_keep are not stored
     w_gid: np.ndarray           # int64 [N]
     w_slot: np.ndarray
     w_start: np.ndarray
     w_end: np.ndarray
+    w_keep: np.ndarray
     w_cu: np.ndarray            # int64 [N + 1]
     w_ids: np.ndarray           # int64 [n]
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
 def _arr(name: str, x, n: Optional[int] = None, *, dtype_kind="iu") -> np.ndarray:
-    if not isinstance(x, np.ndarray):
+    if type(x) is np.ndarray and x.ndim == 1 and (n is None or x.shape[0] == n) and \
+            (x.dtype == np.int64 if dtype_kind == "iu" else x.dtype == np.bool_):
+        return x  # NOTE: fast path (the array form's native dtypes)
+    if type(x) is not np.ndarray:
         try:
             x = np.asarray(x)
         except Exception:
@@ -78,24 +85,32 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, max_num_tokens: int,
-              max_writes: int, pad_to: Optional[int], decode_threshold: int,
-              blocks_needed: Callable[[np.ndarray], np.ndarray],
-              first_read: Callable[[np.ndarray, Optional[np.ndarray]], np.ndarray],
-              windows: np.ndarray, level: str = "safe") -> StepPlan:
+def _in_range(name: str, x: np.ndarray, hi: int, what: str) -> None:
+    """``0 <= x < hi`` (one pass: negatives wrap to huge unsigned values)."""
+    if x.size and int(x.view(np.uint64).max()) >= hi:
+        i = _first((x < 0) | (x >= hi))
+        raise ValueError(f"{name}[{i}] = {int(x[i])} is not {what} in [0, {hi})")
+
+
+def _owned(n: np.ndarray, cp) -> np.ndarray:
+    world, rank, inter = cp
+    cycle = inter * world
+    return (n // cycle) * inter + np.clip(n % cycle - rank * inter, 0, inter)
+
+
+def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp=(1, 0, 1),
+              max_num_tokens: int, max_writes: int, pad_to: Optional[int], decode_threshold: int,
+              level: str = "safe") -> StepPlan:
     """Check ``batch`` against the pipeline state; return the plan or raise ``ValueError``.
 
     Parameters
     ----------
     occupied : bool ``[R]`` slots holding a request before the step.
     tables : the pipeline's :class:`BlockTables` (geometry and block counts; read only).
+    cp : (world, rank, interleave) of the sharded groups.
     max_num_tokens, max_writes : capacities (tokens per step, staged ids per step).
     pad_to : padded token count or None.
     decode_threshold : a row with ``1 <= q <= decode_threshold`` tokens is a decode.
-    blocks_needed : ``seq_lens int64 [B] -> int64 [G, B]`` kernel blocks each group must hold.
-    first_read : ``(first scheduled positions [B], replay_start [B] | None) -> int64 [G, B]``
-        lowest logical block a row reads this step (for ring checks).
-    windows : int64 ``[G]`` window of each group (0 for full groups).
     level : ``"safe"`` or ``"full"``.
     """
     if not isinstance(batch, StepBatch):
@@ -108,18 +123,13 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, ma
     q = _arr("num_scheduled_tokens", batch.num_scheduled_tokens, n_rows)
     is_new = (np.zeros(n_rows, dtype=bool) if batch.is_new is None
               else _arr("is_new", batch.is_new, n_rows, dtype_kind="b"))
-    free = (np.zeros(0, dtype=np.int64) if batch.free_slots is None
-            else _arr("free_slots", batch.free_slots))
+    free = _EMPTY if batch.free_slots is None else _arr("free_slots", batch.free_slots)
     if n_rows:
-        if slots.min() < 0 or slots.max() >= R:
-            i = _first((slots < 0) | (slots >= R))
-            raise ValueError(f"req_slots[{i}] = {int(slots[i])} is not a slot in [0, {R})")
-        if nc.min() < 0:
-            i = _first(nc < 0)
-            raise ValueError(f"num_computed_tokens[{i}] = {int(nc[i])} is negative")
-        if q.min() < 0:
-            i = _first(q < 0)
-            raise ValueError(f"num_scheduled_tokens[{i}] = {int(q[i])} is negative")
+        _in_range("req_slots", slots, R, "a slot")
+        if min(int(nc.min()), int(q.min())) < 0:
+            name, x = ("num_computed_tokens", nc) if nc.min() < 0 else ("num_scheduled_tokens", q)
+            i = _first(x < 0)
+            raise ValueError(f"{name}[{i}] = {int(x[i])} is negative")
         count = np.bincount(slots, minlength=R)
         if count.max() > 1:
             s = int(np.argmax(count))
@@ -127,9 +137,7 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, ma
     # -- slots freed, then taken ------------------------------------------------------------
     occ = occupied.copy()
     if free.size:
-        if free.min() < 0 or free.max() >= R:
-            i = _first((free < 0) | (free >= R))
-            raise ValueError(f"free_slots[{i}] = {int(free[i])} is not a slot in [0, {R})")
+        _in_range("free_slots", free, R, "a slot")
         if np.bincount(free, minlength=R).max() > 1:
             raise ValueError("free_slots lists a slot twice")
         if not occ[free].all():
@@ -137,8 +145,7 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, ma
             raise ValueError(f"free_slots[{i}] = {int(free[i])} does not hold a request")
         occ[free] = False
     if n_rows:
-        held = occ[slots]
-        bad = held == is_new
+        bad = occ[slots] == is_new
         if bad.any():
             i = _first(bad)
             if is_new[i]:
@@ -147,7 +154,7 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, ma
             raise ValueError(f"req_slots[{i}] = {int(slots[i])} holds no request (mark it is_new)")
     new_slots = slots[is_new]
     occ[new_slots] = True
-    # -- device batch -----------------------------------------------------------------------
+    # -- device batch: rows with tokens, decode first (stable) --------------------------------
     T = int(q.sum()) if n_rows else 0
     if T > max_num_tokens:
         raise ValueError(f"num_scheduled_tokens: the step schedules {T} tokens, more than "
@@ -155,73 +162,114 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, ma
     T_pad = T if pad_to is None else pad_to
     if isinstance(T_pad, bool) or not isinstance(T_pad, (int, np.integer)) or not T <= T_pad <= max_num_tokens:
         raise ValueError(f"pad_to must be an int in [{T}, {max_num_tokens}], got {pad_to!r}")
-    live = np.flatnonzero(q > 0) if n_rows and q.min() == 0 else None
-    dec = q <= decode_threshold
-    if live is not None:
-        order = np.concatenate([live[dec[live]], live[~dec[live]]])
-    elif n_rows == 0:
-        order = None
+    order = None
+    all_decode = False
+    if n_rows:
+        qmin, qmax = int(q.min()), int(q.max())
+        all_decode = qmin > 0 and qmax <= decode_threshold
+        if not all_decode:
+            dec = q <= decode_threshold
+            if qmin == 0:
+                live = np.flatnonzero(q > 0)
+                order = np.concatenate([live[dec[live]], live[~dec[live]]])
+            else:
+                k = int(np.argmin(dec))  # NOTE: first prefill row (0 when every row is a decode)
+                if not dec[k] and dec[k:].any():
+                    order = np.concatenate([np.flatnonzero(dec), np.flatnonzero(~dec)])
+    if order is None:
+        b_slots, b_q, b_nc, b_new = slots, q, nc, is_new
     else:
-        k = int(np.argmin(dec))  # NOTE: first prefill row (0 when every row is a decode)
-        done = bool(dec[k]) or not dec[k:].any()
-        order = None if done else np.concatenate([np.flatnonzero(dec), np.flatnonzero(~dec)])
-    take = (lambda a: a) if order is None else (lambda a: a[order])
-    b_slots, b_q, b_nc = take(slots), take(q), take(nc)
+        b_slots, b_q, b_nc, b_new = slots[order], q[order], nc[order], is_new[order]
     B = b_slots.shape[0]
-    b_dec = b_q <= decode_threshold
-    nd = int(b_dec.sum()) if B else 0
+    nd = B if all_decode else (int((b_q <= decode_threshold).sum()) if B else 0)
     seq = b_nc + b_q
     rs = re = None
     if batch.replay_start is not None:
-        rs = take(_arr("replay_start", batch.replay_start, n_rows))
+        rs = _arr("replay_start", batch.replay_start, n_rows)
+        rs = rs if order is None else rs[order]
         if B and (rs.min() < 0 or (rs > b_nc).any()):
             i = _first((rs < 0) | (rs > b_nc))
             raise ValueError(f"replay_start of slot {int(b_slots[i])} = {int(rs[i])} is outside "
                              f"[0, num_computed_tokens = {int(b_nc[i])}]")
     if batch.replay_end is not None:
-        re = take(_arr("replay_end", batch.replay_end, n_rows))
+        re = _arr("replay_end", batch.replay_end, n_rows)
+        re = re if order is None else re[order]
         if B and re.min() < 0:
             i = _first(re < 0)
             raise ValueError(f"replay_end of slot {int(b_slots[i])} = {int(re[i])} is negative")
     # -- write runs ---------------------------------------------------------------------------
-    runs = _runs(batch, R, G, occ, is_new, new_slots, tables, max_writes)
-    w_gid, w_slot, w_start, w_end, w_cu, w_ids = runs
-    # -- coverage and ring / circular capacity ------------------------------------------------
+    w_gid, w_slot, w_start, w_end, w_cu, w_ids = _runs(batch, R, G, occ, new_slots, tables)
+    w_keep = w_start
+    # -- coverage, rings, circular groups (per group x batch row) -----------------------------
     if B and G:
-        nb = tables.num_blocks[:, b_slots].copy()
-        if is_new.any():
-            nb[:, take(is_new)] = 0
+        nb = tables.num_blocks[:, b_slots]
+        if b_new.any():
+            nb = nb.copy()
+            nb[:, b_new] = 0
+        row_of = None
         if w_gid.size:
             row_of = np.full(R, -1, dtype=np.int64)
             row_of[b_slots] = np.arange(B)
             r = row_of[w_slot]
             m = r >= 0
+            nb = nb.copy() if nb.base is tables.num_blocks else nb
             nb[w_gid[m], r[m]] = w_end[m]
-        need = blocks_needed(seq)
+        sharded = tables.sharded & (cp[0] > 1)
+        bs = tables.bs[:, None]
+        if sharded.any():
+            local = np.repeat(seq[None, :], G, axis=0)
+            local[sharded] = _owned(seq, cp)
+            need = (local + bs - 1) // bs
+        else:
+            need = (seq[None, :] + bs - 1) // bs
+        if tables.circular.any():
+            need[tables.circular] = seq > 0
         short = nb < need
         if short.any():
             g, i = (int(x) for x in np.argwhere(short)[0])
             raise ValueError(f"block ids missing for gid {g} ({tables.groups[g].name}) of slot "
                              f"{int(b_slots[i])}: {int(seq[i])} tokens need {int(need[g, i])} blocks, "
                              f"the row has {int(nb[g, i])}")
-        ring = tables.ring
-        if (ring > 0).any():
-            lo = first_read(b_nc, rs)
-            over = (ring[:, None] > 0) & ~tables.circular[:, None] & (nb - lo > ring[:, None])
+        rg = tables.ring_groups
+        if rg.size:
+            # NOTE: the lowest block a row reads from now on: its first token's window start
+            start = np.maximum(b_nc[None, :] - tables.window[rg, None] + 1, 0)
+            if rs is not None:
+                start = np.maximum(start, rs[None, :])
+            if sharded[rg].any():
+                start[sharded[rg]] = _owned(start[sharded[rg]], cp)
+            lo = start // tables.bs[rg, None]
+            over = nb[rg] - lo > tables.ring[rg, None]
+            if over.any():
+                j, i = (int(x) for x in np.argwhere(over)[0])
+                g = int(rg[j])
+                raise ValueError(f"gid {g} ({tables.groups[g].name}) is a ring of {int(tables.ring[g])} blocks, "
+                                 f"but slot {int(b_slots[i])} holds blocks up to {int(nb[g, i])} and reads "
+                                 f"from block {int(lo[j, i])} this step")
+            if w_gid.size:
+                ring_run = (tables.ring[w_gid] > 0) & ~tables.circular[w_gid]
+                if ring_run.any():
+                    gpos = np.full(G, -1, dtype=np.int64)
+                    gpos[rg] = np.arange(rg.size)
+                    w_keep = np.maximum(w_start, np.where(ring_run, w_end - tables.ring[w_gid], 0))
+                    sel = ring_run & m
+                    w_keep[sel] = np.maximum(w_keep[sel], lo[gpos[w_gid[sel]], r[sel]])
+        circ = tables.circular & (tables.window > 0)
+        if circ.any():
+            over = circ[:, None] & (tables.window[:, None] - 1 + b_q[None, :] > tables.bs[:, None])
             if over.any():
                 g, i = (int(x) for x in np.argwhere(over)[0])
-                raise ValueError(f"gid {g} ({tables.groups[g].name}) is a ring of {int(ring[g])} blocks, "
-                                 f"but slot {int(b_slots[i])} holds blocks up to {int(nb[g, i])} and reads "
-                                 f"from block {int(lo[g, i])} this step")
-            circ = tables.circular & (windows > 0)
-            if circ.any():
-                cap = np.asarray([g.block_size for g in tables.groups], dtype=np.int64)
-                over = circ[:, None] & (windows[:, None] - 1 + b_q[None, :] > cap[:, None])
-                if over.any():
-                    g, i = (int(x) for x in np.argwhere(over)[0])
-                    raise ValueError(f"gid {g} ({tables.groups[g].name}) is circular with capacity "
-                                     f"{int(cap[g])}: slot {int(b_slots[i])} schedules {int(b_q[i])} tokens, "
-                                     f"at most {int(cap[g] - windows[g] + 1)} fit with its window")
+                raise ValueError(f"gid {g} ({tables.groups[g].name}) is circular with capacity "
+                                 f"{int(tables.bs[g])}: slot {int(b_slots[i])} schedules {int(b_q[i])} tokens, "
+                                 f"at most {int(tables.bs[g] - tables.window[g] + 1)} fit with its window")
+    if w_gid.size and int(w_cu[-1]) > max_writes:
+        ring_run = tables.ring[w_gid] > 0
+        if ring_run.any():
+            w_keep = np.maximum(w_keep, np.where(ring_run, w_end - tables.ring[w_gid], 0))
+        staged = int(np.minimum(w_end - w_keep, np.diff(w_cu)).clip(min=0).sum())
+        if staged > max_writes:
+            raise ValueError(f"write_ids: the step stages {staged} block ids, more than "
+                             f"max_staged_blocks = {max_writes}")
     if level == "full":
         _full_checks(tables, w_gid, w_slot, w_start, w_cu, w_ids)
     return StepPlan(
@@ -229,32 +277,26 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, ma
         seq_lens=seq, replay_start=rs, replay_end=re, num_decodes=nd,
         num_decode_tokens=int(b_q[:nd].sum()) if nd else 0, num_tokens=T, num_tokens_padded=int(T_pad),
         free_slots=free, new_slots=new_slots, all_slots=slots, all_computed=nc,
-        w_gid=w_gid, w_slot=w_slot, w_start=w_start, w_end=w_end, w_cu=w_cu, w_ids=w_ids)
+        w_gid=w_gid, w_slot=w_slot, w_start=w_start, w_end=w_end, w_keep=w_keep, w_cu=w_cu, w_ids=w_ids)
 
 
-def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, is_new: np.ndarray,
-          new_slots: np.ndarray, tables: BlockTables, max_writes: int):
+def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, new_slots: np.ndarray, tables: BlockTables):
     """Validated kernel-block write runs: (gid, slot, start, end, cu, ids), int64."""
-    empty = np.zeros(0, dtype=np.int64)
     if batch.write_gids is None or len(batch.write_gids) == 0:
-        return empty, empty, empty, empty, np.zeros(1, dtype=np.int64), empty
+        return _EMPTY, _EMPTY, _EMPTY, _EMPTY, np.zeros(1, dtype=np.int64), _EMPTY
     gid = _arr("write_gids", batch.write_gids)
     N = gid.shape[0]
     slot = _arr("write_slots", batch.write_slots, N)
     start = _arr("write_starts", batch.write_starts, N)
     cu = _arr("write_cu", batch.write_cu, N + 1)
     ids = _arr("write_ids", batch.write_ids)
-    if gid.min() < 0 or gid.max() >= G:
-        i = _first((gid < 0) | (gid >= G))
-        raise ValueError(f"write_gids[{i}] = {int(gid[i])} is not a group in [0, {G})")
-    if slot.min() < 0 or slot.max() >= R:
-        i = _first((slot < 0) | (slot >= R))
-        raise ValueError(f"write_slots[{i}] = {int(slot[i])} is not a slot in [0, {R})")
+    _in_range("write_gids", gid, G, "a group")
+    _in_range("write_slots", slot, R, "a slot")
     if not occ[slot].all():
         i = _first(~occ[slot])
         raise ValueError(f"write_slots[{i}] = {int(slot[i])} holds no request after this step")
-    n = np.diff(cu)
-    if cu[0] != 0 or (n < 0).any() or cu[-1] != ids.shape[0]:
+    n = cu[1:] - cu[:-1]
+    if cu[0] != 0 or cu[-1] != ids.shape[0] or (n < 0).any():
         raise ValueError(f"write_cu must rise from 0 to len(write_ids) = {ids.shape[0]}")
     key = gid * R + slot
     if N > 1:
@@ -263,28 +305,33 @@ def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, is_new: np.ndarray,
         if dup.any():
             kk = int(k[1:][dup][0])
             raise ValueError(f"two write runs for gid {kk // R}, slot {kk % R} (one run per (group, slot))")
-    f = tables.f[gid]
-    fresh = np.zeros(R, dtype=bool)
-    fresh[new_slots] = True
-    have = np.where(fresh[slot], 0, tables.num_blocks[gid, slot])   # kernel blocks held now
-    start_k = np.where(start == APPEND, have, start * f)
+    have = tables.num_blocks[gid, slot]                  # kernel blocks held now
+    if new_slots.size:
+        fresh = np.zeros(R, dtype=bool)
+        fresh[new_slots] = True
+        have = np.where(fresh[slot], 0, have)
+    if tables.fmax == 1:
+        start_k = np.where(start == APPEND, have, start)
+        end_k = start_k + n
+    else:
+        f = tables.f[gid]
+        start_k = np.where(start == APPEND, have, start * f)
+        end_k = start_k + n * f
     if (start < APPEND).any() or (start_k > have).any():
         i = _first((start < APPEND) | (start_k > have))
         raise ValueError(f"write_starts[{i}] = {int(start[i])} leaves a hole: gid {int(gid[i])} of slot "
-                         f"{int(slot[i])} holds {int(have[i] // f[i])} blocks")
-    end_k = start_k + n * f
+                         f"{int(slot[i])} holds {int(have[i] // tables.f[gid[i]])} blocks")
     over = end_k > tables.logical[gid]
     if over.any():
         i = _first(over)
         g = tables.groups[int(gid[i])]
         raise ValueError(f"write run {i}: slot {int(slot[i])} would hold {int(end_k[i])} blocks in gid "
-                         f"{g.gid} ({g.name}), the table holds {int(tables.logical[gid[i]])} "
-                         f"(max_model_len)")
+                         f"{g.gid} ({g.name}), the table holds {int(tables.logical[gid[i]])} (max_model_len)")
     if ids.size:
-        if ids.min() < 0:
-            raise ValueError(f"write_ids[{_first(ids < 0)}] = {int(ids[ids < 0][0])} is negative")
-        fmax = int(tables.f.max())
-        if int(ids.max()) * fmax + fmax - 1 > int(tables.id_max.min()):
+        fmax = tables.fmax
+        if int(ids.view(np.uint64).max()) * fmax + fmax - 1 > tables.id_max_min:
+            if ids.min() < 0:
+                raise ValueError(f"write_ids[{_first(ids < 0)}] = {int(ids[ids < 0][0])} is negative")
             per = np.repeat(gid, n)
             lim = (tables.id_max[per] - (tables.f[per] - 1)) // tables.f[per]
             bad = ids > lim
@@ -293,12 +340,9 @@ def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, is_new: np.ndarray,
                 g = int(per[j])
                 raise ValueError(f"write_ids[{j}] = {int(ids[j])} in gid {g} ({tables.groups[g].name}) "
                                  f"gives slots beyond int32 (largest id {int(lim[j])})")
-    start_k, cu_k, ids_k = tables.expand(gid, start_k, cu, ids)
-    n_kept = np.minimum(np.diff(cu_k), np.where(tables.ring[gid] > 0, tables.ring[gid], np.diff(cu_k)))
-    if int(n_kept.sum()) > max_writes:
-        raise ValueError(f"write_ids: the step stages {int(n_kept.sum())} block ids, more than "
-                         f"max_staged_blocks = {max_writes}")
-    return gid, slot, start_k, end_k, cu_k, ids_k
+    # NOTE: start_k is already in kernel blocks; expand() only turns the ids into kernel-block ids
+    _, cu_k, ids_k = tables.expand(gid, start_k // tables.f[gid], cu, ids)
+    return gid, slot, start_k * tables.f[gid], end_k, cu_k, ids_k
 
 
 def _full_checks(tables: BlockTables, gid, slot, start, cu, ids) -> None:

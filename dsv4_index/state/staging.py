@@ -1,19 +1,20 @@
 """The per-step staging buffer: its format (defined here only), the pinned host buffers and the one
 host-to-device copy per step.
 
-Format (int32; regions sized by the padded token count ``T_pad`` so that a CUDA graph captured for
-one ``T_pad`` replays any step of that size; ``B <= T_pad`` since every batch row has a token)::
+Format (int32; regions sized by the padded token count ``T_pad`` and ``rows = min(T_pad,
+max_num_reqs)`` (a batch never has more rows than tokens), so that a CUDA graph captured for one
+``T_pad`` replays any step of that size)::
 
     header   [HEADER]      num_reqs B, num_tokens T, num_decodes, num_writes N, has_replay_start,
                            has_replay_end, 0, 0
-    qsl      [T_pad + 1]   query_start_loc of the batch rows (decode first)
-    seq_lens [T_pad]
-    slots    [T_pad]       idx_mapping: request slot (block-table row) of each batch row
-    replay_start [T_pad]   window floor per batch row (read when has_replay_start)
-    replay_end   [T_pad]   write floor of prefix-cacheable groups per batch row (has_replay_end)
-    tok_row  [T_pad]       batch row of each token
-    extra    [E, T_pad + 1] per-request arrays staged by channel builders (e.g. the indexer's cu)
-    overlay  [G, T_pad, 3] per (group, batch row): (lo, hi, payload offset) of the logical blocks
+    qsl      [rows + 1]    query_start_loc of the batch rows (decode first)
+    seq_lens [rows + 1]
+    slots    [rows + 1]    idx_mapping: request slot (block-table row) of each batch row
+    replay_start [rows + 1] window floor per batch row (read when has_replay_start)
+    replay_end   [rows + 1] write floor of prefix-cacheable groups per batch row (has_replay_end)
+    tok_row  [T_pad + 1]   batch row of each token
+    extra    [E, rows + 1] per-request arrays staged by channel builders (e.g. the indexer's cu)
+    overlay  [G, rows, 3]  per (group, batch row): (lo, hi, payload offset) of the logical blocks
                            staged this step ([lo, hi) empty: nothing staged)
     writes   [N] values, then [N] flat destinations in the block-table buffer
 
@@ -38,6 +39,7 @@ class StageLayout(NamedTuple):
     """Offsets (int32 elements) of every region for one padded token count."""
 
     t_pad: int
+    rows: int
     qsl: int
     seq_lens: int
     slots: int
@@ -49,26 +51,27 @@ class StageLayout(NamedTuple):
     writes: int
 
     @classmethod
-    def for_tokens(cls, t_pad: int, num_groups: int, num_extra: int) -> "StageLayout":
-        n = t_pad + 1
+    def for_tokens(cls, t_pad: int, num_groups: int, num_extra: int, max_num_reqs: int) -> "StageLayout":
+        rows = max(min(t_pad, max_num_reqs), 1)
+        n = rows + 1
         qsl = HEADER
         seq = qsl + n
         slots = seq + n
         rs = slots + n
         re = rs + n
         tok = re + n
-        extra = tok + n
+        extra = tok + t_pad + 1
         ov = extra + num_extra * n
-        writes = ov + 3 * num_groups * max(t_pad, 1)
-        return cls(t_pad, qsl, seq, slots, rs, re, tok, extra, ov, writes)
+        writes = ov + 3 * num_groups * rows
+        return cls(t_pad, rows, qsl, seq, slots, rs, re, tok, extra, ov, writes)
 
     def extra_at(self, i: int) -> int:
         """Offset of extra array ``i``."""
-        return self.extra + i * (self.t_pad + 1)
+        return self.extra + i * (self.rows + 1)
 
     def kernel_args(self):
         """The offsets the fused kernel takes, in its argument order."""
-        return (self.qsl, self.seq_lens, self.slots, self.replay_start, self.replay_end, self.tok_row,
+        return (self.rows, self.qsl, self.seq_lens, self.slots, self.replay_start, self.replay_end, self.tok_row,
                 self.extra, self.overlay, self.writes)
 
 
@@ -90,15 +93,18 @@ class StepStaging:
     """
 
     def __init__(self, device: torch.device, max_num_tokens: int, num_groups: int, num_extra: int,
-                 max_writes: int):
+                 max_writes: int, max_num_reqs: int):
         self.device = device
         self.num_groups, self.num_extra, self.max_writes = num_groups, num_extra, max_writes
-        self.capacity = StageLayout.for_tokens(max_num_tokens, num_groups, num_extra).writes + 2 * max_writes
+        self.max_num_reqs = max_num_reqs
+        self.capacity = StageLayout.for_tokens(max_num_tokens, num_groups, num_extra,
+                                               max_num_reqs).writes + 2 * max_writes
         pin = device.type == "cuda" and torch.cuda.is_available()
         self.async_copy = pin
         self.host = [torch.zeros(self.capacity, dtype=torch.int32, pin_memory=pin) for _ in range(2 if pin else 1)]
         self.host_np = [h.numpy() for h in self.host]
         self.dev = torch.zeros(self.capacity, dtype=torch.int32, device=device)
+        self._dev_np = self.dev.numpy() if device.type == "cpu" else None  # NOTE: CPU: a plain memcpy
         self._events = [None] * len(self.host)
         self._cur = 0
         self._layouts = {}
@@ -106,7 +112,8 @@ class StepStaging:
     def layout(self, t_pad: int) -> StageLayout:
         lay = self._layouts.get(t_pad)
         if lay is None:
-            lay = self._layouts[t_pad] = StageLayout.for_tokens(t_pad, self.num_groups, self.num_extra)
+            lay = self._layouts[t_pad] = StageLayout.for_tokens(t_pad, self.num_groups, self.num_extra,
+                                                                self.max_num_reqs)
         return lay
 
     def begin(self) -> np.ndarray:
@@ -120,6 +127,9 @@ class StepStaging:
 
     def copy(self, used: int) -> None:
         """One host-to-device copy of ``[0, used)`` of the buffer filled since :meth:`begin`."""
+        if self._dev_np is not None:
+            self._dev_np[:used] = self.host_np[self._cur][:used]
+            return
         host = self.host[self._cur]
         self.dev[:used].copy_(host[:used], non_blocking=self.async_copy)
         if self.async_copy:

@@ -62,9 +62,16 @@ class BlockTables:
         self.logical = np.asarray([1 if g.kind == "circular" else g.table_width for g in groups],
                                   dtype=np.int64)
         self.f = np.asarray([g.blocks_per_kv_block for g in groups], dtype=np.int64)
+        self.fmax = int(self.f.max()) if G else 1
         self.circular = np.asarray([g.kind == "circular" for g in groups], dtype=bool)
+        self.bs = np.asarray([g.block_size for g in groups], dtype=np.int64)
+        self.window = np.asarray([g.window or 0 for g in groups], dtype=np.int64)
+        self.sharded = np.asarray([g.sharded for g in groups], dtype=bool)
+        self.full = np.asarray([g.kind == "full" for g in groups], dtype=bool)
+        self.ring_groups = np.flatnonzero((self.ring > 0) & ~self.circular)
         units = np.maximum(np.asarray(int32_units, dtype=np.int64), 1)
         self.id_max = (INT32_MAX - (units - 1)) // units  # NOTE: largest kernel-block id
+        self.id_max_min = int(self.id_max.min()) if G else INT32_MAX
         self.base = np.zeros(G, dtype=np.int64)
         if G:
             self.base[1:] = np.cumsum(self.cols * R)[:-1]
@@ -104,6 +111,8 @@ class BlockTables:
 
     def expand(self, gid: np.ndarray, starts: np.ndarray, cu: np.ndarray, ids: np.ndarray):
         """Allocation-block runs -> kernel-block runs (hybrid blocks ``f > 1``): ``(starts, cu, ids)``."""
+        if self.fmax == 1:
+            return starts, cu, ids
         f = self.f[gid] if len(gid) else np.zeros(0, dtype=np.int64)
         if not (f > 1).any():
             return starts, cu, ids
@@ -114,27 +123,32 @@ class BlockTables:
         np.cumsum(n * f, out=k_cu[1:])
         return starts * f, k_cu, k_ids
 
-    def destinations(self, gid: np.ndarray, slot: np.ndarray, start: np.ndarray, cu: np.ndarray
-                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Where each staged id goes, for validated kernel-block runs.
+    def destinations(self, gid: np.ndarray, slot: np.ndarray, start: np.ndarray, keep_from: np.ndarray,
+                     cu: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Where the kept ids of validated kernel-block runs go.
 
-        Returns ``(keep, dst, first, kept)``: ``keep`` bool ``[n]`` (ids a ring keeps: the newest
-        ``ring`` of a run), ``dst`` int64 flat offsets of the kept ids, ``first`` int64 ``[N]`` first
-        kept logical block of each run, ``kept`` int64 ``[N]`` ids kept per run.
+        A run sets logical blocks ``[start, start + n)``; only those from ``keep_from`` on are stored
+        (rings keep a row's newest blocks, from the lowest block a request can still read).
+        Returns ``(keep, dst)``: ``keep`` bool ``[n]`` or None (every id kept), ``dst`` int64 flat
+        offsets of the kept ids, in run order.
         """
-        n = np.diff(cu)
+        N = gid.shape[0]
+        n_ids = int(cu[-1])
         ring = self.ring[gid]
-        skip = np.where(ring > 0, np.maximum(n - ring, 0), 0)
-        first = start + skip
+        if n_ids == N and (keep_from <= start).all():
+            # NOTE: fast path (steady decode): one id per run, all kept
+            col = np.where(ring > 0, start % np.maximum(ring, 1), start)
+            return None, self.base[gid] + slot * self.cols[gid] + col
+        n = np.diff(cu)
         k = _ragged_arange(n)
-        run = np.repeat(np.arange(len(n)), n)
-        keep = k >= skip[run]
-        logical = (start[run] + k)[keep]
-        r = ring[run][keep]
+        run = np.repeat(np.arange(N), n)
+        logical = start[run] + k
+        keep = logical >= keep_from[run]
+        logical, run = logical[keep], run[keep]
+        r = ring[run]
         col = np.where(r > 0, logical % np.maximum(r, 1), logical)
-        g = gid[run][keep]
-        dst = self.base[g] + slot[run][keep] * self.cols[g] + col
-        return keep, dst, first, n - skip
+        g = gid[run]
+        return keep, self.base[g] + slot[run] * self.cols[g] + col
 
 
 def _ragged_arange(n: np.ndarray) -> np.ndarray:

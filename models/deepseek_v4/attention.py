@@ -250,13 +250,18 @@ class DSV4Attention(nn.Module):
         visible = torch.arange(keys.shape[0], device=x.device)[None, :] < n_c[:, None]
         return select_topk(self.indexer.scores(x, keys.expand(L, -1, -1), visible), K)
 
-    def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
-        """One whole sequence at positions ``0..L-1``: float [L, hidden] -> float [L, hidden]."""
+    def forward_dense(self, x: torch.Tensor, *, window_floor: int = 0) -> torch.Tensor:
+        """One whole sequence at positions ``0..L-1``: float [L, hidden] -> float [L, hidden].
+
+        ``window_floor``: the sliding window of every token starts at this position at the earliest
+        (bounded replay after a prefix-cache hit, DESIGN §4: what a replayed token's window list holds;
+        tokens whose window stays above it are unaffected). Compressed rows are never floored.
+        """
         L, W = x.shape[0], self.config.sliding_window
         pos = torch.arange(L, device=x.device)
         q, kv = self._qkv(x, pos)
         win = pos[:, None] - W + 1 + torch.arange(W, device=x.device)  # [L, W], the token itself last
-        keys, valid = [kv[win.clamp(min=0)]], [win >= 0]
+        keys, valid = [kv[win.clamp(min=0)]], [win >= max(0, window_floor)]
         if self.kind != "swa" and L >= self.ratio:
             comp = self._dense_rows(self.compressor, self.compressor.state(x))  # [L // R, D]
             if self.kind == "c4":
@@ -275,12 +280,13 @@ class DSV4Attention(nn.Module):
         ok = meta.is_valid_token
         st = meta[state_ch]
         write_rows(state_cache, st.slot_mapping, comp.state(x), ok)
-        done = meta[out_ch].compressed_slot_mapping  # [T_pad], -1 unless the token ends a row
-        # NOTE: under bounded replay (prefix hit) state windows are floored at replay_start; a row whose
-        # span that floor cuts lies in the shared prefix blocks already: never rewrite it from part of
-        # its span (only the start of the sequence may cut a span).
-        whole = st.lens >= torch.clamp(meta.positions + 1, max=comp.span)
-        sel = ok & (done >= 0) & whole
+        # [T_pad], -1 unless the token ends a row. NOTE: under bounded replay (prefix hit) the state
+        # windows of replayed tokens are floored at replay_start, so a row they complete may miss part
+        # of its span; the metadata gives them no compressed write (pos < replay_end: the row is
+        # cached in the blocks shared with the prefix owner already). Trusted as is: a partial-span
+        # row written here would show up against the dense model.
+        done = meta[out_ch].compressed_slot_mapping
+        sel = ok & (done >= 0)
         # NOTE: the state window ends at the token: its last `span` live entries are the row's span.
         idx, lens = st.indices[sel], st.lens[sel]
         k = lens[:, None] - comp.span + torch.arange(comp.span, device=idx.device)  # [G, span]

@@ -215,7 +215,8 @@ def test_unchecked_rows_are_clamped_in_bounds(width, tw):
     out = torch.full((8, width), POISON, dtype=torch.int32, device=DEV)
     lens = torch.full((8,), POISON, dtype=torch.int32, device=DEV)
     kernel.launch(qsl, sl, bt, None, 4, 2, 1, 0, 1, out, lens)
-    want, want_lens = naive.causal_compressed_indices(qsl, sl, bt, 4, 2, torch.arange(3), 1, 0, 1, 8, width)
+    want, want_lens = naive.causal_compressed_indices(qsl, sl, bt, 4, 2, torch.arange(3, device=DEV), 1, 0, 1, 8,
+                                                     width)
     assert torch.equal(out, want) and torch.equal(lens, want_lens)
     assert int(lens.max()) == min(width, tw * 4)
 

@@ -191,9 +191,11 @@ def test_kernel_garbage_inputs_stay_in_bounds(device):
         out = poisoned((20,), torch.int64, device)
         cu = poisoned((4,), torch.int32, device) if compact else None
         K.launch(qsl, sl, bt, None, None, 4, 2, 1, 0, 1, 13, out, cu)
-        slots = Rm.compressed_slot_mapping(qsl, sl, bt, 4, 2, torch.arange(3), None, 1, 0, 1, 13)
+        slots = Rm.compressed_slot_mapping(qsl, sl, bt, 4, 2, torch.arange(3, device=device), None, 1, 0,
+                                           1, 13)
         if compact:
-            slots, want_cu = Rm.compact(qsl, sl, bt, 4, 2, torch.arange(3), None, 1, 0, 1, 13, 20, 4)
+            slots, want_cu = Rm.compact(qsl, sl, bt, 4, 2, torch.arange(3, device=device), None, 1, 0, 1,
+                                       13, 20, 4)
             assert torch.equal(cu.cpu(), want_cu.cpu())
         assert torch.equal(out[:slots.numel()].cpu(), slots.cpu())
 

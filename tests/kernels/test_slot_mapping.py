@@ -184,7 +184,7 @@ def test_kernel_garbage_inputs_stay_in_bounds(device):
         out = poisoned((12,), torch.int64, device)
         cp = (kw.get("cp_world_size", 1), kw.get("cp_rank", 0), kw.get("cp_interleave", 1))
         K.launch(qsl, sl, bt, None, None, 64, bt.shape[1], 0, *cp, out)
-        want = Rm.slot_mapping(qsl, sl, bt, 64, torch.arange(3), 0, None, *cp, 12)
+        want = Rm.slot_mapping(qsl, sl, bt, 64, torch.arange(3, device=device), 0, None, *cp, 12)
         assert torch.equal(out.cpu(), want.cpu())
     assert out[:2].tolist() == [-1, -1]  # positions -2, -1
 

@@ -4,7 +4,7 @@ rejection of every op: kernel == reference == plain-Python DESIGN §4 model, out
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import dsv4_index
@@ -52,7 +52,6 @@ def _call(op, backend, qsl, sl, bt, T, *, idx=None, dcp=(1, 0, 1), topk=None, wi
 # idx_mapping: request b reads table row idx_mapping[b]
 # ----------------------------------------------------------------------------------------------
 @needs_triton
-@settings(max_examples=12)
 @given(batch=batches(unit=16, max_ctx=160), seed=st.integers(0, 999), extra=st.integers(0, 3),
        pad=st.integers(0, 3), dcp=st.sampled_from([(1, 0, 1), (2, 1, 8)]), op=st.sampled_from(OPS))
 def test_idx_mapping_reads_the_mapped_row(batch, seed, extra, pad, dcp, op):
@@ -114,7 +113,7 @@ def test_idx_mapping_unchecked_rows_read_nothing():
     wk.launch(qsl, sl, bt, idx, None, BS, 16, bt.shape[1], 0, 1, 0, 1, idx_out, lens)
     w_idx, w_lens = wn.window_indices(qsl, sl, bt, BS, 16, rows.to(DEVICE), 0, None, 1, 0, 1, 8, 16)
     assert torch.equal(idx_out, w_idx) and torch.equal(lens, w_lens)
-    assert lens.tolist() == [0, 0, 10, 11, 12, 0, 0, 0]
+    assert lens.tolist() == [0, 0, 16, 16, 16, 0, 0, 0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,7 +154,6 @@ def test_replay_end_reference_matches_python_model(batch, seed, pad, fracs, dcp)
 
 
 @needs_triton
-@settings(max_examples=12)
 @given(batch=batches(unit=4, max_ctx=300), seed=st.integers(0, 999), pad=st.integers(0, 40),
        fracs=st.lists(st.floats(0, 1), min_size=4, max_size=4), use_idx=st.booleans(),
        dcp=st.sampled_from([(1, 0, 1), (2, 1, 1), (4, 3, 8)]))
@@ -226,9 +224,6 @@ def _meta_calls(dev):
 def test_meta_device_tensors_are_rejected(op):
     with pytest.raises(ValueError, match="meta"):
         _meta_calls("meta")[op]()
-    for fn in (reference,):  # the reference entry points check the same
-        name = "compressed_slot_mapping" if op == "compact" else op
-        assert callable(getattr(fn, name))
 
 
 @pytest.mark.parametrize("name", ["block_table", "seq_lens", "out", "idx_mapping", "replay_end"])

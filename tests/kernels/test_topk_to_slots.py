@@ -238,7 +238,8 @@ def test_launch_rows_equals_public_op_and_reference(c, extra, use_idx):
     assert torch.equal(a[0], want[0]) and torch.equal(a[1], want[1])
     assert torch.equal(out[:T], want[0]) and torch.equal(lens[:T], want[1])
     assert bool((out[T:] == POISON).all()) and bool((lens[T:] == POISON).all())  # rows past T_out
-    s, n = naive.topk_to_slots_rows(topk, trow.to(DEV), tnc.to(DEV), bt, S, *cp, c["compact"], T)
+    s, n = naive.topk_to_slots_rows(topk, trow.to(DEV), tnc.to(DEV), bt, S, R, bt.shape[1], *cp,
+                                    c["compact"], T)
     assert torch.equal(s, want[0]) and torch.equal(n, want[1])
     for backend in ("triton", "reference"):
         s, n = topk_to_slots_rows(topk, trow.to(DEV), tnc.to(DEV), bt, S, R, T, cp_world_size=cp[0],
@@ -264,9 +265,14 @@ def test_launch_rows_padded_and_garbage_rows(compact, dtype):
     out = torch.full((6, K), POISON, dtype=torch.int32, device=DEV)
     lens = torch.full((6,), POISON, dtype=torch.int32, device=DEV)
     kernel.launch_rows(topk, trow, tnc, bt, 4, 4, 4, 1, 0, 1, compact, out, lens, 6)
-    want, want_lens = naive.topk_to_slots_rows(topk, trow, tnc, bt, 4, 1, 0, 1, compact, 6)
+    want, want_lens = naive.topk_to_slots_rows(topk, trow, tnc, bt, 4, 4, 4, 1, 0, 1, compact, 6)
     assert torch.equal(out, want) and torch.equal(lens, want_lens)
     assert lens.tolist() == [3, 4, 0, 0, 4, 0]  # picks 0 1 4 15 fit the 16 rows of a table row
+    # a logical width below the buffer's columns: blocks at or past it give -1
+    kernel.launch_rows(topk, trow, tnc, bt, 4, 4, 2, 1, 0, 1, compact, out, lens, 6)
+    want, want_lens = naive.topk_to_slots_rows(topk, trow, tnc, bt, 4, 4, 2, 1, 0, 1, compact, 6)
+    assert torch.equal(out, want) and torch.equal(lens, want_lens)
+    assert lens.tolist() == [3, 3, 0, 0, 3, 0]  # picks 0 1 4 fit 8 rows, 15 does not
 
 
 @needs_kernel
@@ -283,8 +289,8 @@ def test_int64_picks_beyond_int32_never_alias():
 
 def test_tile_config_shapes():
     from dsv4_index.ops.topk_to_slots.kernel import tile_config
-    assert tile_config(512) == (4, 512, 4)
+    assert tile_config(512) == (1, 512, 4)
     for K in (1, 5, 16, 33, 512, 600, 1024, 2048, 4096):
         bt, bk, nw = tile_config(K)
         assert bk >= K and bk & (bk - 1) == 0 and bt >= 1 and nw in (4, 8)
-        assert bt * bk <= 4096 or bt == 1
+        assert bt * bk <= 512 or bt == 1

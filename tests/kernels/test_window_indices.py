@@ -167,7 +167,8 @@ def test_kernel_garbage_inputs_stay_in_bounds(device):
         out = poisoned((15, 16), torch.int32, device)
         lens = poisoned((15,), torch.int32, device)
         K.launch(qsl, sl, bt, None, rp, 64, 16, bt.shape[1], 0, 1, 0, 1, out, lens)
-        want, want_lens = Rm.window_indices(qsl, sl, bt, 64, 16, torch.arange(4), 0, rp, 1, 0, 1, 15, 16)
+        want, want_lens = Rm.window_indices(qsl, sl, bt, 64, 16, torch.arange(4, device=device), 0, rp,
+                                             1, 0, 1, 15, 16)
         assert torch.equal(out.cpu(), want.cpu()) and torch.equal(lens.cpu(), want_lens.cpu())
     assert int(lens[3]) == 0  # request 1's positions 894.. lie beyond the 2-column table
 

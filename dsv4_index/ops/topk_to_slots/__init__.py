@@ -157,9 +157,9 @@ def topk_to_slots_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: t
         return kernel.launch_rows(topk, token_rows, token_nc, block_table, rows_per_block,
                                   compress_ratio, table_width, cp_world_size, cp_rank, cp_interleave,
                                   bool(compact), out, out_lens, num_rows)
-    slots, lens = naive.topk_to_slots_rows(topk, token_rows, token_nc, block_table[:, :table_width],
-                                           rows_per_block, cp_world_size, cp_rank, cp_interleave,
-                                           bool(compact), num_rows)
+    slots, lens = naive.topk_to_slots_rows(topk, token_rows, token_nc, block_table, rows_per_block,
+                                           compress_ratio, table_width, cp_world_size, cp_rank,
+                                           cp_interleave, bool(compact), num_rows)
     out[:num_rows].copy_(slots)
     out_lens[:num_rows].copy_(lens)
     return out, out_lens

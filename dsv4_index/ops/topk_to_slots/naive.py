@@ -20,15 +20,18 @@ def token_rows(query_start_loc, seq_lens, rows: torch.Tensor, table_rows: int, c
 
 
 def topk_to_slots_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: torch.Tensor,
-                       block_table: torch.Tensor, rows_per_block: int, cp_world_size: int, cp_rank: int,
-                       cp_interleave: int, compact: bool, num_rows: int):
-    """(int32 ``[num_rows, K]``, int32 ``[num_rows]``) from per-token table rows and ``n_c``.
+                       block_table: torch.Tensor, rows_per_block: int, compress_ratio: int,
+                       table_width: int, cp_world_size: int, cp_rank: int, cp_interleave: int,
+                       compact: bool, num_rows: int):
+    """(int32 ``[num_rows, K]``, int32 ``[num_rows]``) from per-token table rows and ``n_c`` (the
+    arguments of ``kernel.launch_rows``, outputs returned; ``compress_ratio`` is folded into
+    ``token_nc``).
 
-    Pick ``l = topk[t, k]`` of a token with row ``r = token_rows[t] >= 0`` is valid iff
-    ``0 <= l < token_nc[t]``, this rank owns row ``l`` and its local block ``lc // S`` lies inside the
-    table; it becomes ``bt[r][lc // S] * S + lc % S``, anything else ``-1``; ``compact`` moves the
-    valid entries to the front in their order. ``lens`` = valid count. Compares are int64, so any
-    pick value is safe.
+    Pick ``l = topk[t, k]`` of a token with row ``r = token_rows[t]`` inside the table is valid iff
+    ``0 <= l < token_nc[t]``, this rank owns row ``l`` and its local block ``lc // S`` lies inside
+    ``[0, table_width)``; it becomes ``bt[r][lc // S] * S + lc % S``, anything else ``-1``;
+    ``compact`` moves the valid entries to the front in their order. ``lens`` = valid count.
+    Compares are int64, so any pick value is safe.
     """
     K = topk.shape[1]
     device = topk.device
@@ -42,7 +45,7 @@ def topk_to_slots_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: t
     ok &= cp_owner(l, cp_world_size, cp_interleave) == cp_rank
     lc = cp_local(l, cp_world_size, cp_interleave)
     blk = lc // rows_per_block
-    ok &= blk < block_table.shape[1]
+    ok &= blk < min(table_width, block_table.shape[1])
     slots = torch.full((num_rows, K), -1, dtype=torch.long, device=device)
     if bool(ok.any()):
         rr = torch.where(valid, r, 0)[:, None].expand(ok.shape)
@@ -58,5 +61,6 @@ def topk_to_slots(topk, query_start_loc, seq_lens, block_table, rows_per_block: 
                   cp_interleave: int, compact: bool, num_rows: int):
     """The public op's reference: :func:`token_rows` of the batch, then :func:`topk_to_slots_rows`."""
     trow, nc = token_rows(query_start_loc, seq_lens, rows, block_table.shape[0], compress_ratio, num_rows)
-    return topk_to_slots_rows(topk, trow, nc, block_table, rows_per_block, cp_world_size, cp_rank,
-                              cp_interleave, compact, num_rows)
+    return topk_to_slots_rows(topk, trow, nc, block_table, rows_per_block, compress_ratio,
+                              block_table.shape[1], cp_world_size, cp_rank, cp_interleave, compact,
+                              num_rows)
