@@ -34,16 +34,16 @@ stage() {  # stage NAME LIMIT CMD...
 
 for s in "$@"; do
   case $s in
-    check)     stage check 110 $PY benchmarks/gpu_check.py --steps 30 ;;
-    bench)     TAIL=30 stage bench 170 $PY benchmarks/bench_step.py --out "$OUT/bench.json" --replays 30 --host-steps 40 ;;
-    ncu)       TAIL=2 stage ncu 60 ncu --clock-control none -k "regex:fused_step_kernel|_topk_rows" -c 2 \
+    check)     stage check 90 $PY benchmarks/gpu_check.py --steps 30 ;;
+    bench)     TAIL=30 stage bench 150 $PY benchmarks/bench_step.py --out "$OUT/bench.json" --replays 30 --host-steps 40 ;;
+    ncu)       TAIL=2 stage ncu 45 ncu --clock-control none -k "regex:fused_step_kernel|_topk_rows" -c 2 \
                  --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
                  $PY benchmarks/bench_step.py --profile-one "decode B=256" ;;
-    cp)        [ "$NGPU" -ge 2 ] && stage cp 60 $PY -m torch.distributed.run --nproc-per-node 2 examples/cp_decode.py --device cuda ;;
+    cp)        [ "$NGPU" -ge 2 ] && stage cp 50 $PY -m torch.distributed.run --nproc-per-node 2 examples/cp_decode.py --device cuda ;;
     flash)     TAIL=20 stage flash 150 $PY examples/flash_decode_step.py --out "$OUT/flash.json" ;;
     gpu-tests) stage gpu_tests 120 $PY -m pytest -q -x -m gpu -p no:warnings tests ;;
-    memcheck)  stage memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 6 ;;
-    racecheck) stage racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 4 ;;
+    memcheck)  stage memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 6 ;;
+    racecheck) stage racecheck 50 compute-sanitizer --tool racecheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 4 ;;
     *) echo "unknown stage $s" ;;
   esac
 done

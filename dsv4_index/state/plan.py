@@ -342,7 +342,7 @@ def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, new_slots: np.ndarr
                                  f"gives slots beyond int32 (largest id {int(lim[j])})")
     # NOTE: start_k is already in kernel blocks; expand() only turns the ids into kernel-block ids
     _, cu_k, ids_k = tables.expand(gid, start_k // tables.f[gid], cu, ids)
-    return gid, slot, start_k * tables.f[gid], end_k, cu_k, ids_k
+    return gid, slot, start_k, end_k, cu_k, ids_k
 
 
 def _full_checks(tables: BlockTables, gid, slot, start, cu, ids) -> None:
