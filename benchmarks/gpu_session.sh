@@ -36,7 +36,7 @@ for s in "$@"; do
   case $s in
     check)     stage check 90 $PY benchmarks/gpu_check.py --steps 30 ;;
     bench)     TAIL=30 stage bench 150 $PY benchmarks/bench_step.py --out "$OUT/bench.json" --replays 30 --host-steps 40 ;;
-    ncu)       TAIL=2 stage ncu 45 ncu --clock-control none -k "regex:fused_step_kernel|_topk_rows" -c 2 \
+    ncu)       TAIL=2 stage ncu 45 ncu --clock-control none -k "regex:fused_step_kernel|_topk_rows" --launch-skip 5 -c 2 \
                  --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
                  $PY benchmarks/bench_step.py --profile-one "decode B=256" ;;
     cp)        [ "$NGPU" -ge 2 ] && stage cp 50 $PY -m torch.distributed.run --nproc-per-node 2 examples/cp_decode.py --device cuda ;;
