@@ -116,6 +116,7 @@ def host_case(layout, case, args):
         ts_u, ts_b, ts_c = [], [], []
         gc.disable()
         for _ in range(args.host_steps):
+            shadow = _shadow_slots(pipe, wl) if label == "safe" else None  # NOTE: state before the step
             batch, step = wl.next_step()
             torch.cuda.synchronize()
             torch.cuda._sleep(2_000_000)
@@ -127,7 +128,7 @@ def host_case(layout, case, args):
             if label == "safe":
                 # NOTE: StepInput conversion alone (pure: the slot map is not committed)
                 t3 = time.perf_counter()
-                batch_from_step(step, _shadow_slots(pipe, wl), len(layout.groups))
+                batch_from_step(step, shadow, len(layout.groups))
                 ts_c.append(time.perf_counter() - t3)
             ts_u.append(t1 - t0)
             ts_b.append(t2 - t1)
@@ -200,8 +201,30 @@ def main():
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--host-steps", type=int, default=60)
     ap.add_argument("--profile-one", default=None, help="one server-sized step of this case, for ncu")
+    ap.add_argument("--sweep", action="store_true", help="fused-launch tile sweep (block_t x num_warps)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench_step.py needs CUDA"
+    if args.sweep:
+        layout = DSV4Layout.from_config("flash", max_model_len=131072)
+        for name in ("decode B=1", "decode B=256", "prefill 8K"):
+            case = CASES[name]
+            pipe = make_pipe(layout, case, True)
+            wl, _ = steady(layout, case, pipe, 3)
+            batch, _ = wl.next_step()
+            pipe.update(batch)
+            pipe.build()
+            lay = pipe._fused, pipe._lay
+            line = []
+            for bt in (8, 16, 32):
+                for nw in (2, 4, 8):
+                    from dsv4_index.fused.plan import FusedPlan
+                    plan = FusedPlan(pipe._fused.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev,
+                                     pipe.ctx.next_n, block_t=bt, num_warps=nw)
+                    plan.launch(pipe._lay)
+                    g, s1 = graph_time(lambda: plan.launch(pipe._lay), args.k, args.replays)
+                    line.append(f"bt{bt}/w{nw} {g:.2f}/{s1:.2f}")
+            print(f"sweep {name}: " + "  ".join(line), flush=True)
+        return
     if args.profile_one:
         layout = DSV4Layout.from_config("flash", max_model_len=131072)
         case = CASES[args.profile_one]

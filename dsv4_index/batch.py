@@ -249,19 +249,20 @@ def _convert(slots: SlotMap, num_groups: Optional[int], new, running, nst: dict,
     runs_g, runs_s, runs_st, runs_ids, cu = [], [], [], [], [0]
     seen: Set[str] = set()
 
-    def add_runs(rid, slot, lists, start):
+    def add_runs(rid, slot, lists, start, field):
+        # NOTE: `field` names the culprit: "new_requests: block_ids" or "running_requests: new_block_ids"
         if isinstance(lists, (str, bytes)) or not isinstance(lists, (tuple, list)):
-            raise ValueError(f"block ids of {rid!r} must be a tuple with one list per gid, got {type(lists).__name__}")
+            raise ValueError(f"{field} of {rid!r} must be a tuple with one list per gid, got {type(lists).__name__}")
         if num_groups is not None and len(lists) != num_groups:
-            raise ValueError(f"request {rid!r} has {len(lists)} per-gid block lists, expected {num_groups}")
+            raise ValueError(f"{field} of {rid!r} has {len(lists)} per-gid block lists, expected {num_groups}")
         for gid, ids in enumerate(lists):
             if ids is None or (start == APPEND and len(ids) == 0):
                 continue
             if not isinstance(ids, (list, tuple, np.ndarray)):
-                raise ValueError(f"block ids of {rid!r} gid {gid} must be a list, got {type(ids).__name__}")
+                raise ValueError(f"{field} of {rid!r} gid {gid} must be a list, got {type(ids).__name__}")
             for b in ids:
-                if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
-                    raise ValueError(f"request {rid!r} gid {gid} has a bad block id {b!r}")
+                if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 0:
+                    raise ValueError(f"{field} of {rid!r} gid {gid} has a bad block id {b!r}")
             runs_g.append(gid)
             runs_s.append(slot)
             runs_st.append(start)
@@ -292,21 +293,21 @@ def _convert(slots: SlotMap, num_groups: Optional[int], new, running, nst: dict,
         slot = free.pop()
         d.taken[rid] = slot
         rows.append((rid, slot, nc, True))
-        add_runs(rid, slot, lists, 0)
+        add_runs(rid, slot, lists, 0, "new_requests: block_ids")
     for rid, lists, nc, resumed in running:
         check_common("running_requests", rid, nc)
         held = rid in slots.slot_of and rid not in d.freed
         if held:
             slot = slots.slot_of[rid]
             rows.append((rid, slot, nc, False))
-            add_runs(rid, slot, lists, 0 if resumed else APPEND)
+            add_runs(rid, slot, lists, 0 if resumed else APPEND, "running_requests: new_block_ids")
         elif resumed and rid in slots.preempted:
             if not free:
                 raise ValueError(f"running_requests: no free request slot to resume {rid!r}")
             slot = free.pop()
             d.taken[rid] = slot
             rows.append((rid, slot, nc, True))
-            add_runs(rid, slot, lists, 0)
+            add_runs(rid, slot, lists, 0, "running_requests: new_block_ids")
         elif resumed:
             raise ValueError(f"running_requests: request {rid!r} is resumed but was never preempted "
                              f"(unknown to the pipeline)")

@@ -70,7 +70,7 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
     if not 1 <= B <= R:
         raise ValueError(f"num_requests must be in [1, max_num_reqs = {R}], got {num_requests!r}")
     n_pre = num_prefills if num_prefills is not None else max(1, B // 100) if B >= 3 else 0
-    n_spec = (B - n_pre) // 10 if num_speculative_tokens else 0
+    n_spec = max(int(B - n_pre >= 2), (B - n_pre) // 10) if num_speculative_tokens else 0
     q = np.ones(B, dtype=np.int64)
     q[n_pre:n_pre + n_spec] = 1 + num_speculative_tokens
     budget = max_num_batched_tokens - int(q[n_pre:].sum())
@@ -238,14 +238,16 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
         ax.imshow(cat[:, :ncol], cmap=cmap, vmin=-0.5, vmax=len(_CAT_COLORS) - 0.5, aspect="auto",
                   interpolation="nearest")
         if head is not None:
-            ax.plot(head, np.arange(len(head)), "k|", ms=3 if len(head) > 50 else 12, mew=0.6 if len(head) > 50 else 1.5)
+            big = len(head) <= 50
+            ax.plot(head, np.arange(len(head)) - (0.38 if big else 0), "kv" if big else "k|", ms=6 if big else 3,
+                    mew=0.6)
         if cat.shape[0] * ncol <= 400:   # NOTE: small tables: the ids of the blocks in use
             for (r, c), v in np.ndenumerate(ids[:, :ncol]):
                 if cat[r, c] in (HELD, WINDOW, WRITTEN):
                     ax.text(c, r, str(int(v)), ha="center", va="center", fontsize=6 if ncol <= 12 else 5,
                             rotation=0 if ncol <= 12 else 90)
         ring = int(meta.ring_cols[g.gid])
-        kind_s = (f"ring of {ring} columns (block i in column i % {ring}; | newest block)" if ring else
+        kind_s = (f"ring: block i in column i % {ring}; marks: newest" if ring else
                   "circular: one block per request" if g.kind == "circular" else
                   f"{g.kind}: columns {ncol} of {cat.shape[1]} shown")
         win = f", window {g.window}" if g.window else ""

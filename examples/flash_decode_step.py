@@ -176,10 +176,10 @@ def _tensor_at(ptr, nbytes, D, dtype, device):
 
 class Cache:
     """One paged cache. ``full``: what the kernel gets ([2**31, D] reserved, or [hi, D] dense); ``phys``:
-    rows ``[lo, hi)`` (the pool's rows; row ``lo`` is the never-allocated scratch block's first row)."""
+    rows ``[lo, hi)``: the pool's rows, the first ``scratch`` of them a never-allocated block."""
 
-    def __init__(self, name, lo, hi, D, dtype, device, virtual):
-        self.name, self.lo, self.hi, self._release = name, lo, hi, None
+    def __init__(self, name, lo, hi, D, dtype, device, virtual, scratch=1):
+        self.name, self.lo, self.hi, self.scratch, self._release = name, lo, hi, scratch, None
         if not virtual:
             self.full = torch.full((hi, D), float("nan"), dtype=dtype, device=device)
             self.phys = self.full[lo:hi]
@@ -198,13 +198,13 @@ class Cache:
     def write(self, slots, values, bad):
         """Scatter ``values`` [T, D] to int64 ``slots`` (-1: none; they land in the scratch block) and
         count slots outside the pool in ``bad``."""
-        ok = (slots > self.lo) & (slots < self.hi)
+        ok = (slots >= self.lo + self.scratch) & (slots < self.hi)
         bad += ((slots != -1) & ~ok).sum()
         self.phys.index_copy_(0, torch.where(ok, slots - self.lo, 0), values)
 
     def rows(self, slots: np.ndarray):
         """Rows at host-computed slots (the independent read path)."""
-        assert slots.size == 0 or (slots.min() > self.lo and slots.max() < self.hi), self.name
+        assert slots.size == 0 or (slots.min() >= self.lo + self.scratch and slots.max() < self.hi), self.name
         return self.phys[torch.from_numpy(slots - self.lo).to(self.phys.device)]
 
     def close(self):
@@ -383,6 +383,8 @@ def stats(xs):
 def main(argv=None) -> int:
     args = parse_args(argv)
     dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type == "cuda":
         os.environ["TRITON_INTERPRET"] = "0"
         os.environ.pop("DSV4_INDEX_BACKEND", None)
@@ -409,11 +411,15 @@ def main(argv=None) -> int:
     storage, note = args.storage, ""
     while True:
         wl = Workload(layout, B, args.ctx, L, args.steps, args.seed, storage == "virtual")
+        caches = {}
         try:
-            caches = {k: Cache(k, wl.trash * S[k], (wl.mla_lo if k == "swa" else wl.top) * S[k], D, torch.bfloat16,
-                               dev, storage == "virtual") for k in KINDS}
+            for k in KINDS:
+                caches[k] = Cache(k, wl.trash * S[k], (wl.mla_lo if k == "swa" else wl.top) * S[k], D, torch.bfloat16,
+                                  dev, storage == "virtual", scratch=S[k])
             break
         except (OSError, RuntimeError) as e:
+            for c in caches.values():
+                c.close()
             if storage == "dense":
                 raise
             storage, note = "dense", f"reserving 2**31-row caches failed ({e}); fell back to --storage dense"

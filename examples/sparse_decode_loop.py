@@ -239,7 +239,9 @@ def main(argv=None) -> int:
         ev["preemptions"] += len(step.preempted_req_ids)
         ev["resumes"] += sum(r.resumed for r in step.running_requests)
         ev["finished"] += len(step.finished_req_ids)
-        ev["prefix_hits"] += sum(r.req_id in step.replay_start for r in step.new_requests)
+        # NOTE: a hit happens when a request enters the batch: new, or resumed after preemption
+        ev["prefix_hits"] += sum(r.req_id in step.replay_start for r in step.new_requests) + sum(
+            r.resumed and r.req_id in step.replay_start for r in step.running_requests)
         T = step.total_tokens
         Tp = min(max(-(-T // PAD) * PAD, PAD), capacity)
         sync()

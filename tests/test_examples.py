@@ -38,6 +38,24 @@ def test_sparse_decode_loop():
     assert s["check_metadata passes"] == "30", out
     assert "events seen: chunked prefill, decode" in out and "OK: paged == dense" in out, out
     assert all(float(s[k]) <= 1e-4 for k in s if k.startswith("max |paged - dense|")), out
+    # replayed tokens are compared too, and no write lands in another request's blocks
+    hits, replayed = s["prefix hits (replayed tokens)"].replace("(", "").replace(")", "").split()
+    assert int(hits) > 0 and int(replayed) > 0, out
+    assert s["tokens compared with dense (replayed included)"] == s["tokens (valid / padding)"].split(" / ")[0], out
+    assert s["writes into blocks held by another request"] == "0", out
+    assert s["writes into blocks the writer does not hold"] == "0", out
+    assert int(s["cache writes checked"]) > 1000, out
+    assert s["state groups"] == "sliding (ring tables)", out
+
+
+def test_sparse_decode_loop_circular():
+    rc, out = run("sparse_decode_loop.py", "--steps", 30, "--circular", "--validate")
+    assert rc == 0, out
+    s = summary(out)
+    assert s["state groups"] == "circular" and s["check_metadata passes"] == "30", out
+    assert "c4_state (circular, capacity 16), c128_state (circular, capacity 28)" in out, out
+    assert "events seen: chunked prefill, decode" in out and "OK: paged == dense" in out, out
+    assert s["writes into blocks held by another request"] == "0", out
 
 
 def test_sparse_decode_loop_is_deterministic():
@@ -53,13 +71,42 @@ def test_sparse_decode_loop_kernels():
     assert summary(out)["metadata backend"].startswith("triton ("), out
 
 
-def test_sparse_decode_loop_fails_on_mismatch(monkeypatch, capsys):
-    """The exit code reports a paged output that differs from dense."""
+def _example_module():
     sys.path.insert(0, str(EXAMPLES))
     try:
         import sparse_decode_loop
     finally:
         sys.path.remove(str(EXAMPLES))
+    return sparse_decode_loop
+
+
+def test_sparse_decode_loop_fails_on_shared_block_writes(monkeypatch, capsys):
+    """A scheduler that drops replay_end: replayed tokens write compressed rows into the prefix
+    owner's blocks; the example counts them and exits 1."""
+    import dataclasses
+
+    from dsv4_index.scheduler import ReferenceScheduler
+
+    sparse_decode_loop = _example_module()
+    monkeypatch.setenv("DSV4_INDEX_BACKEND", os.environ.get("DSV4_INDEX_BACKEND", "reference"))
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    schedule = ReferenceScheduler.schedule
+
+    def no_replay_end(self):
+        step = dataclasses.replace(schedule(self), replay_end={})
+        self._last = (step, self._last[1])
+        return step
+
+    monkeypatch.setattr(ReferenceScheduler, "schedule", no_replay_end)
+    assert sparse_decode_loop.main(["--steps", "9", "--device", "cpu"]) == 1  # d hits a's prefix at step 7
+    out = capsys.readouterr().out
+    assert "FAIL: " in out and "writes into blocks held by another request" in out, out
+    assert int(summary(out)["writes into blocks held by another request"]) > 0, out
+
+
+def test_sparse_decode_loop_fails_on_mismatch(monkeypatch, capsys):
+    """The exit code reports a paged output that differs from dense."""
+    sparse_decode_loop = _example_module()
     from models.deepseek_v4 import DSV4Attention
 
     # NOTE: main() sets these; monkeypatch restores them afterwards

@@ -55,7 +55,7 @@ def _write_blocks(stage_ptr, tables_ptr, w, off_w, NUM_WRITERS: tl.constexpr, BL
 
 @triton.jit
 def _request_unit(stage_ptr, desc_ptr, tile, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_extra,
-                  BLOCK_R: tl.constexpr, NEXT_N_PAD: tl.constexpr):
+                  BLOCK_R: tl.constexpr, NEXT_N_PAD: tl.constexpr, HAS_CP: tl.constexpr):
     kind = _field(desc_ptr, F_KIND)
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     B = tl.load(stage_ptr + _H_NUM_REQS)
@@ -80,8 +80,11 @@ def _request_unit(stage_ptr, desc_ptr, tile, T_pad, rows, off_qsl, off_seq, off_
         q = tl.load(stage_ptr + off_qsl + r + 1, mask=dec, other=0) - tl.load(stage_ptr + off_qsl + r, mask=dec,
                                                                                 other=0)
         j = tl.arange(0, NEXT_N_PAD)[None, :]
-        n = decode_row_lens(seq, q, j, next_n, _field(desc_ptr, F_A), _field(desc_ptr, F_CPW),
-                            _field(desc_ptr, F_CPR), _field(desc_ptr, F_CPI))
+        if HAS_CP:
+            n = decode_row_lens(seq, q, j, next_n, _field(desc_ptr, F_A), _field(desc_ptr, F_CPW),
+                                _field(desc_ptr, F_CPR), _field(desc_ptr, F_CPI))
+        else:
+            n = decode_row_lens(seq, q, j, next_n, _field(desc_ptr, F_A), 1, 0, 1)
         n = tl.where(dec[:, None], n, 0)
         m = (r < T_pad)[:, None] & (j < next_n)
         off = r.to(tl.int64)[:, None] * next_n + j
@@ -98,7 +101,7 @@ def _request_unit(stage_ptr, desc_ptr, tile, T_pad, rows, off_qsl, off_seq, off_
 
 @triton.jit
 def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_tok,
-                off_extra, off_ov, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                off_extra, off_ov, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_CP: tl.constexpr):
     kind = _field(desc_ptr, F_KIND)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     in_out = t < T_pad
@@ -121,9 +124,14 @@ def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, rows, off_qsl, off_seq, o
         ring = _field(desc_ptr, F_RING)
         a = _field(desc_ptr, F_A)
         pb = _field(desc_ptr, F_B)
-        cpw = _field(desc_ptr, F_CPW)
-        cpr = _field(desc_ptr, F_CPR)
-        cpi = _field(desc_ptr, F_CPI)
+        if HAS_CP:
+            cpw = _field(desc_ptr, F_CPW)
+            cpr = _field(desc_ptr, F_CPR)
+            cpi = _field(desc_ptr, F_CPI)
+        else:
+            cpw = 1  # NOTE: Python ints are constexprs: the ownership math folds away
+            cpr = 0
+            cpi = 1
         ov = off_ov + (gid * rows + b) * 3
         lo = tl.load(stage_ptr + ov, mask=valid, other=0)
         hi = tl.load(stage_ptr + ov + 1, mask=valid, other=0)
@@ -205,7 +213,7 @@ def fused_step_kernel(stage_addr,   # int64 address: int32 [*] staging buffer (s
                       off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, off_w,
                       NF: tl.constexpr, NUM_WRITERS: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                      NEXT_N_PAD: tl.constexpr):
+                      NEXT_N_PAD: tl.constexpr, HAS_CP: tl.constexpr):
     stage_ptr = stage_addr.to(tl.pointer_type(tl.int32))
     tasks_ptr = tasks_addr.to(tl.pointer_type(tl.int64))
     units_ptr = units_addr.to(tl.pointer_type(tl.int32))
@@ -219,11 +227,11 @@ def fused_step_kernel(stage_addr,   # int64 address: int32 [*] staging buffer (s
             unit = p % num_req_units
             task = tl.load(units_ptr + 2 * unit)
             _request_unit(stage_ptr, tasks_ptr + task.to(tl.int64) * NF, p // num_req_units, T_pad, rows, off_qsl,
-                          off_seq, off_slots, off_rs, off_re, off_extra, BLOCK_R, NEXT_N_PAD)
+                          off_seq, off_slots, off_rs, off_re, off_extra, BLOCK_R, NEXT_N_PAD, HAS_CP)
         else:
             p = p - n_req
             unit = num_req_units + p % num_tok_units
             task = tl.load(units_ptr + 2 * unit)
             col = tl.load(units_ptr + 2 * unit + 1)
             _token_unit(stage_ptr, tasks_ptr + task.to(tl.int64) * NF, p // num_tok_units, col, T_pad, rows, off_qsl,
-                        off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, BLOCK_T, BLOCK_C)
+                        off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, BLOCK_T, BLOCK_C, HAS_CP)

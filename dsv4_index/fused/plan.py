@@ -44,9 +44,10 @@ class FusedPlan:
 
     def __init__(self, tasks: Sequence[FusedTask], tables, group_cp, stage: torch.Tensor, next_n: int, *,
                  block_t: int = None, block_c: int = 128, block_r: int = 256, num_writers: int = None,
-                 block_w: int = 256):
+                 block_w: int = 256, num_warps: int = 4):
         interp = interpreting()
-        self.block_t = block_t or (64 if interp else 32)
+        self.block_t = block_t or (64 if interp else 16)
+        self.num_warps = num_warps
         self.block_c, self.block_r, self.block_w = block_c, block_r, block_w
         self.num_writers = num_writers or (1 if interp else 8)
         for name, v in (("block_t", self.block_t), ("block_c", block_c), ("block_r", block_r), ("block_w", block_w)):
@@ -93,8 +94,10 @@ class FusedPlan:
         self._units = torch.tensor(units or [(0, 0)], dtype=torch.int32, device=stage.device)
         self._head = (stage.data_ptr(), tables.flat.data_ptr(), self._desc.data_ptr(), self._units.data_ptr())
         self._stage = stage
+        # NOTE: without DCP every task is unsharded: the kernel folds the ownership math away
+        self.has_cp = bool((desc[:, F_CPW] > 1).any())
         self._consts = (NUM_FIELDS, self.num_writers, self.block_w, self.block_r, self.block_t, self.block_c,
-                        self.next_n_pad)
+                        self.next_n_pad, self.has_cp)
         self._compiled = None
         self._direct = (stage.device.type == "cuda" and not interp
                         and os.environ.get("DSV4_INDEX_DIRECT_LAUNCH", "1") not in ("", "0"))
@@ -120,6 +123,6 @@ class FusedPlan:
             k.run(grid, 1, 1, torch.cuda.current_stream().cuda_stream, k.function, k.packed_metadata, None,
                   None, None, *args, *self._consts)
             return
-        k = fused_step_kernel[(grid,)](*args, *self._consts)
+        k = fused_step_kernel[(grid,)](*args, *self._consts, num_warps=self.num_warps)
         if self._direct and hasattr(k, "run") and hasattr(k, "packed_metadata"):
             self._compiled = k
