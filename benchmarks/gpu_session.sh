@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh check bench ncu cp memcheck racecheck
 #
 # Stages (limits in seconds; the sanitizer stages run small traces that exercise every kernel once):
+#   sweep      fused-launch tile sweep (block_t x num_warps) on three cases
 #   check      benchmarks/gpu_check.py: compiled fused launch + top-k == the PyTorch reference (traces)
 #   bench      benchmarks/bench_step.py (JSON + markdown table)
 #   ncu        Nsight Compute on one server-sized decode B=256 step (fused kernel + top-k conversion)
@@ -34,14 +35,15 @@ stage() {  # stage NAME LIMIT CMD...
 
 for s in "$@"; do
   case $s in
+    sweep)     TAIL=3 stage sweep 60 $PY benchmarks/bench_step.py --sweep --replays 20 ;;
     check)     stage check 90 $PY benchmarks/gpu_check.py --steps 30 ;;
     bench)     TAIL=30 stage bench 150 $PY benchmarks/bench_step.py --out "$OUT/bench.json" --replays 30 --host-steps 40 ;;
     ncu)       TAIL=2 stage ncu 45 ncu --clock-control none -k "regex:fused_step_kernel|_topk_rows" --launch-skip 5 -c 2 \
                  --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
                  $PY benchmarks/bench_step.py --profile-one "decode B=256" ;;
     cp)        [ "$NGPU" -ge 2 ] && stage cp 50 $PY -m torch.distributed.run --nproc-per-node 2 examples/cp_decode.py --device cuda ;;
-    flash)     TAIL=20 stage flash 150 $PY examples/flash_decode_step.py --out "$OUT/flash.json" ;;
-    gpu-tests) stage gpu_tests 120 $PY -m pytest -q -x -m gpu -p no:warnings tests ;;
+    flash)     TAIL=24 stage flash 120 $PY examples/flash_decode_step.py --out "$OUT/flash.json" ;;
+    gpu-tests) stage gpu_tests 80 $PY -m pytest -q -x -m gpu -p no:warnings tests ;;
     memcheck)  stage memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 6 ;;
     racecheck) stage racecheck 50 compute-sanitizer --tool racecheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 4 ;;
     *) echo "unknown stage $s" ;;

@@ -1,91 +1,88 @@
-"""Host cost of ``MetadataPipeline.update()`` (CPU only, no kernels) and the bytes one step copies.
+"""Host cost of ``MetadataPipeline.update()`` per phase, on any machine (no kernel runs).
 
-    python benchmarks/host_profile.py [--reqs 256 1024] [--steps 500] [--max-model-len 131072]
+    python benchmarks/host_profile.py [--steps 200] [--cases "decode B=256,decode B=1024"]
 
-Steady decode of ``--reqs`` requests on the Flash layout: every step each request schedules one
-token and appends a block to a group whenever its length crosses that group's block boundary.
-Prints the median and p90 ``update()`` time (µs) per batch size and the mean H2D bytes per step
-(``last_step_stats``).
-``build()`` is not timed: on CPU it would run the reference or the interpreter, not the host path.
+For each case of ``workload.py`` (V4-Flash, server-sized: 1024 requests, 8192 tokens): the median µs of
+``update(StepBatch)`` with ``checks="safe"`` and ``"full"``, of the ``StepInput`` conversion
+(``batch_from_step``), and of the two phases of a safe update: the checks (``plan_step``) and the
+staging fill + copy. GC off, medians over steady steps. ``build()`` is not timed here (on CPU it runs
+the reference; on the H200 ``bench_step.py`` times it).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import gc
 import statistics
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # NOTE: only to construct the fused plan; nothing launches
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+sys.path.insert(0, str(ROOT))
 
-from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
-from dsv4_index.step import NewRequest, RunningRequest, StepInput  # noqa: E402
-
-CONFIGS = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs"
-
-
-def decode_steps(layout, B: int, steps: int, ctx0: int = 3000):
-    """(admit step, [decode steps]) with block ids from a counter (never reused)."""
-    nxt = [1]
-
-    def take(n):
-        ids = list(range(nxt[0], nxt[0] + n))
-        nxt[0] += n
-        return ids
-
-    groups = layout.groups
-    lens = {f"r{i}": ctx0 + 37 * i for i in range(B)}
-    new = [NewRequest(rid, tuple(take(-(-(n + 1) // g.alloc_block_size)) for g in groups), n)
-           for rid, n in lens.items()]
-    admit = StepInput(new, [], {rid: 1 for rid in lens}, set(), set())
-    lens = {rid: n + 1 for rid, n in lens.items()}
-    out = []
-    for _ in range(steps):
-        running = []
-        for rid, n in lens.items():
-            add = tuple(take(1) if n % g.alloc_block_size == 0 else [] for g in groups)
-            running.append(RunningRequest(rid, add, n))
-        out.append(StepInput([], running, {rid: 1 for rid in lens}, set(), set()))
-        lens = {rid: n + 1 for rid, n in lens.items()}
-    return admit, out
+from dsv4_index import DSV4Layout, MetadataPipeline, batch_from_step  # noqa: E402
+from dsv4_index.batch import SlotMap  # noqa: E402
+from dsv4_index.state import plan_step  # noqa: E402
+from workload import CASES, Workload  # noqa: E402
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reqs", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--steps", type=int, default=500)
-    ap.add_argument("--max-model-len", type=int, default=131072)
-    a = ap.parse_args(argv)
-    layout = DSV4Layout.from_config(CONFIGS / "flash.json", max_model_len=a.max_model_len)
-    widths = {g.name: g.table_width for g in layout.groups}
-    print(f"flash max_model_len={a.max_model_len} table widths {widths}")
-    for B in a.reqs:
-        run(layout, B, a.steps)
+def shadow(pipe, wl):
+    sm = SlotMap(pipe.max_num_reqs)
+    sm.slot_of = dict(wl.slots)
+    sm._free = sorted(set(range(pipe.max_num_reqs)) - set(wl.slots.values()), reverse=True)
+    return sm
 
 
-def run(layout, B: int, steps: int) -> None:
-    pipe = MetadataPipeline(layout, B, max(B, 256), "cpu", fused=True)
-    assert pipe._fused is not None
-    admit, trace = decode_steps(layout, B, steps)
-    pipe.update(admit)
-    pipe._pending = []
-    times, nbytes, tbytes = [], [], []
-    for st in trace:
-        t0 = time.perf_counter()
-        pipe.update(st)
-        times.append((time.perf_counter() - t0) * 1e6)
-        pipe._pending = []  # NOTE: stands in for build(), whose one launch applies the staged segments
-        nbytes.append(pipe.last_step_stats.h2d_bytes)
-        tbytes.append(pipe.last_step_stats.table_bytes)
-    print(f"B={B} decode: update() median {statistics.median(times):.1f} us "
-          f"(p90 {sorted(times)[int(0.9 * len(times))]:.1f} us) over {len(times)} steps; "
-          f"H2D {statistics.mean(nbytes):.0f} B/step (block-table segments {statistics.mean(tbytes):.0f} B), "
-          f"1 copy/step")
-    whole = sum(4 * (g.table_width + 1) * B / g.alloc_block_size * g.blocks_per_kv_block for g in layout.groups)
-    print(f"  whole-row commit of the same appends would copy ~{whole:.0f} B/step")
+def profile(layout, case, steps: int) -> dict:
+    out = {}
+    for checks in ("safe", "full"):
+        pipe = MetadataPipeline(layout, 1024, 8192, "cpu", case.q_decode - 1, checks=checks, backend="reference")
+        wl = Workload(layout, case, 0)
+        ts, tp, tc, tsg = [], [], [], []
+        for i in range(steps + 3):
+            sm = shadow(pipe, wl) if checks == "safe" else None
+            batch, step = wl.next_step()
+            if checks == "safe" and i >= 3:
+                t0 = time.perf_counter()
+                batch_from_step(step, sm, len(layout.groups))
+                tc.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                plan_step(batch, occupied=pipe._occupied, tables=pipe.tables, cp=pipe.cp,
+                          max_num_tokens=pipe.max_num_tokens, max_writes=pipe.max_staged_blocks, pad_to=None,
+                          decode_threshold=1 + pipe.num_speculative_tokens, level=checks)
+                tp.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            pipe.update(batch)
+            if i >= 3:
+                ts.append(time.perf_counter() - t0)
+            pipe._staged_writes = 0  # NOTE: nothing is built here; do not make update() apply it
+        out[f"update_{checks}"] = statistics.median(ts) * 1e6
+        if checks == "safe":
+            out["checks"] = statistics.median(tp) * 1e6
+            out["staging"] = out["update_safe"] - out["checks"]
+            out["step_input"] = statistics.median(tc) * 1e6
+            out["h2d_bytes"] = pipe.last_step_stats.h2d_bytes
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--cases", default="decode B=1,decode B=256,decode B=1024,MTP 256x2,prefill 8K,"
+                                       "prefill 8K + 32K cached,mixed 256 + 4K")
+    args = ap.parse_args()
+    layout = DSV4Layout.from_config("flash", max_model_len=131072)
+    print("| case | update(StepBatch) safe µs | of which checks / staging | full checks µs | StepInput "
+          "conversion µs | H2D bytes |")
+    print("|---|---|---|---|---|---|")
+    gc.disable()
+    for name in args.cases.split(","):
+        r = profile(layout, CASES[name], args.steps)
+        print(f"| {name} | {r['update_safe']:.1f} | {r['checks']:.1f} / {r['staging']:.1f} | {r['update_full']:.1f} | "
+              f"{r['step_input']:.1f} | {r['h2d_bytes']} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

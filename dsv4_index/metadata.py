@@ -90,6 +90,10 @@ class DSV4Metadata:
         """
         if channel not in self.channels:
             raise KeyError(f"no channel {channel!r} in this layout; channels: {sorted(self.channels)}")
+        if torch.compiler.is_compiling():
+            # NOTE: inside torch.compile: the registered functional op (no host checks, no graph break)
+            from .torch_ops import topk_to_slots as compiled_topk
+            return compiled_topk(self, channel, topk, compact=compact)
         conv = self._converters.get(channel)
         if conv is None:
             raise ValueError(f"channel {channel!r} does not convert top-k indices")

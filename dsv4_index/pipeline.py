@@ -60,13 +60,16 @@ class MetadataPipeline:
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
+    record : str or Path, optional — write every ``update()`` (the array-form step and its pad size,
+        rejected steps with their error) to this JSONL trace (:mod:`dsv4_index.trace`); replay it with
+        ``python -m dsv4_index replay TRACE``.
     """
 
     def __init__(self, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, record=None):
         for name, v, lo in (("max_num_reqs", max_num_reqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("num_speculative_tokens", num_speculative_tokens, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -96,6 +99,8 @@ class MetadataPipeline:
         for b in self._builders.values():
             units[b.spec.gid] = max(units[b.spec.gid], b.int32_unit)
         self.tables = BlockTables(layout.groups, max_num_reqs, T, self.device, units)
+        self.tables.compressed = tuple(sorted({(s.gid, s.compress_ratio, s.rows_per_block)
+                                               for s in layout.channels.values() if s.compress_ratio > 1}))
         dev, i32 = self.device, torch.int32
         self.ctx = BuildContext(
             layout=layout, device=dev, max_num_reqs=max_num_reqs, max_num_tokens=T,
@@ -147,6 +152,10 @@ class MetadataPipeline:
                             for name, b in self._builders.items()
                             if type(b).topk_to_slots is not ChannelBuilder.topk_to_slots}
         self.last_step_stats = StepStats()
+        self.recorder = None
+        if record is not None:
+            from .trace import Recorder
+            self.recorder = Recorder(record, self)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -164,16 +173,21 @@ class MetadataPipeline:
         Raises ValueError naming the culprit; the pipeline is then exactly as it was (tables,
         request state, slot map, staging).
         """
-        delta = None
-        if isinstance(step, StepInput):
-            batch, delta = batch_from_step(step, self.slot_map, len(self.layout.groups))
-        elif isinstance(step, StepBatch):
-            batch = step
-        else:
-            raise ValueError(f"step must be a StepInput or a StepBatch, got {type(step).__name__}")
-        plan = plan_step(batch, occupied=self._occupied, tables=self.tables, cp=self.cp,
-                         max_num_tokens=self.max_num_tokens, max_writes=self.max_staged_blocks, pad_to=pad_to,
-                         decode_threshold=1 + self.num_speculative_tokens, level=self.checks)
+        batch = delta = None
+        try:
+            if isinstance(step, StepInput):
+                batch, delta = batch_from_step(step, self.slot_map, len(self.layout.groups))
+            elif isinstance(step, StepBatch):
+                batch = step
+            else:
+                raise ValueError(f"step must be a StepInput or a StepBatch, got {type(step).__name__}")
+            plan = plan_step(batch, occupied=self._occupied, tables=self.tables, cp=self.cp,
+                             max_num_tokens=self.max_num_tokens, max_writes=self.max_staged_blocks, pad_to=pad_to,
+                             decode_threshold=1 + self.num_speculative_tokens, level=self.checks)
+        except ValueError as e:
+            if self.recorder is not None:
+                self.recorder.record_rejected(batch, pad_to, e, None if delta is None else list(delta.order))
+            raise
         # NOTE: every check passed; from here on nothing raises
         stats = StepStats(num_h2d_copies=1, num_launches=(1 if self._fused else 0) + len(self._unfused))
         if self._staged_writes:
@@ -192,6 +206,8 @@ class MetadataPipeline:
         ctx.has_replay_start, ctx.has_replay_end = plan.replay_start is not None, plan.replay_end is not None
         self._plan = plan
         self.last_step_stats = stats
+        if self.recorder is not None:
+            self.recorder.record(batch, pad_to, None if delta is None else list(delta.order))
 
     def _commit(self, plan: StepPlan) -> None:
         occ, tables = self._occupied, self.tables

@@ -31,6 +31,7 @@ __all__ = ["MetadataError", "check_metadata", "check_topk", "check_cp_partition"
 
 _SLOT_FIELDS = ("slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "indices")
 _LEN_FIELDS = ("lens", "ks", "ke")
+_PER_REQUEST = ("cu", "compact_cu", "compact_slot_mapping", "decode_lens", "decode_lens_clamped")
 
 
 class MetadataError(ValueError):
@@ -119,10 +120,11 @@ def _compare(s: _Step, channel: str, field: str, found: torch.Tensor, exp: torch
     bad = found != exp
     t = _first(bad)
     if t is not None:
+        tok = None if field in _PER_REQUEST else t  # NOTE: rows of per-request fields are no tokens
         if found.dim() > 1:
             k = int(torch.nonzero(bad[t])[0])
-            s.fail(channel, f"{field}[{t}, {k}] {what}", t, expected=int(exp[t, k]), found=int(found[t, k]))
-        if channel in ("cu", "decode_lens") or field in ("cu", "compact_cu", "decode_lens"):
+            s.fail(channel, f"{field}[{t}, {k}] {what}", tok, expected=int(exp[t, k]), found=int(found[t, k]))
+        if tok is None:
             s.fail(channel, f"{field}[{t}] {what}", expected=int(exp[t]), found=int(found[t]))
         s.fail(channel, f"{field} {what}", t, expected=int(exp[t]), found=int(found[t]))
 
@@ -163,7 +165,9 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
             s.fail(name, f"{field} present / absent", expected=want is not None, found=found is not None)
         if found is None:
             continue
-        found = _cpu(found)
+        found, want = _cpu(found), _cpu(want)
+        if found.shape != want.shape:  # NOTE: before any per-token check indexes it
+            s.fail(name, f"{field} shape", expected=tuple(want.shape), found=tuple(found.shape))
         per_token = field not in ("cu", "compact_cu", "decode_lens", "compact_slot_mapping", "lens_clamped",
                                   "decode_lens_clamped")
         if per_token:
@@ -202,13 +206,13 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
                        found=found[t].tolist())
             if c.slot_mapping is not None:
                 sm, L = _cpu(c.slot_mapping), lens
-                last = found.gather(1, (L - 1).clamp(min=0)[:, None].long())[:, 0]
+                last = found.gather(1, (L - 1).clamp(0, found.shape[1] - 1)[:, None].long())[:, 0]
                 mine = valid & (sm != -1)
                 t = _first(mine & ((L == 0) | (last != sm)))
                 if t is not None:
                     s.fail(name, "window does not end at the token's own slot", t, expected=int(sm[t]),
                            found=int(last[t]) if int(L[t]) else "empty row")
-        _compare(s, name, field, found, _cpu(want), "(DESIGN §4, from the reference)")
+        _compare(s, name, field, found, want, "(DESIGN §4, from the reference)")
 
 
 def check_metadata(meta, layout=None, *, num_blocks: Optional[int] = None, null_block: Optional[int] = 0) -> None:
@@ -222,7 +226,11 @@ def check_metadata(meta, layout=None, *, num_blocks: Optional[int] = None, null_
         ``num_blocks * blocks_per_kv_block * rows``. Default: only non-negative.
     null_block : int or None — no listed slot may lie in this block (None: skip).
     """
-    ctx = host_context(meta)
+    try:
+        ctx = host_context(meta)
+    except ValueError as e:  # NOTE: the step's own tensors contradict each other (counts, qsl)
+        raise MetadataError("batch", f"inconsistent step ({e})", expected="a consistent step",
+                            found=(meta.num_tokens, meta.num_tokens_padded)) from e
     s = _Step(meta, ctx)
     _check_common(s, meta)
     for name, c in meta.channels.items():

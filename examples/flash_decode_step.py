@@ -18,8 +18,8 @@ from the workload's own block lists (not the metadata), and the rows gathered by
 bit for bit what the token model wrote; the metadata's index rows must equal those slots exactly; then a
 dense fp32 softmax with the sink. Tolerances: relative Frobenius error of a token's [H, D] output < 1e-2,
 |lse error| < 1e-3. Why: bf16 keeps 8 significant bits, so each rounding is within 2**-8 = 3.9e-3; the
-kernel rounds twice (P before the PV dot, then the output), <= 7.8e-3 in all (measured: ~2e-3 with
-round-to-nearest; ~5.5e-3 in Triton 3.6's interpreter, whose fp32 -> bf16 casts truncate). The logits
+kernel rounds twice (P before the PV dot, then the output), <= 7.8e-3 in all (~2e-3 on random data with
+round-to-nearest casts, emulated; ~5.5e-3 in Triton 3.6's interpreter, whose casts truncate). The logits
 are exact bf16 products summed in fp32 (lse error ~1e-6; 1e-3 bounds 512-term fp32 sums). A wrong key of
 average weight among N ~ 640 moves the output by ~sqrt(2 / N) ~ 5e-2; any wrong slot fails the exact check.
 
@@ -30,8 +30,15 @@ causal width). Each cache reaches the kernel as a [2**31, D] tensor with the met
 the storage layer RESERVES 2**31 rows of address space and backs only the pool's rows with memory (CUDA
 driver virtual memory on the GPU; mmap PROT_NONE + mprotect on the CPU), so a read outside the pool
 faults. Unwritten rows hold NaN. Only the example's own writes and checks use the physical view (row =
-slot - first pool row). ``--storage dense`` (or an automatic, printed fallback if the reservation fails)
-uses low block ids and plain tensors instead.
+slot - first pool row). Before the run, two rows at both ends of each pool are read back through the
+kernel on these views; if reserving or that probe fails, the run falls back (printed, and in the JSON) to
+``--storage dense``: low block ids and plain tensors.
+
+Timing (CUDA; medians over steps 1.., step 0 admits the batch): ``update()`` host time; GPU time (CUDA
+events, the GPU kept busy meanwhile so host latency is excluded) of ``build()`` with update's H2D copy,
+of one ``topk_to_slots`` per C4A layer, and of each layer kind's attention kernel, multiplied by the
+config's layer counts (V4-Flash: 2 SWA + 21 C4A + 20 C128A; the MTP layer is listed, not counted). The
+share is metadata / (metadata + attention): attention is only part of a step, so this is an upper bound.
 
     python examples/flash_decode_step.py                        # CUDA: B=256, 300 steps, V4-Flash shapes
     python examples/flash_decode_step.py --small                # CPU: scaled down, Triton interpreter
@@ -80,8 +87,8 @@ def parse_args(argv=None):
     ap.add_argument("--cuda-graphs", action="store_true", help="build() replays a CUDA graph")
     ap.add_argument("--kernels", action="store_true", help="CPU: metadata by the Triton kernels (interpreter)")
     ap.add_argument("--attn-reference", action="store_true", help="attention by the PyTorch reference")
-    ap.add_argument("--fault", choices=KINDS, default=None,
-                    help="self-test: entry 0 of each token's list of that kind repeats entry 1 (must FAIL)")
+    ap.add_argument("--fault", choices=KINDS, nargs="+", default=(),
+                    help="self-test: entry 0 of each token's list of these kinds repeats entry 1 (must FAIL)")
     a = ap.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.steps, a.batch = a.steps or (6 if a.small else 300), a.batch or (8 if a.small else 256)
@@ -89,6 +96,8 @@ def parse_args(argv=None):
     a.ctx = a.ctx or [200 if a.small else 4096, a.max_model_len]
     if a.steps < 1 or a.batch < 1 or a.check_reqs < 1 or not 1 <= a.ctx[0] <= a.ctx[1] <= a.max_model_len:
         ap.error("need --steps, --batch, --check-reqs >= 1 and 1 <= ctx LO <= HI <= max_model_len")
+    if a.cuda_graphs and not a.device.startswith("cuda"):
+        ap.error("--cuda-graphs needs --device cuda")
     return a
 
 
@@ -273,37 +282,39 @@ class Workload:
         return int(self.rng.integers(self.ctx[0], self.ctx[1] - self.Q + 1))
 
     def next_step(self):
-        """(StepBatch, per-row (c, q, draft version) host arrays, admitted slots)."""
+        """(StepBatch, per-row (c, q, draft version) host arrays, admitted slots). A request keeps, per
+        group, its first live logical block and the ids from there on (sliding groups drop old ones)."""
         from dsv4_index.batch import APPEND, StepBatch
         free, new, runs = [], np.zeros(self.B, bool), []
         for s in range(self.B):
             r = self.reqs[s]
             if r is not None and r["c"] >= self.L:  # finished at max_model_len
-                for g, ids in enumerate(r["blocks"]):
-                    self.free[g == self.mla].extend(int(i) for i in ids if i > 0)
+                for g, (_, ids) in enumerate(r["blocks"]):
+                    self.free[g == self.mla].extend(ids)
                 free.append(s)
                 self.finished += 1
                 r = None
             if r is None:
                 self.uid += 1
-                r = self.reqs[s] = dict(uid=self.uid, c=self._context(s), blocks=[np.zeros(0, np.int64)] * len(self.bs))
+                r = self.reqs[s] = dict(uid=self.uid, c=self._context(s), blocks=[(0, [])] * len(self.bs))
                 new[s] = True
             c = r["c"]
             r["q"] = min(self.Q, self.L - c)  # NOTE: the last step before max_model_len has 1 token
             for g, (b, w) in enumerate(zip(self.bs, self.win)):
-                have, need = r["blocks"][g], -(-(c + r["q"]) // b)
+                first, ids = r["blocks"][g]
+                need = -(-(c + r["q"]) // b)
                 lo = max(c - w + 1, 0) // b if w else 0  # NOTE: the lowest block this step reads
-                if w and not new[s] and lo and have[lo - 1]:  # blocks below it leave the window: release
-                    self.free[False].extend(int(i) for i in have[:lo] if i > 0)
-                    have = have.copy()
-                    have[:lo] = 0
-                start = 0 if new[s] else len(have)
-                add = np.zeros(need - start, np.int64)
-                skip = max(lo - start, 0) if new[s] else 0  # NOTE: a new request's old window blocks: null
-                add[skip:] = self._alloc(g, len(add) - skip)
-                r["blocks"][g] = np.concatenate([have[:start], add])
-                if len(add) or new[s]:
-                    runs.append((g, s, 0 if new[s] else APPEND, add))
+                if new[s]:
+                    first = lo
+                elif lo > first:  # blocks below it left the window: back to the pool
+                    self.free[False].extend(ids[:lo - first])
+                    first, ids = lo, ids[lo - first:]
+                add = self._alloc(g, need - first - len(ids))
+                r["blocks"][g] = (first, ids + add)
+                if new[s]:  # NOTE: a new request's list starts at logical block 0: null before `first`
+                    runs.append((g, s, 0, np.concatenate([np.zeros(first, np.int64), np.asarray(add, np.int64)])))
+                elif add:
+                    runs.append((g, s, APPEND, np.asarray(add, np.int64)))
         c = np.array([r["c"] for r in self.reqs], np.int64)
         q = np.array([r["q"] for r in self.reqs], np.int64)
         self.acc = self.rng.random(self.B) < 0.7
@@ -321,9 +332,10 @@ class Workload:
 
     def slots(self, s, g, pos, S):
         """Host slots of positions (or compressed rows) ``pos`` of slot ``s`` in group ``g``."""
-        ids = self.reqs[s]["blocks"][g][pos // S]
-        assert (ids > 0).all(), "workload bug: a read position's block was released"
-        return ids * S + pos % S
+        first, ids = self.reqs[s]["blocks"][g]
+        k = pos // S - first
+        assert k.size == 0 or k.min() >= 0, "workload bug: a read position's block was released"
+        return np.asarray(ids, np.int64)[k] * S + pos % S
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +350,8 @@ class Timer:
         if self.cuda:
             self.e0, self.e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             self.cycles_per_us = 1.0
-            self.cycles_per_us = 2e6 / self(lambda: torch.cuda._sleep(2_000_000), 0)[1]
+            for _ in range(2):  # NOTE: the first launch loads the kernel
+                self.cycles_per_us = 2e6 / self(lambda: torch.cuda._sleep(2_000_000), 0)[1]
 
     def __call__(self, fn, busy_us):
         if not self.cuda:
@@ -374,9 +387,34 @@ def dense_reference(q, keys, sink, scale):
     return torch.exp(s - lse[:, None])[:, :-1] @ keys, lse
 
 
+def probe(caches, attend, T, H, D, device):
+    """Two rows at both ends of each pool, written by the storage layer and read back through the kernel
+    on the [2**31, D] views (what fails here falls back to dense storage); the rows are NaN again after."""
+    g, i32 = torch.Generator().manual_seed(1), torch.int32
+    q = torch.randn(T, 1, H, D, generator=g).to(device, torch.bfloat16)
+    sink, lists = torch.zeros(H, device=device), {}
+    for k, c in caches.items():
+        slots = torch.tensor([c.lo + c.scratch, c.hi - 1], device=device)
+        rows = torch.randn(2, D, generator=g).to(device, torch.bfloat16)
+        c.write(slots, rows, torch.zeros((), dtype=torch.int64, device=device))
+        idx = torch.full((T, 1, 128 if k == "swa" else 512), -1, dtype=i32, device=device)
+        idx[:, 0, :2] = slots.to(i32)
+        lists[k] = (idx, torch.full((T,), 2, dtype=i32, device=device), rows)
+    for k in KINDS:
+        extra = (None, None, None) if k == "swa" else (caches[k].full,) + lists[k][:2]
+        out, _ = attend(q, caches["swa"].full, *lists["swa"][:2], *extra, sink)
+        keys = torch.cat([lists["swa"][2]] + ([] if k == "swa" else [lists[k][2]])).float()
+        ref, _ = dense_reference(q[0, 0].float(), keys, sink, D ** -0.5)
+        assert float((out[0, 0].float() - ref).norm()) <= TOL_REL * float(ref.norm()), f"probe of the {k} cache"
+    for c in caches.values():
+        c.phys[torch.tensor([c.scratch, c.hi - c.lo - 1], device=device)] = float("nan")
+
+
 def stats(xs):
     s = sorted(x for x in xs if x is not None)
-    return dict(median=statistics.median(s), p10=s[(len(s) - 1) // 10], p90=s[9 * (len(s) - 1) // 10], n=len(s)) if s else None
+    if not s:
+        return None
+    return dict(median=statistics.median(s), p10=s[(len(s) - 1) // 10], p90=s[9 * (len(s) - 1) // 10], n=len(s))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,6 +423,8 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # NOTE: the reference is fp32, not TF32
     if dev.type == "cuda":
         os.environ["TRITON_INTERPRET"] = "0"
         os.environ.pop("DSV4_INDEX_BACKEND", None)
@@ -408,6 +448,9 @@ def main(argv=None) -> int:
     g_swa, g_mla = layout.group("swa").gid, layout.group("mla").gid
     S = {"swa": layout.groups[g_swa].block_size, "c4": layout.channels["c4a"].rows_per_block,
          "c128": layout.channels["c128a"].rows_per_block}
+    # NOTE: the interpreter's cost is per tile op: fewer, wider key tiles on CPU; CUDA keeps its tuned tiles
+    tiles = dict(BLOCK_N=256) if dev.type != "cuda" and attn_backend == "triton" else None
+    attend = lambda *a: sparse_decode_attention(*a, sm_scale=scale, backend=attn_backend, config=tiles)
     storage, note = args.storage, ""
     while True:
         wl = Workload(layout, B, args.ctx, L, args.steps, args.seed, storage == "virtual")
@@ -416,13 +459,14 @@ def main(argv=None) -> int:
             for k in KINDS:
                 caches[k] = Cache(k, wl.trash * S[k], (wl.mla_lo if k == "swa" else wl.top) * S[k], D, torch.bfloat16,
                                   dev, storage == "virtual", scratch=S[k])
+            probe(caches, attend, Tp, H, D, dev)
             break
-        except (OSError, RuntimeError) as e:
+        except Exception as e:  # NOTE: reservation, mapping or the kernel refusing the views
             for c in caches.values():
                 c.close()
             if storage == "dense":
                 raise
-            storage, note = "dense", f"reserving 2**31-row caches failed ({e}); fell back to --storage dense"
+            storage, note = "dense", f"2**31-row caches failed ({e!r}); fell back to --storage dense"
             print("WARNING: " + note)
     print(f"V4-Flash decode: H={H} D={D} (rope {rope}) W={W} top-k={K} R={R['c4']}/{R['c128']}; B={B} x {Q} tokens "
           f"(1 speculative), max_model_len={L}, contexts from {args.ctx[0]}..{args.ctx[1]}, {args.steps} steps")
@@ -439,8 +483,6 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     sinks = {k: torch.randn(H, generator=gen, device=dev) * SINK_STD + SINK_MEAN for k in KINDS}
     outs = {k: torch.empty(Tp, 1, H, D, dtype=torch.bfloat16, device=dev) for k in KINDS}
-    # NOTE: the interpreter's cost is per tile op: fewer, wider key tiles on CPU; CUDA keeps its tuned tiles
-    tiles = dict(BLOCK_N=256) if dev.type != "cuda" and attn_backend == "triton" else None
     timer, crng = Timer(dev), np.random.default_rng(args.seed + 1)
     cnt = {k: torch.zeros((), dtype=torch.int64, device=dev) for k in ("bad_writes", "lens", "below_-1", "pad_out")}
     max_slot = {k: torch.full((), -1, dtype=torch.int64, device=dev) for k in ("w_swa", "w_c4", "w_c128", *KINDS)}
@@ -488,7 +530,8 @@ def main(argv=None) -> int:
 
         q_all, lists, picks = {}, {}, None
         for kind in KINDS:
-            q = q_all[kind] = vals.rotate(torch.randn(Tp, H, D, generator=gen, device=dev) * Q_STD, pos)[:, None].bfloat16()
+            q = torch.randn(Tp, H, D, generator=gen, device=dev) * Q_STD
+            q = q_all[kind] = vals.rotate(q, pos)[:, None].bfloat16()
             topk = None
             if kind == "c4":
                 picks = make_picks(pos, R["c4"], K, int(c_h.max() + Q) // R["c4"], gen)
@@ -496,7 +539,7 @@ def main(argv=None) -> int:
                 topk, t = timer(lambda: [meta.topk_to_slots("c4a", picks, compact=True) for _ in range(n)][-1], 8000)
                 times["topk_gpu_us"].append(t if step else None)
             a = lists[kind] = meta.sparse_decode_args(kind, topk, padded=True)
-            if args.fault == kind:  # NOTE: self-test only: the check must catch this
+            if kind in args.fault:  # NOTE: self-test only: the check must catch this
                 key = "indices" if kind == "swa" else "extra_indices"
                 a[key] = a[key].clone()
                 a[key][:, 0, 0] = torch.where(a[key][:, 0, 1] >= 0, a[key][:, 0, 1], a[key][:, 0, 0])
@@ -509,7 +552,8 @@ def main(argv=None) -> int:
             want = [(a["topk_length"], torch.clamp(pos + 1, max=W))]
             if kind != "swa":
                 nc = (pos + 1) // R[kind]
-                want.append((a["extra_topk_length"], nc if kind == "c128" else ((picks >= 0) & (picks < nc[:, None])).sum(1)))
+                valid = nc if kind == "c128" else ((picks >= 0) & (picks < nc[:, None])).sum(1)
+                want.append((a["extra_topk_length"], valid))
             for got, exp in want:
                 cnt["lens"] += (got != exp).sum()
             for key in ["extra_indices" if R.get(kind) else "indices"]:  # NOTE: one SWA list for all kinds
@@ -519,7 +563,8 @@ def main(argv=None) -> int:
 
         # -- sampled requests against the dense fp32 reference, keys found independently ----------
         sample = [int(np.argmax(c_h))]
-        sample += [int(x) for x in crng.choice(np.setdiff1d(np.arange(B), sample), min(args.check_reqs, B) - 1, replace=False)]
+        others = np.setdiff1d(np.arange(B), sample)
+        sample += [int(x) for x in crng.choice(others, min(args.check_reqs, B) - 1, replace=False)]
         picks_h = picks.cpu().numpy()
         for s in sample:
             c, u = int(c_h[s]), wl.reqs[s]["uid"]
@@ -527,12 +572,14 @@ def main(argv=None) -> int:
             for t in range(qsl[s], qsl[s + 1]):
                 p = c + t - qsl[s]
                 wp = np.arange(max(0, p - W + 1), p + 1)
-                win = (caches["swa"], wl.slots(s, g_swa, wp, S["swa"]), vals("swa", u, wp, wp == last), "indices", "topk_length")
+                win = (caches["swa"], wl.slots(s, g_swa, wp, S["swa"]), vals("swa", u, wp, wp == last),
+                       "indices", "topk_length")
                 for kind in KINDS:
                     parts = [win]
                     if kind != "swa":
                         nc = (p + 1) // R[kind]
-                        rows = np.arange(nc) if kind == "c128" else picks_h[t][(picks_h[t] >= 0) & (picks_h[t] < nc)].astype(np.int64)
+                        pk = picks_h[t].astype(np.int64)
+                        rows = np.arange(nc) if kind == "c128" else pk[(pk >= 0) & (pk < nc)]
                         parts.append((caches[kind], wl.slots(s, g_mla, rows, S[kind]),
                                       vals(kind, u, rows, (rows + 1) * R[kind] - 1 == last, scale=R[kind]),
                                       "extra_indices", "extra_topk_length"))
@@ -547,12 +594,14 @@ def main(argv=None) -> int:
                     o, lse = dense_reference(q_all[kind][t, 0].float(), torch.cat(keys), sinks[kind], scale)
                     rel = float((outs[kind][t, 0].float() - o).norm() / o.norm())
                     dl = float((lists[kind]["lse"][t, 0] - lse).abs().max())
-                    e["rel"], e["lse"] = max(e["rel"], rel if rel == rel else 9e9), max(e["lse"], dl if dl == dl else 9e9)
+                    e["rel"] = max(e["rel"], rel if rel == rel else 9e9)  # NOTE: NaN counts as a failure
+                    e["lse"] = max(e["lse"], dl if dl == dl else 9e9)
                     e["tokens"] += 1
         wl.advance()
-        if sys.stderr.isatty():
+        timer.starved *= step > 0  # NOTE: admission (step 0) is not timed
+        if sys.stderr.isatty() or (step + 1) % 50 == 0:
             print(f"\rstep {step + 1}/{args.steps}  rel err " + " ".join(f"{k} {err[k]['rel']:.1e}" for k in KINDS),
-                  end="", file=sys.stderr, flush=True)
+                  end="" if sys.stderr.isatty() else "\n", file=sys.stderr, flush=True)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     res = dict(args=vars(args), shape=dict(H=H, D=D, rope=rope, W=W, K=K, B=B, T_pad=Tp, max_model_len=L),
@@ -575,12 +624,21 @@ def report(res, times, out_path) -> int:
     meta = [times["update_host_us"][i] + times["build_gpu_us"][i] + times["topk_gpu_us"][i] for i in steps]
     gpu = [times["build_gpu_us"][i] + times["topk_gpu_us"][i] for i in steps]
     attn = [sum(n[k] * times[f"attn_{k}_us"][i] for k in KINDS) for i in steps]
-    res["timings"] = {k: stats(v) for k, v in times.items()}
+    res["timings"], res["per_step"] = {k: stats(v) for k, v in times.items()}, times
     res["timings"].update(step_metadata_us=stats(meta), step_attention_us=stats(attn),
                           metadata_share=stats([m / (m + a) for m, a in zip(meta, attn)]),
                           metadata_share_gpu=stats([g / (g + a) for g, a in zip(gpu, attn)]))
     md = lambda k: res["timings"][k]["median"]
-    rows = []
+    rows = [(f"max error {k} ({err[k]['tokens']} tokens): rel Frobenius / lse",
+             f"{err[k]['rel']:.2e} / {err[k]['lse']:.2e}") for k in KINDS]
+    rows += [("index rows != own slots (swa / c4 / c128); cache rows != values",
+              " / ".join(str(err[k]["index_mismatch"]) for k in KINDS)
+              + f"; {sum(err[k]['value_mismatch'] for k in KINDS)}"),
+             ("wrong lengths / entries < -1 / bad writes / padded out != 0",
+              f"{cnt['lens']} / {cnt['below_-1']} / {cnt['bad_writes']} / {cnt['pad_out']}"),
+             ("largest slot written: swa / c4a / c128a", f"{ms['w_swa']} / {ms['w_c4']} / {ms['w_c128']}"),
+             ("largest slot listed: swa / c4 / c128 lists", f"{ms['swa']} / {ms['c4']} / {ms['c128']}"),
+             ("largest position / finished at max_model_len", f"{res['max_pos']} / {res['finished']}")]
     if steps:
         rows += [("metadata: update() host", f"{md('update_host_us'):.1f} us"),
                  ("metadata: build() GPU (+ update's H2D copy)", f"{md('build_gpu_us'):.1f} us"),
@@ -590,27 +648,18 @@ def report(res, times, out_path) -> int:
                  for k in KINDS]
         rows += [(f"attention per step ({sum(n.values())} layers)", f"{md('step_attention_us'):.1f} us"),
                  ("metadata share of (metadata + attention)", f"{100 * md('metadata_share'):.2f} %"),
-                 ("  GPU only: (build + top-k) / (that + attention)", f"{100 * md('metadata_share_gpu'):.2f} %"),
-                 ("timed steps / host outran the busy wait", f"{len(steps)} / {res['starved']}")]
-    else:
-        rows.append(("timings", "none (need --device cuda and --steps >= 2)"))
-    rows += [(f"max error {k} ({err[k]['tokens']} tokens): rel Frobenius / lse", f"{err[k]['rel']:.2e} / {err[k]['lse']:.2e}")
-             for k in KINDS]
-    rows += [("index rows != independent slots: swa / c4 / c128", " / ".join(str(err[k]["index_mismatch"]) for k in KINDS)),
-             ("cache rows != written values", str(sum(err[k]["value_mismatch"] for k in KINDS))),
-             ("wrong lengths / entries < -1 / bad writes / padded out != 0",
-              f"{cnt['lens']} / {cnt['below_-1']} / {cnt['bad_writes']} / {cnt['pad_out']}"),
-             ("largest slot written: swa / c4a / c128a", f"{ms['w_swa']} / {ms['w_c4']} / {ms['w_c128']}"),
-             ("largest slot listed: swa / c4 / c128 lists", f"{ms['swa']} / {ms['c4']} / {ms['c128']}"),
-             ("largest position / finished at max_model_len", f"{res['max_pos']} / {res['finished']}"),
-             ("wall time", f"{res['wall_s']:.1f} s")]
+                 ("  GPU only: (build + top-k) / (that + attention)", f"{100 * md('metadata_share_gpu'):.2f} %")]
+    rows.append(("timed steps / host outran the busy wait / wall time",
+                 f"{len(steps)} / {res['starved']} / {res['wall_s']:.1f} s" if steps else
+                 f"none (need --device cuda, --steps >= 2) / - / {res['wall_s']:.1f} s"))
     w = max(len(k) for k, _ in rows)
     print(f"\nsummary (B={res['shape']['B']}, T_pad={res['shape']['T_pad']}, {res['storage']} storage)")
     print("-" * (w + 24))
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
     print("-" * (w + 24))
-    fails = [f"{k} numerics" for k in KINDS if not (err[k]["rel"] < TOL_REL and err[k]["lse"] < TOL_LSE and err[k]["tokens"])]
+    fails = [f"{k} numerics" for k in KINDS
+             if not (err[k]["rel"] < TOL_REL and err[k]["lse"] < TOL_LSE and err[k]["tokens"])]
     fails += [f"{k} index rows" for k in KINDS if err[k]["index_mismatch"]]
     fails += ["cache values"] * any(err[k]["value_mismatch"] for k in KINDS) + [k for k, v in cnt.items() if v]
     if res["storage"] == "virtual" and min(ms["w_swa"], ms["w_c4"], ms["swa"], ms["c4"]) < 2 ** 30:

@@ -14,6 +14,7 @@ import torch
 from dsv4_index import DSV4Layout, MetadataPipeline
 from dsv4_index._common import cdiv, interpreting
 from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.validate import check_metadata, check_topk
 
 TINY = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs" / "tiny.json"
 
@@ -102,6 +103,9 @@ def output_buffers(pipe) -> list:
     return out
 
 
+POISONS = (7777, -5556, 3333, -1230)  # NOTE: alternate parity: bool buffers get True, False, ...
+
+
 def poison(pipe, value: int) -> None:
     """Fill every output buffer (whole capacity) with ``value`` (bools: ``value`` is odd)."""
     for t in output_buffers(pipe):
@@ -148,9 +152,6 @@ def three_pipelines(layout, max_num_reqs, max_tokens, **kw) -> Dict[str, Metadat
     return p
 
 
-POISONS = (7777, -5555, 3333, 1231)
-
-
 def topk_channels(meta) -> list:
     return [n for n in meta.channels if n in meta._converters]
 
@@ -192,6 +193,7 @@ def compare_step(pipes: Dict[str, MetadataPipeline], step, pad_to: Optional[int]
                     ref = cur
                 else:
                     assert torch.equal(ref[0], cur[0]) and torch.equal(ref[1], cur[1]), (tag, ch, compact, name)
+            check_topk(m0, ch, picks, ref[0], ref[1], compact=compact)
             valid += int(ref[1].sum())
     return m0, valid
 
@@ -214,6 +216,26 @@ def compare_over_trace(pipes: Dict[str, MetadataPipeline], trace: Iterable, *, p
         seen["prefills"] += m0.num_prefills
         seen["topk"] += valid
     return seen
+
+
+def assert_tables_follow_views(pipe, views):
+    """Independent of every other pipeline: the device tables equal the host mirror, and each
+    scheduled request's row holds the scheduler's block ids (kernel ids, logical order) for every
+    block the step can read (rings keep only the newest ``ring`` blocks)."""
+    tb = pipe.tables
+    for g in range(len(tb.tables)):
+        assert torch.equal(tb.tables[g].cpu(), torch.from_numpy(tb.mirrors[g])), f"gid {g}: device != mirror"
+    for v in views:
+        slot = pipe.slot_of(v.req_id)
+        for g, grp in enumerate(pipe.layout.groups):
+            want = list(v.block_ids[g])
+            row = tb.row(g, slot).tolist()
+            assert len(row) == len(want), (v.req_id, g, row, want)
+            lo = 0
+            if grp.window is not None and grp.kind != "circular":
+                lo = max(v.num_computed_tokens - grp.window + 1, v.replay_start, 0) // grp.block_size
+            for i in range(lo, len(want)):
+                assert row[i] == want[i], (v.req_id, grp.name, i, row, want)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,6 +338,55 @@ def random_step(rng, blocks: Blocks, kind: str, *, n_reqs: int, max_ctx: int, sp
 
 def step_all(pipes: Dict[str, MetadataPipeline], step, pad_to: Optional[int] = None):
     """:func:`compare_step` with ``check_metadata`` on the first pipeline; returns its metadata."""
-    from dsv4_index.validate import check_metadata
-
     return compare_step(pipes, step, pad_to, check=check_metadata)[0]
+
+
+def hand_session(layout, rng, steps: int, *, spec: int, max_reqs: int, events: dict):
+    """Hand-written steps over ``steps`` iterations, yielding ``(step, pad_to)``: running requests append
+    blocks and switch between prefill and decode (some held unscheduled), some finish, some are
+    preempted (one forced in the second step) and come back as resumed or as new, new ones take freed
+    slots; replay floors are sent every step once set and never lowered. ``events`` counts
+    "resumed", "renewed" (back as a NewRequest) and "done"."""
+    blocks = Blocks(layout, rng)
+    state, preempted, floor, nid = {}, {}, {}, 0
+    for it in range(steps):
+        new, running, sched = [], [], {}
+        done = {r for r in state if rng.random() < 0.2}
+        pre = {r for r in state if r not in done and (rng.random() < 0.25 or (it == 1 and r == max(state)))}
+        for r in done | pre:
+            c, _ = state.pop(r)
+            floor.pop(r, None)
+            if r in pre:
+                preempted[r] = c
+        for rid, (c, have) in sorted(state.items()):
+            if rng.random() < 0.15:
+                continue  # held, not scheduled this step
+            q = rng.randint(1, 1 + spec) if rng.random() < 0.6 else rng.randint(2 + spec, 20)
+            add = blocks.lists(c + q, have)
+            running.append(RunningRequest(rid, add, c))
+            state[rid] = (c + q, [h + len(a) for h, a in zip(have, add)])
+            sched[rid] = q
+            if rng.random() < 0.3:
+                floor[rid] = max(floor.get(rid, 0), rng.randint(0, c))
+        for rid in sorted(preempted):
+            if len(state) < max_reqs and rid not in pre and rng.random() < 0.7:
+                c = preempted.pop(rid)
+                q = rng.randint(1, 8)
+                lists = blocks.lists(c + q)
+                as_new = rng.random() < 0.5  # NOTE: a preempted request may come back either way
+                (new.append(NewRequest(rid, lists, c)) if as_new else
+                 running.append(RunningRequest(rid, lists, c, resumed=True)))
+                events["renewed" if as_new else "resumed"] += 1
+                state[rid] = (c + q, [len(x) for x in lists])
+                sched[rid] = q
+        while len(state) < max_reqs and rng.random() < 0.7:
+            rid, nid = f"n{nid}", nid + 1
+            c, q = rng.randint(0, 150), rng.randint(1, 24)
+            lists = blocks.lists(c + q)
+            new.append(NewRequest(rid, lists, c))
+            state[rid] = (c + q, [len(x) for x in lists])
+            sched[rid] = q
+        events["done"] += len(done)
+        step = StepInput(new, running, sched, done, pre, {r: floor[r] for r in sched if r in floor})
+        pad = rng.choice([0, 0, 5])
+        yield step, (step.total_tokens + pad if pad else None)

@@ -5,11 +5,12 @@ them, and on hostile values (huge block ids, null blocks, zero-length requests, 
 the formula's answer (or -1), never a crash."""
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dsv4_index as di
@@ -21,6 +22,7 @@ from dsv4_index.validate import check_metadata, host_context
 from _meta_helpers import Pool, clone_meta, make_pipeline, tiny_layout, two_steps
 
 I32 = torch.int32
+INTERP = bool(os.environ.get("TRITON_INTERPRET")) or torch.cuda.is_available()
 
 
 def _i32(*v):
@@ -68,7 +70,7 @@ def _bad_steps(layout, pool):
         "finished ids as a bare string": (StepInput([], [], {}, finished_req_ids="ab"), "safe", "bare string 'ab'"),
         "scheduled request not in the batch": (StepInput([], [], {"zz": 3}), "safe", "num_scheduled_tokens lists 'zz'"),
         "wrong number of block lists": (StepInput([NewRequest("n", ([1],), 0)], [], {"n": 1}), "safe",
-                                        "request 'n' has 1 per-gid block lists, expected 4"),
+                                        "'n' has 1 per-gid block lists, expected 4"),
         "too many tokens": (StepInput([NewRequest("n", pool.blocks(97), 0)], [], {"n": 97}), "safe",
                             "more than max_num_batched_tokens = 96"),
         "block id beyond int32": (StepInput([NewRequest("n", pool.blocks(4)[:3] + ([2**31 - 1],), 0)], [], {"n": 4}),
@@ -174,11 +176,11 @@ _VALUES = st.one_of(st.integers(-2, 8), st.integers(0, 120), st.integers(-2**31,
 
 
 def _garbage_base(layout):
-    """A real next step as a StepBatch: b finishes, a and d decode, e arrives (runs in every group)."""
+    """A real next step: b finishes, a decodes, d replays up to 26, e arrives (runs in every group)."""
     e = _empty(layout)
     return StepInput([NewRequest("e", Pool(layout, start=500).blocks(20), 0)],
                      [RunningRequest("a", e, 64), RunningRequest("d", e, 23)], {"a": 2, "d": 5, "e": 20},
-                     finished_req_ids={"b"}, replay_start={"d": 6})
+                     finished_req_ids={"b"}, replay_start={"d": 6}, replay_end={"d": 26})
 
 
 @st.composite
@@ -211,10 +213,15 @@ def _mutate(b: StepBatch, muts) -> StepBatch:
 
 
 def _inside_own_blocks(pipe, meta):
-    """Every slot a token writes or lists lies in a block its request's row holds (host mirror)."""
+    """Every slot a token writes or lists lies in a block its request's row holds (host mirror), and
+    no token below its request's replay_end writes into a prefix-cacheable group (DESIGN §4)."""
     assert torch.equal(pipe.tables.flat.cpu(), torch.from_numpy(pipe.tables.mirror))  # device == mirror
     T = meta.num_tokens
     req = meta.token_to_req[:T].long().cpu()
+    pos = meta.positions[:T].cpu()
+    replayed = torch.zeros(T, dtype=torch.bool)
+    if meta.replay_end is not None:  # NOTE: the host's int64 values, not what was staged
+        replayed = pos < torch.as_tensor(np.asarray(meta.replay_end, dtype=np.int64))[req]
     for name, ch in meta.channels.items():
         g = pipe.layout.groups[ch.gid]
         for field in ("slot_mapping", "compressed_slot_mapping", "indices"):
@@ -223,6 +230,8 @@ def _inside_own_blocks(pipe, meta):
                 continue
             unit = g.block_size if field == "slot_mapping" or ch.compress_ratio == 1 else ch.rows_per_block
             x = x[:T].cpu().reshape(T, -1)
+            if g.prefix_cacheable and field != "indices":
+                assert bool((x[replayed] == -1).all()), (name, field, "a replayed token writes shared KV")
             for t, b in zip(*torch.nonzero(x != -1, as_tuple=True)):
                 slot = int(meta.req_slots[int(req[t])])
                 held = set(pipe.tables.row(ch.gid, slot).tolist())
@@ -231,8 +240,19 @@ def _inside_own_blocks(pipe, meta):
 
 @given(_mutations())
 def test_garbage_batches_are_rejected_or_built_exactly(muts):
+    _garbage(muts, "reference")
+
+
+@pytest.mark.skipif(not INTERP, reason="the fused kernel needs CUDA or TRITON_INTERPRET=1")
+@settings(max_examples=8)
+@given(_mutations())
+def test_garbage_batches_fused(muts):
+    _garbage(muts, None)
+
+
+def _garbage(muts, backend):
     layout = tiny_layout()
-    pipe = make_pipeline(layout, backend="reference")
+    pipe = make_pipeline(layout, backend=backend)
     for s in two_steps(layout):
         pipe.update(s)
         pipe.build()

@@ -296,7 +296,8 @@ def test_group_spec_errors(kw, match):
 
 def test_group_spec_defaults():
     g = GroupSpec(0, "g", "full", 16, None, True, 4)
-    assert (g.ring, g.sharded, g.blocks_per_kv_block, g.alloc_block_size, g.kernel_block_size) == (False, True, 1, 16, 16)
+    assert (g.ring, g.sharded, g.blocks_per_kv_block) == (False, True, 1)
+    assert g.alloc_block_size == g.kernel_block_size == 16
     h = GroupSpec(1, "h", "sliding", 16, 32, False, 100, blocks_per_kv_block=4, ring=True, sharded=False)
     assert h.alloc_block_size == 64 and h.columns(10) == (math.ceil(41 / 16) + 1, 4)
 
@@ -320,27 +321,34 @@ def test_layouts_by_name():
 
 
 def _readme_table():
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    head = text.index("| gid | group | block size | channels |")
+    """Rows of the README's layout table, as dicts keyed by its header."""
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    head = next(i for i, ln in enumerate(lines) if re.match(r"\|\s*gid\s*\|\s*group\s*\|", ln))
+    keys = [c.strip() for c in lines[head].strip().strip("|").split("|")]
     rows = []
-    for line in text[head:].splitlines()[2:]:
+    for line in lines[head + 2:]:
         if not line.startswith("|"):
             break
-        rows.append([c.strip() for c in line.strip("|").split("|")])
+        rows.append(dict(zip(keys, (c.strip() for c in line.strip().strip("|").split("|")))))
     return rows
 
 
 def test_readme_layout_table_matches_the_flash_layout():
     lay = DSV4Layout.from_config("flash", 1 << 17)
     rows = _readme_table()
-    assert len(rows) == len(lay.groups)
-    for (gid, group, block, chans), g in zip(rows, lay.groups):
-        assert int(gid) == g.gid and re.match(r"`(\w+)`", group).group(1) == g.name
-        assert int(block) == g.block_size
+    assert len(rows) == len(lay.groups) and {"gid", "group", "block size", "channels"} <= set(rows[0])
+    for row, g in zip(rows, lay.groups):
+        group = row["group"]
+        assert int(row["gid"]) == g.gid and re.match(r"`(\w+)`", group).group(1) == g.name
+        assert int(row["block size"]) == g.block_size
         win = re.search(r"window (\d+)", group)
         assert (g.window is None and "full" in group) or (win and int(win.group(1)) == g.window), group
-        listed = re.findall(r"`(\w+)`(?: \(R (\d+), S (\d+)\))?", chans)
-        assert [n for n, _, _ in listed] == [c.name for c in lay.channels_of(g.gid)], chans
+        if "sharded" in group or "replicated" in group:
+            assert ("sharded" in group) == g.sharded, group
+        if "table" in row:
+            assert ("ring" in row["table"]) == g.ring, row["table"]
+        listed = re.findall(r"`(\w+)`(?: \(R (\d+), S (\d+)\))?", row["channels"])
+        assert [n for n, _, _ in listed] == [c.name for c in lay.channels_of(g.gid)], row["channels"]
         for n, r, s in listed:
             if r:
                 c = lay.channels[n]

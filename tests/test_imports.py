@@ -31,39 +31,43 @@ def module_name(path: Path) -> str:
 
 MODULES = [module_name(p) for p in FILES if p.name != "__main__.py"]
 
-# NOTE: runs in a fresh interpreter. "bare" replaces the package __init__ by an empty package, so a
-# submodule's import runs only what it imports itself; "alone" purges every dsv4_index module first.
+# NOTE: runs in a fresh interpreter, over the modules in forward order, in reverse order, and each
+# alone (every module of the package purged first). "bare" replaces the package __init__ by an empty
+# package, so a submodule's import runs only what it imports itself.
 _PROBE = r"""
 import importlib, json, sys, traceback, types
-mode, bare, names, pkg_dir = sys.argv[1], sys.argv[2] == "1", json.loads(sys.argv[3]), sys.argv[4]
-import torch, triton  # NOTE: third-party, imported once: the subject is our own modules
+pkg_name, pkg_dir, bare, names = sys.argv[1], sys.argv[2], sys.argv[3] == "1", json.loads(sys.argv[4])
+if pkg_name == "dsv4_index":
+    import torch, triton  # NOTE: third-party, imported once: the subject is our own modules
 
 def fresh():
-    for k in [k for k in sys.modules if k == "dsv4_index" or k.startswith("dsv4_index.")]:
+    for k in [k for k in sys.modules if k == pkg_name or k.startswith(pkg_name + ".")]:
         del sys.modules[k]
     if bare:
-        pkg = types.ModuleType("dsv4_index")
+        pkg = types.ModuleType(pkg_name)
         pkg.__path__ = [pkg_dir]
-        sys.modules["dsv4_index"] = pkg
+        sys.modules[pkg_name] = pkg
 
 failed = []
-fresh()
-for name in names:
-    if mode == "alone":
-        fresh()
-    if bare and name == "dsv4_index":
-        continue
-    try:
-        importlib.import_module(name)
-    except BaseException:
-        failed.append([name, traceback.format_exc(limit=4)])
+for order, seq in (("forward", names), ("reverse", names[::-1]), ("alone", names)):
+    fresh()
+    for name in seq:
+        if order == "alone":
+            fresh()
+        if bare and name == pkg_name:
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            failed.append([order, name, traceback.format_exc(limit=4)])
 print(json.dumps(failed))
 """
 
 
-def _run(mode: str, bare: bool, names) -> list:
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode, "1" if bare else "0", json.dumps(list(names)), str(PKG)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+def probe(pkg_name: str, pkg_dir: Path, bare: bool, names, cwd: Path) -> list:
+    """[(order, module, traceback)] of every failed import."""
+    out = subprocess.run([sys.executable, "-c", _PROBE, pkg_name, str(pkg_dir), "1" if bare else "0",
+                          json.dumps(list(names))], cwd=cwd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -73,14 +77,23 @@ def test_module_list_is_complete():
 
 
 @pytest.mark.parametrize("bare", [False, True], ids=["package", "bare"])
-@pytest.mark.parametrize("order", ["forward", "reverse", "alone"])
-def test_every_module_imports_in_any_order(order, bare):
-    names = MODULES if order != "reverse" else MODULES[::-1]
-    failed = _run("alone" if order == "alone" else "sequence", bare, names)
-    assert not failed, "\n".join(f"{n}:\n{tb}" for n, tb in failed)
+def test_every_module_imports_in_any_order_and_alone(bare):
+    failed = probe("dsv4_index", PKG, bare, MODULES, ROOT)
+    assert not failed, "\n".join(f"{o} {n}:\n{tb}" for o, n, tb in failed)
 
 
-def test_plain_import_statement_in_fresh_interpreters():
+def test_probe_finds_a_cycle(tmp_path):
+    """The probe can fail: a two-module cycle that works only when ``b`` is imported first."""
+    pkg = tmp_path / "cyc"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\nX = 1\n")
+    (pkg / "b.py").write_text("from .a import X\n")
+    failed = probe("cyc", pkg, True, ["cyc.a", "cyc.b"], tmp_path)
+    assert {(o, n) for o, n, _ in failed} == {("forward", "cyc.a"), ("alone", "cyc.a")}
+
+
+def test_plain_import_statements_in_fresh_interpreters():
     """``python -c "import a; import b; ..."`` literally, forward and reverse (no importlib)."""
     for names in (MODULES, MODULES[::-1]):
         code = "; ".join(f"import {n}" for n in names)

@@ -1,7 +1,6 @@
 """MetadataPipeline over randomized scheduler traces: every channel, every step, equals DESIGN §4
 recomputed in plain Python from the scheduler's own view of each request's blocks."""
 
-import numpy as np
 import pytest
 import torch
 

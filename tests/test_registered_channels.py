@@ -12,6 +12,8 @@ The channels (tiny layout, ``max_model_len`` 256):
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -23,8 +25,8 @@ from dsv4_index.channels.base import _REGISTRY
 from dsv4_index.geometry import CHANNEL_OUTPUTS
 from dsv4_index.validate import check_metadata, check_topk
 
-from _meta_helpers import (DEVICE, HAS_TRITON, compare_over_trace, compare_step, eventful_trace, three_pipelines,
-                           tiny_layout)
+from _meta_helpers import (DEVICE, HAS_TRITON, Blocks, compare_over_trace, compare_step, eventful_trace, random_step,
+                           step_all, three_pipelines, tiny_layout)
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
 
@@ -158,3 +160,42 @@ def test_builder_without_fused_tasks_runs_its_own_launch(registry):
         compare_step({"fused": fused, "lone": lone, "reference": ref}, step, step.total_tokens + i % 2, tag=i,
                      check=lambda m: check_metadata(m, num_blocks=NUM_BLOCKS))
         assert lone.last_step_stats.num_launches == 2 and fused.last_step_stats.num_launches == 1
+
+
+def test_registered_window_subclass_joins_the_fused_launch(registry):
+    class MyWindow(WindowChannel):
+        pass
+
+    register_channel("test_fused_win", MyWindow)
+    base = tiny_layout()
+    swa = base.group("swa")
+    layout = base.with_channel(ChannelSpec("test_fused_win", swa.gid, 1, swa.block_size, window=4,
+                                           index_width=4, outputs={"slot_mapping", "indices", "lens"}))
+    rng = random.Random(9)
+    pipes = three_pipelines(layout, 6, 160)  # NOTE: a plain subclass inherits its kind's fused tasks
+    assert pipes["fused"].num_launches == 1 and type(pipes["fused"]._builders["test_fused_win"]) is MyWindow
+    step = random_step(rng, Blocks(layout, rng), "mixed", n_reqs=3, max_ctx=150, replay=True)
+    m = step_all(pipes, step, pad_to=step.total_tokens + 1)
+    assert int(m["test_fused_win"].lens.max()) == 4
+
+
+def test_readme_example_verbatim(registry):
+    """The README's "Adding a channel" code, run as written on V4-Flash at 128K: one launch, and a
+    step's c2 rows (512 column tiles of the fused launch) equal the reference."""
+    import re
+    from pathlib import Path
+
+    from dsv4_index import DSV4Layout, NewRequest, StepInput
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("### Adding a channel"):], re.S).group(1)
+    ns = {"layout": DSV4Layout.from_config("flash", max_model_len=131072)}
+    exec(code, ns)
+    layout = ns["layout"]
+    pipes = {"fused": MetadataPipeline(layout, 2, 8, DEVICE), "reference": MetadataPipeline(layout, 2, 8, DEVICE,
+                                                                                           backend="reference")}
+    assert pipes["fused"].num_launches == 1 and type(pipes["fused"]._builders["c2"]) is CausalCompressedChannel
+    lists = tuple(list(range(1 + 1000 * g, 1 + 1000 * g + cdiv(1030, b.alloc_block_size))) for g, b in
+                  enumerate(layout.groups))
+    m = step_all(pipes, StepInput([NewRequest("a", lists, 1024)], [], {"a": 6}), pad_to=8)
+    assert m["c2"].lens.tolist() == [512, 513, 513, 514, 514, 515, 0, 0] and m["c2"].indices.shape == (8, 65536)

@@ -10,6 +10,12 @@ after a ``build()`` or between an ``update()`` and its ``build()`` (a staged, un
   the last plan and stats, build context) is unchanged (identity included);
 * A and B (which never saw a bad step) hold equal state after every later ``update()`` and equal
   outputs (every metadata tensor, device tables, a top-k conversion) after every later ``build()``.
+
+Kinds (``KINDS``, one test id each): id / count / request confusion, block ids, the three leaks of
+the issue (a finished or preempted request dropped before a late failure; an earlier group's append
+kept when the last group's run is rejected; a block id past its own group's int32 limit), coverage
+per group, rings, circular capacity, ``checks="full"`` contract checks, and the ``StepBatch`` forms.
+Two layouts: tiny with ring sliding tables, and the same with a circular ``c4_state`` group.
 """
 
 from __future__ import annotations
@@ -171,7 +177,8 @@ for _f in ("finished_req_ids", "preempted_req_ids"):
     K(f"{_f[:-8]}_ids_bare_string", lambda c, f=_f: (rep(c.step, **{f: "ab"}), None, esc(
         f"{f} must be a set or list of request ids, got the bare string 'ab'")))
 K("duplicate_running_req_id", lambda c: _on(_pick(c.step, running=True), lambda r: (
-    rep(c.step, running_requests=[*c.step.running_requests, r]), None, esc(f"request {r.req_id!r} is listed more than once"))))
+    rep(c.step, running_requests=[*c.step.running_requests, r]), None,
+    esc(f"request {r.req_id!r} is listed more than once"))))
 K("duplicate_new_req_id", lambda c: _on(_pick(c.step, running=False), lambda r: (
     rep(c.step, new_requests=[*c.step.new_requests, r]), None, esc(f"request {r.req_id!r} is listed more than once"))))
 K("unknown_running_request", lambda c: (_add(c, running=[RunningRequest("zz", tuple([] for _ in range(c.G)), 5)], zz=1),
@@ -191,10 +198,14 @@ K("negative_num_computed_tokens", lambda c: _on(_pick(c.step, running=True), lam
     _swap(c.step, r, _with(r, nc=-1)), None, esc(f"num_computed_tokens of {r.req_id!r} must be an int >= 0, got -1"))))
 K("wrong_number_of_block_lists", lambda c: _on(_pick(c.step, running=True), lambda r: (
     _swap(c.step, r, _with(r, _lists(r)[:-1])), None,
-    esc(f"request {r.req_id!r} has {c.G - 1} per-gid block lists, expected {c.G}"))))
+    esc(f"new_block_ids of {r.req_id!r} has {c.G - 1} per-gid block lists, expected {c.G}"))))
 K("negative_replay_end", lambda c: _on(_pick(c.step), lambda r: (
     rep(c.step, replay_end={**c.step.replay_end, r.req_id: -1}), None,
     esc(f"replay_end[{r.req_id!r}] must be an int >= 0, got -1"))))
+K("replay_end_beyond_int32", lambda c: _on(  # NOTE: a wrapped value lets replayed tokens overwrite shared KV
+    _pick(c.step, lambda r: _appending(r) and c.step.num_scheduled_tokens[r.req_id] > 0), lambda r: (
+        rep(c.step, replay_end={**c.step.replay_end, r.req_id: 2**32}), None,
+        esc(f"replay_end of slot {c.pipe.slot_of(r.req_id)} = {2**32} does not fit int32"))))
 K("too_many_tokens", lambda c: _on(next(iter(c.step.num_scheduled_tokens), None), lambda rid: (
     rep(c.step, num_scheduled_tokens=_nst(c.step, **{rid: c.step.num_scheduled_tokens[rid] + T_MAX + 1
                                                      - c.step.total_tokens})), None,
@@ -214,8 +225,10 @@ def _new_holding_slot(c):
     if idle:
         return _add(c, new=[NewRequest(idle[0], _fresh_lists(c, 4), 0)], **{idle[0]: 4}), None, esc(msg.format(idle[0]))
     r = _pick(c.step, lambda r: _appending(r) and r.req_id in held)  # NOTE: send it as new instead
-    return r and (rep(c.step, new_requests=[*c.step.new_requests, NewRequest(r.req_id, _lists(r), r.num_computed_tokens)],
-                      running_requests=[x for x in c.step.running_requests if x is not r]), None, esc(msg.format(r.req_id)))
+    back = NewRequest(r.req_id, _lists(r), r.num_computed_tokens) if r else None
+    return r and (rep(c.step, new_requests=[*c.step.new_requests, back],
+                      running_requests=[x for x in c.step.running_requests if x is not r]), None,
+                  esc(msg.format(r.req_id)))
 
 
 def _too_many_requests(c):
@@ -245,9 +258,10 @@ _HAS_IDS = lambda r: any(_lists(r))  # noqa: E731
 _FIRST_G = lambda r: next(g for g, ids in enumerate(_lists(r)) if ids)  # noqa: E731
 K("non_int_block_id", lambda c: _on(_pick(c.step, _HAS_IDS), lambda r: (
     _edit(c, r, _FIRST_G(r), lambda ids: ids[:-1] + [7.5]), None,
-    esc(f"request {r.req_id!r} gid {_FIRST_G(r)} has a bad block id 7.5"))))
+    esc(f"{r.req_id!r} gid {_FIRST_G(r)} has a bad block id 7.5"))))
 K("negative_block_id", lambda c: _on(_pick(c.step, _HAS_IDS), lambda r: (
-    _edit(c, r, _FIRST_G(r), lambda ids: ids[:-1] + [-3]), None, r"write_ids\[\d+\] = -3 is negative")))
+    _edit(c, r, _FIRST_G(r), lambda ids: ids[:-1] + [-3]), None,
+    esc(f"{r.req_id!r} gid {_FIRST_G(r)} has a bad block id -3"))))
 
 
 def _int32_late(c):  # issue leak 3: the earlier groups' appends of the same request are valid
@@ -341,7 +355,8 @@ def _id_already_in_row(c):
 K("full_check_block_id_already_in_row", _id_already_in_row, checks="full")
 K("full_check_block_id_twice_in_new_request", lambda c: _on(
     _pick(c.step, lambda r: len(_lists(r)[0]) >= 2, running=False), lambda r: (
-        _edit(c, r, 0, lambda ids: ids[:1] * 2 + ids[2:]), None, rf"block id {_lists(r)[0][0]} twice in gid 0 of slot")),
+        _edit(c, r, 0, lambda ids: ids[:1] * 2 + ids[2:]), None,
+        rf"block id {_lists(r)[0][0]} twice in gid 0 of slot")),
   checks="full")
 K("full_check_null_block_in_full_group", lambda c: _on(_pick(c.step, lambda r: bool(_lists(r)[0])), lambda r: (
     _edit(c, r, 0, lambda ids: ids[:-1] + [0]), None, esc("the null block 0 in full group gid 0"))), checks="full")
@@ -417,9 +432,10 @@ KB("batch_is_new_on_occupied_slot", lambda c, b: _on(_row(b, lambda i: not b.is_
 KB("batch_non_new_row_on_free_slot", lambda c, b: _on(_row(b, lambda i: b.is_new[i]), lambda i: (
     _patch(b, "is_new", i, False), None, esc(f"req_slots[{i}] = {b.req_slots[i]} holds no request (mark it is_new)"))))
 KB("batch_free_a_free_slot", lambda c, b: _on(_free_slot(c, b), lambda s: (
-    _set(b, free_slots=[*b.free_slots, s]), None, esc(f"free_slots[{len(b.free_slots)}] = {s} does not hold a request"))))
-KB("batch_free_slot_twice", lambda c, b: _on(next((s for s in range(R) if c.pipe._occupied[s] and s not in b.free_slots),
-                                                  None), lambda s: (
+    _set(b, free_slots=[*b.free_slots, s]), None,
+    esc(f"free_slots[{len(b.free_slots)}] = {s} does not hold a request"))))
+KB("batch_free_slot_twice", lambda c, b: _on(next(
+    (s for s in range(R) if c.pipe._occupied[s] and s not in b.free_slots), None), lambda s: (
     _set(b, free_slots=[*b.free_slots, s, s]), None, esc("free_slots lists a slot twice"))))
 KB("batch_two_runs_for_one_group_slot", lambda c, b: b.num_runs and (
     _pack(b, _runs(b) + [[int(b.write_gids[0]), int(b.write_slots[0]), APPEND, _fresh(1)]]), None,
@@ -429,6 +445,8 @@ KB("batch_write_to_slot_without_request", lambda c, b: b.num_runs and _on(_free_
     _patch(b, "write_slots", 0, s), None, esc(f"write_slots[0] = {s} holds no request after this step"))))
 KB("batch_write_cu_past_the_ids", lambda c, b: b.num_runs and (
     _patch(b, "write_cu", -1, b.write_cu[-1] + 1), None, esc("write_cu must rise from 0 to len(write_ids)")))
+KB("batch_negative_block_id", lambda c, b: b.num_runs and len(b.write_ids) and (
+    _patch(b, "write_ids", 0, -3), None, esc("write_ids[0] = -3 is negative")))
 KB("batch_write_gid_out_of_range", lambda c, b: b.num_runs and (
     _patch(b, "write_gids", 0, c.G), None, esc(f"write_gids[0] = {c.G} is not a group in [0, {c.G})")))
 KB("batch_float_array", lambda c, b: b.num_rows and (
@@ -438,7 +456,8 @@ KB("batch_wrong_array_length", lambda c, b: b.num_rows and (
     rep(b, num_scheduled_tokens=b.num_scheduled_tokens[:-1]), None,
     esc(f"num_scheduled_tokens has {b.num_rows - 1} entries, expected {b.num_rows}")))
 KB("batch_write_slots_wrong_length", lambda c, b: b.num_runs and (
-    rep(b, write_slots=b.write_slots[:-1]), None, esc(f"write_slots has {b.num_runs - 1} entries, expected {b.num_runs}")))
+    rep(b, write_slots=b.write_slots[:-1]), None,
+    esc(f"write_slots has {b.num_runs - 1} entries, expected {b.num_runs}")))
 KB("batch_negative_num_scheduled", lambda c, b: b.num_rows and (
     _patch(b, "num_scheduled_tokens", 0, -1), None, esc("num_scheduled_tokens[0] = -1 is negative")))
 KB("batch_negative_replay_end", lambda c, b: _on(_row(b, lambda i: b.num_scheduled_tokens[i] > 0), lambda i: (
@@ -455,6 +474,9 @@ KB("batch_width_overflow_last_group", lambda c, b: _late_run(
 # ----------------------------------------------------------------------------------------------
 # state and outputs, frozen for comparison
 # ----------------------------------------------------------------------------------------------
+_BY_VALUE = ("StepPlan", "StepStats", "ChannelMetadata")
+
+
 def _freeze(x, ids: bool):
     """Hashable deep copy; objects without value semantics compare by identity (``ids``) or type."""
     if isinstance(x, np.ndarray):
@@ -469,7 +491,10 @@ def _freeze(x, ids: bool):
         return tuple(sorted((str(k), _freeze(v, ids)) for k, v in x.items()))
     if isinstance(x, (set, frozenset)):
         return ("set", tuple(sorted(map(str, x))))
-    return ("obj", id(x)) if ids else ("obj", type(x).__name__)
+    key = ("obj", id(x)) if ids else ("obj", type(x).__name__)
+    if type(x).__name__ in _BY_VALUE:  # NOTE: per-step records: their values too
+        return key + tuple(_freeze(getattr(x, f.name), ids) for f in dataclasses.fields(x))
+    return key
 
 
 def state(pipe: MetadataPipeline, ids: bool = True) -> dict:
@@ -480,9 +505,6 @@ def state(pipe: MetadataPipeline, ids: bool = True) -> dict:
         for k, v in vars(obj).items():
             out[f"{owner}.{k}"] = _freeze(v, ids)
     return out
-
-
-TOPK = torch.Generator().manual_seed(7)
 
 
 def outputs(meta) -> dict:
@@ -536,9 +558,11 @@ def _reject(pipe, kind, ctx) -> bool:
 
 
 CASES = [(k.name, k.variant, False) for k in KINDS.values()]
-CASES += [(name, "circular", False) for name in ("table_width_overflow_last_group", "finished_request_then_late_failure",
-                                                 "batch_block_id_beyond_int32_last_group", "batch_duplicate_slots")]
-CASES += [(name, "ring", True) for name in ("table_width_overflow_last_group", "batch_block_id_beyond_int32_last_group")]
+CASES += [(name, "circular", False) for name in (  # NOTE: a few kinds on the other layout too
+    "table_width_overflow_last_group", "finished_request_then_late_failure", "batch_block_id_beyond_int32_last_group",
+    "batch_duplicate_slots")]
+CASES += [(name, "ring", True) for name in (  # NOTE: the fused launch applies staged writes itself
+    "table_width_overflow_last_group", "batch_block_id_beyond_int32_last_group")]
 
 
 @pytest.mark.parametrize("name,variant,fused", CASES, ids=[

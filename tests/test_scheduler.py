@@ -588,7 +588,7 @@ def test_replay_never_writes_blocks_another_request_holds(circular):
     block that another live request holds (slot and compressed slot mappings of every channel), nor
     into a block the writer does not hold. Without replay_end the same trace does (the test can fail)."""
     n = _replay_trace(tiny_layout(circular=circular), 0, 200)
-    assert n["hits"] >= 10 and n["replayed_tokens"] > 100 and n["writes"] > 1000, n
+    assert n["hits"] >= 5 and n["replayed_tokens"] > 80 and n["writes"] > 1000, n
     assert n["shared"] == 0 and n["unowned"] == 0, n
     assert n["bare_shared"] > 0, n
 

@@ -22,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from .._common import INT32_MAX
 from ..batch import APPEND, StepBatch
 from .tables import BlockTables
 
@@ -197,6 +198,9 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
         if B and re.min() < 0:
             i = _first(re < 0)
             raise ValueError(f"replay_end of slot {int(b_slots[i])} = {int(re[i])} is negative")
+        if B and re.max() > INT32_MAX:  # NOTE: staged as int32: a wrapped value would let replayed
+            i = _first(re > INT32_MAX)  # tokens overwrite prefix-shared full-group KV
+            raise ValueError(f"replay_end of slot {int(b_slots[i])} = {int(re[i])} does not fit int32")
     # -- write runs ---------------------------------------------------------------------------
     w_gid, w_slot, w_start, w_end, w_cu, w_ids = _runs(batch, R, G, occ, new_slots, tables)
     w_keep = w_start
@@ -220,6 +224,10 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
             local = np.repeat(seq[None, :], G, axis=0)
             local[sharded] = _owned(seq, cp)
             need = (local + bs - 1) // bs
+            # NOTE: under DCP a rank's compressed rows may need more blocks than its raw tokens
+            for g, R, S in tables.compressed:
+                if sharded[g]:
+                    need[g] = np.maximum(need[g], -(-_owned(seq // R, cp) // S))
         else:
             need = (seq[None, :] + bs - 1) // bs
         if tables.circular.any():
@@ -347,10 +355,8 @@ def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, new_slots: np.ndarr
 
 def _full_checks(tables: BlockTables, gid, slot, start, cu, ids) -> None:
     """Contract checks of ``checks="full"`` (full groups: no null id, no id twice in a row)."""
-    for r in range(gid.shape[0]):
+    for r in np.flatnonzero(tables.full[gid]).tolist():
         g = int(gid[r])
-        if tables.groups[g].kind != "full":
-            continue
         run = ids[cu[r]:cu[r + 1]]
         if not run.size:
             continue

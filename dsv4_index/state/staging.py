@@ -105,7 +105,9 @@ class StepStaging:
         self.host_np = [h.numpy() for h in self.host]
         self.dev = torch.zeros(self.capacity, dtype=torch.int32, device=device)
         self._dev_np = self.dev.numpy() if device.type == "cpu" else None  # NOTE: CPU: a plain memcpy
-        self._events = [None] * len(self.host)
+        # NOTE: one reusable event per host buffer (recorded after that buffer's copy)
+        self._events = [torch.cuda.Event() for _ in self.host] if self.async_copy else [None] * len(self.host)
+        self._recorded = [False] * len(self.host)
         self._cur = 0
         self._layouts = {}
 
@@ -118,11 +120,11 @@ class StepStaging:
 
     def begin(self) -> np.ndarray:
         """The host buffer to fill for the next step (waits only while a copy still reads it)."""
-        ev = self._events[self._cur]
-        if ev is not None:
+        if self._recorded[self._cur]:
+            ev = self._events[self._cur]
             if not ev.query():
                 ev.synchronize()
-            self._events[self._cur] = None
+            self._recorded[self._cur] = False
         return self.host_np[self._cur]
 
     def copy(self, used: int) -> None:
@@ -133,9 +135,8 @@ class StepStaging:
         host = self.host[self._cur]
         self.dev[:used].copy_(host[:used], non_blocking=self.async_copy)
         if self.async_copy:
-            ev = torch.cuda.Event()
-            ev.record()
-            self._events[self._cur] = ev
+            self._events[self._cur].record()
+            self._recorded[self._cur] = True
             self._cur = (self._cur + 1) % len(self.host)
 
     def nbytes(self) -> tuple:

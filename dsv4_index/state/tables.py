@@ -69,6 +69,7 @@ class BlockTables:
         self.sharded = np.asarray([g.sharded for g in groups], dtype=bool)
         self.full = np.asarray([g.kind == "full" for g in groups], dtype=bool)
         self.ring_groups = np.flatnonzero((self.ring > 0) & ~self.circular)
+        self.compressed = ()  # NOTE: (gid, R, S) of the compressed channels, set by the pipeline
         units = np.maximum(np.asarray(int32_units, dtype=np.int64), 1)
         self.id_max = (INT32_MAX - (units - 1)) // units  # NOTE: largest kernel-block id
         self.id_max_min = int(self.id_max.min()) if G else INT32_MAX
