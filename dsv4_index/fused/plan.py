@@ -46,7 +46,9 @@ class FusedPlan:
                  block_t: int = None, block_c: int = 128, block_r: int = 256, num_writers: int = None,
                  block_w: int = 256, num_warps: int = 4):
         interp = interpreting()
-        self.block_t = block_t or (64 if interp else 16)
+        # NOTE: H200 sweep (BENCHMARKS.md): 8 tokens x 4 warps per program is the best or within 10 % of
+        # the best of {8, 16, 32} x {2, 4, 8} for decode B=1, B=256 and an 8K prefill
+        self.block_t = block_t or (64 if interp else 8)
         self.num_warps = num_warps
         self.block_c, self.block_r, self.block_w = block_c, block_r, block_w
         self.num_writers = num_writers or (1 if interp else 8)
