@@ -160,12 +160,6 @@ class BlockTable:
         """Rows changed since the last commit / pack."""
         return int(np.count_nonzero(self.dirty_hi > self.dirty_lo))
 
-    def packed_numel(self, num_rows: Optional[int] = None) -> int:
-        """int32 elements of the whole-row packed update of ``num_rows`` rows (default: the dirty rows)
-        (:meth:`pack_updates` format)."""
-        k = self.num_dirty if num_rows is None else num_rows
-        return k * (self.width + 1)
-
     def segments_numel(self, max_piece: Optional[int] = None) -> Tuple[int, int]:
         """(descriptors, payload entries) that :meth:`pack_segments` would write now."""
         n = (self.dirty_hi - self.dirty_lo).astype(np.int64)
@@ -328,11 +322,6 @@ class BlockTable:
         self._mark_prefix(a, nb)
         self._mark_prefix(b, na)
 
-    def mark_all_dirty(self) -> None:
-        """Send every row's valid prefix at the next commit (e.g. after editing ``np`` directly)."""
-        self.dirty_lo[:] = 0
-        self.dirty_hi[:] = self.num_blocks
-
     def _clean(self, rows=None) -> None:
         if rows is None:
             self.dirty_lo[:] = 0
@@ -398,55 +387,6 @@ class BlockTable:
         lo[rows] = 0
         hi[rows] = 0
         return k, end, rows, r_lo, r_n
-
-    def pack_updates(self, buf: np.ndarray, offset: int = 0) -> int:
-        """Pack the dirty rows whole (legacy row format) into ``buf`` and mark them clean.
-
-        Parameters
-        ----------
-        buf : numpy.ndarray
-            int32 1-D buffer.
-        offset : int
-            First element to write.
-
-        Returns
-        -------
-        int
-            ``k``, the rows packed: ``buf[offset : offset + k]`` holds their row ids and
-            ``buf[offset + k : offset + k * (width + 1)]`` their entries, row after row.
-        """
-        rows = np.flatnonzero(self.dirty_hi > self.dirty_lo)
-        k = rows.size
-        if k == 0:
-            return 0
-        end = offset + k * (self.width + 1)
-        if buf.dtype != np.int32 or buf.ndim != 1 or end > buf.size:
-            raise ValueError(f"buf must be a 1-D int32 array with at least {end} elements")
-        buf[offset: offset + k] = rows
-        np.take(self.np, rows, axis=0, out=buf[offset + k: end].reshape(k, self.width), mode="clip")
-        self._clean(rows)
-        return k
-
-    def apply_packed(self, dev_buf: torch.Tensor, offset: int, num_rows: int) -> None:
-        """Scatter ``num_rows`` rows packed at ``dev_buf[offset:]`` (device copy of a
-        :meth:`pack_updates` output) into the device table with one ``index_put_``."""
-        if num_rows == 0:
-            return
-        ids = dev_buf[offset: offset + num_rows]
-        data = dev_buf[offset + num_rows: offset + num_rows * (self.width + 1)].view(num_rows, self.width)
-        self._device_table.index_put_((ids,), data)
-
-    def pending_updates(self) -> Tuple[np.ndarray, np.ndarray]:
-        """Dirty rows and their entries, marked clean: (int32 ``[k]``, int32 ``[k, width]``) copies."""
-        rows = np.flatnonzero(self.dirty_hi > self.dirty_lo).astype(np.int32)
-        data = self.np[rows]
-        self._clean(rows)
-        return rows, data
-
-    def apply_device_updates(self, rows: torch.Tensor, data: torch.Tensor) -> None:
-        """Scatter rows (int32/int64 ``[k]``) with entries (int32 ``[k, width]``), both on the device."""
-        if rows.numel():
-            self._device_table.index_put_((rows,), data)
 
     def commit(self) -> int:
         """Send the column ranges changed since the last commit with one H2D copy; returns the bytes
@@ -535,10 +475,6 @@ class MultiGroupBlockTable:
     @property
     def device_tables(self) -> List[torch.Tensor]:
         return [t.device_table for t in self.tables]
-
-    def packed_numel(self) -> int:
-        """int32 elements the dirty column ranges of every group take in the segment format."""
-        return sum(SEGMENT_INTS * k + p for k, p in (t.segments_numel() for t in self.tables))
 
     def capacity_numel(self, max_piece: Optional[int] = None) -> int:
         """int32 elements the segments of every group can take at most (every row fully dirty)."""

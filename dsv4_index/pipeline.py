@@ -376,9 +376,13 @@ class MetadataPipeline:
             raise RuntimeError("warmup() must run before the first update()")
         empty = StepBatch(req_slots=np.zeros(0, np.int64), num_computed_tokens=np.zeros(0, np.int64),
                           num_scheduled_tokens=np.zeros(0, np.int64))
-        for n in pad_sizes:
-            self.update(empty, pad_to=int(n))
-            self.build()
+        recorder, self.recorder = self.recorder, None  # NOTE: warm-up steps are not part of a trace
+        try:
+            for n in pad_sizes:
+                self.update(empty, pad_to=int(n))
+                self.build()
+        finally:
+            self.recorder = recorder
         for conv in self._converters.values():
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
             # NOTE: topk needs >= T_pad rows (the last warm-up size), not 1

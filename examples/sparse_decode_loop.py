@@ -62,6 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=200, help="scheduler steps (default 200)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--validate", action="store_true", help="run dsv4_index.validate.check_metadata every step")
+    ap.add_argument("--record", default=None, metavar="PATH",
+                    help="write every step to a JSONL trace (replay: python -m dsv4_index replay PATH)")
     ap.add_argument("--circular", action="store_true",
                     help=f"circular compressor-state groups (capacities {CIRCULAR}) instead of ring tables")
     ap.add_argument("--kernels", action="store_true",
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
                                num_speculative_tokens=SPEC, long_prefill_threshold=CHUNK,
                                enable_prefix_caching=True, seed=args.seed)
     capacity = -(-BUDGET // PAD) * PAD
-    pipe = MetadataPipeline(layout, 8, capacity, device, num_speculative_tokens=SPEC)
+    pipe = MetadataPipeline(layout, 8, capacity, device, num_speculative_tokens=SPEC, record=args.record)
     pipe.warmup()
     caches = PagedCaches(cfg, layout, num_blocks, device=device)
     inputs = Inputs(cfg.hidden_size, args.seed, device)

@@ -180,36 +180,6 @@ def test_errors():
         with pytest.raises(ValueError, match=name):
             BlockTable(args["max_num_reqs"], args["width"], device="cpu", block_size=16,
                        blocks_per_kv_block=args["blocks_per_kv_block"])
-    t.add_row([1], 0)
-    with pytest.raises(ValueError, match="buf"):
-        t.pack_updates(np.zeros(3, np.int32))
-
-
-def test_pack_into_external_buffer_and_apply():
-    t = BlockTable(4, 3, device="cpu", block_size=16)
-    t.add_row([7, 8], 3)
-    t.add_row([9], 1)
-    buf = np.full(20, -5, np.int32)
-    k = t.pack_updates(buf, offset=2)
-    assert k == 2 and t.num_dirty == 0
-    assert buf[2:4].tolist() == [1, 3]
-    assert buf[4:7].tolist() == t.np[1].tolist() and buf[7:10].tolist() == t.np[3].tolist()
-    assert (buf[10:] == -5).all() and (buf[:2] == -5).all()
-    t.device_table.fill_(-1)
-    t.apply_packed(torch.from_numpy(buf), 2, k)
-    assert torch.equal(t.device_table[[1, 3]], t.host[[1, 3]])
-    assert bool((t.device_table[[0, 2]] == -1).all())
-
-
-def test_pending_updates_roundtrip():
-    t = BlockTable(4, 3, device="cpu", block_size=16)
-    t.add_row([4, 5, 6], 2)
-    rows, data = t.pending_updates()
-    assert rows.dtype == np.int32 and rows.tolist() == [2] and data.tolist() == [[4, 5, 6]]
-    assert t.num_dirty == 0 and t.commit() == 0
-    t.device_table.fill_(-1)
-    t.apply_device_updates(torch.from_numpy(rows), torch.from_numpy(data))
-    assert torch.equal(t.device_table[2], t.host[2])
 
 
 def test_multi_group_one_copy(monkeypatch):
