@@ -137,9 +137,6 @@ class SlotMap:
         self.preempted: Set[str] = set()
         self._free = list(range(max_num_reqs - 1, -1, -1))  # NOTE: a stack; pop() gives the lowest
 
-    def req_id_of(self) -> Dict[int, str]:
-        return {s: r for r, s in self.slot_of.items()}
-
     def commit(self, d: SlotMapDelta) -> None:
         for rid in d.freed:
             self._free.append(self.slot_of.pop(rid))

@@ -12,9 +12,7 @@ the config has a single non-zero ratio ``R``, it is the c4 kind if ``R <= 4``, e
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, FrozenSet, Mapping, Optional, Tuple, Union
 
 from ._common import cdiv, round_up

@@ -21,7 +21,7 @@ from typing import List, Optional, Union
 import numpy as np
 import torch
 
-from ._common import check_cp, interpreting, use_triton
+from ._common import check_cp, use_triton
 from .batch import SlotMap, StepBatch, batch_from_step
 from .channels import BuildContext, ChannelBuilder, builder_for
 from .fused.plan import FusedPlan

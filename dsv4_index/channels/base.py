@@ -105,6 +105,7 @@ class BuildContext:
     num_decodes: int = 0
     has_replay_start: bool = False
     has_replay_end: bool = False
+    _token_ids: Optional[torch.Tensor] = None
     _shared: Dict[tuple, torch.Tensor] = field(default_factory=dict)
     _done: set = field(default_factory=set)
 
@@ -132,9 +133,11 @@ class BuildContext:
         ``query_start_loc`` and ``seq_lens`` (torch ops; the unfused path and the host checker)."""
         from ..ops import token_to_req
         B, T, Tp = self.num_reqs, self.num_tokens, self.num_tokens_padded
-        qsl, seq = self.query_start_loc[:B + 1], self.seq_lens[:B]
+        qsl = self.query_start_loc[:B + 1]
         ttr = token_to_req(qsl, Tp, out=self.token_to_req[:Tp], backend=self.backend)
-        t = torch.arange(Tp, device=self.device)
+        if self._token_ids is None:  # NOTE: once, at capacity (warmup): later builds allocate nothing
+            self._token_ids = torch.arange(self.max_num_tokens, device=self.device)
+        t = self._token_ids[:Tp]
         valid = torch.lt(t, T, out=self.is_valid_token[:Tp])
         b = ttr.long()
         pos = self.positions[:Tp]

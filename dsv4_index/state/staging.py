@@ -138,7 +138,3 @@ class StepStaging:
             self._events[self._cur].record()
             self._recorded[self._cur] = True
             self._cur = (self._cur + 1) % len(self.host)
-
-    def nbytes(self) -> tuple:
-        """(pinned host bytes, device bytes)."""
-        return 4 * self.capacity * len(self.host), 4 * self.capacity

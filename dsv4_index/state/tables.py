@@ -92,10 +92,6 @@ class BlockTables:
         self.num_blocks = np.zeros((G, R), dtype=np.int64)
 
     # ------------------------------------------------------------------------------------------
-    def nbytes(self) -> int:
-        """Bytes of the device tables (the host mirror has as many)."""
-        return 4 * self.total
-
     def row(self, gid: int, slot: int) -> np.ndarray:
         """Host copy of the valid logical blocks of a slot, in logical order (int32 ``[n]``).
 
