@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
-from dsv4_index.scheduler import random_trace  # noqa: E402
+from dsv4_index.testing.scheduler import random_trace  # noqa: E402
 from dsv4_index.validate import check_metadata, check_topk  # noqa: E402
 
 FIELDS = ("slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "compact_cu", "indices", "lens", "ks",

@@ -61,7 +61,7 @@ class MetadataPipeline:
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
     record : str or Path, optional — write every ``update()`` (the array-form step and its pad size,
-        rejected steps with their error) to this JSONL trace (:mod:`dsv4_index.trace`); replay it with
+        rejected steps with their error) to this JSONL trace (:mod:`dsv4_index.tools.trace`); replay it with
         ``python -m dsv4_index replay TRACE``.
     """
 
@@ -154,7 +154,7 @@ class MetadataPipeline:
         self.last_step_stats = StepStats()
         self.recorder = None
         if record is not None:
-            from .trace import Recorder
+            from .tools.trace import Recorder
             self.recorder = Recorder(record, self)
 
     # ------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
 from dsv4_index._common import cp_global, cp_owned_count  # noqa: E402
-from dsv4_index.scheduler import ReferenceScheduler  # noqa: E402
+from dsv4_index.testing.scheduler import ReferenceScheduler  # noqa: E402
 from dsv4_index.validate import check_cp_partition, check_metadata  # noqa: E402
 from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load_config  # noqa: E402
 from models.deepseek_v4.attention import NEG_INF, merge_partials, select_topk  # noqa: E402

@@ -1,5 +1,5 @@
 """Render one step's metadata as a PNG: a thin wrapper over ``python -m dsv4_index inspect``
-(:func:`dsv4_index.plot.draw_step` on :func:`dsv4_index.plot.sample_step`).
+(:func:`dsv4_index.tools.plot.draw_step` on :func:`dsv4_index.tools.plot.sample_step`).
 
 The picture shows the token order (decode rows first, tokens per request, padding), the occupancy of
 every group's block table (held / written / in-window / stale ring columns, the newest block of each
@@ -8,7 +8,7 @@ ring), and zoomed rows of a few requests with their window, causal compressed an
     python examples/inspect_step.py                            # tiny layout -> out/inspect_step.png
     python examples/inspect_step.py --config flash --requests 300 --out flash.png
 
-To draw a step of your own pipeline: ``from dsv4_index.plot import draw_step; draw_step(pipe.build(), "step.png")``.
+To draw a step of your own pipeline: ``from dsv4_index.tools.plot import draw_step; draw_step(pipe.build(), "step.png")``.
 """
 
 import os
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 
-from dsv4_index.__main__ import main as cli  # noqa: E402
+from dsv4_index.tools.cli import main as cli  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

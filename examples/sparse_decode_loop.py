@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     backend = pick_backend(args)
 
     from dsv4_index import DSV4Layout, MetadataPipeline
-    from dsv4_index.scheduler import ReferenceScheduler, cache_writes
+    from dsv4_index.testing.scheduler import ReferenceScheduler, cache_writes
     from dsv4_index.validate import check_metadata
     from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load, load_config, save
 

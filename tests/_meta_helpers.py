@@ -264,7 +264,7 @@ def eventful_trace(groups, steps: int, *, need=("preempted", "resumed", "replay"
                    seeds=range(64), **kw) -> list:
     """The first reference-scheduler trace (over ``seeds``) of ``steps`` steps that exercises every
     event in ``need`` (scanning costs only the scheduler). ``groups``: a layout or its groups."""
-    from dsv4_index.scheduler import random_trace
+    from dsv4_index.testing.scheduler import random_trace
 
     args = {**TRACE_KW, **kw}
     for seed in seeds:

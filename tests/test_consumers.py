@@ -20,7 +20,7 @@ from dsv4_index.consumers import (gather_workspace, prefill_chunk, prefill_chunk
                                   prefill_workspace_size)
 from dsv4_index.geometry import DSV4Layout
 from dsv4_index.pipeline import MetadataPipeline
-from dsv4_index.scheduler import ReferenceScheduler
+from dsv4_index.testing.scheduler import ReferenceScheduler
 from dsv4_index.step import NewRequest, RunningRequest, StepInput
 from models.deepseek_v4.sparse_decode import sparse_decode_attention
 

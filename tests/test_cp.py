@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from cp_decode import CFG, Inputs, ThreadComm, cp_layouts, make_trace, run_rank, summary  # noqa: E402
 from dsv4_index import MetadataPipeline  # noqa: E402
 from dsv4_index._common import interpreting  # noqa: E402
-from dsv4_index.scheduler import ReferenceScheduler  # noqa: E402
+from dsv4_index.testing.scheduler import ReferenceScheduler  # noqa: E402
 from dsv4_index.validate import MetadataError, check_cp_partition  # noqa: E402
 from models.deepseek_v4.attention import merge_partials, sink_attention, sink_attention_lse  # noqa: E402
 

@@ -52,7 +52,7 @@ def test_sparse_decode_loop_record_and_replay(tmp_path):
     trace = tmp_path / "steps.jsonl"
     rc, out = run("sparse_decode_loop.py", "--steps", 10, "--record", trace)
     assert rc == 0, out
-    from dsv4_index.trace import replay_trace
+    from dsv4_index.tools.trace import replay_trace
     res = replay_trace(trace, progress=False)
     assert res.ok, res.report()
     assert res.num_steps == 10
@@ -95,7 +95,7 @@ def test_sparse_decode_loop_fails_on_shared_block_writes(monkeypatch, capsys):
     owner's blocks; the example counts them and exits 1."""
     import dataclasses
 
-    from dsv4_index.scheduler import ReferenceScheduler
+    from dsv4_index.testing.scheduler import ReferenceScheduler
 
     sparse_decode_loop = _example_module()
     monkeypatch.setenv("DSV4_INDEX_BACKEND", os.environ.get("DSV4_INDEX_BACKEND", "reference"))

@@ -347,7 +347,7 @@ def test_varying_tokens_reuse_one_compiled_launcher():
 @pytest.mark.gpu
 def test_cuda_graph_build_matches_eager():
     """``cuda_graphs=True``: build() replays a graph per padded size; every output equals eager."""
-    from dsv4_index.scheduler import random_trace
+    from dsv4_index.testing.scheduler import random_trace
 
     layout = tiny_layout()
     PAD = 80

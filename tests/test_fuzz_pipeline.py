@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from dsv4_index import MetadataPipeline
 from dsv4_index import reference as ref
-from dsv4_index.scheduler import random_trace
+from dsv4_index.testing.scheduler import random_trace
 from dsv4_index.validate import check_metadata, check_topk
 
 from _meta_helpers import HAS_TRITON, tiny_layout

@@ -1,12 +1,12 @@
-"""The step picture (dsv4_index.plot, ``python -m dsv4_index inspect``) for the tiny and V4-Flash layouts."""
+"""The step picture (dsv4_index.tools.plot, ``python -m dsv4_index inspect``) for the tiny and V4-Flash layouts."""
 
 import numpy as np
 import pytest
 
 pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
 
-from dsv4_index.__main__ import main  # noqa: E402
-from dsv4_index.plot import EMPTY, STALE, WINDOW, WRITTEN, _occupancy, draw_step, sample_step  # noqa: E402
+from dsv4_index.tools.cli import main  # noqa: E402
+from dsv4_index.tools.plot import EMPTY, STALE, WINDOW, WRITTEN, _occupancy, draw_step, sample_step  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -18,7 +18,7 @@ import torch
 
 from dsv4_index.geometry import DSV4Layout
 from dsv4_index.pipeline import MetadataPipeline
-from dsv4_index.scheduler import ReferenceScheduler, cache_writes
+from dsv4_index.testing.scheduler import ReferenceScheduler, cache_writes
 from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load_config
 
 TOL = 1e-4

@@ -32,7 +32,7 @@ import torch
 
 from dsv4_index import DSV4Layout, MetadataPipeline
 from dsv4_index.batch import APPEND, StepBatch, batch_from_step
-from dsv4_index.scheduler import random_trace
+from dsv4_index.testing.scheduler import random_trace
 from dsv4_index.step import NewRequest, RunningRequest, StepInput
 
 R, T_MAX, SPEC, STAGED = 6, 64, 2, 24        # slots, token capacity, spec tokens, max_staged_blocks

@@ -11,7 +11,7 @@ import torch
 
 from dsv4_index.geometry import DSV4Layout, GroupSpec
 from dsv4_index.pipeline import MetadataPipeline
-from dsv4_index.scheduler import ReferenceScheduler, cache_writes, random_trace, scripted_trace
+from dsv4_index.testing.scheduler import ReferenceScheduler, cache_writes, random_trace, scripted_trace
 
 TINY = dict(num_hidden_layers=2, compress_ratios=[4, 16], sliding_window=16, index_topk=8)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

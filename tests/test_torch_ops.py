@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 
 import dsv4_index.torch_ops as T
 from dsv4_index import DSV4Layout, MetadataPipeline, reference
-from dsv4_index.scheduler import random_trace
+from dsv4_index.testing.scheduler import random_trace
 
 OPS = torch.ops.dsv4_index
 I32 = torch.int32

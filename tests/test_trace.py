@@ -5,9 +5,9 @@ import json
 import pytest
 
 from dsv4_index import DSV4Layout, MetadataPipeline, NewRequest, RunningRequest, StepBatch, StepInput
-from dsv4_index.__main__ import main
-from dsv4_index.scheduler import ReferenceScheduler, scripted_trace
-from dsv4_index.trace import layout_from_json, layout_to_json, read_trace, record_steps, replay_trace
+from dsv4_index.tools.cli import main
+from dsv4_index.testing.scheduler import ReferenceScheduler, scripted_trace
+from dsv4_index.tools.trace import layout_from_json, layout_to_json, read_trace, record_steps, replay_trace
 
 SCRIPT = [
     {"add": [dict(req_id="a", prompt_len=21, max_new_tokens=6), dict(req_id="b", prompt_len=13, max_new_tokens=5)]},

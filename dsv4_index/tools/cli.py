@@ -1,0 +1,155 @@
+"""Command line: ``python -m dsv4_index layout|demo|inspect|replay``.
+
+``layout`` prints the groups and channels derived from a DeepSeek-V4 config; ``demo`` builds and prints
+the metadata of one sample DeepSeek-V4-Flash step (two decodes, one speculative decode, one prefill chunk);
+``inspect`` draws one sample step of a layout as a PNG (needs matplotlib); ``replay`` feeds a recorded
+step trace (``dsv4_index.tools.trace.record_steps``) through a checked pipeline and the reference and prints the
+first step, channel, token and values where anything goes wrong, or a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # package data (dsv4_index.config.CONFIG_DIR)
+
+
+def _config_path(name: str) -> str:
+    p = Path(name)
+    if p.suffix == ".json" or p.exists():
+        return str(p)
+    return str(CONFIGS / f"{name}.json")
+
+
+def sample_step(layout, *, seed: int = 0):
+    """One mixed step: 2 decodes (contexts 300 and 1000), 1 spec decode (2 tokens), one 40-token prefill chunk."""
+    from ..step import NewRequest, StepInput
+
+    g = torch.Generator().manual_seed(seed)
+    next_id = [1]
+
+    def blocks(n_tokens):
+        out = []
+        for grp in layout.groups:
+            n = -(-n_tokens // grp.alloc_block_size)
+            ids = (torch.randperm(4000, generator=g)[:n] + next_id[0]).tolist()
+            next_id[0] += 4000
+            out.append(ids)
+        return tuple(out)
+
+    reqs = [("decode-a", 299, 1), ("decode-b", 999, 1), ("spec-c", 510, 2), ("prefill-d", 256, 40)]
+    new = [NewRequest(rid, blocks(c + n), c) for rid, c, n in reqs]
+    return StepInput(new_requests=new, running_requests=[], num_scheduled_tokens={r: n for r, _, n in reqs},
+                     finished_req_ids=[], preempted_req_ids=[])
+
+
+def demo(args) -> None:
+    from .. import DSV4Layout, MetadataPipeline
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
+        print("(CPU: functional ops run their PyTorch reference; set TRITON_INTERPRET=1 to run the Triton "
+              "kernels in the interpreter)")
+    layout = DSV4Layout.from_config(_config_path(args.config), max_model_len=args.max_model_len)
+    print(layout)
+    pipe = MetadataPipeline(layout, max_num_reqs=8, max_num_batched_tokens=64, device=device,
+                            num_speculative_tokens=1)
+    pipe.warmup()
+    pipe.update(sample_step(layout), pad_to=48)
+    meta = pipe.build()
+    torch.set_printoptions(linewidth=140, threshold=200, edgeitems=4)
+    print(f"\nstep: {meta.num_reqs} requests {meta.req_ids} (decode-first), {meta.num_tokens} tokens padded to "
+          f"{meta.num_tokens_padded}; decodes {meta.num_decodes} ({meta.num_decode_tokens} tokens), "
+          f"prefills {meta.num_prefills} ({meta.num_prefill_tokens} tokens)")
+    print("query_start_loc", meta.query_start_loc.tolist(), " seq_lens", meta.seq_lens.tolist())
+    print("positions      ", meta.positions.tolist())
+    print("token_to_req   ", meta.token_to_req.tolist())
+    show = [0, 1, 2, 3, meta.num_tokens - 1, meta.num_tokens]
+    for name, ch in meta.channels.items():
+        print(f"\n[{name}] gid {ch.gid}  R={ch.compress_ratio}  S={ch.rows_per_block}  block_size={ch.block_size}"
+              f"  window={ch.window}")
+        for field in ("slot_mapping", "compressed_slot_mapping", "lens", "ks", "ke", "cu", "decode_lens"):
+            v = getattr(ch, field)
+            if v is not None:
+                print(f"  {field:24s}{list(v.shape)}  {v.flatten()[:48].tolist()}")
+        if ch.indices is not None:
+            print(f"  indices {list(ch.indices.shape)}: rows of tokens {show} (first 8 / last 2 columns of the row "
+                  "prefix that holds entries)")
+            for t in show:
+                n = int(ch.lens[t]) if ch.lens is not None else 0
+                row = ch.indices[t, :max(n, 1)].tolist()
+                cut = row if len(row) <= 10 else row[:8] + ["..."] + row[-2:]
+                print(f"    t={t:3d} len={n:5d}  {cut}")
+    if "c4a" in meta:
+        K = layout.index_topk
+        topk = torch.full((meta.num_tokens_padded, K), -1, dtype=torch.int32, device=device)
+        topk[:, :4] = torch.tensor([0, 3, 70, 10_000], dtype=torch.int32)
+        slots, lens = meta.topk_to_slots("c4a", topk)
+        print(f"\n[c4a] topk_to_slots of picks [0, 3, 70, 10000] (10000 is beyond every context): "
+              f"token 0 -> {slots[0, :4].tolist()} len {int(lens[0])}")
+
+
+def inspect_step(args) -> int:
+    from .plot import draw_step, sample_step
+
+    pipe, meta = sample_step(_config_path(args.config), args.requests, max_model_len=args.max_model_len,
+                             device=args.device or "cpu", seed=args.seed)
+    draw_step(meta, args.out, seed=args.seed)
+    print(f"{args.config}: {meta.num_reqs} requests ({meta.num_decodes} decodes first), {meta.num_tokens} tokens "
+          f"padded to {meta.num_tokens_padded} -> {args.out} ({os.path.getsize(args.out) // 1024} KiB)")
+    return 0
+
+
+def replay(args) -> int:
+    from .trace import replay_trace
+
+    res = replay_trace(args.trace, config=_config_path(args.config) if args.config else None, device=args.device,
+                       backend=args.backend, topk_seed=args.seed, progress=not args.no_progress)
+    print(res.report())
+    return 0 if res.ok else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv4_index", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("layout", "demo"):
+        p = sub.add_parser(name)
+        p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json")
+        p.add_argument("--max-model-len", type=int, default=131072)
+        p.add_argument("--device", default=None)
+    p = sub.add_parser("inspect", help="draw one sample step of a layout as a PNG")
+    p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json")
+    p.add_argument("--requests", type=int, default=None, help="requests in the step (default: 300; tiny: 6)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: 32768 (tiny: 128)")
+    p.add_argument("--out", default="step.png", help="output PNG (default: step.png)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="pipeline device (default: cpu)")
+    p = sub.add_parser("replay", help="replay a recorded step trace through the checker and the reference")
+    p.add_argument("trace", help="JSONL trace written by dsv4_index.tools.trace.record_steps")
+    p.add_argument("--config", default=None, help="replay with this config instead of the recorded layout "
+                   "(flash | pro | tiny | path); the recorded block sizes, rings and DCP are kept")
+    p.add_argument("--device", default=None, help="device of the checked pipeline (default: cuda if available)")
+    p.add_argument("--backend", default=None, choices=("triton", "reference"),
+                   help="backend of the checked pipeline (default: triton on CUDA or under TRITON_INTERPRET=1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random top-k picks compared every step")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    if args.cmd == "layout":
+        from .. import DSV4Layout
+        print(DSV4Layout.from_config(_config_path(args.config), max_model_len=args.max_model_len))
+    elif args.cmd == "demo":
+        demo(args)
+    elif args.cmd == "inspect":
+        return inspect_step(args)
+    else:
+        return replay(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

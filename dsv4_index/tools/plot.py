@@ -1,0 +1,436 @@
+"""One step's metadata as a picture, readable from the tiny model up to V4-Flash with hundreds of
+requests (``python -m dsv4_index inspect``, or :func:`draw_step`).
+
+The figure has three parts:
+
+* **token order** — tokens per batch row (decode rows first, then prefill chunks), with each
+  request's context length; padding and the decode / prefill split marked;
+* **table occupancy** — one heatmap per kv-cache group, a row per request (batch order, reading
+  table row ``idx_mapping[b]``), a column per stored table column: blocks held before the step,
+  blocks this step writes, blocks inside a sliding window, stale ring columns; ring tables mark
+  the column of each request's newest block;
+* **zoomed requests** — for a few requests, the last scheduled token's index lists against the
+  request's positions: the causal compressed rows (``c128a``), the converted top-k picks
+  (``c4a``; random picks) over the whole context, and the window lists (``swa`` and the
+  compressor-state channels) over the last positions, each entry coloured by the block holding it.
+
+matplotlib (the ``plot`` extra) is imported lazily; the Agg backend is used (no display needed).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .._common import cdiv
+from ..batch import StepBatch
+
+__all__ = ["draw_step", "sample_step_batch"]
+
+# categories of the occupancy heatmaps
+EMPTY, HELD, WINDOW, WRITTEN, STALE = 0, 1, 2, 3, 4
+_CAT_COLORS = ["#ffffff", "#9ecae1", "#74c476", "#f16913", "#d9d9d9"]
+_CAT_NAMES = ["empty", "held (before this step)", "in a token's window (read)", "written this step",
+              "stale ring column (not read)"]
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("drawing a step needs matplotlib: pip install 'dsv4-index[plot]' "
+                          "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+# ----------------------------------------------------------------------------------------------
+# a sample step
+# ----------------------------------------------------------------------------------------------
+def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] = None,
+                      max_num_batched_tokens: int = 4096, num_speculative_tokens: int = 1,
+                      prefill_chunk: int = 512, num_prefills: Optional[int] = None, min_context: Optional[int] = None,
+                      seed: int = 0) -> StepBatch:
+    """A synthetic serving step: ``num_requests`` new rows (~85 % decodes, ~10 % speculative decodes
+    of ``1 + num_speculative_tokens`` tokens, the rest prefill chunks), contexts log-uniform up to
+    ``layout.max_model_len``, in shuffled slots and batch order, with every block they need (sliding
+    groups: null ids below the window, as a scheduler frees them). ``min_context`` (default
+    ``max_model_len // 64``) is the shortest context.
+
+    Returns
+    -------
+    StepBatch (int64 arrays)
+    """
+    rng = np.random.default_rng(seed)
+    B = int(num_requests)
+    R = max_num_reqs or B
+    if not 1 <= B <= R:
+        raise ValueError(f"num_requests must be in [1, max_num_reqs = {R}], got {num_requests!r}")
+    n_pre = num_prefills if num_prefills is not None else max(1, B // 100) if B >= 3 else 0
+    n_spec = max(int(B - n_pre >= 2), (B - n_pre) // 10) if num_speculative_tokens else 0
+    q = np.ones(B, dtype=np.int64)
+    q[n_pre:n_pre + n_spec] = 1 + num_speculative_tokens
+    budget = max_num_batched_tokens - int(q[n_pre:].sum())
+    for i in range(n_pre):
+        q[i] = max(num_speculative_tokens + 2, min(prefill_chunk, budget // (n_pre - i)))
+        budget -= int(q[i])
+    if budget < 0:
+        raise ValueError(f"max_num_batched_tokens = {max_num_batched_tokens} is too small for {B} requests")
+    L = layout.max_model_len
+    hi = np.maximum(L - q - num_speculative_tokens - 1, 1)
+    lo = np.minimum(hi, max(1, min_context or L // 64))
+    nc = np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64)
+    nc = np.minimum(nc, hi)
+    order = rng.permutation(B)
+    q, nc = q[order], nc[order]
+    slots = rng.permutation(R)[:B].astype(np.int64)
+    next_id = 1 + rng.integers(0, 1000)
+    gids, wslots, cu, ids = [], [], [0], []
+    for b in range(B):
+        seq = int(nc[b] + q[b])
+        for g in layout.groups:
+            bs = g.alloc_block_size
+            n = 1 if g.kind == "circular" else cdiv(seq, bs)
+            first = 0 if g.kind != "sliding" else max(int(nc[b]) - g.window + 1, 0) // bs
+            fresh = np.arange(next_id, next_id + n - first, dtype=np.int64)
+            next_id += n - first + int(rng.integers(0, 3))   # NOTE: gaps: ids are not consecutive rows
+            ids.append(np.concatenate([np.zeros(first, dtype=np.int64), fresh]))
+            gids.append(g.gid)
+            wslots.append(slots[b])
+            cu.append(cu[-1] + n)
+    return StepBatch(req_slots=slots, num_computed_tokens=nc, num_scheduled_tokens=q,
+                     is_new=np.ones(B, dtype=bool), write_gids=np.asarray(gids, dtype=np.int64),
+                     write_slots=np.asarray(wslots, dtype=np.int64), write_starts=np.zeros(len(gids), dtype=np.int64),
+                     write_cu=np.asarray(cu, dtype=np.int64), write_ids=np.concatenate(ids))
+
+
+# ----------------------------------------------------------------------------------------------
+# the picture
+# ----------------------------------------------------------------------------------------------
+def _occupancy(meta, g, qsl, seq, max_rows: int):
+    """(categories int8 [rows, cols], ring head column per row or None, table ids [rows, cols])."""
+    B = min(meta.num_reqs, max_rows)
+    bt = meta.block_tables[g.gid].detach().cpu().numpy()[meta.req_slots[:B]]
+    ring = int(meta.ring_cols[g.gid])
+    q = np.diff(qsl)[:B]
+    seq = seq[:B]
+    first = seq - q
+    bs = g.block_size
+    last = np.where(seq > 0, (seq - 1) // bs, -1)
+    if g.kind == "circular":
+        cat = np.where(seq > 0, WRITTEN, EMPTY)[:, None].astype(np.int8)
+        return cat, None, bt
+    cols = bt.shape[1]
+    c = np.arange(cols)[None, :]
+    if ring:
+        logical = last[:, None] - ((last[:, None] - c) % ring)      # newest logical block in each column
+    else:
+        logical = np.broadcast_to(c, (B, cols))
+    cat = np.full((B, cols), EMPTY, dtype=np.int8)
+    valid = (logical >= 0) & (logical <= last[:, None])
+    cat[valid] = HELD
+    if g.window:
+        lo = np.maximum(first - g.window + 1, 0) // bs
+        cat[valid & (logical < lo[:, None])] = STALE if ring else HELD
+        cat[valid & (logical >= lo[:, None])] = WINDOW
+    wr = valid & (logical >= (first // bs)[:, None]) & (q[:, None] > 0)
+    cat[wr] = WRITTEN
+    return cat, (last % ring if ring else None), bt
+
+
+def _pick_rows(meta, requests) -> list:
+    B, nd = meta.num_reqs, meta.num_decodes
+    qsl = meta.host_query_start_loc
+    q = np.diff(qsl)
+    if requests is not None:
+        out = []
+        for r in requests:
+            if isinstance(r, str):
+                if meta.req_ids is None or r not in meta.req_ids:
+                    raise ValueError(f"requests: no request {r!r} in this step")
+                out.append(meta.req_ids.index(r))
+            elif isinstance(r, (int, np.integer)) and 0 <= r < B:
+                out.append(int(r))
+            else:
+                raise ValueError(f"requests: {r!r} is neither a request id nor a batch row in [0, {B})")
+        return out
+    seq = meta.host_seq_lens
+    picks = []
+    dec = [b for b in range(nd) if q[b] == 1]
+    spec = [b for b in range(nd) if q[b] > 1]
+    for group in (dec, spec, list(range(nd, B))):
+        if group:
+            picks.append(max(group, key=lambda b: seq[b]))   # NOTE: the longest context of each kind
+    return picks[:3]
+
+
+def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int = 512, topk=None,
+              seed: int = 0, title: Optional[str] = None, dpi: int = 110) -> str:
+    """Draw one step's metadata into a PNG (or any format matplotlib infers from ``path``).
+
+    Parameters
+    ----------
+    meta : DSV4Metadata — a built step (``pipe.build()``).
+    path : str or Path — output file; its folder is created.
+    requests : sequence of request ids (str) or batch rows (int), optional — the zoomed requests
+        (default: the longest-context decode, speculative decode and prefill chunk).
+    max_rows : int — occupancy heatmaps show the first ``max_rows`` batch rows.
+    topk : int32 ``[>= T_pad, K]``, optional — picks converted for the ``c4a`` lane (default: random
+        picks below each token's ``n_c`` and a few out-of-range ones, from ``seed``).
+    title : str, optional — figure title.
+    dpi : int
+
+    Returns
+    -------
+    str — ``path``.
+    """
+    plt = _plt()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    import os
+    layout = meta.layout
+    B, T, Tp, nd = meta.num_reqs, meta.num_tokens, meta.num_tokens_padded, meta.num_decodes
+    qsl = np.asarray(meta.host_query_start_loc, dtype=np.int64)
+    seq = np.asarray(meta.host_seq_lens, dtype=np.int64)
+    q = np.diff(qsl)
+    rows = _pick_rows(meta, requests)
+    groups = layout.groups
+    fig = plt.figure(figsize=(18, 9 + 3.1 * len(rows)))
+    gs = fig.add_gridspec(2 + len(rows), max(len(groups), 2), height_ratios=[1.6, 4.0] + [1.45] * len(rows),
+                          hspace=0.55, wspace=0.22, top=1 - 0.5 / fig.get_figheight(), bottom=0.03)
+
+    # 1. token order ------------------------------------------------------------------------
+    top = gs[0, :].subgridspec(2, 1, height_ratios=[3, 1], hspace=0.9)
+    _token_strip(fig.add_subplot(top[1]), meta, qsl)
+    ax = fig.add_subplot(top[0])
+    x = np.arange(B)
+    kind = np.where(x >= nd, 2, np.where(q > 1, 1, 0))
+    colors = np.asarray(["#3182bd", "#9e9ac8", "#e6550d"])[kind]
+    ax.bar(x, q, width=1.0, color=colors, linewidth=0)
+    ax.set_yscale("log")
+    ax.set_xlim(-0.5, max(B, 1) - 0.5)
+    ax.set_ylabel("tokens scheduled", fontsize=8)
+    ax.set_xlabel("batch row (decode rows first)", fontsize=8)
+    ax.axvline(nd - 0.5, color="k", lw=1, ls="--")
+    ax2 = ax.twinx()
+    ax2.plot(x, np.maximum(seq, 1), ".", ms=2.5 if B > 50 else 7, color="0.25")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("context after the step (dots)", fontsize=8)
+    ax.set_title(f"token order: {nd} decode rows ({meta.num_decode_tokens} tokens) then {B - nd} prefill rows "
+                 f"({meta.num_prefill_tokens} tokens); {T} tokens padded to {Tp}", fontsize=9)
+    ax.legend(handles=[Patch(color=c, label=l) for c, l in zip(
+        ["#3182bd", "#9e9ac8", "#e6550d"], ["decode (1 token)", "speculative decode", "prefill chunk"])],
+        fontsize=7, loc="upper center", ncol=3)
+    for a in (ax, ax2):
+        a.tick_params(labelsize=7)
+
+    # 2. occupancy --------------------------------------------------------------------------
+    cmap = ListedColormap(_CAT_COLORS)
+    for g in groups:
+        ax = fig.add_subplot(gs[1, g.gid])
+        cat, head, ids = _occupancy(meta, g, qsl, seq, max_rows)
+        used = np.flatnonzero((cat != EMPTY).any(0))
+        ncol = cat.shape[1] if meta.ring_cols[g.gid] or not used.size else min(cat.shape[1], int(used[-1]) + 2)
+        ax.imshow(cat[:, :ncol], cmap=cmap, vmin=-0.5, vmax=len(_CAT_COLORS) - 0.5, aspect="auto",
+                  interpolation="nearest")
+        if head is not None:
+            big = len(head) <= 50
+            ax.plot(head, np.arange(len(head)) - (0.38 if big else 0), "kv" if big else "k|", ms=6 if big else 3,
+                    mew=0.6)
+        if cat.shape[0] * ncol <= 400:   # NOTE: small tables: the ids of the blocks in use
+            for (r, c), v in np.ndenumerate(ids[:, :ncol]):
+                if cat[r, c] in (HELD, WINDOW, WRITTEN):
+                    ax.text(c, r, str(int(v)), ha="center", va="center", fontsize=6 if ncol <= 12 else 5,
+                            rotation=0 if ncol <= 12 else 90)
+        ring = int(meta.ring_cols[g.gid])
+        kind_s = (f"ring: block i in column i % {ring}; marks: newest" if ring else
+                  "circular: one block per request" if g.kind == "circular" else
+                  f"{g.kind}: columns {ncol} of {cat.shape[1]} shown")
+        win = f", window {g.window}" if g.window else ""
+        ax.set_title(f"gid {g.gid} {g.name}: block {g.block_size} tokens{win}\n{kind_s}", fontsize=8)
+        ax.set_xlabel("table column", fontsize=7)
+        if g.gid == 0:
+            ax.set_ylabel(f"batch row (first {cat.shape[0]} of {B})", fontsize=7)
+        ax.tick_params(labelsize=6)
+        if nd < cat.shape[0]:
+            ax.axhline(nd - 0.5, color="k", lw=0.8, ls="--")
+    fig.legend(handles=[Patch(facecolor=c, edgecolor="0.6", label=n) for c, n in zip(_CAT_COLORS, _CAT_NAMES)],
+               loc="center", ncol=5, fontsize=8, bbox_to_anchor=(0.5, _legend_y(fig, gs)))
+
+    # 3. zoomed requests ----------------------------------------------------------------------
+    picks = _topk_picks(meta, topk, seed)
+    for k, b in enumerate(rows):
+        _zoom(fig, gs[2 + k, :], meta, b, qsl, seq, picks)
+
+    fig.suptitle(title or f"dsv4-index step: {B} requests, {T} tokens (layout: {len(groups)} groups, "
+                 f"window {layout.sliding_window}, ratios {layout.c4_ratio}/{layout.c128_ratio}, "
+                 f"max_model_len {layout.max_model_len})", fontsize=11, y=0.995)
+    path = str(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _legend_y(fig, gs) -> float:
+    pos = gs[1, 0].get_position(fig)
+    return pos.y0 - 0.035
+
+
+def _topk_picks(meta, topk, seed: int):
+    """(picks int64 [T_pad, K], slots int64 [T_pad, K]) for ``c4a``, or None."""
+    if "c4a" not in meta.channels:
+        return None
+    K = int(meta.layout.index_topk or 1)
+    Tp = meta.num_tokens_padded
+    if topk is None:
+        g = torch.Generator().manual_seed(seed)
+        R = meta["c4a"].compress_ratio
+        nc = (meta.positions.detach().cpu()[:Tp] + 1) // R
+        u = torch.rand((Tp, K), generator=g)
+        topk = (u * nc[:, None].clamp(min=1)).long()
+        topk[:, -max(1, K // 16):] = nc[:, None] + torch.arange(max(1, K // 16))   # NOTE: invalid picks, -> -1
+        topk = topk.to(torch.int32)
+    slots, _ = meta.topk_to_slots("c4a", topk.to(meta.query_start_loc.device))
+    return topk.detach().cpu().long().numpy(), slots.detach().cpu().long().numpy()
+
+
+def _block_colors(blocks: np.ndarray):
+    import matplotlib.pyplot as plt
+    pal = plt.get_cmap("tab20").colors
+    return [pal[int(v) % 20] for v in blocks]
+
+
+def _zoom(fig, spec, meta, b: int, qsl, seq, picks) -> None:
+    """Two panels for batch row ``b``'s last token: whole context (compressed lanes), last positions
+    (window lanes)."""
+    sub = spec.subgridspec(1, 2, width_ratios=[1.6, 1.0], wspace=0.08)
+    t = int(qsl[b + 1]) - 1
+    pos = int(meta.positions[t])
+    q = int(qsl[b + 1] - qsl[b])
+    rid = repr(meta.req_ids[b]) if meta.req_ids is not None else f"in slot {int(meta.req_slots[b])}"
+    what = "decode" if b < meta.num_decodes and q == 1 else "speculative decode" if b < meta.num_decodes else "prefill"
+    lanes = []                                    # (axis index, label, positions, blocks, valid, marker)
+    for name, ch in meta.channels.items():
+        if ch.indices is None or ch.lens is None:
+            continue
+        n = int(ch.lens[t])
+        idx = ch.indices[t, :n].detach().cpu().long().numpy()
+        if ch.compress_ratio > 1:     # causal compressed rows 0..n-1
+            p = np.arange(n) * ch.compress_ratio
+            lanes.append((0, f"{name}: {n} causal rows (R={ch.compress_ratio})", p, idx // ch.rows_per_block,
+                          np.ones(n, bool)))
+        else:                         # window: positions pos-n+1 .. pos
+            p = np.arange(pos - n + 1, pos + 1)
+            lanes.append((1, f"{name}: window of {n} (W={ch.window})", p, idx // ch.block_size, np.ones(n, bool)))
+    if picks is not None:
+        tk, sl = picks
+        R, S = meta["c4a"].compress_ratio, meta["c4a"].rows_per_block
+        ok = sl[t] >= 0
+        lanes.append((0, f"c4a: top-k picks ({int(ok.sum())} of {tk.shape[1]} valid; x = invalid -> -1)",
+                      tk[t] * R, np.where(ok, sl[t] // S, -1), ok))
+    lanes.append((0, f"this step: positions {pos - q + 1}..{pos}", np.arange(pos - q + 1, pos + 1),
+                  np.full(q, -1), np.ones(q, bool)))
+    zoom_lo = max(0, pos - 2 * max((len(l[2]) for l in lanes if l[0] == 1), default=8) - 4)
+    for k in (0, 1):
+        ax = fig.add_subplot(sub[0, k])
+        mine = [l for l in lanes if l[0] == k or (k == 1 and l[1].startswith("this step"))]
+        for y, (_, label, p, blk, ok) in enumerate(mine):
+            if k == 1:
+                keep = p >= zoom_lo
+                p, blk, ok = p[keep], blk[keep], ok[keep]
+            col = _block_colors(np.where(blk >= 0, blk, 0))
+            col = [c if v >= 0 and o else (0.6, 0.6, 0.6) for c, v, o in zip(col, blk, ok)]
+            if k == 0 and len(p) > 0:
+                ax.scatter(np.where(ok, p, np.minimum(p, seq[b] + 1)), np.full(len(p), y), c=col,
+                           marker="|", s=90, linewidths=1.0)
+                if not ok.all():
+                    bad = ~ok
+                    ax.scatter(np.minimum(p[bad], seq[b] * 1.02 + 1), np.full(int(bad.sum()), y), c="0.4",
+                               marker="x", s=12, linewidths=0.8)
+            elif len(p) > 0:
+                ax.barh(np.full(len(p), y), np.ones(len(p)), left=p - 0.5, height=0.6, color=col,
+                        edgecolor="white", linewidth=0.3)
+                _label_blocks(ax, y, p, blk, pos + 2 - zoom_lo)
+                if label.split(":")[0] in meta.channels:
+                    sl = meta[label.split(":")[0]].indices[t, :len(p)]
+                    ax.text(p[0] - 1, y, _slots_text(sl.detach().cpu()[-len(p):].tolist()), ha="right",
+                            va="center", fontsize=6)
+        ax.set_yticks(range(len(mine)), [l[1] for l in mine], fontsize=7)
+        ax.set_ylim(-0.7, len(mine) - 0.3)
+        ax.tick_params(axis="x", labelsize=7)
+        if k == 0:
+            ax.set_xlim(-0.01 * seq[b], seq[b] * 1.04 + 1)
+            ax.set_xlabel("position in the request (compressed row r drawn at r * R; colour = block id)",
+                          fontsize=7)
+            ax.set_title(f"request {rid} (batch row {b}, {what}, {q} token(s)): token {t} at position {pos}, "
+                         f"context {int(seq[b])}", fontsize=8, loc="left")
+        else:
+            ax.set_xlim(zoom_lo - 0.5, pos + 1.5)
+            ax.yaxis.tick_right()
+            ax.set_xlabel("last positions (colour and label: block id of each window entry)", fontsize=7)
+
+
+def _slots_text(sl: list) -> str:
+    return "slots " + (", ".join(map(str, sl)) if len(sl) <= 4 else f"{sl[0]}, {sl[1]}, ..., {sl[-1]}")
+
+
+def _token_strip(ax, meta, qsl) -> None:
+    """The token axis ``[0, T_pad)``: one segment per request (decode / speculative / prefill), padding."""
+    nd, T, Tp = meta.num_decodes, meta.num_tokens, meta.num_tokens_padded
+    q = np.diff(qsl)
+    cols = {0: ("#3182bd", "#6baed6"), 1: ("#9e9ac8", "#bcbddc"), 2: ("#e6550d", "#fd8d3c")}
+    for b in range(meta.num_reqs):
+        k = 2 if b >= nd else (1 if q[b] > 1 else 0)
+        ax.broken_barh([(qsl[b], q[b])], (0, 1), color=cols[k][b % 2], linewidth=0)
+    if Tp > T:
+        ax.broken_barh([(T, Tp - T)], (0, 1), facecolor="0.85", hatch="////", edgecolor="0.5", linewidth=0)
+    ax.set_xlim(0, max(Tp, 1))
+    ax.set_yticks([])
+    ax.tick_params(labelsize=7)
+    ax.set_xlabel(f"token index (request segments alternate shades; hatched: {Tp - T} padded tokens)", fontsize=8)
+
+
+def _label_blocks(ax, y, p, blk, xrange: float) -> None:
+    """Label each run of one block id along a lane (if the run is wide enough to hold the label)."""
+    if len(p) == 0:
+        return
+    cuts = np.flatnonzero(np.diff(blk)) + 1
+    for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(p)]):
+        if blk[s] >= 0 and (e - s) / max(xrange, 1) > 0.07:
+            ax.text((p[s] + p[e - 1]) / 2, y, f"blk {int(blk[s])}", ha="center", va="center", fontsize=6)
+
+
+def sample_step(config="flash", num_requests: Optional[int] = None, *, max_model_len: Optional[int] = None,
+                device="cpu", seed: int = 0):
+    """A pipeline and one built sample step of a shipped (or given) config, for pictures and demos.
+
+    ``"tiny"`` (and any config with a window below 64): 128-token contexts, mla / swa blocks of 32 / 4,
+    6 requests, 64 batched tokens. Anything else: V4-Flash-like, 32K contexts, 300 requests, 4096
+    batched tokens. The pipeline runs the Triton kernels on CUDA, the PyTorch reference on the CPU.
+    Returns ``(pipe, meta)``.
+    """
+    from ..geometry import DSV4Layout
+    from ..pipeline import MetadataPipeline
+
+    probe = DSV4Layout.from_config(config, max_model_len=max_model_len or 1024)
+    small = probe.sliding_window < 64
+    if small:
+        L, kw, n, T, chunk = max_model_len or 128, dict(mla_block_size=32, swa_block_size=4), 6, 64, 13
+    else:
+        L, kw, n, T, chunk = max_model_len or 32768, {}, 300, 4096, 512
+    layout = DSV4Layout.from_config(config, max_model_len=L, **kw)
+    n = num_requests or n
+    device = torch.device(device)
+    # NOTE: on the CPU the reference (the Triton interpreter would take minutes at Flash scale)
+    pipe = MetadataPipeline(layout, max_num_reqs=max(n, 8), max_num_batched_tokens=max(T, 4 * n),
+                            device=device, num_speculative_tokens=1,
+                            backend=None if device.type == "cuda" else "reference")
+    batch = sample_step_batch(layout, n, max_num_reqs=pipe.max_num_reqs, max_num_batched_tokens=pipe.max_num_tokens,
+                              prefill_chunk=chunk, min_context=L // 4 if small else None, seed=seed)
+    pipe.update(batch, pad_to=min(pipe.max_num_tokens, cdiv(batch.num_tokens, 8) * 8))
+    return pipe, pipe.build()
