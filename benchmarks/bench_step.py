@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
 from dsv4_index import DSV4Layout, MetadataPipeline, batch_from_step  # noqa: E402
+from dsv4_index.fused.tasks import TileConfig  # noqa: E402
 from workload import CASES, Workload  # noqa: E402
 
 SERVER = (1024, 8192)
@@ -65,6 +66,125 @@ def graph_time(fn, k: int, replays: int):
             ts.append(a.elapsed_time(b) * 1e3 / n)
         out.append(statistics.median(ts))
     return tuple(out)
+
+
+def written_bytes(plan, t_pad: int) -> int:
+    """Bytes the fused launch writes for a step of ``t_pad`` tokens (every output row in [0, T_pad))."""
+    n = 0
+    for t in plan.tasks:
+        rows = t_pad + 1 if t.kind in ("requests", "replays", "staged_copy") else t_pad
+        for o in t.outputs:
+            if o is not None:
+                n += rows * (o[0].numel() if o.dim() > 1 else 1) * o.element_size()
+    return n
+
+
+SWEEP_SMALL = [TileConfig(8, 8, 128, False, 4), TileConfig(8, 8, 128, False, 8), TileConfig(16, 8, 128, False, 4),
+               TileConfig(32, 8, 128, False, 4), TileConfig(8, 4, 128, False, 4), TileConfig(8, 8, 64, False, 2)]
+SWEEP_LARGE = [TileConfig(128, 16, 128, True, 4), TileConfig(128, 16, 128, True, 8), TileConfig(128, 8, 128, True, 4),
+               TileConfig(256, 32, 128, True, 8), TileConfig(64, 8, 128, True, 4), TileConfig(128, 32, 128, True, 8)]
+
+
+def sweep(args):
+    """Graph / single µs of every tile config of both variants (forced), on every Flash case."""
+    from dsv4_index.fused.plan import FusedPlan
+    layout = DSV4Layout.from_config("flash", max_model_len=131072)
+    out = []
+    for name in CASES:
+        case = CASES[name]
+        pipe = make_pipe(layout, case, True)
+        wl, _ = steady(layout, case, pipe, 3)
+        batch, _ = wl.next_step()
+        pipe.update(batch)
+        pipe.build()
+        lay = pipe._lay
+        line = []
+        for v, cfgs in ((0, SWEEP_SMALL), (1, SWEEP_LARGE)):
+            if name.startswith("prefill") and v == 0 and cfgs is SWEEP_SMALL:
+                cfgs = cfgs[:2]
+            for cfg in cfgs:
+                plan = FusedPlan(pipe._fused.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, pipe.ctx.next_n,
+                                 small=cfg, large=cfg, large_from=0 if v else 1 << 30)
+                plan.launch(lay)
+                g, s1 = graph_time(lambda: plan.launch(lay), args.k, args.replays)
+                tag = f"{'L' if v else 'S'}{cfg.bt1}/{cfg.bt2}/{cfg.bc}/w{cfg.num_warps}"
+                line.append(f"{tag} {g:.2f}/{s1:.2f}")
+                out.append(dict(case=name, variant=v, cfg=tag, graph_us=g, single_us=s1,
+                                programs=plan.num_programs(lay.t_pad)))
+        print(f"sweep {name} (T_pad {lay.t_pad}, {written_bytes(pipe._fused, lay.t_pad) / 2**20:.1f} MiB): "
+              + "  ".join(line), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+def floors(args):
+    """What a launch costs with no work (the single-replay gap), and the device's write bandwidth."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(x_ptr, n):
+        pass
+
+    @triton.jit
+    def _fill(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.full([BLOCK], -1, tl.int32), mask=i < n)
+
+    x = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    y = torch.empty_like(x)
+    for grid in (1, 132, 528, 2076, 16524):
+        _empty[(grid,)](x, 0)
+        g, s1 = graph_time(lambda: _empty[(grid,)](x, 0), args.k, args.replays)
+        print(f"floor empty kernel grid {grid}: graph {g:.2f} us, single replay {s1:.2f} us", flush=True)
+    for mib in (8, 42, 256):
+        n = mib << 18
+        _fill[(triton.cdiv(n, 4096),)](x, n, BLOCK=4096)
+        g, _ = graph_time(lambda: _fill[(triton.cdiv(n, 4096),)](x, n, BLOCK=4096), 5, args.replays)
+        gc_, _ = graph_time(lambda: y[:n].copy_(x[:n]), 5, args.replays)
+        print(f"floor write {mib} MiB: fill {g:.2f} us = {n * 4 / g / 1e6:.2f} TB/s; copy {gc_:.2f} us = "
+              f"{2 * n * 4 / gc_ / 1e6:.2f} TB/s (read + write)", flush=True)
+    # eager launch latency (events around a direct launch, no graph)
+    ts = []
+    for _ in range(args.replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        _empty[(1,)](x, 0)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    print(f"floor empty kernel eager (events around the launch): {statistics.median(ts):.2f} us", flush=True)
+
+
+def topk_sweep(args):
+    from dsv4_index.ops.topk_to_slots import kernel as tk
+    layout = DSV4Layout.from_config("flash", max_model_len=131072)
+    for name in ("decode B=1", "decode B=256", "decode B=1024", "MTP 256x2"):
+        case = CASES[name]
+        pipe = make_pipe(layout, case, True)
+        wl, _ = steady(layout, case, pipe, 3)
+        batch, _ = wl.next_step()
+        pipe.update(batch)
+        meta = pipe.build()
+        b = pipe._builders["c4a"]
+        K = layout.index_topk
+        Tp = meta.num_tokens_padded
+        n_c = meta["c4i"].lens[:Tp].clamp(min=1).long()
+        topk = (torch.rand(Tp, K, device="cuda") * n_c[:, None]).long().to(torch.int32)
+        topk[:, -8:] = -1
+        s = b.spec
+        bt = pipe.ctx.tables[s.gid]
+        out, lens = b.topk_flat[:Tp * K].view(Tp, K), b.topk_lens[:Tp]
+        ref = meta.topk_to_slots("c4a", topk)[0].clone()
+        line = []
+        for tile in ((1, 4), (1, 1), (1, 2), (1, 8), (2, 4), (2, 8), (4, 8)):
+            fn = lambda: tk.launch_rows(topk, b.token_rows, b.token_nc, bt, s.rows_per_block, s.compress_ratio,  # noqa
+                                        bt.shape[1], 1, 0, 1, False, out, lens, Tp, tile=tile)
+            fn()
+            assert torch.equal(out, ref), (name, tile)
+            g, s1 = graph_time(fn, args.k, args.replays)
+            line.append(f"{tile[0]}x{tile[1]}w {g:.2f}/{s1:.2f}")
+        print(f"topk sweep {name}: " + "  ".join(line), flush=True)
 
 
 def make_pipe(layout, case, server: bool, **kw):
@@ -94,8 +214,10 @@ def gpu_case(layout, case, server, args):
     meta = pipe.build()
     lay = pipe._lay
     graph, single = graph_time(lambda: pipe._fused.launch(lay), args.k, args.replays)
+    wb = written_bytes(pipe._fused, lay.t_pad)
     res = dict(build_graph_us=graph, build_single_us=single, T=meta.num_tokens, B=meta.num_reqs,
-               programs=pipe._fused.num_programs(lay.t_pad), h2d_bytes=pipe.last_step_stats.h2d_bytes,
+               programs=pipe._fused.num_programs(lay.t_pad), variant=pipe._fused.variant(lay.t_pad),
+               written_bytes=wb, write_tb_s=wb / graph / 1e6, h2d_bytes=pipe.last_step_stats.h2d_bytes,
                launches=pipe.num_launches)
     if "c4a" in meta:
         K = layout.index_topk
@@ -201,29 +323,20 @@ def main():
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--host-steps", type=int, default=60)
     ap.add_argument("--profile-one", default=None, help="one server-sized step of this case, for ncu")
-    ap.add_argument("--sweep", action="store_true", help="fused-launch tile sweep (block_t x num_warps)")
+    ap.add_argument("--sweep", action="store_true", help="fused-launch tile sweep (both variants, every case)")
+    ap.add_argument("--no-host", action="store_true", help="skip the host-time phases")
+    ap.add_argument("--floors", action="store_true", help="launch floors (empty kernels) and the write bandwidth")
+    ap.add_argument("--topk-sweep", action="store_true", help="top-k conversion tiles (rows x warps)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench_step.py needs CUDA"
     if args.sweep:
-        layout = DSV4Layout.from_config("flash", max_model_len=131072)
-        for name in ("decode B=1", "decode B=256", "prefill 8K"):
-            case = CASES[name]
-            pipe = make_pipe(layout, case, True)
-            wl, _ = steady(layout, case, pipe, 3)
-            batch, _ = wl.next_step()
-            pipe.update(batch)
-            pipe.build()
-            lay = pipe._fused, pipe._lay
-            line = []
-            for bt in (8, 16, 32):
-                for nw in (2, 4, 8):
-                    from dsv4_index.fused.plan import FusedPlan
-                    plan = FusedPlan(pipe._fused.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev,
-                                     pipe.ctx.next_n, block_t=bt, num_warps=nw)
-                    plan.launch(pipe._lay)
-                    g, s1 = graph_time(lambda: plan.launch(pipe._lay), args.k, args.replays)
-                    line.append(f"bt{bt}/w{nw} {g:.2f}/{s1:.2f}")
-            print(f"sweep {name}: " + "  ".join(line), flush=True)
+        sweep(args)
+        return
+    if args.floors:
+        floors(args)
+        return
+    if args.topk_sweep:
+        topk_sweep(args)
         return
     if args.profile_one:
         layout = DSV4Layout.from_config("flash", max_model_len=131072)
@@ -252,7 +365,7 @@ def main():
                 r.update({f"{'server' if server else 'exact'}_{k}": v for k, v in g.items()})
             if lname == "flash":
                 r.update(counts_case(layout, case))
-                if not args.quick or name.startswith("decode B=256"):
+                if not args.no_host and (not args.quick or name.startswith("decode B=256")):
                     r.update(host_case(layout, case, args))
             results["cases"].append(r)
             rows.append(r)
@@ -269,6 +382,11 @@ def main():
               f"{f(r.get('syncs'))} | {f(r.get('new_allocations'))} | {f(r.get('update_safe_us'))} / "
               f"{f(r.get('update_full_us'))} | {f(r.get('step_input_conversion_us'))} | "
               f"{f(r.get('build_eager_safe_us'))} / {f(r.get('build_graph_replay_us'))} |")
+    print("\n| layout | case | variant | programs | MiB written | graph µs | TB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['case']} | {r['server_variant']} | {r['server_programs']} | "
+              f"{r['server_written_bytes'] / 2**20:.1f} | {r['server_build_graph_us']:.2f} | {r['server_write_tb_s']:.2f} |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

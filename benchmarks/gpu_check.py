@@ -23,8 +23,10 @@ FIELDS = ("slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "co
           "ke", "cu", "decode_lens", "lens_clamped", "decode_lens_clamped")
 
 
-def compare(layout, steps, *, seed, max_reqs, max_tokens, spec, validate_every=0, **trace_kw):
+def compare(layout, steps, *, seed, max_reqs, max_tokens, spec, validate_every=0, large_from=None, **trace_kw):
     gpu = MetadataPipeline(layout, max_reqs, max_tokens, "cuda", spec)
+    if large_from is not None:
+        gpu._fused.large_from = large_from  # NOTE: 1 = every step on the large-tile (whole-row) variant
     ref = MetadataPipeline(layout, max_reqs, max_tokens, "cpu", spec, backend="reference")
     gpu.warmup()
     K = layout.index_topk or 1
@@ -62,6 +64,7 @@ def compare(layout, steps, *, seed, max_reqs, max_tokens, spec, validate_every=0
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--long-steps", type=int, default=6, help="steps of the flash case with 4K-token steps")
     args = ap.parse_args()
     assert torch.cuda.is_available()
     t0 = time.time()
@@ -77,9 +80,16 @@ def main():
         ("flash", DSV4Layout.from_config("flash", max_model_len=16384), {}),
     ]
     for name, layout, kw in cases:
-        n = compare(layout, args.steps, seed=1, max_reqs=8, max_tokens=256 if name == "flash" else 64, spec=1,
-                    validate_every=10, num_blocks=4000 if name == "flash" else 96, **kw)
-        print(f"OK {name}: {n} steps, GPU fused == reference (outputs, tables, top-k)", flush=True)
+        for large_from, label in ((None, "default tiles"), (1, "large tiles forced")):
+            n = compare(layout, args.steps, seed=1, max_reqs=8, max_tokens=256 if name == "flash" else 64, spec=1,
+                        validate_every=10, num_blocks=4000 if name == "flash" else 96, large_from=large_from, **kw)
+            print(f"OK {name} ({label}): {n} steps, GPU fused == reference (outputs, tables, top-k)", flush=True)
+    if args.long_steps:
+        # NOTE: steps of up to 4096 tokens: T_pad crosses the variant threshold on its own
+        flash = DSV4Layout.from_config("flash", max_model_len=65536)
+        n = compare(flash, args.long_steps, seed=3, max_reqs=8, max_tokens=4096, spec=1, validate_every=0,
+                    num_blocks=20000)
+        print(f"OK flash 4K-token steps: {n} steps, GPU fused == reference", flush=True)
     print(f"gpu_check passed in {time.time() - t0:.1f} s")
 
 

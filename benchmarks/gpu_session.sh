@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu_session.sh check bench ncu cp memcheck racecheck
 #
 # Stages (limits in seconds; the sanitizer stages run small traces that exercise every kernel once):
-#   sweep      fused-launch tile sweep (block_t x num_warps) on three cases
+#   sweep      fused-launch tile sweep: both variants (small / large tiles), several configs, every Flash case
+#   floors     empty-kernel launch floors (graph-amortized, single replay, eager) and the write bandwidth
+#   topk-sweep top-k conversion tiles (rows per program x warps)
 #   check      benchmarks/gpu_check.py: compiled fused launch + top-k == the PyTorch reference (traces)
 #   bench      benchmarks/bench_step.py (JSON + markdown table)
 #   ncu        Nsight Compute on one server-sized decode B=256 step (fused kernel + top-k conversion)
@@ -35,17 +37,22 @@ stage() {  # stage NAME LIMIT CMD...
 
 for s in "$@"; do
   case $s in
-    sweep)     TAIL=3 stage sweep 60 $PY benchmarks/bench_step.py --sweep --replays 20 ;;
-    check)     stage check 90 $PY benchmarks/gpu_check.py --steps 30 ;;
-    bench)     TAIL=30 stage bench 150 $PY benchmarks/bench_step.py --out "$OUT/bench.json" --replays 30 --host-steps 40 ;;
-    ncu)       TAIL=2 stage ncu 45 ncu --clock-control none -k "regex:fused_step_kernel|_topk_rows" --launch-skip 5 -c 2 \
-                 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-                 $PY benchmarks/bench_step.py --profile-one "decode B=256" ;;
+    sweep)     TAIL=8 stage sweep 150 $PY benchmarks/bench_step.py --sweep --replays 20 --out "$OUT/sweep.json" ;;
+    floors)    TAIL=12 stage floors 40 $PY benchmarks/bench_step.py --floors --replays 30 ;;
+    topk-sweep) TAIL=4 stage topk_sweep 60 $PY benchmarks/bench_step.py --topk-sweep --replays 30 ;;
+    check)     TAIL=12 stage check 120 $PY benchmarks/gpu_check.py --steps 30 ;;
+    bench)     TAIL=34 stage bench 150 $PY benchmarks/bench_step.py --out "$OUT/bench.json" --replays 30 --host-steps 40 --no-host ;;
+    ncu)       for c in "decode B=256" "prefill 8K"; do
+                 TAIL=2 stage "ncu_${c//[^a-zA-Z0-9]/_}" 45 ncu --clock-control none -k "regex:fused_step_kernel|_topk_rows" \
+                   --launch-skip 5 -c 2 --section SpeedOfLight --section LaunchStats --section Occupancy \
+                   --section WarpStateStats --section MemoryWorkloadAnalysis $PY benchmarks/bench_step.py --profile-one "$c"
+               done ;;
     cp)        [ "$NGPU" -ge 2 ] && stage cp 50 $PY -m torch.distributed.run --nproc-per-node 2 examples/cp_decode.py --device cuda ;;
     flash)     TAIL=24 stage flash 120 $PY examples/flash_decode_step.py --out "$OUT/flash.json" ;;
     gpu-tests) stage gpu_tests 80 $PY -m pytest -q -x -m gpu -p no:warnings tests ;;
-    memcheck)  stage memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 6 ;;
-    racecheck) stage racecheck 50 compute-sanitizer --tool racecheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 4 ;;
+    fused-gpu) stage fused_gpu 60 $PY -m pytest -q -x -m gpu -p no:warnings tests/test_fused.py tests/kernels/test_topk_to_slots.py ;;
+    memcheck)  TAIL=8 stage memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 6 --long-steps 2 ;;
+    racecheck) TAIL=8 stage racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 7 $PY benchmarks/gpu_check.py --steps 4 --long-steps 2 ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -51,6 +51,10 @@ NUM_BLOCKS = 40
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_equals_unfused_equals_reference_over_a_trace(case):
+    _trace_case(case)
+
+
+def _trace_case(case):
     lay_kw, pipe_kw, pad, num_blocks = CASES[case]
     layout = tiny_layout(**lay_kw)
     # geometry really is what the case says
@@ -237,13 +241,38 @@ def test_plan_grid_is_host_sized_and_shares_identical_geometry():
     pipe = MetadataPipeline(layout, 4, 256, DEVICE)
     plan = pipe._fused
     n_req, n_tok = plan.num_units
-    assert plan.num_programs(1 + plan.block_t) - plan.num_programs(1) == n_tok  # one more token tile
+    small = plan.configs[0]
+    t_super = plan._variants[0]["t_super"]
+    more_req = n_req * (cdiv(t_super + 2, plan.block_r) - 1)
+    assert plan.num_programs(1 + t_super) - plan.num_programs(1) == n_tok + more_req  # one more super tile
     # NOTE: c4a and c4i have one geometry: one compressed-slot task (DESIGN §10), one per geometry
     geoms = {(c.gid, c.compress_ratio, c.rows_per_block) for c in layout.channels.values() if c.compress_ratio > 1}
     assert sum(t.kind == "compressed" for t in plan.tasks) == len(geoms) == 2
-    tiles = sum(cdiv(t.width, plan.block_c) if t.kind in ("window", "causal") else 1
-                for t in plan.tasks if t.kind in ("common", "window", "compressed", "causal", "indexer", "token_rows"))
-    assert n_tok == tiles
+    # every token task runs T_SUPER / rows-per-program programs per super tile (and one per column chunk)
+    progs = 0
+    for t in plan.tasks:
+        if t.kind in ("window", "causal"):
+            bc = min(small.bc, 1 << (t.width - 1).bit_length())
+            progs += cdiv(t.width, bc) * (t_super // min(small.bt2 * (small.bc // bc), max(small.bt1, small.bt2)))
+        elif t.kind in ("common", "compressed", "indexer", "token_rows"):
+            progs += t_super // small.bt1
+    assert n_tok == progs
+    # the large variant: whole index-list rows per program, far fewer programs for a long step
+    assert plan.variant(plan.large_from) == 1 and plan.variant(plan.large_from - 1) == 0
+    from dsv4_index.fused.plan import LARGE, SMALL, FusedPlan
+    gpu = FusedPlan(plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 1, small=SMALL, large=LARGE)
+    small_8k = gpu._variants[0]["p_super"] * cdiv(8192, gpu._variants[0]["t_super"])
+    assert 4 * gpu.num_programs(8192) < small_8k
+
+
+@pytest.mark.parametrize("case", ["tiny_ring_indexer_causal", "compact_compressed", "circular_state_groups",
+                                  "dcp_rank1"])
+def test_large_tile_variant_equals_reference(case, monkeypatch):
+    """The whole-row variant (chunks past every token's length stored as -1 without table work)
+    computes the same outputs: every step of the trace runs on it."""
+    monkeypatch.setenv("DSV4_INDEX_LARGE_FROM", "1")
+    assert MetadataPipeline(tiny_layout(), 4, 40, DEVICE)._fused.variant(1) == 1
+    _trace_case(case)
 
 
 def test_multi_step_rows_appended_cleared_readded():
@@ -384,3 +413,28 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
         done = {r.req_id for r in step.new_requests}
         for p in (fast, slow):
             p.update(StepInput([], [], {}, done, set()))
+
+
+@pytest.mark.gpu
+def test_every_variant_compiled_at_construction_none_while_serving():
+    """Both tile variants are compiled when the plan is built (before warmup); steps of any size,
+    on either side of the variant threshold, then add nothing to the JIT cache."""
+    from dsv4_index.fused.kernel import fused_step_kernel
+    layout = flash_layout()
+    pipe = MetadataPipeline(layout, 8, 4096, "cuda", num_speculative_tokens=1)
+    plan = pipe._fused
+    assert all(v["kernel"] is not None for v in plan._variants)
+    pipe.warmup()
+    cache = fused_step_kernel.device_caches[torch.cuda.current_device()][0]
+    n = len(cache)
+    rng = random.Random(5)
+    blocks = Blocks(layout, rng)
+    for i, kind in enumerate(["decode", "prefill", "mixed", "decode"]):
+        step = random_step(rng, blocks, kind, n_reqs=1 + i, max_ctx=1500, spec=1, prefix=f"c{i}_")
+        pad = plan.large_from + 7 if i % 2 else step.total_tokens + i
+        pipe.update(step, pad_to=pad)
+        pipe.build()
+        assert plan.variant(pad) == i % 2
+        pipe.update(StepInput([], [], {}, {r.req_id for r in step.new_requests}, set()))
+    torch.cuda.synchronize()
+    assert len(cache) == n

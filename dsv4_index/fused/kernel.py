@@ -1,11 +1,15 @@
 """The fused step kernel: one launch applies the step's staged block-table writes and runs every
 task of :mod:`dsv4_index.fused.tasks`, calling the formulas of :mod:`dsv4_index.ops._device`.
 
-Grid (1-D, sized from ``T_pad`` only): ``NUM_WRITERS`` writer programs, then ``num_req_units x
-req_tiles`` request programs, then ``tok_tiles x num_tok_units`` token programs (tile-major). A unit
-is (task, column tile). Every address comes from the task table (int64 addresses of persistent
-buffers); every per-step count from the staged header, so a CUDA graph of the launch replays any
-step of the same ``T_pad``.
+Grid (1-D, sized from ``T_pad`` only): ``NUM_WRITERS`` writer programs, then ``NUM_REQ x req_tiles``
+request programs, then ``cdiv(T_pad, T_SUPER) x P_SUPER`` token programs: each super tile of
+``T_SUPER`` tokens runs every token unit's programs (a unit: one task, its token rows per program
+and its column chunks, ``tasks.token_units``). Everything that never changes for a pipeline (kinds,
+geometry, table offsets, DCP, flags, tiles) is ``constexpr`` (``REQ`` / ``TOK`` tuples): a program
+finds its task by arithmetic on its id, and its chain of dependent loads is header + token map ->
+the row's values -> the table entry -> store. Output addresses come from ``outs`` (one load, off the
+chain), as element offsets from the ``base*`` pointers (16-byte aligned) so that row stores of
+index lists are 16-byte vector stores.
 
 NOTE: writers write only the entries staged this step, and a reader of such an entry takes it from
 the stage (the overlay), so no program reads what another program of the launch writes.
@@ -19,9 +23,9 @@ import triton.language as tl
 from ..ops._device import (causal_row, compressed_slot, decode_row_lens, raw_slot, visible_rows, window_len,
                            window_row)
 from ..state.staging import H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START
-from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, F_A, F_B, F_CPI, F_CPR, F_CPW, F_EXTRA, F_FLAGS,
-                    F_GROUP, F_KIND, F_OUT0, F_OUT1, F_OUT2, F_OUT3, F_RING, F_STRIDE, F_TABLE, F_TWIDTH, F_WIDTH,
-                    FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, INDEXER, REPLAYS, REQUESTS, STAGED_COPY, TOKEN_ROWS, WINDOW)
+from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, INDEXER, NF, REPLAYS, REQUESTS, S_A, S_B, S_BC, S_CPI,
+                    S_CPR, S_CPW, S_EXTRA, S_FLAGS, S_GID, S_HAS, S_KIND, S_MUL, S_NCHUNK, S_NCU, S_NPROG, S_RING,
+                    S_START, S_STRIDE, S_TASK, S_TOFF, S_TWIDTH, S_WIDTH, STAGED_COPY, TOKEN_ROWS, WINDOW, S_BT)
 
 _H_NUM_REQS: tl.constexpr = tl.constexpr(H_NUM_REQS)
 _H_NUM_TOKENS: tl.constexpr = tl.constexpr(H_NUM_TOKENS)
@@ -29,16 +33,27 @@ _H_NUM_DECODES: tl.constexpr = tl.constexpr(H_NUM_DECODES)
 _H_NUM_WRITES: tl.constexpr = tl.constexpr(H_NUM_WRITES)
 _H_REPLAY_START: tl.constexpr = tl.constexpr(H_REPLAY_START)
 _H_REPLAY_END: tl.constexpr = tl.constexpr(H_REPLAY_END)
+# spec fields (tasks.S_*): task I's field F is TAB[I * NF + F] (flat constexpr tuples)
+(_KIND, _TASK, _A, _B, _WIDTH, _TOFF, _STRIDE, _TWIDTH, _RING, _CPW, _CPR, _CPI, _GID, _FLAGS, _EXTRA, _HAS, _MUL,
+ _BT, _BC, _NCHUNK, _NCU, _START, _NPROG) = [tl.constexpr(v) for v in (
+    S_KIND, S_TASK, S_A, S_B, S_WIDTH, S_TOFF, S_STRIDE, S_TWIDTH, S_RING, S_CPW, S_CPR, S_CPI, S_GID, S_FLAGS, S_EXTRA,
+    S_HAS, S_MUL, S_BT, S_BC, S_NCHUNK, S_NCU, S_START, S_NPROG)]
+_NF: tl.constexpr = tl.constexpr(NF)
 
 
 @triton.jit
-def _ptr(desc_ptr, field, DT: tl.constexpr):
-    return tl.load(desc_ptr + field).to(tl.pointer_type(DT))
-
-
-@triton.jit
-def _field(desc_ptr, field):
-    return tl.load(desc_ptr + field).to(tl.int32)
+def _out(base32, base64, base8, outs_ptr, TAB: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+         ESIZE: tl.constexpr):
+    """Pointer to output ``K`` of spec ``I`` (``outs`` holds element offsets / the output's unit)."""
+    TASK: tl.constexpr = TAB[I * _NF + _TASK]
+    MUL: tl.constexpr = TAB[I * _NF + _MUL + K]
+    off = tl.load(outs_ptr + TASK * 4 + K) * MUL
+    if ESIZE == 8:
+        return base64 + off
+    elif ESIZE == 1:
+        return base8 + off
+    else:
+        return base32 + off
 
 
 @triton.jit
@@ -54,184 +69,228 @@ def _write_blocks(stage_ptr, tables_ptr, w, off_w, NUM_WRITERS: tl.constexpr, BL
 
 
 @triton.jit
-def _request_unit(stage_ptr, desc_ptr, tile, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_extra,
-                  BLOCK_R: tl.constexpr, NEXT_N_PAD: tl.constexpr, HAS_CP: tl.constexpr):
-    kind = _field(desc_ptr, F_KIND)
+def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows, off_qsl, off_seq, off_slots,
+                  off_rs, off_re, off_extra, TAB: tl.constexpr, I: tl.constexpr, BLOCK_R: tl.constexpr,
+                  NEXT_N_PAD: tl.constexpr):
+    KIND: tl.constexpr = TAB[I * _NF + _KIND]
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     B = tl.load(stage_ptr + _H_NUM_REQS)
     T = tl.load(stage_ptr + _H_NUM_TOKENS)
-    if kind == REQUESTS:
+    if KIND == REQUESTS:
         qsl = tl.load(stage_ptr + off_qsl + r, mask=r <= B, other=0)
-        tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + r, tl.where(r <= B, qsl, T), mask=r <= T_pad)
         seq = tl.load(stage_ptr + off_seq + r, mask=r < B, other=0)
-        tl.store(_ptr(desc_ptr, F_OUT1, tl.int32) + r, seq, mask=r <= T_pad)
         slot = tl.load(stage_ptr + off_slots + r, mask=r < B, other=0)
-        tl.store(_ptr(desc_ptr, F_OUT2, tl.int32) + r, slot, mask=r <= T_pad)
-    elif kind == REPLAYS:
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + r, tl.where(r <= B, qsl, T),
+                 mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + r, seq, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 4) + r, slot, mask=r <= T_pad)
+    elif KIND == REPLAYS:
         rs = tl.load(stage_ptr + off_rs + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_START) != 0), other=0)
-        tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + r, rs, mask=r <= T_pad)
         re = tl.load(stage_ptr + off_re + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
-        tl.store(_ptr(desc_ptr, F_OUT1, tl.int32) + r, re, mask=r <= T_pad)
-    elif kind == DECODE_LENS:
-        next_n = _field(desc_ptr, F_B)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + r, rs, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + r, re, mask=r <= T_pad)
+    elif KIND == DECODE_LENS:
+        NEXT_N: tl.constexpr = TAB[I * _NF + _B]
         nd = tl.load(stage_ptr + _H_NUM_DECODES)
         dec = r < nd
         seq = tl.load(stage_ptr + off_seq + r, mask=dec, other=0)
         q = tl.load(stage_ptr + off_qsl + r + 1, mask=dec, other=0) - tl.load(stage_ptr + off_qsl + r, mask=dec,
                                                                                 other=0)
         j = tl.arange(0, NEXT_N_PAD)[None, :]
-        if HAS_CP:
-            n = decode_row_lens(seq, q, j, next_n, _field(desc_ptr, F_A), _field(desc_ptr, F_CPW),
-                                _field(desc_ptr, F_CPR), _field(desc_ptr, F_CPI))
-        else:
-            n = decode_row_lens(seq, q, j, next_n, _field(desc_ptr, F_A), 1, 0, 1)
+        n = decode_row_lens(seq, q, j, NEXT_N, TAB[I * _NF + _A], TAB[I * _NF + _CPW], TAB[I * _NF + _CPR], TAB[I * _NF + _CPI])
         n = tl.where(dec[:, None], n, 0)
-        m = (r < T_pad)[:, None] & (j < next_n)
-        off = r.to(tl.int64)[:, None] * next_n + j
-        tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + off, n, mask=m)
-        clamped = tl.load(desc_ptr + F_OUT1)
-        if clamped != 0:
-            tl.store(clamped.to(tl.pointer_type(tl.int32)) + off, tl.maximum(n, 1), mask=m)
-    elif kind == STAGED_COPY:
-        src = stage_ptr + off_extra + _field(desc_ptr, F_EXTRA) * (rows + 1)
+        m = (r < T_pad)[:, None] & (j < NEXT_N)
+        off = r.to(tl.int64)[:, None] * NEXT_N + j
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + off, n, mask=m)
+        if (TAB[I * _NF + _HAS] & 2) != 0:
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + off, tl.maximum(n, 1), mask=m)
+    elif KIND == STAGED_COPY:
+        src = stage_ptr + off_extra + TAB[I * _NF + _EXTRA] * (rows + 1)
         last = tl.load(src + B)
         v = tl.load(src + r, mask=r <= B, other=0)
-        tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + r, tl.where(r <= B, v, last), mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + r, tl.where(r <= B, v, last),
+                 mask=r <= T_pad)
 
 
 @triton.jit
-def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_tok,
-                off_extra, off_ov, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_CP: tl.constexpr):
-    kind = _field(desc_ptr, F_KIND)
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+def _index_rows(stage_ptr, bt, out, t, in_out, row, first, n, lo, hi, pay, col0, TAB: tl.constexpr, I: tl.constexpr):
+    """Columns ``[col0, col0 + NCHUNK * BC)`` of index-list rows ``t`` (window or causal): chunks that
+    reach a token's entries read the table, chunks past every token's length are plain ``-1`` stores."""
+    KIND: tl.constexpr = TAB[I * _NF + _KIND]
+    WIDTH: tl.constexpr = TAB[I * _NF + _WIDTH]
+    BC: tl.constexpr = TAB[I * _NF + _BC]
+    NCHUNK: tl.constexpr = TAB[I * _NF + _NCHUNK]
+    BT: tl.constexpr = TAB[I * _NF + _BT]
+    A: tl.constexpr = TAB[I * _NF + _A]
+    PB: tl.constexpr = TAB[I * _NF + _B]
+    TWIDTH: tl.constexpr = TAB[I * _NF + _TWIDTH]
+    RING: tl.constexpr = TAB[I * _NF + _RING]
+    STRIDE: tl.constexpr = TAB[I * _NF + _STRIDE]
+    rowp = out + t.to(tl.int64)[:, None] * WIDTH
+    if NCHUNK > 1:
+        nmax = tl.max(n, axis=0)
+    for c in tl.static_range(NCHUNK):
+        j = col0 + c * BC + tl.arange(0, BC)[None, :]
+        if WIDTH % BC == 0:
+            m = tl.broadcast_to(in_out[:, None], [BT, BC])
+        else:
+            m = in_out[:, None] & (j < WIDTH)
+        if NCHUNK > 1:
+            if col0 + c * BC < nmax:
+                if KIND == WINDOW:
+                    idx = window_row(bt, row, first, n, j, A, TWIDTH, RING, STRIDE,
+                                     stage_ptr, lo, hi, pay, True)
+                else:
+                    idx = causal_row(bt, row, n, j, PB, STRIDE, stage_ptr, lo, hi, pay, True)
+                tl.store(rowp + j, idx, mask=m)
+            else:
+                tl.store(rowp + j, tl.full([BT, BC], -1, tl.int32), mask=m)
+        else:
+            if KIND == WINDOW:
+                idx = window_row(bt, row, first, n, j, A, TWIDTH, RING, STRIDE,
+                                 stage_ptr, lo, hi, pay, True)
+            else:
+                idx = causal_row(bt, row, n, j, PB, STRIDE, stage_ptr, lo, hi, pay, True)
+            tl.store(rowp + j, idx, mask=m)
+
+
+@triton.jit
+def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0, T_pad, rows, off_qsl, off_seq,
+                off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, I: tl.constexpr):
+    KIND: tl.constexpr = TAB[I * _NF + _KIND]
+    HAS: tl.constexpr = TAB[I * _NF + _HAS]
+    FLAGS: tl.constexpr = TAB[I * _NF + _FLAGS]
+    A: tl.constexpr = TAB[I * _NF + _A]
+    PB: tl.constexpr = TAB[I * _NF + _B]
+    CPW: tl.constexpr = TAB[I * _NF + _CPW]
+    CPR: tl.constexpr = TAB[I * _NF + _CPR]
+    CPI: tl.constexpr = TAB[I * _NF + _CPI]
+    t = t0 + tl.arange(0, TAB[I * _NF + _BT])
     in_out = t < T_pad
-    valid = t < tl.load(stage_ptr + _H_NUM_TOKENS)
-    b = tl.load(stage_ptr + off_tok + t, mask=valid, other=0)
+    # NOTE: the token map is read under in_out (entries [T, T_pad] hold stale values, dropped by
+    # valid), so it loads beside the header instead of after it
+    T = tl.load(stage_ptr + _H_NUM_TOKENS)
+    b = tl.load(stage_ptr + off_tok + t, mask=in_out, other=0)
+    valid = t < T
+    b = tl.where(valid, b, 0)
     seq = tl.load(stage_ptr + off_seq + b, mask=valid, other=0)
     end = tl.load(stage_ptr + off_qsl + b + 1, mask=valid, other=0)
-    row = tl.load(stage_ptr + off_slots + b, mask=valid, other=0)
     pos = tl.where(valid, seq - end + t, 0)
-    if kind == COMMON:
-        tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + t, tl.where(valid, b, 0), mask=in_out)
-        tl.store(_ptr(desc_ptr, F_OUT1, tl.int64) + t, pos.to(tl.int64), mask=in_out)
-        tl.store(_ptr(desc_ptr, F_OUT2, tl.int8) + t, valid.to(tl.int8), mask=in_out)
+    if KIND == COMMON:
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + t, b, mask=in_out)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 8) + t, pos.to(tl.int64), mask=in_out)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 1) + t, valid.to(tl.int8), mask=in_out)
     else:
-        gid = _field(desc_ptr, F_GROUP)
-        flags = _field(desc_ptr, F_FLAGS)
-        bt = _ptr(desc_ptr, F_TABLE, tl.int32)
-        stride = tl.load(desc_ptr + F_STRIDE)
-        twidth = _field(desc_ptr, F_TWIDTH)
-        ring = _field(desc_ptr, F_RING)
-        a = _field(desc_ptr, F_A)
-        pb = _field(desc_ptr, F_B)
-        if HAS_CP:
-            cpw = _field(desc_ptr, F_CPW)
-            cpr = _field(desc_ptr, F_CPR)
-            cpi = _field(desc_ptr, F_CPI)
+        row = tl.load(stage_ptr + off_slots + b, mask=valid, other=0)
+        bt = tables_ptr + TAB[I * _NF + _TOFF]
+        if KIND == WINDOW or KIND == CAUSAL or KIND == COMPRESSED:
+            ov = off_ov + (TAB[I * _NF + _GID] * rows + b) * 3
+            lo = tl.load(stage_ptr + ov, mask=valid, other=0)
+            hi = tl.load(stage_ptr + ov + 1, mask=valid, other=0)
+            pay = tl.load(stage_ptr + ov + 2, mask=valid, other=0)
+        if (FLAGS & 1) != 0:  # FLAG_WRITE_FLOOR
+            wfloor = tl.load(stage_ptr + off_re + b, mask=valid & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
         else:
-            cpw = 1  # NOTE: Python ints are constexprs: the ownership math folds away
-            cpr = 0
-            cpi = 1
-        ov = off_ov + (gid * rows + b) * 3
-        lo = tl.load(stage_ptr + ov, mask=valid, other=0)
-        hi = tl.load(stage_ptr + ov + 1, mask=valid, other=0)
-        pay = tl.load(stage_ptr + ov + 2, mask=valid, other=0)
-        if kind == WINDOW:
-            floor = tl.zeros_like(pos)
-            if ((flags & FLAG_WINDOW_FLOOR) != 0) & (tl.load(stage_ptr + _H_REPLAY_START) != 0):
-                floor = tl.load(stage_ptr + off_rs + b, mask=valid, other=0)
-            first, n = window_len(pos, valid, floor, pb, cpw, cpr, cpi)
-            width = _field(desc_ptr, F_WIDTH)
-            j = col * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-            idx = window_row(bt, row, first, n, j, a, twidth, ring, stride, stage_ptr, lo, hi, pay, True)
-            out = _ptr(desc_ptr, F_OUT0, tl.int32) + t.to(tl.int64)[:, None] * width + j
-            tl.store(out, idx, mask=in_out[:, None] & (j < width))
-            if col == 0:
-                tl.store(_ptr(desc_ptr, F_OUT1, tl.int32) + t, n, mask=in_out)
-                out2 = tl.load(desc_ptr + F_OUT2)
-                if out2 != 0:
-                    wfloor = tl.zeros_like(pos)
-                    if ((flags & FLAG_WRITE_FLOOR) != 0) & (tl.load(stage_ptr + _H_REPLAY_END) != 0):
-                        wfloor = tl.load(stage_ptr + off_re + b, mask=valid, other=0)
-                    slot = raw_slot(bt, row, pos, valid, wfloor, a, twidth, ring, stride, cpw, cpr, cpi,
-                                    stage_ptr, lo, hi, pay, True)
-                    tl.store(out2.to(tl.pointer_type(tl.int64)) + t, slot, mask=in_out)
-        elif kind == COMPRESSED:
             wfloor = tl.zeros_like(pos)
-            if ((flags & FLAG_WRITE_FLOOR) != 0) & (tl.load(stage_ptr + _H_REPLAY_END) != 0):
-                wfloor = tl.load(stage_ptr + off_re + b, mask=valid, other=0)
-            slot = compressed_slot(bt, row, pos, valid, wfloor, a, pb, twidth, stride, cpw, cpr, cpi,
+        if KIND == WINDOW:
+            if (FLAGS & 2) != 0:  # FLAG_WINDOW_FLOOR
+                floor = tl.load(stage_ptr + off_rs + b, mask=valid & (tl.load(stage_ptr + _H_REPLAY_START) != 0),
+                                other=0)
+            else:
+                floor = tl.zeros_like(pos)
+            first, n = window_len(pos, valid, floor, PB, CPW, CPR, CPI)
+            _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
+                        first, n, lo, hi, pay, col0, TAB, I)
+            if col0 == 0:
+                tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
+                if (HAS & 4) != 0:
+                    slot = raw_slot(bt, row, pos, valid, wfloor, A, TAB[I * _NF + _TWIDTH], TAB[I * _NF + _RING], TAB[I * _NF + _STRIDE], CPW,
+                                    CPR, CPI, stage_ptr, lo, hi, pay, True)
+                    tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 8) + t, slot, mask=in_out)
+        elif KIND == CAUSAL:
+            n = visible_rows(pos, valid, A, CPW, CPR, CPI)
+            n = tl.minimum(tl.minimum(n, TAB[I * _NF + _WIDTH]), TAB[I * _NF + _TWIDTH] * PB)
+            _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
+                        n, n, lo, hi, pay, col0, TAB, I)
+            if col0 == 0:
+                tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
+        elif KIND == COMPRESSED:
+            slot = compressed_slot(bt, row, pos, valid, wfloor, A, PB, TAB[I * _NF + _TWIDTH], TAB[I * _NF + _STRIDE], CPW, CPR, CPI,
                                    stage_ptr, lo, hi, pay, True)
-            tl.store(_ptr(desc_ptr, F_OUT0, tl.int64) + t, slot, mask=in_out)
-            out1 = tl.load(desc_ptr + F_OUT1)
-            if out1 != 0:
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 8) + t, slot, mask=in_out)
+            if (HAS & 2) != 0:
                 # NOTE: compact form: the k-th row the request completes this step goes to cu[b] + k;
                 # entries from cu[B] on are -1 (written by the token with that index: disjoint stores)
-                cu = stage_ptr + off_extra + _field(desc_ptr, F_EXTRA) * (rows + 1)
+                cu = stage_ptr + off_extra + TAB[I * _NF + _EXTRA] * (rows + 1)
                 start = tl.load(stage_ptr + off_qsl + b, mask=valid, other=0)
                 ctx = seq - (end - start)
-                done = valid & ((pos + 1) % a == 0)
-                e = tl.load(cu + b, mask=valid, other=0) + pos // a - ctx // a
-                compact = out1.to(tl.pointer_type(tl.int64))
+                done = valid & ((pos + 1) % A == 0)
+                e = tl.load(cu + b, mask=valid, other=0) + pos // A - ctx // A
+                compact = _out(base32, base64, base8, outs_ptr, TAB, I, 1, 8)
                 tl.store(compact + e, slot, mask=done & (e < T_pad))
                 total = tl.load(cu + tl.load(stage_ptr + _H_NUM_REQS))
-                tl.store(compact + t, tl.full([BLOCK_T], -1, tl.int64), mask=in_out & (t >= total))
-        elif kind == CAUSAL:
-            width = _field(desc_ptr, F_WIDTH)
-            n = visible_rows(pos, valid, a, cpw, cpr, cpi)
-            n = tl.minimum(tl.minimum(n, width), twidth * pb)
-            j = col * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-            idx = causal_row(bt, row, n, j, pb, stride, stage_ptr, lo, hi, pay, True)
-            out = _ptr(desc_ptr, F_OUT0, tl.int32) + t.to(tl.int64)[:, None] * width + j
-            tl.store(out, idx, mask=in_out[:, None] & (j < width))
-            if col == 0:
-                tl.store(_ptr(desc_ptr, F_OUT1, tl.int32) + t, n, mask=in_out)
-        elif kind == INDEXER:
-            n = visible_rows(pos, valid, a, cpw, cpr, cpi)
-            cu = stage_ptr + off_extra + _field(desc_ptr, F_EXTRA) * (rows + 1)
-            ks = tl.load(cu + b, mask=valid, other=0)
-            tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + t, n, mask=in_out)
-            tl.store(_ptr(desc_ptr, F_OUT1, tl.int32) + t, tl.where(valid, ks, 0), mask=in_out)
-            tl.store(_ptr(desc_ptr, F_OUT2, tl.int32) + t, tl.where(valid, ks + n, 0), mask=in_out)
-            clamped = tl.load(desc_ptr + F_OUT3)
-            if clamped != 0:
-                tl.store(clamped.to(tl.pointer_type(tl.int32)) + t, tl.maximum(n, 1), mask=in_out)
-        elif kind == TOKEN_ROWS:
-            tl.store(_ptr(desc_ptr, F_OUT0, tl.int32) + t, tl.where(valid, row, -1), mask=in_out)
+                tl.store(compact + t, tl.full([TAB[I * _NF + _BT]], -1, tl.int64), mask=in_out & (t >= total))
+        elif KIND == INDEXER:
+            n = visible_rows(pos, valid, A, CPW, CPR, CPI)
+            ks = tl.load(stage_ptr + off_extra + TAB[I * _NF + _EXTRA] * (rows + 1) + b, mask=valid, other=0)
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + t, n, mask=in_out)
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, ks, mask=in_out)
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 4) + t, tl.where(valid, ks + n, 0),
+                     mask=in_out)
+            if (HAS & 8) != 0:
+                tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 3, 4) + t, tl.maximum(n, 1), mask=in_out)
+        elif KIND == TOKEN_ROWS:
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + t, tl.where(valid, row, -1),
+                     mask=in_out)
             # NOTE: n_c of every row, owned or not: top-k picks are global row ids
-            tl.store(_ptr(desc_ptr, F_OUT1, tl.int32) + t, visible_rows(pos, valid, a, 1, 0, 1), mask=in_out)
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, visible_rows(pos, valid, A, 1, 0, 1),
+                     mask=in_out)
 
 
-@triton.jit(do_not_specialize=["stage_addr", "tables_addr", "tasks_addr", "units_addr", "T_pad", "num_req_units",
-                               "req_tiles", "num_tok_units", "rows", "off_qsl", "off_seq", "off_slots", "off_rs",
-                               "off_re", "off_tok", "off_extra", "off_ov", "off_w"])
-def fused_step_kernel(stage_addr,   # int64 address: int32 [*] staging buffer (state/staging.py format)
-                      tables_addr,  # int64 address: int32 [*] every group's block table
-                      tasks_addr,   # int64 address: int64 [num_tasks, NF] task descriptors
-                      units_addr,   # int64 address: int32 [num_units, 2] (task, column tile)
-                      T_pad, num_req_units, req_tiles, num_tok_units, rows,
+@triton.jit
+def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_pad, rows, off_qsl, off_seq,
+                off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, I: tl.constexpr,
+                T_SUPER: tl.constexpr):
+    """Program ``r`` of super tile ``s``, if it belongs to unit ``I``: its token rows and first column."""
+    START: tl.constexpr = TAB[I * _NF + _START]
+    NPROG: tl.constexpr = TAB[I * _NF + _NPROG]
+    BT: tl.constexpr = TAB[I * _NF + _BT]
+    PER: tl.constexpr = T_SUPER // BT
+    COLS: tl.constexpr = TAB[I * _NF + _NCHUNK] * TAB[I * _NF + _BC]
+    if (r >= START) & (r < START + NPROG):
+        q = r - START
+        _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s * T_SUPER + (q % PER) * BT,
+                    (q // PER) * COLS, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra,
+                    off_ov, TAB, I)
+
+
+@triton.jit(do_not_specialize=["T_pad", "req_tiles", "rows", "off_qsl", "off_seq", "off_slots", "off_rs", "off_re",
+                               "off_tok", "off_extra", "off_ov", "off_w"])
+def fused_step_kernel(stage_ptr,   # int32 [*] staging buffer (state/staging.py format)
+                      tables_ptr,  # int32 [*] every group's block table
+                      base32, base64, base8,  # 16-byte aligned bases of the int32 / int64 / int8 outputs
+                      outs_ptr,    # int64 [num_tasks, 4] output element offsets from the bases (/ MUL)
+                      T_pad, req_tiles, rows,
                       off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, off_w,
-                      NF: tl.constexpr, NUM_WRITERS: tl.constexpr, BLOCK_W: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                      NEXT_N_PAD: tl.constexpr, HAS_CP: tl.constexpr):
-    stage_ptr = stage_addr.to(tl.pointer_type(tl.int32))
-    tasks_ptr = tasks_addr.to(tl.pointer_type(tl.int64))
-    units_ptr = units_addr.to(tl.pointer_type(tl.int32))
+                      REQ: tl.constexpr, TOK: tl.constexpr, NUM_REQ: tl.constexpr, NUM_TOK: tl.constexpr,
+                      T_SUPER: tl.constexpr, P_SUPER: tl.constexpr, NUM_WRITERS: tl.constexpr,
+                      BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, NEXT_N_PAD: tl.constexpr):
     pid = tl.program_id(0)
     if pid < NUM_WRITERS:
-        _write_blocks(stage_ptr, tables_addr.to(tl.pointer_type(tl.int32)), pid, off_w, NUM_WRITERS, BLOCK_W)
+        _write_blocks(stage_ptr, tables_ptr, pid, off_w, NUM_WRITERS, BLOCK_W)
     else:
         p = pid - NUM_WRITERS
-        n_req = num_req_units * req_tiles
+        n_req = NUM_REQ * req_tiles
         if p < n_req:
-            unit = p % num_req_units
-            task = tl.load(units_ptr + 2 * unit)
-            _request_unit(stage_ptr, tasks_ptr + task.to(tl.int64) * NF, p // num_req_units, T_pad, rows, off_qsl,
-                          off_seq, off_slots, off_rs, off_re, off_extra, BLOCK_R, NEXT_N_PAD, HAS_CP)
+            unit = p % NUM_REQ
+            for i in tl.static_range(NUM_REQ):
+                if unit == i:
+                    _request_task(stage_ptr, base32, base64, base8, outs_ptr, p // NUM_REQ, T_pad, rows, off_qsl,
+                                  off_seq, off_slots, off_rs, off_re, off_extra, REQ, i, BLOCK_R, NEXT_N_PAD)
         else:
             p = p - n_req
-            unit = num_req_units + p % num_tok_units
-            task = tl.load(units_ptr + 2 * unit)
-            col = tl.load(units_ptr + 2 * unit + 1)
-            _token_unit(stage_ptr, tasks_ptr + task.to(tl.int64) * NF, p // num_tok_units, col, T_pad, rows, off_qsl,
-                        off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, BLOCK_T, BLOCK_C, HAS_CP)
+            s = p // P_SUPER
+            r = p % P_SUPER
+            for i in tl.static_range(NUM_TOK):
+                _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_pad, rows, off_qsl,
+                            off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TOK, i, T_SUPER)

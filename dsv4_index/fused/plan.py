@@ -1,6 +1,7 @@
 """Host side of the fused launch: pack the builders' :class:`~dsv4_index.fused.tasks.FusedTask`
-descriptors into a device table once, then launch :func:`~dsv4_index.fused.kernel.fused_step_kernel`
-once per step. The plan knows no builder class: it only packs what builders hand it.
+descriptors once (``constexpr`` specs + a device table of output addresses), compile the launch's
+variants, then launch :func:`~dsv4_index.fused.kernel.fused_step_kernel` once per step. The plan
+knows no builder class: it only packs what builders hand it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,18 @@ import triton
 from .._common import cdiv, interpreting
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
-from .tasks import (F_A, F_B, F_CPI, F_CPR, F_CPW, F_EXTRA, F_FLAGS, F_GROUP, F_KIND, F_OUT0, F_OUT1, F_OUT2, F_OUT3, F_RING, F_STRIDE,
-                    F_TABLE, F_TWIDTH, F_WIDTH, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, KINDS, NUM_FIELDS,
-                    REQUEST_KINDS, TOKEN_KINDS, FusedTask)
+from .tasks import (ESIZE, KINDS, NF, REQUEST_KINDS, TOKEN_KINDS, FusedTask, TileConfig, request_specs, task_spec,
+                    token_units)
 
-__all__ = ["FusedPlan"]
+__all__ = ["FusedPlan", "TileConfig"]
+
+# NOTE: H200 sweeps (BENCHMARKS.md): decode-sized steps want many small programs (8 token rows, one
+# 128-column chunk each); prefill-sized steps want fewer, larger ones that write whole index-list rows
+SMALL = TileConfig(bt1=8, bt2=8, bc=128, whole_row=False, num_warps=4)
+LARGE = TileConfig(bt1=128, bt2=16, bc=128, whole_row=True, num_warps=4)
+LARGE_FROM = 2048
+INTERP = TileConfig(bt1=64, bt2=16, bc=128, whole_row=False, num_warps=4)
+INTERP_LARGE = TileConfig(bt1=64, bt2=16, bc=64, whole_row=True, num_warps=4)
 
 
 class FusedPlan:
@@ -33,98 +41,113 @@ class FusedPlan:
     group_cp : callable gid -> (world, rank, interleave).
     stage : int32 device buffer (the staging buffer's device twin).
     next_n : int — decode view width.
-    block_t, block_c, block_r : token rows, index-list columns and request rows per program.
-    num_writers, block_w : programs applying staged block ids, ids per store.
+    small, large : TileConfig — tiles of steps with ``T_pad < large_from`` and the others (two
+        compiled variants).
+    block_r : request rows per program; num_writers, block_w : programs applying staged block ids,
+        ids per store.
 
     Attributes
     ----------
     tasks : list of FusedTask (deduplicated, request tasks first).
-    num_units : (request units, token units).
+    num_units : (request tasks, token programs per super tile of the small variant).
     """
 
     def __init__(self, tasks: Sequence[FusedTask], tables, group_cp, stage: torch.Tensor, next_n: int, *,
-                 block_t: int = None, block_c: int = 128, block_r: int = 256, num_writers: int = None,
-                 block_w: int = 256, num_warps: int = 4):
+                 small: TileConfig = None, large: TileConfig = None, large_from: int = None, block_r: int = 256,
+                 num_writers: int = None, block_w: int = 256):
         interp = interpreting()
-        # NOTE: H200 sweep (BENCHMARKS.md): 8 tokens x 4 warps per program is the best or within 10 % of
-        # the best of {8, 16, 32} x {2, 4, 8} for decode B=1, B=256 and an 8K prefill
-        self.block_t = block_t or (64 if interp else 8)
-        self.num_warps = num_warps
-        self.block_c, self.block_r, self.block_w = block_c, block_r, block_w
+        self.configs = (small or (INTERP if interp else SMALL), large or (INTERP_LARGE if interp else LARGE))
+        self.large_from = large_from if large_from is not None else int(os.environ.get("DSV4_INDEX_LARGE_FROM",
+                                                                                         LARGE_FROM))
+        self.block_r, self.block_w = block_r, block_w
         self.num_writers = num_writers or (1 if interp else 8)
-        for name, v in (("block_t", self.block_t), ("block_c", block_c), ("block_r", block_r), ("block_w", block_w)):
+        for name, v in (("block_r", block_r), ("block_w", block_w)):
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
         seen: Dict[tuple, FusedTask] = {}
         for t in tasks:
             if t.kind not in KINDS:
                 raise ValueError(f"task kind {t.kind!r} is not one of {sorted(KINDS)}")
+            if len(t.outputs) > 4:
+                raise ValueError(f"task {t.kind}: at most four outputs, got {len(t.outputs)}")
             seen.setdefault(t.key(), t)
         req = [t for t in seen.values() if t.kind in REQUEST_KINDS]
         tok = [t for t in seen.values() if t.kind in TOKEN_KINDS]
         self.tasks: List[FusedTask] = req + tok
-        desc = np.zeros((max(len(self.tasks), 1), NUM_FIELDS), dtype=np.int64)
-        units = []
+        dev = stage.device
+        # NOTE: outputs are addressed as element offsets from 16-byte aligned bases, one per dtype
+        # size, divided by the elements per 16 bytes when the output is 16-byte aligned too
+        self._bases = {4: stage, 8: torch.zeros(2, dtype=torch.int64, device=dev),
+                       1: torch.zeros(16, dtype=torch.int8, device=dev)}
+        outs = np.zeros((max(len(self.tasks), 1), 4), dtype=np.int64)
+        specs = []
         for i, t in enumerate(self.tasks):
-            d = desc[i]
-            d[F_KIND] = KINDS[t.kind]
-            if len(t.outputs) > 4:
-                raise ValueError(f"task {t.kind}: at most four outputs, got {len(t.outputs)}")
-            for k, out in enumerate(t.outputs):
-                if out is not None:
-                    if not out.is_contiguous() or out.device != stage.device:
-                        raise ValueError(f"task {t.kind}: output {k} must be a contiguous tensor on {stage.device}")
-                    d[(F_OUT0, F_OUT1, F_OUT2, F_OUT3)[k]] = out.data_ptr()
-            if t.gid is not None:
-                g = t.gid
-                d[F_TABLE] = tables.tables[g].data_ptr()
-                d[F_STRIDE] = tables.tables[g].stride(0)
-                d[F_TWIDTH] = tables.width[g]
-                d[F_RING] = tables.ring[g]
-                d[F_CPW], d[F_CPR], d[F_CPI] = group_cp(g)
-                d[F_GROUP] = g
-            else:
-                d[F_CPW], d[F_CPI] = 1, 1
-            d[F_A], d[F_B], d[F_WIDTH], d[F_EXTRA] = t.a, t.b, t.width, t.extra
-            d[F_FLAGS] = (FLAG_WRITE_FLOOR.value if t.write_floor else 0) | \
-                         (FLAG_WINDOW_FLOOR.value if t.window_floor else 0)
-            tiles = cdiv(t.width, self.block_c) if t.kind in ("window", "causal") else 1
-            units += [(i, c) for c in range(tiles)]
-        self.num_units = (len(req), len(units) - len(req))
+            muls = [1, 1, 1, 1]
+            for k, o in enumerate(t.outputs):
+                if o is None:
+                    continue
+                if not o.is_contiguous() or o.device != dev or o.dtype not in ESIZE:
+                    raise ValueError(f"task {t.kind}: output {k} must be a contiguous int tensor on {dev}")
+                es = ESIZE[o.dtype]
+                off = (o.data_ptr() - self._bases[es].data_ptr()) // es
+                muls[k] = 16 // es if o.data_ptr() % 16 == 0 else 1
+                outs[i, k] = off // muls[k]
+            specs.append(task_spec(i, t, tables, group_cp, tuple(muls)))
+        self._num_req = len(req)
+        self._req = request_specs(specs[:len(req)])
+        self._tok_specs, self._tok_tasks = specs[len(req):], tok
+        self._outs = torch.from_numpy(outs).to(dev)
+        self._ptrs = (stage, tables.flat, self._bases[4], self._bases[8], self._bases[1], self._outs)
         self.next_n_pad = triton.next_power_of_2(max(next_n, 1))
-        self._desc = torch.from_numpy(desc).to(stage.device)
-        self._units = torch.tensor(units or [(0, 0)], dtype=torch.int32, device=stage.device)
-        self._head = (stage.data_ptr(), tables.flat.data_ptr(), self._desc.data_ptr(), self._units.data_ptr())
-        self._stage = stage
-        # NOTE: without DCP every task is unsharded: the kernel folds the ownership math away
-        self.has_cp = bool((desc[:, F_CPW] > 1).any())
-        self._consts = (NUM_FIELDS, self.num_writers, self.block_w, self.block_r, self.block_t, self.block_c,
-                        self.next_n_pad, self.has_cp)
-        self._compiled = None
-        self._direct = (stage.device.type == "cuda" and not interp
+        self._variants = [self._variant(c) for c in self.configs]
+        self.num_units = (len(req), self._variants[0]["p_super"])
+        self._direct = (dev.type == "cuda" and not interp
                         and os.environ.get("DSV4_INDEX_DIRECT_LAUNCH", "1") not in ("", "0"))
+        self._compiled = None
+        if self._direct:
+            self.compile()
 
-    def num_programs(self, t_pad: int) -> int:
-        n_req, n_tok = self.num_units
-        return self.num_writers + n_req * cdiv(t_pad + 1, self.block_r) + cdiv(t_pad, self.block_t) * n_tok
+    def _variant(self, cfg: TileConfig) -> dict:
+        units, t_super, p_super = token_units(self._tok_specs, self._tok_tasks, cfg)
+        consts = dict(REQ=self._req, TOK=units, NUM_REQ=self._num_req, NUM_TOK=len(units) // NF, T_SUPER=t_super,
+                      P_SUPER=p_super, NUM_WRITERS=self.num_writers, BLOCK_W=self.block_w, BLOCK_R=self.block_r,
+                      NEXT_N_PAD=self.next_n_pad)
+        return dict(cfg=cfg, t_super=t_super, p_super=p_super, consts=consts, kernel=None)
+
+    def variant(self, t_pad: int) -> int:
+        """0 (small tiles) or 1 (large tiles) for a padded token count."""
+        return int(t_pad >= self.large_from)
+
+    def compile(self) -> None:
+        """Compile every variant now (no compile while serving); the launches then call the compiled
+        kernels' launchers directly."""
+        lay = StageLayout.for_tokens(1, 1, 0, 1)
+        for v in self._variants:
+            if v["kernel"] is None:
+                v["kernel"] = fused_step_kernel.warmup(*self._ptrs, 1, 1, *lay.kernel_args(), grid=(1,),
+                                                       num_warps=v["cfg"].num_warps, **v["consts"])
+        self._compiled = self._variants[0]["kernel"]
+
+    def grid(self, t_pad: int) -> int:
+        v = self._variants[self.variant(t_pad)]
+        return (self.num_writers + self._num_req * cdiv(t_pad + 1, self.block_r)
+                + cdiv(t_pad, v["t_super"]) * v["p_super"])
+
+    num_programs = grid
 
     def launch(self, lay: StageLayout) -> None:
         """One launch for the step staged with layout ``lay`` (no host sync, no allocation).
 
-        NOTE: every argument is an int (addresses of persistent buffers, counts, offsets), passed
-        positionally; after the first launch the compiled kernel's launcher is called directly
-        (``direct``), skipping Triton's argument binding, unless ``DSV4_INDEX_DIRECT_LAUNCH=0``.
+        NOTE: every runtime argument is an int (counts, offsets) or a persistent buffer, passed
+        positionally; on CUDA the compiled kernel's launcher is called directly (skipping Triton's
+        argument binding), unless ``DSV4_INDEX_DIRECT_LAUNCH=0``.
         """
-        n_req, n_tok = self.num_units
         t_pad = lay.t_pad
-        req_tiles = cdiv(t_pad + 1, self.block_r)
-        grid = self.num_writers + n_req * req_tiles + cdiv(t_pad, self.block_t) * n_tok
-        args = (*self._head, t_pad, n_req, req_tiles, n_tok, *lay.kernel_args())
-        k = self._compiled
+        v = self._variants[self.variant(t_pad)]
+        args = (*self._ptrs, t_pad, cdiv(t_pad + 1, self.block_r), *lay.kernel_args())
+        k = v["kernel"]
         if k is not None:
-            k.run(grid, 1, 1, torch.cuda.current_stream().cuda_stream, k.function, k.packed_metadata, None,
-                  None, None, *args, *self._consts)
+            k.run(self.grid(t_pad), 1, 1, torch.cuda.current_stream().cuda_stream, k.function, k.packed_metadata,
+                  None, None, None, *args, *v["consts"].values())
             return
-        k = fused_step_kernel[(grid,)](*args, *self._consts, num_warps=self.num_warps)
-        if self._direct and hasattr(k, "run") and hasattr(k, "packed_metadata"):
-            self._compiled = k
+        fused_step_kernel[(self.grid(t_pad),)](*args, num_warps=v["cfg"].num_warps, **v["consts"])

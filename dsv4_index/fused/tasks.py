@@ -1,9 +1,9 @@
 """What a builder contributes to the fused launch: :class:`FusedTask` descriptors, and their packed
-device form (one int64 row of ``NUM_FIELDS`` per task; the field and kind numbers below are the
-only place the layout is written, the kernel imports them).
+device form (a ``constexpr`` tuple per task plus the output addresses; the field and kind numbers
+below are the only place the layout is written, the kernel imports them).
 
-Token tasks run per tile of ``BLOCK_T`` tokens (and per column tile of ``BLOCK_C`` entries for
-index lists); request tasks per tile of ``BLOCK_R`` batch rows. Every output covers ``[0, T_pad)``
+Token tasks run per tile of token rows (and column chunks for index lists, :class:`TileConfig`);
+request tasks per tile of ``BLOCK_R`` batch rows. Every output covers ``[0, T_pad)``
 (``[0, T_pad]`` for per-request arrays): padded tokens get ``-1`` / ``0``.
 
 =============  ===============================================  =================================
@@ -34,7 +34,7 @@ from typing import Optional, Tuple
 import torch
 import triton.language as tl
 
-__all__ = ["FusedTask", "TOKEN_KINDS", "REQUEST_KINDS", "NUM_FIELDS"]
+__all__ = ["FusedTask", "TileConfig", "TOKEN_KINDS", "REQUEST_KINDS"]
 
 # kinds
 COMMON: tl.constexpr = tl.constexpr(0)
@@ -52,28 +52,86 @@ KINDS = {"common": 0, "window": 1, "compressed": 2, "causal": 3, "indexer": 4, "
 TOKEN_KINDS = frozenset({"common", "window", "compressed", "causal", "indexer", "token_rows"})
 REQUEST_KINDS = frozenset({"requests", "decode_lens", "staged_copy", "replays"})
 
-# descriptor fields (int64 each)
-F_KIND: tl.constexpr = tl.constexpr(0)
-F_OUT0: tl.constexpr = tl.constexpr(1)
-F_OUT1: tl.constexpr = tl.constexpr(2)
-F_OUT2: tl.constexpr = tl.constexpr(3)
-F_TABLE: tl.constexpr = tl.constexpr(4)      # address of the group's table row 0
-F_STRIDE: tl.constexpr = tl.constexpr(5)     # table row stride
-F_TWIDTH: tl.constexpr = tl.constexpr(6)     # logical width bound (int32 max for rings)
-F_RING: tl.constexpr = tl.constexpr(7)       # ring width, 0 = plain table
-F_A: tl.constexpr = tl.constexpr(8)
-F_B: tl.constexpr = tl.constexpr(9)
-F_WIDTH: tl.constexpr = tl.constexpr(10)     # index-list row width (= row stride of the output)
-F_CPW: tl.constexpr = tl.constexpr(11)
-F_CPR: tl.constexpr = tl.constexpr(12)
-F_CPI: tl.constexpr = tl.constexpr(13)
-F_GROUP: tl.constexpr = tl.constexpr(14)     # overlay group (gid)
-F_FLAGS: tl.constexpr = tl.constexpr(15)     # FLAG_* below
-F_EXTRA: tl.constexpr = tl.constexpr(16)     # staged array index
-F_OUT3: tl.constexpr = tl.constexpr(17)
-NUM_FIELDS = 18
-FLAG_WRITE_FLOOR: tl.constexpr = tl.constexpr(1)    # writes stop below replay_end (prefix-cacheable group)
-FLAG_WINDOW_FLOOR: tl.constexpr = tl.constexpr(2)   # windows start at replay_start at the earliest
+# NOTE: what never changes for a pipeline (kinds, geometry, table offsets, DCP, flags, tiles) is packed
+# into ``NF`` ints per task (fields ``S_*``, one flat ``constexpr`` tuple per launch variant), so the
+# kernel is compiled once per layout and tile variant; only the output addresses stay in device memory
+# (``outs``, int64 [num_tasks, 4]). ``S_MUL + k``: output k's offset unit (elements per 16 bytes when
+# 16-byte aligned, else 1).
+S_KIND, S_TASK, S_A, S_B, S_WIDTH, S_TOFF, S_STRIDE, S_TWIDTH, S_RING, S_CPW, S_CPR, S_CPI, S_GID, S_FLAGS, \
+    S_EXTRA, S_HAS, S_MUL, S_BT, S_BC, S_NCHUNK, S_NCU, S_START, S_NPROG = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, \
+    12, 13, 14, 15, 16, 20, 21, 22, 23, 24, 25
+NF = 26
+FLAG_WRITE_FLOOR = 1    # writes stop below replay_end (prefix-cacheable group)
+FLAG_WINDOW_FLOOR = 2   # windows start at replay_start at the earliest
+TWO_D = frozenset({"window", "causal"})
+ESIZE = {torch.int32: 4, torch.int64: 8, torch.int8: 1, torch.bool: 1}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """How token tasks are cut into programs (one compiled variant per config).
+
+    bt1 : token rows per program of 1-D tasks; bt2 : token rows per program of index lists at
+    ``bc`` columns (narrower lists get proportionally more rows, up to ``max(bt1, bt2)``); bc :
+    columns per chunk;
+    whole_row : one program writes whole index-list rows (a loop over chunks, the chunks past
+    every token's length stored as ``-1`` with no table work) instead of one chunk per program.
+    """
+
+    bt1: int = 8
+    bt2: int = 8
+    bc: int = 128
+    whole_row: bool = False
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("bt1", "bt2", "bc"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def task_spec(i: int, t: "FusedTask", tables, group_cp, muls) -> tuple:
+    """The pipeline-constant fields of task ``i`` (``S_KIND`` .. ``S_MUL``)."""
+    if t.gid is not None:
+        g = t.gid
+        toff = (tables.tables[g].data_ptr() - tables.flat.data_ptr()) // 4
+        geo = (toff, int(tables.tables[g].stride(0)), int(tables.width[g]), int(tables.ring[g]), *map(int, group_cp(g)), g)
+    else:
+        geo = (0, 0, 0, 0, 1, 0, 1, 0)
+    flags = (FLAG_WRITE_FLOOR if t.write_floor else 0) | (FLAG_WINDOW_FLOOR if t.window_floor else 0)
+    has = sum(1 << k for k, o in enumerate(t.outputs) if o is not None)
+    return (KINDS[t.kind], i, int(t.a), int(t.b), int(t.width), *geo, flags, int(t.extra), has, *muls)
+
+
+def token_units(specs, tasks, cfg: TileConfig):
+    """Unit specs (task spec + ``S_BT`` .. ``S_NPROG``, flattened) of the token tasks under ``cfg``, and
+    the super tile (tokens, programs): every super tile of ``T_SUPER`` tokens runs ``P_SUPER`` programs."""
+    shapes = []
+    for s, t in zip(specs, tasks):
+        if t.kind in TWO_D:
+            bc = min(cfg.bc, _pow2(t.width))
+            bt = min(cfg.bt2 * max(cfg.bc // bc, 1), max(cfg.bt1, cfg.bt2))
+            chunks = -(-t.width // bc)
+            shapes.append((bt, bc, chunks, 1) if cfg.whole_row else (bt, bc, 1, chunks))
+        else:
+            shapes.append((cfg.bt1, 1, 1, 1))
+    t_super = max([bt for bt, *_ in shapes] or [1])
+    units, start = [], 0
+    for s, (bt, bc, nchunk, ncu) in zip(specs, shapes):
+        nprog = ncu * (t_super // bt)
+        units += list(s) + [bt, bc, nchunk, ncu, start, nprog]
+        start += nprog
+    return tuple(units), t_super, max(start, 1)
+
+
+def request_specs(specs) -> tuple:
+    """Request task specs, flattened (tile fields 0)."""
+    return tuple(v for s in specs for v in tuple(s) + (0,) * (NF - len(s)))
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ def launch(topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Te
 def launch_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: torch.Tensor,
                 block_table: torch.Tensor, rows_per_block: int, compress_ratio: int, table_width: int,
                 cp_world_size: int, cp_rank: int, cp_interleave: int, compact: bool,
-                out: torch.Tensor, out_lens: torch.Tensor, T_out: int):
+                out: torch.Tensor, out_lens: torch.Tensor, T_out: int, tile=None):
     """Pipeline entry: convert rows ``[0, T_out)`` with no request search and no host check.
 
     Parameters
@@ -179,6 +179,7 @@ def launch_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: torch.Te
     out : int32 ``[>= T_out, K]`` (row stride free, unit column stride); out_lens : int32 ``[>= T_out]``
     T_out : int
         Rows written (host count, e.g. the padded token count); rows past it are left alone.
+    tile : (rows per program, warps), optional — overrides :func:`tile_config` (benchmark sweeps).
 
     Returns ``(out, out_lens)``; the caller guarantees what the public op's value checks would:
     slots of every reachable block fit int32.
@@ -187,6 +188,8 @@ def launch_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: torch.Te
     if T_out == 0:
         return out, out_lens
     block_t, block_k, num_warps = tile_config(K)
+    if tile is not None:
+        block_t, num_warps = tile
     _topk_rows_kernel[(triton.cdiv(T_out, block_t),)](
         topk, token_rows, token_nc, block_table, out, out_lens,
         T_out, topk.shape[0], max(topk.stride(0), 1), K, block_table.shape[0], block_table.stride(0),
