@@ -104,7 +104,7 @@ def sweep(args):
                 cfgs = cfgs[:2]
             for cfg in cfgs:
                 plan = FusedPlan(pipe._fused.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, pipe.ctx.next_n,
-                                 small=cfg, large=cfg, large_from=0 if v else 1 << 30)
+                                 tiny=cfg, small=cfg, large=cfg, large_from=0 if v else 1 << 30)
                 plan.launch(lay)
                 g, s1 = graph_time(lambda: plan.launch(lay), args.k, args.replays)
                 tag = f"{'L' if v else 'S'}{cfg.bt1}/{cfg.bt2}/{cfg.bc}/w{cfg.num_warps}"
@@ -115,6 +115,19 @@ def sweep(args):
               + "  ".join(line), flush=True)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
+
+
+def empty_floor(args):
+    """(graph-amortized, single replay) µs of an empty one-program Triton kernel: the launch floor."""
+    import triton
+
+    @triton.jit
+    def _empty_kernel(x_ptr, n):
+        pass
+
+    x = torch.empty(16, dtype=torch.int32, device="cuda")
+    _empty_kernel[(1,)](x, 0)
+    return graph_time(lambda: _empty_kernel[(1,)](x, 0), args.k, args.replays)
 
 
 def floors(args):
@@ -353,6 +366,7 @@ def main():
     names = ["decode B=1", "decode B=256", "MTP 256x2", "prefill 8K"] if args.quick else list(CASES)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "k": args.k, "cases": []}
     rows = []
+    floor0 = empty_floor(args)
     for lname in args.layouts.split(","):
         layout = DSV4Layout.from_config(lname, max_model_len=131072)
         for name in names:
@@ -382,6 +396,10 @@ def main():
               f"{f(r.get('syncs'))} | {f(r.get('new_allocations'))} | {f(r.get('update_safe_us'))} / "
               f"{f(r.get('update_full_us'))} | {f(r.get('step_input_conversion_us'))} | "
               f"{f(r.get('build_eager_safe_us'))} / {f(r.get('build_graph_replay_us'))} |")
+    floor1 = empty_floor(args)
+    results["empty_kernel_floor_us"] = dict(before=floor0, after=floor1)
+    print(f"\nempty-kernel floor (graph / single replay, µs): before {floor0[0]:.2f} / {floor0[1]:.2f}, "
+          f"after {floor1[0]:.2f} / {floor1[1]:.2f}")
     print("\n| layout | case | variant | programs | MiB written | graph µs | TB/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

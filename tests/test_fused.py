@@ -241,10 +241,11 @@ def test_plan_grid_is_host_sized_and_shares_identical_geometry():
     pipe = MetadataPipeline(layout, 4, 256, DEVICE)
     plan = pipe._fused
     n_req, n_tok = plan.num_units
-    small = plan.configs[0]
-    t_super = plan._variants[0]["t_super"]
-    more_req = n_req * (cdiv(t_super + 2, plan.block_r) - 1)
-    assert plan.num_programs(1 + t_super) - plan.num_programs(1) == n_tok + more_req  # one more super tile
+    small = plan.configs[1]
+    t_super = plan._variants[1]["t_super"]
+    more_req = n_req * (cdiv(t_super + 2 + plan.small_from, plan.block_r) - cdiv(2 + plan.small_from, plan.block_r))
+    t0 = plan.small_from
+    assert plan.num_programs(t0 + 1 + t_super) - plan.num_programs(t0 + 1) == n_tok + more_req  # one more super tile
     # NOTE: c4a and c4i have one geometry: one compressed-slot task (DESIGN §10), one per geometry
     geoms = {(c.gid, c.compress_ratio, c.rows_per_block) for c in layout.channels.values() if c.compress_ratio > 1}
     assert sum(t.kind == "compressed" for t in plan.tasks) == len(geoms) == 2
@@ -258,11 +259,12 @@ def test_plan_grid_is_host_sized_and_shares_identical_geometry():
             progs += t_super // small.bt1
     assert n_tok == progs
     # the large variant: whole index-list rows per program, far fewer programs for a long step
-    assert plan.variant(plan.large_from) == 1 and plan.variant(plan.large_from - 1) == 0
-    from dsv4_index.fused.plan import LARGE, SMALL, FusedPlan
-    gpu = FusedPlan(plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 1, small=SMALL, large=LARGE)
-    small_8k = gpu._variants[0]["p_super"] * cdiv(8192, gpu._variants[0]["t_super"])
-    assert 4 * gpu.num_programs(8192) < small_8k
+    assert plan.variant(plan.large_from) == 2 and plan.variant(plan.large_from - 1) == 1 and plan.variant(1) == 0
+    from dsv4_index.fused.plan import LARGE, SMALL, TINY, FusedPlan
+    gpu = FusedPlan(plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 1, tiny=TINY, small=SMALL,
+                    large=LARGE)
+    small_8k = gpu._variants[1]["p_super"] * cdiv(8192, gpu._variants[1]["t_super"])
+    assert gpu.num_programs(8192) < small_8k
 
 
 @pytest.mark.parametrize("case", ["tiny_ring_indexer_causal", "compact_compressed", "circular_state_groups",
@@ -271,7 +273,7 @@ def test_large_tile_variant_equals_reference(case, monkeypatch):
     """The whole-row variant (chunks past every token's length stored as -1 without table work)
     computes the same outputs: every step of the trace runs on it."""
     monkeypatch.setenv("DSV4_INDEX_LARGE_FROM", "1")
-    assert MetadataPipeline(tiny_layout(), 4, 40, DEVICE)._fused.variant(1) == 1
+    assert MetadataPipeline(tiny_layout(), 4, 40, DEVICE)._fused.variant(1) == 2
     _trace_case(case)
 
 
@@ -434,7 +436,7 @@ def test_every_variant_compiled_at_construction_none_while_serving():
         pad = plan.large_from + 7 if i % 2 else step.total_tokens + i
         pipe.update(step, pad_to=pad)
         pipe.build()
-        assert plan.variant(pad) == i % 2
+        assert (plan.variant(pad) == 2) == bool(i % 2)
         pipe.update(StepInput([], [], {}, {r.req_id for r in step.new_requests}, set()))
     torch.cuda.synchronize()
     assert len(cache) == n

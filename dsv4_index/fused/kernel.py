@@ -47,7 +47,7 @@ def _out(base32, base64, base8, outs_ptr, TAB: tl.constexpr, I: tl.constexpr, K:
     """Pointer to output ``K`` of spec ``I`` (``outs`` holds element offsets / the output's unit)."""
     TASK: tl.constexpr = TAB[I * _NF + _TASK]
     MUL: tl.constexpr = TAB[I * _NF + _MUL + K]
-    off = tl.load(outs_ptr + TASK * 4 + K) * MUL
+    off = tl.load(outs_ptr + TASK * 8 + K) * MUL
     if ESIZE == 8:
         return base64 + off
     elif ESIZE == 1:
@@ -113,7 +113,8 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
 
 
 @triton.jit
-def _index_rows(stage_ptr, bt, out, t, in_out, row, first, n, lo, hi, pay, col0, TAB: tl.constexpr, I: tl.constexpr):
+def _index_rows(stage_ptr, bt, out, t, in_out, row, first, n, lo, hi, pay, col0, twidth, ring, stride,
+                TAB: tl.constexpr, I: tl.constexpr):
     """Columns ``[col0, col0 + NCHUNK * BC)`` of index-list rows ``t`` (window or causal): chunks that
     reach a token's entries read the table, chunks past every token's length are plain ``-1`` stores."""
     KIND: tl.constexpr = TAB[I * _NF + _KIND]
@@ -123,9 +124,6 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, first, n, lo, hi, pay, col0,
     BT: tl.constexpr = TAB[I * _NF + _BT]
     A: tl.constexpr = TAB[I * _NF + _A]
     PB: tl.constexpr = TAB[I * _NF + _B]
-    TWIDTH: tl.constexpr = TAB[I * _NF + _TWIDTH]
-    RING: tl.constexpr = TAB[I * _NF + _RING]
-    STRIDE: tl.constexpr = TAB[I * _NF + _STRIDE]
     rowp = out + t.to(tl.int64)[:, None] * WIDTH
     if NCHUNK > 1:
         nmax = tl.max(n, axis=0)
@@ -138,19 +136,19 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, first, n, lo, hi, pay, col0,
         if NCHUNK > 1:
             if col0 + c * BC < nmax:
                 if KIND == WINDOW:
-                    idx = window_row(bt, row, first, n, j, A, TWIDTH, RING, STRIDE,
+                    idx = window_row(bt, row, first, n, j, A, twidth, ring, stride,
                                      stage_ptr, lo, hi, pay, True)
                 else:
-                    idx = causal_row(bt, row, n, j, PB, STRIDE, stage_ptr, lo, hi, pay, True)
+                    idx = causal_row(bt, row, n, j, PB, stride, stage_ptr, lo, hi, pay, True)
                 tl.store(rowp + j, idx, mask=m)
             else:
                 tl.store(rowp + j, tl.full([BT, BC], -1, tl.int32), mask=m)
         else:
             if KIND == WINDOW:
-                idx = window_row(bt, row, first, n, j, A, TWIDTH, RING, STRIDE,
+                idx = window_row(bt, row, first, n, j, A, twidth, ring, stride,
                                  stage_ptr, lo, hi, pay, True)
             else:
-                idx = causal_row(bt, row, n, j, PB, STRIDE, stage_ptr, lo, hi, pay, True)
+                idx = causal_row(bt, row, n, j, PB, stride, stage_ptr, lo, hi, pay, True)
             tl.store(rowp + j, idx, mask=m)
 
 
@@ -182,7 +180,15 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
         tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 1) + t, valid.to(tl.int8), mask=in_out)
     else:
         row = tl.load(stage_ptr + off_slots + b, mask=valid, other=0)
-        bt = tables_ptr + TAB[I * _NF + _TOFF]
+        # NOTE: table geometry words: loaded beside the token map, used two loads later
+        geo = outs_ptr + TAB[I * _NF + _TASK] * 8 + 4
+        bt = tables_ptr + tl.load(geo)
+        stride = tl.load(geo + 1)
+        twidth = tl.load(geo + 2).to(tl.int32)
+        if TAB[I * _NF + _RING] != 0:
+            ring = tl.load(geo + 3).to(tl.int32)
+        else:
+            ring = 0
         if KIND == WINDOW or KIND == CAUSAL or KIND == COMPRESSED:
             ov = off_ov + (TAB[I * _NF + _GID] * rows + b) * 3
             lo = tl.load(stage_ptr + ov, mask=valid, other=0)
@@ -200,22 +206,22 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
                 floor = tl.zeros_like(pos)
             first, n = window_len(pos, valid, floor, PB, CPW, CPR, CPI)
             _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
-                        first, n, lo, hi, pay, col0, TAB, I)
+                        first, n, lo, hi, pay, col0, twidth, ring, stride, TAB, I)
             if col0 == 0:
                 tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
                 if (HAS & 4) != 0:
-                    slot = raw_slot(bt, row, pos, valid, wfloor, A, TAB[I * _NF + _TWIDTH], TAB[I * _NF + _RING], TAB[I * _NF + _STRIDE], CPW,
+                    slot = raw_slot(bt, row, pos, valid, wfloor, A, twidth, ring, stride, CPW,
                                     CPR, CPI, stage_ptr, lo, hi, pay, True)
                     tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 8) + t, slot, mask=in_out)
         elif KIND == CAUSAL:
             n = visible_rows(pos, valid, A, CPW, CPR, CPI)
-            n = tl.minimum(tl.minimum(n, TAB[I * _NF + _WIDTH]), TAB[I * _NF + _TWIDTH] * PB)
+            n = tl.minimum(tl.minimum(n, TAB[I * _NF + _WIDTH]), twidth * PB)
             _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
-                        n, n, lo, hi, pay, col0, TAB, I)
+                        n, n, lo, hi, pay, col0, twidth, ring, stride, TAB, I)
             if col0 == 0:
                 tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
         elif KIND == COMPRESSED:
-            slot = compressed_slot(bt, row, pos, valid, wfloor, A, PB, TAB[I * _NF + _TWIDTH], TAB[I * _NF + _STRIDE], CPW, CPR, CPI,
+            slot = compressed_slot(bt, row, pos, valid, wfloor, A, PB, twidth, stride, CPW, CPR, CPI,
                                    stage_ptr, lo, hi, pay, True)
             tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 8) + t, slot, mask=in_out)
             if (HAS & 2) != 0:
@@ -269,7 +275,7 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
 def fused_step_kernel(stage_ptr,   # int32 [*] staging buffer (state/staging.py format)
                       tables_ptr,  # int32 [*] every group's block table
                       base32, base64, base8,  # 16-byte aligned bases of the int32 / int64 / int8 outputs
-                      outs_ptr,    # int64 [num_tasks, 4] output element offsets from the bases (/ MUL)
+                      outs_ptr,    # int64 [num_tasks, 8]: output offsets from the bases (/ MUL), table words
                       T_pad, req_tiles, rows,
                       off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, off_w,
                       REQ: tl.constexpr, TOK: tl.constexpr, NUM_REQ: tl.constexpr, NUM_TOK: tl.constexpr,

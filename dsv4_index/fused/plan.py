@@ -16,16 +16,19 @@ import triton
 from .._common import cdiv, interpreting
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
-from .tasks import (ESIZE, KINDS, NF, REQUEST_KINDS, TOKEN_KINDS, FusedTask, TileConfig, request_specs, task_spec,
-                    token_units)
+from .tasks import (ESIZE, KINDS, NF, REQUEST_KINDS, TOKEN_KINDS, FusedTask, TileConfig, geometry, request_specs,
+                    task_spec, token_units)
 
 __all__ = ["FusedPlan", "TileConfig"]
 
-# NOTE: H200 sweeps (BENCHMARKS.md): decode-sized steps want many small programs (8 token rows, one
-# 128-column chunk each); prefill-sized steps want fewer, larger ones that write whole index-list rows
-SMALL = TileConfig(bt1=8, bt2=8, bc=128, whole_row=False, num_warps=4)
-LARGE = TileConfig(bt1=128, bt2=16, bc=128, whole_row=True, num_warps=4)
-LARGE_FROM = 2048
+# NOTE: H200 sweep (BENCHMARKS.md, run h200_2026-12-01_kernel1): decode-sized steps want many small
+# programs (8 token rows x one 128-column chunk; 8 warps while the step is a handful of tokens, 16-row
+# 1-D tiles and 4 warps from 64 tokens on); prefill-sized steps want fewer, larger programs that write
+# whole index-list rows (8 token rows, chunks past every token's length stored as -1)
+TINY = TileConfig(bt1=8, bt2=8, bc=128, whole_row=False, num_warps=8)
+SMALL = TileConfig(bt1=16, bt2=8, bc=128, whole_row=False, num_warps=4)
+LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4)
+SMALL_FROM, LARGE_FROM = 64, 2048
 INTERP = TileConfig(bt1=64, bt2=16, bc=128, whole_row=False, num_warps=4)
 INTERP_LARGE = TileConfig(bt1=64, bt2=16, bc=64, whole_row=True, num_warps=4)
 
@@ -41,8 +44,8 @@ class FusedPlan:
     group_cp : callable gid -> (world, rank, interleave).
     stage : int32 device buffer (the staging buffer's device twin).
     next_n : int — decode view width.
-    small, large : TileConfig — tiles of steps with ``T_pad < large_from`` and the others (two
-        compiled variants).
+    tiny, small, large : TileConfig — tiles of steps with ``T_pad < small_from``, ``< large_from``
+        and the others (three compiled variants).
     block_r : request rows per program; num_writers, block_w : programs applying staged block ids,
         ids per store.
 
@@ -50,13 +53,16 @@ class FusedPlan:
     ----------
     tasks : list of FusedTask (deduplicated, request tasks first).
     num_units : (request tasks, token programs per super tile of the small variant).
+    configs : the three TileConfigs; variants equal configs share one compiled kernel.
     """
 
     def __init__(self, tasks: Sequence[FusedTask], tables, group_cp, stage: torch.Tensor, next_n: int, *,
-                 small: TileConfig = None, large: TileConfig = None, large_from: int = None, block_r: int = 256,
-                 num_writers: int = None, block_w: int = 256):
+                 tiny: TileConfig = None, small: TileConfig = None, large: TileConfig = None, small_from: int = SMALL_FROM,
+                 large_from: int = None, block_r: int = 256, num_writers: int = None, block_w: int = 256):
         interp = interpreting()
-        self.configs = (small or (INTERP if interp else SMALL), large or (INTERP_LARGE if interp else LARGE))
+        small = small or (INTERP if interp else SMALL)
+        self.configs = (tiny or (small if interp else TINY), small, large or (INTERP_LARGE if interp else LARGE))
+        self.small_from = small_from
         self.large_from = large_from if large_from is not None else int(os.environ.get("DSV4_INDEX_LARGE_FROM",
                                                                                          LARGE_FROM))
         self.block_r, self.block_w = block_r, block_w
@@ -79,7 +85,7 @@ class FusedPlan:
         # size, divided by the elements per 16 bytes when the output is 16-byte aligned too
         self._bases = {4: stage, 8: torch.zeros(2, dtype=torch.int64, device=dev),
                        1: torch.zeros(16, dtype=torch.int8, device=dev)}
-        outs = np.zeros((max(len(self.tasks), 1), 4), dtype=np.int64)
+        outs = np.zeros((max(len(self.tasks), 1), 8), dtype=np.int64)
         specs = []
         for i, t in enumerate(self.tasks):
             muls = [1, 1, 1, 1]
@@ -92,15 +98,20 @@ class FusedPlan:
                 off = (o.data_ptr() - self._bases[es].data_ptr()) // es
                 muls[k] = 16 // es if o.data_ptr() % 16 == 0 else 1
                 outs[i, k] = off // muls[k]
-            specs.append(task_spec(i, t, tables, group_cp, tuple(muls)))
+            outs[i, 4:] = geometry(t, tables)
+            specs.append(task_spec(i, t, group_cp, tuple(muls), bool(outs[i, 7])))
         self._num_req = len(req)
         self._req = request_specs(specs[:len(req)])
         self._tok_specs, self._tok_tasks = specs[len(req):], tok
         self._outs = torch.from_numpy(outs).to(dev)
         self._ptrs = (stage, tables.flat, self._bases[4], self._bases[8], self._bases[1], self._outs)
         self.next_n_pad = triton.next_power_of_2(max(next_n, 1))
-        self._variants = [self._variant(c) for c in self.configs]
-        self.num_units = (len(req), self._variants[0]["p_super"])
+        self._variants, cache = [], {}
+        for c in self.configs:
+            if c not in cache:
+                cache[c] = self._variant(c)
+            self._variants.append(cache[c])
+        self.num_units = (len(req), self._variants[1]["p_super"])
         self._direct = (dev.type == "cuda" and not interp
                         and os.environ.get("DSV4_INDEX_DIRECT_LAUNCH", "1") not in ("", "0"))
         self._compiled = None
@@ -115,8 +126,10 @@ class FusedPlan:
         return dict(cfg=cfg, t_super=t_super, p_super=p_super, consts=consts, kernel=None)
 
     def variant(self, t_pad: int) -> int:
-        """0 (small tiles) or 1 (large tiles) for a padded token count."""
-        return int(t_pad >= self.large_from)
+        """0 (tiny tiles), 1 (small) or 2 (large) for a padded token count."""
+        if t_pad >= self.large_from:
+            return 2
+        return int(t_pad >= self.small_from)
 
     def compile(self) -> None:
         """Compile every variant now (no compile while serving); the launches then call the compiled

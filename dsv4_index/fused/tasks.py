@@ -54,9 +54,10 @@ REQUEST_KINDS = frozenset({"requests", "decode_lens", "staged_copy", "replays"})
 
 # NOTE: what never changes for a pipeline (kinds, geometry, table offsets, DCP, flags, tiles) is packed
 # into ``NF`` ints per task (fields ``S_*``, one flat ``constexpr`` tuple per launch variant), so the
-# kernel is compiled once per layout and tile variant; only the output addresses stay in device memory
-# (``outs``, int64 [num_tasks, 4]). ``S_MUL + k``: output k's offset unit (elements per 16 bytes when
-# 16-byte aligned, else 1).
+# kernel is compiled once per layout and tile variant; only the output addresses
+# and the table geometry stay in device memory (``outs``, int64 [num_tasks, 8]: four output offsets,
+# then ``geometry()``). ``S_MUL + k``: output k's offset unit (elements per 16 bytes when 16-byte
+# aligned, else 1). ``S_TOFF``, ``S_STRIDE``, ``S_TWIDTH`` are unused (0).
 S_KIND, S_TASK, S_A, S_B, S_WIDTH, S_TOFF, S_STRIDE, S_TWIDTH, S_RING, S_CPW, S_CPR, S_CPI, S_GID, S_FLAGS, \
     S_EXTRA, S_HAS, S_MUL, S_BT, S_BC, S_NCHUNK, S_NCU, S_START, S_NPROG = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, \
     12, 13, 14, 15, 16, 20, 21, 22, 23, 24, 25
@@ -95,17 +96,29 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def task_spec(i: int, t: "FusedTask", tables, group_cp, muls) -> tuple:
-    """The pipeline-constant fields of task ``i`` (``S_KIND`` .. ``S_MUL``)."""
-    if t.gid is not None:
-        g = t.gid
-        toff = (tables.tables[g].data_ptr() - tables.flat.data_ptr()) // 4
-        geo = (toff, int(tables.tables[g].stride(0)), int(tables.width[g]), int(tables.ring[g]), *map(int, group_cp(g)), g)
-    else:
-        geo = (0, 0, 0, 0, 1, 0, 1, 0)
+def task_spec(i: int, t: "FusedTask", group_cp, muls, ring: bool) -> tuple:
+    """The pipeline-constant fields of task ``i`` (``S_KIND`` .. ``S_MUL + 3``).
+
+    NOTE: the table's offset, row stride, logical width and ring width depend on the capacity
+    (``max_num_reqs``, ``max_num_batched_tokens``), so they are runtime words (``geometry``) and a
+    server-sized and an exactly-sized pipeline of one layout share the compiled kernel;
+    ``S_RING`` only says whether the table is a ring.
+    """
+    cp = tuple(map(int, group_cp(t.gid))) if t.gid is not None else (1, 0, 1)
     flags = (FLAG_WRITE_FLOOR if t.write_floor else 0) | (FLAG_WINDOW_FLOOR if t.window_floor else 0)
     has = sum(1 << k for k, o in enumerate(t.outputs) if o is not None)
-    return (KINDS[t.kind], i, int(t.a), int(t.b), int(t.width), *geo, flags, int(t.extra), has, *muls)
+    return (KINDS[t.kind], i, int(t.a), int(t.b), int(t.width), 0, 0, 0, int(ring), *cp,
+            t.gid if t.gid is not None else 0, flags, int(t.extra), has, *muls)
+
+
+def geometry(t: "FusedTask", tables) -> tuple:
+    """Runtime table words of a task: (table offset in the flat buffer, row stride, logical width,
+    ring width); zeros without a group."""
+    if t.gid is None:
+        return (0, 0, 0, 0)
+    g = t.gid
+    return ((tables.tables[g].data_ptr() - tables.flat.data_ptr()) // 4, int(tables.tables[g].stride(0)),
+            int(tables.width[g]), int(tables.ring[g]))
 
 
 def token_units(specs, tasks, cfg: TileConfig):
