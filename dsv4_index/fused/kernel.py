@@ -4,12 +4,13 @@ task of :mod:`dsv4_index.fused.tasks`, calling the formulas of :mod:`dsv4_index.
 Grid (1-D, sized from ``T_pad`` only): ``NUM_WRITERS`` writer programs, then ``NUM_REQ x req_tiles``
 request programs, then ``cdiv(T_pad, T_SUPER) x P_SUPER`` token programs: each super tile of
 ``T_SUPER`` tokens runs every token unit's programs (a unit: one task, its token rows per program
-and its column chunks, ``tasks.token_units``). Everything that never changes for a pipeline (kinds,
-geometry, table offsets, DCP, flags, tiles) is ``constexpr`` (``REQ`` / ``TOK`` tuples): a program
-finds its task by arithmetic on its id, and its chain of dependent loads is header + token map ->
-the row's values -> the table entry -> store. Output addresses come from ``outs`` (one load, off the
-chain), as element offsets from the ``base*`` pointers (16-byte aligned) so that row stores of
-index lists are 16-byte vector stores.
+and its column chunks, ``tasks.token_units``). What never changes for a layout (kinds, parameters,
+widths, DCP, flags, tiles) is ``constexpr`` (flat ``REQ`` / ``TOK`` tuples, ``NF`` ints per task): a
+program finds its task by arithmetic on its id, and its chain of dependent loads is header + token
+map -> the row's values -> the table entry -> store. Output addresses and the table geometry
+(capacity-dependent) come from ``outs`` (loads off the chain); outputs are element offsets from the
+``base*`` pointers (16-byte aligned), so that row stores of index lists are 16-byte vector stores.
+A new token kind is one more ``elif KIND == ...`` branch of :func:`_token_task`.
 
 NOTE: writers write only the entries staged this step, and a reader of such an entry takes it from
 the stage (the overlay), so no program reads what another program of the launch writes.
@@ -97,7 +98,8 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
         q = tl.load(stage_ptr + off_qsl + r + 1, mask=dec, other=0) - tl.load(stage_ptr + off_qsl + r, mask=dec,
                                                                                 other=0)
         j = tl.arange(0, NEXT_N_PAD)[None, :]
-        n = decode_row_lens(seq, q, j, NEXT_N, TAB[I * _NF + _A], TAB[I * _NF + _CPW], TAB[I * _NF + _CPR], TAB[I * _NF + _CPI])
+        n = decode_row_lens(seq, q, j, NEXT_N, TAB[I * _NF + _A], TAB[I * _NF + _CPW], TAB[I * _NF + _CPR],
+                            TAB[I * _NF + _CPI])
         n = tl.where(dec[:, None], n, 0)
         m = (r < T_pad)[:, None] & (j < NEXT_N)
         off = r.to(tl.int64)[:, None] * NEXT_N + j
