@@ -10,14 +10,19 @@ server (1024 requests, 8192 tokens) and exactly to the case:
 * host time per phase (decode cases): ``update(StepBatch)`` safe / full checks, the ``StepInput``
   conversion, ``build()`` eager and as a graph replay; each call timed alone right after
   ``torch.cuda._sleep`` so the GPU is busy and the host never waits (n = 1, medians);
-* launches, H2D copies (torch.profiler), host syncs (sync debug mode) and new allocations per step.
+* launches, H2D copies (torch.profiler), host syncs (sync debug mode) and new allocations per step;
+* bytes the launch writes (every output row in ``[0, T_pad)``), the achieved write bandwidth, and the
+  launch floor (an empty one-program kernel, graph-amortized and single replay) before and after.
 
 Steps come from ``workload.py`` (random contexts 1K-64K, random block ids): never zeros.
 
 Usage::
 
-    python benchmarks/bench_step.py --out bench.json [--quick] [--layouts flash,pro]
+    python benchmarks/bench_step.py --out bench.json [--quick] [--layouts flash,pro] [--no-host]
     python benchmarks/bench_step.py --profile-one "decode B=256"     # one step for ncu
+    python benchmarks/bench_step.py --sweep --out sweep.json         # tile configs of both variants, every case
+    python benchmarks/bench_step.py --floors                         # empty-kernel launch floors, write bandwidth
+    python benchmarks/bench_step.py --topk-sweep                     # top-k rows-per-program x warps
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@
 #   topk-sweep top-k conversion tiles (rows per program x warps)
 #   check      benchmarks/gpu_check.py: compiled fused launch + top-k == the PyTorch reference (traces)
 #   bench      benchmarks/bench_step.py (JSON + markdown table)
-#   ncu        Nsight Compute on one server-sized decode B=256 step (fused kernel + top-k conversion)
+#   ncu        Nsight Compute on one server-sized decode B=256 and one prefill 8K step (fused kernel + top-k)
 #   cp         examples/cp_decode.py with NCCL on 2 GPUs (when present)
 #   flash      examples/flash_decode_step.py (V4-Flash-shaped sparse decode fed by the metadata)
 #   gpu-tests  pytest -m gpu (CUDA-only tests)
+#   fused-gpu  pytest -m gpu of tests/test_fused.py and the top-k kernel tests only
 #   memcheck   compute-sanitizer memcheck over gpu_check.py (few steps)
 #   racecheck  compute-sanitizer racecheck over gpu_check.py (few steps)
 set -u

@@ -58,7 +58,8 @@ class FusedPlan:
 
     def __init__(self, tasks: Sequence[FusedTask], tables, group_cp, stage: torch.Tensor, next_n: int, *,
                  tiny: TileConfig = None, small: TileConfig = None, large: TileConfig = None,
-                 small_from: int = SMALL_FROM, large_from: int = None, block_r: int = 256, num_writers: int = None, block_w: int = 256):
+                 small_from: int = SMALL_FROM, large_from: int = None, block_r: int = 256,
+                 num_writers: int = None, block_w: int = 256):
         interp = interpreting()
         small = small or (INTERP if interp else SMALL)
         self.configs = (tiny or (small if interp else TINY), small, large or (INTERP_LARGE if interp else LARGE))
