@@ -409,7 +409,8 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['case']} | {r['server_variant']} | {r['server_programs']} | "
-              f"{r['server_written_bytes'] / 2**20:.1f} | {r['server_build_graph_us']:.2f} | {r['server_write_tb_s']:.2f} |")
+              f"{r['server_written_bytes'] / 2**20:.1f} | {r['server_build_graph_us']:.2f} | "
+              f"{r['server_write_tb_s']:.2f} |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 
