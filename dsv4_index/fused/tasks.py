@@ -52,10 +52,10 @@ KINDS = {"common": 0, "window": 1, "compressed": 2, "causal": 3, "indexer": 4, "
 TOKEN_KINDS = frozenset({"common", "window", "compressed", "causal", "indexer", "token_rows"})
 REQUEST_KINDS = frozenset({"requests", "decode_lens", "staged_copy", "replays"})
 
-# NOTE: what never changes for a pipeline (kinds, geometry, table offsets, DCP, flags, tiles) is packed
-# into ``NF`` ints per task (fields ``S_*``, one flat ``constexpr`` tuple per launch variant), so the
-# kernel is compiled once per layout and tile variant; only the output addresses
-# and the table geometry stay in device memory (``outs``, int64 [num_tasks, 8]: four output offsets,
+# NOTE: what never changes for a layout (kinds, parameters, widths, DCP, flags, tiles) is packed into
+# ``NF`` ints per task (fields ``S_*``, one flat ``constexpr`` tuple per launch variant), so the kernel
+# is compiled once per layout and tile variant; only the output addresses and the table geometry
+# (capacity-dependent) stay in device memory (``outs``, int64 [num_tasks, 8]: four output offsets,
 # then ``geometry()``). ``S_MUL + k``: output k's offset unit (elements per 16 bytes when 16-byte
 # aligned, else 1). ``S_TOFF``, ``S_STRIDE``, ``S_TWIDTH`` are unused (0).
 S_KIND, S_TASK, S_A, S_B, S_WIDTH, S_TOFF, S_STRIDE, S_TWIDTH, S_RING, S_CPW, S_CPR, S_CPI, S_GID, S_FLAGS, \
