@@ -63,8 +63,9 @@ class GroupSpec:
         Kernel blocks per allocation block ``f``.
     ring : bool
         Sliding groups: store a ring of the newest blocks (``ring_cols = cdiv(window - 1 +
-        max_num_batched_tokens, block_size) + 1`` columns; logical block ``i`` in column
-        ``i % ring_cols``) instead of ``table_width`` columns (DESIGN §4). Default for sliding groups.
+        max_num_batched_tokens, block_size) + blocks_per_kv_block`` columns; logical block ``i`` in
+        column ``i % ring_cols``) instead of ``table_width`` columns (DESIGN §4). Default for sliding
+        groups.
     sharded : bool
         DCP: the group's positions are sharded over ranks (ownership rule); False for groups
         replicated on every rank (the compressor-state groups: a row's pooling span straddles ranks).
@@ -110,14 +111,16 @@ class GroupSpec:
     def columns(self, max_num_batched_tokens: int) -> Tuple[int, int]:
         """(columns of the stored table, ring width or 0) for a pipeline of that token capacity.
 
-        A sliding ring keeps ``cdiv(window - 1 + max_num_batched_tokens, block_size) + 1`` columns
-        (the blocks one step can read or write, plus one), unless that is not smaller than the full
-        width; a circular group keeps one column (a ring of width 1).
+        A sliding ring keeps ``cdiv(window - 1 + max_num_batched_tokens, block_size) + f`` columns,
+        ``f = blocks_per_kv_block``: the blocks one step can read or write, plus one for a window
+        that starts inside a block, plus ``f - 1`` because the scheduler hands out whole allocation
+        blocks (a row may hold up to ``f - 1`` kernel blocks past the step's last token), unless that
+        is not smaller than the full width; a circular group keeps one column (a ring of width 1).
         """
         if self.kind == "circular":
             return 1, 1
         if self.ring:
-            ring = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + 1
+            ring = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + self.blocks_per_kv_block
             if ring < self.table_width:
                 return ring, ring
         return self.table_width, 0
