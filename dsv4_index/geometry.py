@@ -266,8 +266,11 @@ class DSV4Layout:
         circular : dict[str, int], optional
             Group name -> capacity: make those sliding groups circular (one block of ``capacity``
             rows per request; ``capacity >= window``; the scheduler gives such a group one block id
-            per request). A step may then schedule at most ``capacity - window + 1`` tokens of a
-            request (older rows of its window would be overwritten).
+            per request), with vLLM's ring semantics (DESIGN §4 "circular group"): any chunk length;
+            ``slot_mapping`` is the address map, ``tail_slot_mapping`` the write plan, window lists
+            split at the chunk start. With speculative decoding use ``capacity >= window - 1 +
+            num_speculative_tokens`` (vLLM: ``128 * cdiv(128 + k, 128)``) so that a verify step's
+            writes never reach the rows the next step reads after a rejection.
         compact_compressed : bool
             Compressed channels (``c4a``, ``c4i``, ``c128a``) also emit the compact compressed slot
             mapping (``ChannelSpec.compact``).
@@ -384,6 +387,8 @@ class DSV4Layout:
             compact = compact_compressed and ratio > 1
             if compact:
                 outputs = set(outputs) | {"compact_slot_mapping", "compact_cu"}
+            if groups[gid].kind == "circular" and "slot_mapping" in outputs:
+                outputs = set(outputs) | {"tail_slot_mapping"}  # NOTE: the ring's write plan
             channels[name] = ChannelSpec(name, gid, ratio, _rows_per_block(name, block, ratio),
                                          win, index_width, frozenset(outputs), compact=compact)
 

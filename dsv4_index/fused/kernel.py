@@ -16,12 +16,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..ops._device import (causal_row, compressed_slot, decode_row_lens, raw_slot, visible_rows, window_len,
+from ..ops._device import (causal_row, circular_split, compressed_slot, decode_row_lens, raw_slot, visible_rows, window_len,
                            window_row)
 from ..state.staging import H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START
 from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, F_A, F_B, F_CPI, F_CPR, F_CPW, F_EXTRA, F_FLAGS,
                     F_GROUP, F_KIND, F_OUT0, F_OUT1, F_OUT2, F_OUT3, F_RING, F_STRIDE, F_TABLE, F_TWIDTH, F_WIDTH,
-                    FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, INDEXER, REPLAYS, REQUESTS, STAGED_COPY, TOKEN_ROWS, WINDOW)
+                    FLAG_CIRCULAR, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, INDEXER, REPLAYS, REQUESTS, STAGED_COPY, TOKEN_ROWS, WINDOW)
 
 _H_NUM_REQS: tl.constexpr = tl.constexpr(H_NUM_REQS)
 _H_NUM_TOKENS: tl.constexpr = tl.constexpr(H_NUM_TOKENS)
@@ -144,6 +144,9 @@ def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, rows, off_qsl, off_seq, o
             width = _field(desc_ptr, F_WIDTH)
             j = col * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
             idx = window_row(bt, row, first, n, j, a, twidth, ring, stride, stage_ptr, lo, hi, pay, True)
+            circular = (flags & FLAG_CIRCULAR) != 0
+            if circular:
+                idx = circular_split(idx, t, pos, first, n, j, tl.load(stage_ptr + off_qsl + b, mask=valid, other=0))
             out = _ptr(desc_ptr, F_OUT0, tl.int32) + t.to(tl.int64)[:, None] * width + j
             tl.store(out, idx, mask=in_out[:, None] & (j < width))
             if col == 0:
@@ -156,6 +159,12 @@ def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, rows, off_qsl, off_seq, o
                     slot = raw_slot(bt, row, pos, valid, wfloor, a, twidth, ring, stride, cpw, cpr, cpi,
                                     stage_ptr, lo, hi, pay, True)
                     tl.store(out2.to(tl.pointer_type(tl.int64)) + t, slot, mask=in_out)
+                out3 = tl.load(desc_ptr + F_OUT3)
+                if out3 != 0:
+                    # NOTE: circular write plan: the last `capacity` (= a) tokens of the request's chunk
+                    slot = raw_slot(bt, row, pos, valid, seq - a, a, twidth, ring, stride, cpw, cpr, cpi,
+                                    stage_ptr, lo, hi, pay, True)
+                    tl.store(out3.to(tl.pointer_type(tl.int64)) + t, slot, mask=in_out)
         elif kind == COMPRESSED:
             wfloor = tl.zeros_like(pos)
             if ((flags & FLAG_WRITE_FLOOR) != 0) & (tl.load(stage_ptr + _H_REPLAY_END) != 0):

@@ -16,7 +16,7 @@ from .._common import cdiv, interpreting
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
 from .tasks import (F_A, F_B, F_CPI, F_CPR, F_CPW, F_EXTRA, F_FLAGS, F_GROUP, F_KIND, F_OUT0, F_OUT1, F_OUT2, F_OUT3, F_RING, F_STRIDE,
-                    F_TABLE, F_TWIDTH, F_WIDTH, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, KINDS, NUM_FIELDS,
+                    F_TABLE, F_TWIDTH, F_WIDTH, FLAG_CIRCULAR, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, KINDS, NUM_FIELDS,
                     REQUEST_KINDS, TOKEN_KINDS, FusedTask)
 
 __all__ = ["FusedPlan"]
@@ -87,7 +87,8 @@ class FusedPlan:
                 d[F_CPW], d[F_CPI] = 1, 1
             d[F_A], d[F_B], d[F_WIDTH], d[F_EXTRA] = t.a, t.b, t.width, t.extra
             d[F_FLAGS] = (FLAG_WRITE_FLOOR.value if t.write_floor else 0) | \
-                         (FLAG_WINDOW_FLOOR.value if t.window_floor else 0)
+                         (FLAG_WINDOW_FLOOR.value if t.window_floor else 0) | \
+                         (FLAG_CIRCULAR.value if t.circular else 0)
             tiles = cdiv(t.width, self.block_c) if t.kind in ("window", "causal") else 1
             units += [(i, c) for c in range(tiles)]
         self.num_units = (len(req), len(units) - len(req))

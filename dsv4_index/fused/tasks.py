@@ -12,7 +12,8 @@ kind           outputs (out0, out1, out2)                        params
 COMMON         token_to_req i32 [T], positions i64 [T],          -
                is_valid_token bool [T]
 WINDOW         indices i32 [T, width], lens i32 [T],             a = block size, b = window,
-               slot_mapping i64 [T] (or none)                    width, group, floor flags
+               slot_mapping i64 [T] (or none),                   width, group, floor flags,
+               out3: tail_slot_mapping i64 [T] (or none)         circular flag (in-step split)
 COMPRESSED     slot_mapping i64 [T], compact i64 [T] (or none)   a = R, b = S, group, extra = cu
 CAUSAL         indices i32 [T, width], lens i32 [T]              a = R, b = S, width, group
 INDEXER        lens, ks, ke i32 [T]; out3: max(lens, 1) [T]      a = R, group, extra = cu
@@ -74,6 +75,7 @@ F_OUT3: tl.constexpr = tl.constexpr(17)
 NUM_FIELDS = 18
 FLAG_WRITE_FLOOR: tl.constexpr = tl.constexpr(1)    # writes stop below replay_end (prefix-cacheable group)
 FLAG_WINDOW_FLOOR: tl.constexpr = tl.constexpr(2)   # windows start at replay_start at the earliest
+FLAG_CIRCULAR: tl.constexpr = tl.constexpr(4)       # circular group: in-step window entries -2 - row, tail plan
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class FusedTask:
     a, b : int — the kind's parameters (module table).
     width : int — row width of a 2-D output (its row stride); 0 for 1-D outputs.
     write_floor, window_floor : bool — apply ``replay_end`` to writes / ``replay_start`` to windows.
+    circular : bool — window task of a circular group (DESIGN §4): entries inside the step's chunk
+        are in-step token rows ``-2 - row``; ``out3`` (when given) is the write plan.
     extra : int — index of a staged per-request array (the plan fills it from the builder's index).
     """
 
@@ -101,6 +105,7 @@ class FusedTask:
     write_floor: bool = False
     window_floor: bool = False
     extra: int = -1
+    circular: bool = False
 
     def key(self) -> tuple:
         """Identical tasks (same kind and outputs) run once, whoever declares them."""
