@@ -268,7 +268,7 @@ def registered_channels() -> Dict[str, Type[ChannelBuilder]]:
 
 
 def builder_for(spec, layout) -> ChannelBuilder:
-    cls = _REGISTRY.get(spec.name)
+    cls = _REGISTRY.get(spec.name) or _REGISTRY.get(getattr(spec, "builder", None))
     if cls is None:
         raise ValueError(f"no builder registered for channel {spec.name!r}; "
                          f"known: {sorted(_REGISTRY)} (use register_channel)")
