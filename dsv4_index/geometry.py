@@ -91,6 +91,8 @@ class GroupSpec:
     layers: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
+        if self.layers is not None:  # NOTE: JSON round trips hand lists
+            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.ring and self.kind != "sliding":
