@@ -160,7 +160,8 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
     valid = s.valid
     circular = g.kind == "circular"  # NOTE: address map may repeat slots; in-step window entries are <= -2
     for field in ("slot_mapping", "tail_slot_mapping", "compressed_slot_mapping", "compact_slot_mapping",
-                  "compact_cu", "indices", "lens", "ks", "ke", "cu", "decode_lens", "lens_clamped", "decode_lens_clamped"):
+                  "compact_cu", "indices", "lens", "ks", "ke", "cu", "decode_lens", "lens_clamped",
+                  "decode_lens_clamped"):
         found, want = getattr(c, field), getattr(exp, field)
         if (found is None) != (want is None):
             s.fail(name, f"{field} present / absent", expected=want is not None, found=found is not None)

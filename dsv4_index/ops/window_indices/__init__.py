@@ -70,9 +70,9 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
     Returns
     -------
     (int32 ``[T_out, width]`` slots ``bt[col(lp // block_size)] * block_size + lp % block_size`` of the
-    listed local positions ``lp`` (in-step rows ``-2 - r`` for circular groups), then ``-1``; int32 ``[T_out]`` count of listed slots, ``0`` for
-    padded tokens). On unchecked inputs an entry whose block lies outside a plain table is ``-1`` and
-    not counted.
+    listed local positions ``lp`` (in-step rows ``-2 - r`` for circular groups), then ``-1``; int32
+    ``[T_out]`` count of listed entries, ``0`` for padded tokens). On unchecked inputs an entry whose
+    block lies outside a plain table is ``-1`` and not counted.
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)
