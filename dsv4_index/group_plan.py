@@ -6,12 +6,12 @@ Roles (the cache a group holds): ``"mla"`` (full: C4A / C128A main caches and th
 ``"swa"`` (sliding KV of every layer), ``"c4_state"`` (compressor state of C4A and C4I), ``"c128_state"``
 (compressor state of C128A).
 
-vLLM's plan (``DeepseekV4`` in ``vllm/v1/core/kv_cache_utils.py`` ``get_kv_cache_groups``, as described in
+vLLM's plan (its KV-cache planner, ``get_kv_cache_groups`` / ``DeepseekV4KVCachePlanner``, as described in
 ``reviews/engine_integration.md`` §1; vLLM main around PR #58074): every MLA-spec layer in one full group;
 sliding-like layers grouped by ``(block_size, window)``; per kind the count of layer tuples (full: the
 larger of the C4 and C128 layer counts, SWA: every layer, states: their layers); ``d`` = the ``d >=
-counts[0]`` (up to the largest count) with the least round-up padding ``sum(cdiv(n, d) * d - n)``
-(smallest on ties); a kind of ``n`` tuples splits into ``k = cdiv(n, d)`` sub-groups, sub-group ``i``
+counts[0]`` with the least round-up padding ``sum(cdiv(n, d) * d - n)`` (searched up to the largest
+count, the smallest ``d`` on ties: our reading, it decides nothing for Flash or Pro); a kind of ``n`` tuples splits into ``k = cdiv(n, d)`` sub-groups, sub-group ``i``
 taking tuples ``i::k``; groups in the order full, SWA sub-groups, C4 state, C128 state. V4-Flash:
 counts ``[21, 44, 21, 20]``, ``d = 22``; V4-Pro ``[31, 62, 30, 31]``, ``d = 31``: 5 groups each. Newer vLLM
 planners infer block sizes and may group differently: pass the engine's actual groups then.

@@ -35,7 +35,7 @@ def _batch(chunks, device):
             torch.tensor(sl, dtype=torch.int32, device=device))
 
 
-def _ops(chunks, blocks, cap, backend, validate=False):
+def _ops(chunks, blocks, cap, backend, validate=False, window=W):
     qsl, sl = _batch(chunks, DEVICE)
     bt = torch.tensor([[b] for b in blocks], dtype=torch.int32, device=DEVICE)
     T = int(qsl[-1])
@@ -43,8 +43,8 @@ def _ops(chunks, blocks, cap, backend, validate=False):
     addr = dsv4_index.slot_mapping(qsl, sl, bt, cap, out=torch.full((T,), 7777, dtype=torch.int64, device=DEVICE), **kw)
     tail = dsv4_index.slot_mapping(qsl, sl, bt, cap, tail=True,
                                    out=torch.full((T,), 7777, dtype=torch.int64, device=DEVICE), **kw)
-    idx, lens = dsv4_index.window_indices(qsl, sl, bt, cap, W, out=torch.full((T, W), 7777, dtype=torch.int32,
-                                                                               device=DEVICE),
+    idx, lens = dsv4_index.window_indices(qsl, sl, bt, cap, window,
+                                          out=torch.full((T, window), 7777, dtype=torch.int32, device=DEVICE),
                                           out_lens=torch.full((T,), 7777, dtype=torch.int32, device=DEVICE), **kw)
     return addr.cpu(), tail.cpu(), idx.cpu(), lens.cpu()
 
@@ -137,6 +137,27 @@ def test_two_requests_and_padding(backend):
     pos = [(0, p) for p in range(5, 45)] + [(1, p) for p in range(30, 33)]
     want = [int(bt[b, 0]) * cap + p % cap if p >= int(sl[b]) - cap else -1 for b, p in pos] + [-1] * 7
     assert tail.cpu().tolist() == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cap", [32, 64, 128])
+def test_vllm_ascend_long_requests_on_small_rings(backend, cap):
+    # vllm-ascend's fused slot-mapping cases: 512- and 600-token requests on 32/64/128-row rings, one
+    # block per request, beside a decode and a short chunk; plain-Python formulas (window 8: C4 state)
+    chunks, blocks, w = [(0, 512), (40, 600), (700, 1), (90, 7)], [7, 3, 11, 5], 8
+    addr, tail, idx, lens = _ops(chunks, blocks, cap, backend, validate=True, window=w)
+    want_a, want_t, t = [], [], 0
+    for (s, q), b in zip(chunks, blocks):
+        for p in range(s, s + q):
+            want_a.append(b * cap + p % cap)
+            want_t.append(b * cap + p % cap if p >= s + q - cap else -1)
+    assert addr.tolist() == want_a and tail.tolist() == want_t
+    qs = 0
+    for (s, q), b in zip(chunks, blocks):
+        for p in range(s, s + q):
+            row = [b * cap + x % cap if x < s else -2 - (qs + x - s) for x in range(max(p - w + 1, 0), p + 1)]
+            assert idx[qs + p - s].tolist() == row + [-1] * (w - len(row)) and int(lens[qs + p - s]) == len(row)
+        qs += q
 
 
 def test_collisions_only_under_validate():
