@@ -25,6 +25,9 @@ requests of a step, taken ``chunk_reqs`` at a time (batch rows ``num_decodes ..`
   bounded replay: the window starts at ``replay_start``); raw positions below a request's first window
   start are never listed, and their gather slots are ``-1``.
 
+With several SWA groups (vLLM's plan, ``from_config(groups="vllm")``) pass ``layer=``: the SWA channel
+is the layer's own (``meta.layout.layer_channels(layer)["swa"]``).
+
 Widths depend only on the layout and ``K``, never on the batch. Device work is torch ops on the
 metadata's device tensors (any device), with no ``.item()`` and no host sync; the results are fresh
 tensors (not CUDA-graph buffers: prefill runs eagerly). Decode context parallelism is not supported.
@@ -41,7 +44,7 @@ import torch
 from ._common import round_up
 
 __all__ = ["PrefillChunk", "prefill_chunk", "prefill_chunks", "prefill_workspace_size", "gather_workspace",
-           "PREFILL_INDEX_ALIGN"]
+           "PREFILL_INDEX_ALIGN", "swa_channel"]
 
 PREFILL_INDEX_ALIGN = 128  # NOTE: FlashMLA's B_TOPK alignment (consumers.md §2, §3)
 _KINDS = ("swa", "c4", "c128")
@@ -79,6 +82,21 @@ class PrefillChunk:
     @property
     def num_reqs(self) -> int:
         return self.req_end - self.req_start
+
+
+def swa_channel(layout, layer_kind: str, layer: Optional[int] = None) -> str:
+    """The SWA channel a layer reads: ``layout.layer_channels(layer)["swa"]``, or ``"swa"`` when the
+    layout has a single SWA group and ``layer`` is None. ``layer_kind`` must be the layer's kind."""
+    if layer is None:
+        if "swa" not in layout.channels:
+            names = [c.name for c in layout.channels.values() if c.role == "swa"]
+            raise ValueError(f"layer: this layout has several SWA channels {names}; pass the layer index")
+        return "swa"
+    chans = layout.layer_channels(layer)
+    if layout.layer_kind(layer) != layer_kind:
+        raise ValueError(f"layer_kind {layer_kind!r} differs from layer {layer}'s kind "
+                         f"{layout.layer_kind(layer)!r}")
+    return chans["swa"]
 
 
 def _kind_params(meta, layer_kind: str, topk: Optional[torch.Tensor]):
@@ -128,7 +146,7 @@ def prefill_workspace_size(meta, layer_kind: str, req_start: Optional[int] = Non
 
 
 def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Optional[torch.Tensor] = None,
-                  *, N: Optional[int] = None, M: Optional[int] = None) -> PrefillChunk:
+                  *, N: Optional[int] = None, M: Optional[int] = None, layer: Optional[int] = None) -> PrefillChunk:
     """The workspace gather plan and the combined index matrix of prefill rows ``[req_start, req_end)``.
 
     Parameters
@@ -141,6 +159,8 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
         step's token rows (decodes first; vLLM's shared top-k buffer), ``-1`` = none.
     N, M : int, optional — workspace geometry; default :func:`prefill_workspace_size` of these rows.
         Larger values (e.g. one shape for every chunk of a step) are allowed; smaller raise.
+    layer : int, optional — the layer index: its own SWA channel (:func:`swa_channel`); needed when
+        the layout has several SWA groups.
 
     Returns
     -------
@@ -148,6 +168,7 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
     round_up(K + W, 128)`` (``K`` = top-k for c4, the fixed C128A list width for c128, 0 for swa).
     """
     R, K = _kind_params(meta, layer_kind, topk)
+    swa_name = swa_channel(meta.layout, layer_kind, layer)
     for name, v in (("req_start", req_start), ("req_end", req_end)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{name} must be an int, got {v!r}")
@@ -174,7 +195,7 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
     q = qsl[1:] - qsl[:-1]
     g = q + (L - q).clamp(max=W - 1)
     gstart = L - g                                        # first raw position in the workspace
-    swa = meta["swa"]
+    swa = meta[swa_name]
     # NOTE: the first token's window start is the request's floor (replay_start or pos - W + 1)
     floor = (L - q) - swa.lens[qsl[:-1]].long() + 1
     rows = meta.idx_mapping[req_start:req_end].long()
@@ -218,12 +239,12 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
 
 
 def prefill_chunks(meta, layer_kind: str, topk: Optional[torch.Tensor] = None, *, chunk_reqs: int = 4,
-                   same_shape: bool = True) -> List[PrefillChunk]:
+                   same_shape: bool = True, layer: Optional[int] = None) -> List[PrefillChunk]:
     """Every prefill request of the step, ``chunk_reqs`` requests per :class:`PrefillChunk`.
 
     Parameters
     ----------
-    meta, layer_kind, topk : see :func:`prefill_chunk`.
+    meta, layer_kind, topk, layer : see :func:`prefill_chunk`.
     chunk_reqs : int — requests per chunk (vLLM: 4).
     same_shape : bool — one ``(N, M)`` for every chunk (the step's maximum, like vLLM: one workspace
         allocation per step) instead of each chunk's own.
@@ -238,7 +259,7 @@ def prefill_chunks(meta, layer_kind: str, topk: Optional[torch.Tensor] = None, *
     N = M = None
     if same_shape:
         N, M = prefill_workspace_size(meta, layer_kind)
-    return [prefill_chunk(meta, layer_kind, s, min(s + chunk_reqs, meta.num_reqs), topk, N=N, M=M)
+    return [prefill_chunk(meta, layer_kind, s, min(s + chunk_reqs, meta.num_reqs), topk, N=N, M=M, layer=layer)
             for s in range(meta.num_decodes, meta.num_reqs, chunk_reqs)]
 
 

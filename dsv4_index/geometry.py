@@ -63,11 +63,18 @@ class GroupSpec:
         Kernel blocks per allocation block ``f``.
     ring : bool
         Sliding groups: store a ring of the newest blocks (``ring_cols = cdiv(window - 1 +
-        max_num_batched_tokens, block_size) + 1`` columns; logical block ``i`` in column
-        ``i % ring_cols``) instead of ``table_width`` columns (DESIGN §4). Default for sliding groups.
+        max_num_batched_tokens, block_size) + blocks_per_kv_block`` columns; logical block ``i`` in
+        column ``i % ring_cols``) instead of ``table_width`` columns (DESIGN §4). Default for sliding
+        groups.
     sharded : bool
         DCP: the group's positions are sharded over ranks (ownership rule); False for groups
         replicated on every rank (the compressor-state groups: a row's pooling span straddles ranks).
+    role : str or None
+        The cache the group holds: ``"mla"``, ``"swa"``, ``"c4_state"``, ``"c128_state"`` (None: a
+        user group; :mod:`dsv4_index.group_plan`). Several groups may share a role (vLLM's SWA
+        sub-groups).
+    layers : tuple of int or None
+        The layers whose ``role`` cache lives in this group; None: every layer that has one.
     """
 
     gid: int
@@ -80,8 +87,12 @@ class GroupSpec:
     blocks_per_kv_block: int = 1
     ring: bool = False
     sharded: bool = True
+    role: Optional[str] = None
+    layers: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
+        if self.layers is not None:  # NOTE: JSON round trips hand lists
+            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.ring and self.kind != "sliding":
@@ -110,14 +121,16 @@ class GroupSpec:
     def columns(self, max_num_batched_tokens: int) -> Tuple[int, int]:
         """(columns of the stored table, ring width or 0) for a pipeline of that token capacity.
 
-        A sliding ring keeps ``cdiv(window - 1 + max_num_batched_tokens, block_size) + 1`` columns
-        (the blocks one step can read or write, plus one), unless that is not smaller than the full
-        width; a circular group keeps one column (a ring of width 1).
+        A sliding ring keeps ``cdiv(window - 1 + max_num_batched_tokens, block_size) + f`` columns,
+        ``f = blocks_per_kv_block``: the blocks one step can read or write, plus one for a window
+        that starts inside a block, plus ``f - 1`` because the scheduler hands out whole allocation
+        blocks (a row may hold up to ``f - 1`` kernel blocks past the step's last token), unless that
+        is not smaller than the full width; a circular group keeps one column (a ring of width 1).
         """
         if self.kind == "circular":
             return 1, 1
         if self.ring:
-            ring = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + 1
+            ring = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + self.blocks_per_kv_block
             if ring < self.table_width:
                 return ring, ring
         return self.table_width, 0
@@ -147,6 +160,10 @@ class ChannelSpec:
     compact : bool
         Compressed channels: also emit the compact compressed slot mapping (``compact_slot_mapping``
         ``[T_pad]`` with ``compact_cu [B + 1]``: the rows the step completes, request by request).
+    builder : str or None
+        Registry name of the builder class (:func:`dsv4_index.channels.register_channel`) when it
+        differs from ``name`` (e.g. ``"swa"`` for the window channel ``"swa_1"`` of an SWA sub-group);
+        also the channel's role for :meth:`DSV4Layout.layer_channels`.
     """
 
     name: str
@@ -157,6 +174,12 @@ class ChannelSpec:
     index_width: Optional[int] = None
     outputs: FrozenSet[str] = frozenset()
     compact: bool = False
+    builder: Optional[str] = None
+
+    @property
+    def role(self) -> str:
+        """Built-in role (``c4a``, ``c4i``, ``c128a``, ``swa``, ``c4_state``, ``c128_state``) or the name."""
+        return self.builder or self.name
 
     def __post_init__(self):
         object.__setattr__(self, "outputs", frozenset(self.outputs))
@@ -232,7 +255,7 @@ class DSV4Layout:
                     kernel_block_size: Union[None, int, Mapping[str, int]] = None,
                     cp_world_size: int = 1, cp_interleave: int = 1, sliding_tables: str = "ring",
                     circular: Optional[Mapping[str, int]] = None,
-                    compact_compressed: bool = False) -> "DSV4Layout":
+                    compact_compressed: bool = False, groups=None) -> "DSV4Layout":
         """Derive the layout of DESIGN §3 from a model config.
 
         Parameters
@@ -263,11 +286,22 @@ class DSV4Layout:
         circular : dict[str, int], optional
             Group name -> capacity: make those sliding groups circular (one block of ``capacity``
             rows per request; ``capacity >= window``; the scheduler gives such a group one block id
-            per request). A step may then schedule at most ``capacity - window + 1`` tokens of a
-            request (older rows of its window would be overwritten).
+            per request), with vLLM's ring semantics (DESIGN §4 "circular group"): any chunk length;
+            ``slot_mapping`` is the address map, ``tail_slot_mapping`` the write plan, window lists
+            split at the chunk start. With speculative decoding use ``capacity >= window - 1 +
+            num_speculative_tokens`` (vLLM: ``128 * cdiv(128 + k, 128)``) so that a verify step's
+            writes never reach the rows the next step reads after a rejection.
         compact_compressed : bool
             Compressed channels (``c4a``, ``c4i``, ``c128a``) also emit the compact compressed slot
             mapping (``ChannelSpec.compact``).
+        groups : None, "vllm" or list of dict
+            The kv-cache groups (:func:`dsv4_index.group_plan.plan_groups`): None, one group per role
+            (the DESIGN §3 table); ``"vllm"``, vLLM's plan (full MLA, SWA sub-groups of strided layers,
+            C4 state, C128 state: 5 groups for V4-Flash and V4-Pro); or the engine's own list, one dict
+            per group in its gid order (``role`` or ``layer_names``, ``layers``, ``block_size``,
+            ``name``). Every sliding group gets a window channel of its name;
+            :meth:`layer_channels` says which channels a layer reads. ``kernel_block_size`` and
+            ``circular`` keys may name a role (all its groups) or a group.
 
         Returns
         -------
@@ -279,7 +313,7 @@ class DSV4Layout:
             raise ValueError(f"sliding_tables must be 'ring' or 'full', got {sliding_tables!r}")
         circular = dict(circular or {})
         for g, cap in circular.items():
-            if g not in ("swa", "c4_state", "c128_state"):
+            if g in ("mla",) or not isinstance(g, str):
                 raise ValueError(f"circular names {g!r}; only sliding groups (swa, c4_state, c128_state) "
                                  f"can be circular")
             _int_arg(f"circular[{g!r}]", cap)
@@ -325,12 +359,7 @@ class DSV4Layout:
             kbs = dict(kernel_block_size) if isinstance(kernel_block_size, Mapping) else \
                 {"mla": kernel_block_size}
             for g, k in kbs.items():
-                if g not in alloc:
-                    raise ValueError(f"kernel_block_size names unknown group {g!r}")
                 _int_arg(f"kernel_block_size[{g!r}]", k)
-                if alloc[g] % k:
-                    raise ValueError(f"kernel_block_size[{g!r}] = {k} does not divide the group's "
-                                     f"block size {alloc[g]}")
 
         # NOTE: tokens one rank stores; equals max_model_len without DCP.
         per_rank = round_up(cdiv(max_model_len, cp_world_size), cp_interleave)
@@ -339,63 +368,76 @@ class DSV4Layout:
             n = cdiv(max_model_len, ratio)
             return cdiv(n, cp_interleave * cp_world_size) * cp_interleave if cp_world_size > 1 else n
 
-        present = {"mla": bool(distinct), "swa": True,
-                   "c4_state": r4 is not None, "c128_state": r128 is not None}
+        from .group_plan import plan_groups
+        plan = plan_groups(groups, ratios, r4, r128)
+        known = {p.name for p in plan} | {p.role for p in plan}
+        for what, keys in (("kernel_block_size", kbs), ("circular", circular)):
+            bad = sorted(set(keys) - known - (set(alloc) if what == "kernel_block_size" else set()))
+            if bad or (what == "circular" and any(k in ("mla",) for k in keys)):
+                raise ValueError(f"{what} names unknown group(s) {bad}; groups: {sorted(known)}")
         gwin = {"mla": None, "swa": window,
                 "c4_state": None if r4 is None else 2 * r4, "c128_state": r128}
-        groups, channels, gids = [], {}, {}
-        for name in GROUP_ORDER:
-            if not present[name]:
-                continue
-            gid = len(groups)
-            gids[name] = gid
-            sharded = name in ("mla", "swa")
-            kind = "full" if name == "mla" else ("circular" if name in circular else "sliding")
+        specs, channels, mla_gid = [], {}, None
+        for p in plan:
+            name, role = p.name, p.role
+            gid = len(specs)
+            if role == "mla":
+                mla_gid = gid
+            sharded = role in ("mla", "swa")
+            cap = circular.get(name, circular.get(role))
+            kind = "full" if role == "mla" else ("circular" if cap is not None else "sliding")
+            a = p.block_size or alloc[role]
+            kb = kbs.get(name, kbs.get(role))
             if kind == "circular":
-                if name in kbs:
+                if kb is not None:
                     raise ValueError(f"kernel_block_size: circular group {name!r} has no kernel blocks")
-                alloc[name] = circular[name]
-                if circular[name] < gwin[name]:
-                    raise ValueError(f"circular[{name!r}] = {circular[name]} is below the group's "
-                                     f"window {gwin[name]}")
-            bs = kbs.get(name, alloc[name])
-            f = alloc[name] // bs
+                a = cap
+                if cap < gwin[role]:
+                    raise ValueError(f"circular[{name!r}] = {cap} is below the group's window {gwin[role]}")
+            bs = kb or a
+            if a % bs:
+                raise ValueError(f"kernel_block_size[{name!r}] = {bs} does not divide the group's block size {a}")
+            f = a // bs
             width = cdiv(per_rank if sharded else max_model_len, bs)
-            if name == "mla":
+            if role == "mla":
                 for cname, r in (("c4a", r4), ("c128a", r128)):
                     if r is not None:
-                        if alloc[name] % r:
-                            raise ValueError(f"mla_block_size {alloc[name]} is not divisible by the "
+                        if a % r:
+                            raise ValueError(f"mla_block_size {a} is not divisible by the "
                                              f"compress ratio {r} of channel {cname!r}")
                         if bs % r:
                             raise ValueError(f"kernel_block_size {bs} of the mla group is not "
                                              f"divisible by the compress ratio {r} of channel {cname!r}")
                         s = bs // r
                         width = max(width, cdiv(rows_per_rank(r), s))
-            groups.append(GroupSpec(gid, name, kind, bs, gwin[name], name == "mla", width, f,
-                                    ring=kind == "sliding" and sliding_tables == "ring",
-                                    sharded=sharded))
+            specs.append(GroupSpec(gid, name, kind, bs, gwin[role], role == "mla", width, f,
+                                   ring=kind == "sliding" and sliding_tables == "ring",
+                                   sharded=sharded, role=role, layers=p.layers))
+        groups = specs
 
-        def add(name, gid, ratio, win, index_width, outputs):
+        def add(name, gid, ratio, win, index_width, outputs, builder=None):
             block = groups[gid].block_size
             compact = compact_compressed and ratio > 1
             if compact:
                 outputs = set(outputs) | {"compact_slot_mapping", "compact_cu"}
+            if groups[gid].kind == "circular" and "slot_mapping" in outputs:
+                outputs = set(outputs) | {"tail_slot_mapping"}  # NOTE: the ring's write plan
             channels[name] = ChannelSpec(name, gid, ratio, _rows_per_block(name, block, ratio),
-                                         win, index_width, frozenset(outputs), compact=compact)
+                                         win, index_width, frozenset(outputs), compact=compact,
+                                         builder=None if builder == name else builder)
 
         def causal_width(ratio):
             return round_up(cdiv(max_model_len, ratio), INDEX_ALIGN)
 
         if r4 is not None:
-            add("c4a", gids["mla"], r4, None, None, CHANNEL_OUTPUTS["c4a"])
+            add("c4a", mla_gid, r4, None, None, CHANNEL_OUTPUTS["c4a"])
             c4i_out = CHANNEL_OUTPUTS["c4i"] | ({"indices"} if indexer_causal_indices else set())
-            add("c4i", gids["mla"], r4, None, causal_width(r4) if indexer_causal_indices else None, c4i_out)
+            add("c4i", mla_gid, r4, None, causal_width(r4) if indexer_causal_indices else None, c4i_out)
         if r128 is not None:
-            add("c128a", gids["mla"], r128, None, causal_width(r128), CHANNEL_OUTPUTS["c128a"])
-        for name in ("swa", "c4_state", "c128_state"):
-            if name in gids:
-                add(name, gids[name], 1, gwin[name], gwin[name], CHANNEL_OUTPUTS[name])
+            add("c128a", mla_gid, r128, None, causal_width(r128), CHANNEL_OUTPUTS["c128a"])
+        for g in groups:
+            if g.role != "mla":  # NOTE: one window channel per sliding / circular group, named like it
+                add(g.name, g.gid, 1, g.window, g.window, CHANNEL_OUTPUTS[g.role], builder=g.role)
 
         return cls(groups=tuple(groups), channels=channels, max_model_len=max_model_len,
                    sliding_window=window, index_topk=index_topk, compress_ratios=ratios,
@@ -429,6 +471,23 @@ class DSV4Layout:
         """``"swa"``, ``"c4"`` or ``"c128"``: the attention kind of layer ``layer``."""
         r = self.compress_ratios[layer]
         return "swa" if r == 0 else ("c4" if r == self.c4_ratio else "c128")
+
+    def layer_channels(self, layer: int) -> Dict[str, str]:
+        """The channels layer ``layer`` reads, by role: ``{"swa": ..., "c4a": ..., "c4i": ...,
+        "c4_state": ...}`` for a c4 layer, ``{"swa", "c128a", "c128_state"}`` for a c128 layer,
+        ``{"swa"}`` for an SWA-only layer; values are channel names (``"swa_1"`` for a layer of
+        vLLM's second SWA sub-group). User-registered channels are not listed."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        kind = self.layer_kind(layer)
+        wants = {"swa": {"swa"}, "c4": {"swa", "c4a", "c4i", "c4_state"},
+                 "c128": {"swa", "c128a", "c128_state"}}[kind]
+        out = {}
+        for c in self.channels.values():
+            g = self.groups[c.gid]
+            if c.role in wants and (g.layers is None or layer in g.layers or g.role == "mla"):
+                out[c.role] = c.name
+        return out
 
     def with_channel(self, spec: ChannelSpec) -> "DSV4Layout":
         """A new layout with one more (user-registered) channel."""

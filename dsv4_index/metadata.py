@@ -121,7 +121,7 @@ class DSV4Metadata:
         return c.indices[:n].unsqueeze(1), c.lens[:n]
 
     def sparse_decode_args(self, layer_kind: str, topk: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, *,
-                           padded: bool = False) -> Dict[str, Optional[torch.Tensor]]:
+                           padded: bool = False, layer: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
         """The index arguments of FlashMLA's sparse decode (two pools) for one layer kind, as views.
 
         Parameters
@@ -131,6 +131,8 @@ class DSV4Metadata:
             :meth:`topk_to_slots` result with ``compact=True`` (FlashMLA reads only the first
             ``extra_topk_length`` entries; uncompacted, a valid slot after an invalid pick is dropped).
         padded : bool — see :meth:`decode_view`.
+        layer : int, optional — the layer index: its own SWA channel (``layout.layer_channels``);
+            needed when the layout has several SWA groups (``from_config(groups="vllm")``).
 
         Returns
         -------
@@ -138,7 +140,8 @@ class DSV4Metadata:
         ``extra_indices [Td, 1, K or Wc]`` + ``extra_topk_length [Td]`` (converted top-k for ``"c4"``,
         the causal C128A list for ``"c128"``, None for ``"swa"``). Widths are multiples of 128.
         """
-        idx, lens = self.decode_view("swa", padded=padded)
+        from .consumers import swa_channel
+        idx, lens = self.decode_view(swa_channel(self.layout, layer_kind, layer), padded=padded)
         n = idx.shape[0]
         extra = extra_len = None
         if layer_kind == "c4":

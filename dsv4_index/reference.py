@@ -30,14 +30,14 @@ def slot_mapping(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
                  cp_interleave: int = 1, circular_capacity: Optional[int] = None, ring: bool = False,
                  idx_mapping: Optional[Tensor] = None, replay_end: Optional[Tensor] = None,
                  num_tokens: Optional[int] = None, out: Optional[Tensor] = None, validate: bool = False,
-                 backend: Optional[str] = None) -> Tensor:
+                 backend: Optional[str] = None, tail: bool = False) -> Tensor:
     """Pure-PyTorch :func:`dsv4_index.slot_mapping`; backend is ignored."""
     return ops.slot_mapping(query_start_loc, seq_lens, block_table, block_size,
                             blocks_per_kv_block=blocks_per_kv_block, cp_world_size=cp_world_size,
                             cp_rank=cp_rank, cp_interleave=cp_interleave,
                             circular_capacity=circular_capacity, ring=ring, idx_mapping=idx_mapping,
                             replay_end=replay_end, num_tokens=num_tokens, out=out, validate=validate,
-                            backend="reference")
+                            backend="reference", tail=tail)
 
 
 def compressed_slot_mapping(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,

@@ -29,7 +29,7 @@ from .channels.base import BuildContext
 
 __all__ = ["MetadataError", "check_metadata", "check_topk", "check_cp_partition", "host_context"]
 
-_SLOT_FIELDS = ("slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "indices")
+_SLOT_FIELDS = ("slot_mapping", "tail_slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "indices")
 _LEN_FIELDS = ("lens", "ks", "ke")
 _PER_REQUEST = ("cu", "compact_cu", "compact_slot_mapping", "decode_lens", "decode_lens_clamped")
 
@@ -158,8 +158,10 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
     spec = s.meta.layout.channels[name]
     g = s.meta.layout.groups[spec.gid]
     valid = s.valid
-    for field in ("slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "compact_cu", "indices",
-                  "lens", "ks", "ke", "cu", "decode_lens", "lens_clamped", "decode_lens_clamped"):
+    circular = g.kind == "circular"  # NOTE: address map may repeat slots; in-step window entries are <= -2
+    for field in ("slot_mapping", "tail_slot_mapping", "compressed_slot_mapping", "compact_slot_mapping",
+                  "compact_cu", "indices", "lens", "ks", "ke", "cu", "decode_lens", "lens_clamped",
+                  "decode_lens_clamped"):
         found, want = getattr(c, field), getattr(exp, field)
         if (found is None) != (want is None):
             s.fail(name, f"{field} present / absent", expected=want is not None, found=found is not None)
@@ -179,7 +181,7 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
                        found=found[t].tolist())
         if field in _SLOT_FIELDS:
             unit = spec.rows_per_block if spec.compress_ratio > 1 and field != "slot_mapping" else g.block_size
-            listed = found != -1
+            listed = found >= 0 if circular and field == "indices" else found != -1
             cap = None if num_blocks is None else num_blocks * g.blocks_per_kv_block * unit
             bad = listed & ((found < 0) | ((found >= cap) if cap is not None else torch.zeros_like(listed)))
             if null_block is not None:
@@ -189,7 +191,8 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
                 s.fail(name, f"{field} outside the cache or in the null block", t if per_token else None,
                        expected=f"-1 or a slot in [0, {cap}) outside block {null_block}",
                        found=found[t].tolist())
-            if field in ("slot_mapping", "compressed_slot_mapping"):
+            if field in ("slot_mapping", "compressed_slot_mapping", "tail_slot_mapping") and not (
+                    circular and field == "slot_mapping"):
                 x = found[valid & listed]
                 u, cnt = torch.unique(x, return_counts=True)
                 if bool((cnt > 1).any()):
@@ -206,6 +209,8 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
                        found=found[t].tolist())
             if c.slot_mapping is not None:
                 sm, L = _cpu(c.slot_mapping), lens
+                if circular:  # NOTE: the token itself is read from its own row t, encoded -2 - t
+                    sm = torch.where(sm != -1, -2 - torch.arange(sm.shape[0], dtype=sm.dtype), sm)
                 last = found.gather(1, (L - 1).clamp(0, found.shape[1] - 1)[:, None].long())[:, 0]
                 mine = valid & (sm != -1)
                 t = _first(mine & ((L == 0) | (last != sm)))

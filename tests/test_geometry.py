@@ -299,7 +299,7 @@ def test_group_spec_defaults():
     assert (g.ring, g.sharded, g.blocks_per_kv_block) == (False, True, 1)
     assert g.alloc_block_size == g.kernel_block_size == 16
     h = GroupSpec(1, "h", "sliding", 16, 32, False, 100, blocks_per_kv_block=4, ring=True, sharded=False)
-    assert h.alloc_block_size == 64 and h.columns(10) == (math.ceil(41 / 16) + 1, 4)
+    assert h.alloc_block_size == 64 and h.columns(10) == (math.ceil(41 / 16) + 4, 7)  # + f: whole allocation blocks
 
 
 def test_compact_compressed():

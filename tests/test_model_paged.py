@@ -144,8 +144,9 @@ def test_paged_equals_dense_prefix_hits():
 @pytest.mark.parametrize("circular", [{"c128_state": 24}, {"c4_state": 12, "c128_state": 24}],
                          ids=["c128_state", "both_states"])
 def test_paged_equals_dense_prefix_hits_circular(circular):
-    """Circular compressor-state groups (one block of `capacity` rows per request; at most
-    capacity - window + 1 tokens per step): paged == dense over prefix hits, replayed tokens compared."""
-    seen = run_trace(3, 28, num_blocks=50, budget=24, chunk=12, prefix=True, prefix_prob=0.8, prompt_hi=120,
+    """Circular compressor-state groups (one block of `capacity` rows per request; chunks longer than the
+    ring: in-step window entries read from the step, the write plan after the reads): paged == dense over
+    prefix hits, replayed tokens compared."""
+    seen = run_trace(1, 28, num_blocks=50, budget=24, chunk=12, prefix=True, prefix_prob=0.8, prompt_hi=120,
                      circular=circular)
     assert seen["hits"] >= 5 and seen["replayed"] >= 40 and seen["split_group"] > 0, seen

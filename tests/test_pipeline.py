@@ -28,8 +28,9 @@ def _slot(bt, x, rows):
     return bt[b] * rows + x % rows if b < len(bt) else -1
 
 
-def expected_rows(layout, view, next_n):
-    """Plain-Python DESIGN §4 for one scheduled request: {channel: {field: list per token}}."""
+def expected_rows(layout, view, next_n, q_start=0):
+    """Plain-Python DESIGN §4 for one scheduled request: {channel: {field: list per token}}.
+    ``q_start``: the request's first token row (circular windows read in-step rows ``-2 - row``)."""
     out = {}
     for name, ch in layout.channels.items():
         g = layout.groups[ch.gid]
@@ -47,9 +48,14 @@ def expected_rows(layout, view, next_n):
         for p in view.positions:
             if ch.compress_ratio == 1:  # raw-token window channel
                 lo = max(p - ch.window + 1, view.replay_start)
-                win = [slot(q) for q in range(lo, p + 1)]
+                s0 = view.num_computed_tokens
+                win = [-2 - (q_start + q - s0) if g.kind == "circular" and q >= s0 else slot(q)
+                       for q in range(lo, p + 1)]
                 width = ch.index_width
                 rows.setdefault("slot_mapping", []).append(-1 if replayed and p < view.replay_end else slot(p))
+                if g.kind == "circular":  # NOTE: the write plan: the chunk's last `capacity` tokens
+                    rows.setdefault("tail_slot_mapping", []).append(slot(p) if p >= view.seq_len - g.block_size
+                                                                    else -1)
                 rows.setdefault("indices", []).append(win + [-1] * (width - len(win)))
                 rows.setdefault("lens", []).append(len(win))
                 continue
@@ -87,7 +93,8 @@ def check_step(layout, meta, views, next_n, pipe=None):
     T, Tp = meta.num_tokens, meta.num_tokens_padded
     assert valid == [True] * T + [False] * (Tp - T)
     chans = {n: {f: getattr(meta[n], f).cpu().tolist() for f in
-                 ("slot_mapping", "compressed_slot_mapping", "indices", "lens") if getattr(meta[n], f) is not None}
+                 ("slot_mapping", "tail_slot_mapping", "compressed_slot_mapping", "indices", "lens")
+                 if getattr(meta[n], f) is not None}
              for n in meta.channels}
     cu = 0
     for b, rid in enumerate(meta.req_ids):
@@ -99,7 +106,7 @@ def check_step(layout, meta, views, next_n, pipe=None):
         assert hi - lo == v.num_scheduled_tokens
         assert positions[lo:hi] == list(v.positions), rid
         assert ttr[lo:hi] == [b] * (hi - lo)
-        exp = expected_rows(layout, v, next_n)
+        exp = expected_rows(layout, v, next_n, lo)
         for name, fields in exp.items():
             for field, rows in fields.items():
                 got = chans[name][field][lo:hi]

@@ -38,7 +38,8 @@ from dsv4_index.step import NewRequest, RunningRequest, StepInput
 R, T_MAX, SPEC, STAGED = 6, 64, 2, 24        # slots, token capacity, spec tokens, max_staged_blocks
 VARIANTS = {  # layout kwargs, trace kwargs (prefix hits, finishes, a preemption in each)
     "ring": (dict(), dict(seed=4, num_blocks=28)),
-    "circular": (dict(circular={"c4_state": 12}), dict(seed=1, num_blocks=32)),
+    # NOTE: chunks of up to 12 tokens: longer than the ring holds beside its window (12 - 8 + 1)
+    "circular": (dict(circular={"c4_state": 12}), dict(seed=1, num_blocks=32, long_prefill_threshold=12)),
 }
 N_STEPS, N_FUSED, MAX_POINTS = 16, 10, 3  # NOTE: the interpreter is slow: fused runs are shorter
 INTERP = bool(os.environ.get("TRITON_INTERPRET")) or torch.cuda.is_available()
@@ -320,17 +321,11 @@ def _ring_overrun(c):
     return None
 
 
-def _circular_over(c):
-    """More tokens of one request than a circular group holds with its window (same seq_len)."""
-    g = c.pipe.layout.groups[2]
-    most = g.block_size - g.window + 1
-    for r in _reqs(c.step):
-        q, nc = c.step.num_scheduled_tokens[r.req_id], r.num_computed_tokens
-        k = most + 1 - q
-        if 0 < k <= nc - c.step.replay_start.get(r.req_id, 0) and c.step.total_tokens + k <= T_MAX:
-            bad = _swap(c.step, r, _with(r, nc=nc - k), num_scheduled_tokens=_nst(c.step, **{r.req_id: q + k}))
-            return bad, None, (rf"gid 2 \(c4_state\) is circular with capacity {g.block_size}: slot \d+ "
-                               rf"schedules {q + k} tokens, at most {most} fit")
+def _null_circular_block(c):
+    """A new request's circular block is the null block 0 (its ring would overwrite the shared null block)."""
+    for r in c.step.new_requests:
+        if _lists(r)[2]:
+            return _edit(c, r, 2, lambda ids: [0]), None, esc("the null block 0 in circular group gid 2")
     return None
 
 
@@ -338,7 +333,7 @@ for _g in range(4):
     K(f"missing_block_ids_gid{_g}", lambda c, g=_g: _missing(c, g))
 K("missing_circular_block_gid2", lambda c: _missing(c, 2), variant="circular")
 K("ring_holds_fewer_blocks_than_the_step_reads", _ring_overrun)
-K("circular_group_over_capacity", _circular_over, variant="circular")
+K("full_check_null_block_in_circular_group", _null_circular_block, variant="circular", checks="full")
 
 
 # -- checks="full" only ----------------------------------------------------------------------------

@@ -33,11 +33,19 @@ class ChannelMetadata:
 
     Attributes
     ----------
-    slot_mapping : int64 [T] — raw slot written by each token (``-1``: padded / unowned / replayed).
+    slot_mapping : int64 [T] — raw slot written by each token (``-1``: padded / unowned / replayed). For
+        a circular group it is the address map ``bt[0] * capacity + pos % capacity`` of every token (two
+        tokens of a chunk longer than the capacity share a slot).
+    tail_slot_mapping : int64 [T] — circular groups only: the write plan, the same slot for the last
+        ``capacity`` tokens of each request's chunk (``pos >= seq_len - capacity``), ``-1`` before them
+        and for padded tokens; distinct slots. Write the ring with this one, after the step's reads.
     compressed_slot_mapping : int64 [T] — slot of the compressed row a token completes, else ``-1``.
     compact_slot_mapping : int64 [T] — the rows the step completes, request by request (``-1`` after
         ``compact_cu[B]``); compact_cu : int32 [B + 1].
     indices : int32 [T, width] — window (``swa``, state channels) or causal compressed list (``c128a``).
+        Circular groups split each window at the request's chunk start ``s``: an entry ``x >= 0`` is a
+        ring slot (a position before ``s``), an entry ``x <= -2`` is the step's own token row
+        ``-2 - x`` (a position ``p >= s``, row ``query_start + p - s``), ``-1`` is padding.
     lens : int32 [T] — valid entries of ``indices`` (for ``c4i``: visible compressed rows ``n_c``).
     ks, ke : int32 [T] — ragged indexer key ranges (``c4i``); cu : int32 [B + 1] — their request offsets.
     decode_lens : int32 [num_decodes, next_n] — right-aligned indexer lengths of decode rows (``c4i``).
@@ -57,6 +65,7 @@ class ChannelMetadata:
     idx_mapping: torch.Tensor
     ring_cols: int = 0
     slot_mapping: Optional[torch.Tensor] = None
+    tail_slot_mapping: Optional[torch.Tensor] = None
     compressed_slot_mapping: Optional[torch.Tensor] = None
     compact_slot_mapping: Optional[torch.Tensor] = None
     compact_cu: Optional[torch.Tensor] = None
@@ -259,7 +268,7 @@ def registered_channels() -> Dict[str, Type[ChannelBuilder]]:
 
 
 def builder_for(spec, layout) -> ChannelBuilder:
-    cls = _REGISTRY.get(spec.name)
+    cls = _REGISTRY.get(spec.name) or _REGISTRY.get(getattr(spec, "builder", None))
     if cls is None:
         raise ValueError(f"no builder registered for channel {spec.name!r}; "
                          f"known: {sorted(_REGISTRY)} (use register_channel)")

@@ -1,5 +1,6 @@
 """Raw-token channel of a sliding or circular group (``swa``, compressor-state caches): the slot
-mapping and the window index lists."""
+mapping and the window index lists; for a circular group also the write plan
+(``tail_slot_mapping``) and window lists split at the chunk start (DESIGN §4 "circular group")."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from ..fused.tasks import FusedTask
 from ..ops import slot_mapping, window_indices
+from ..ops.slot_mapping.naive import tail_floor
 from .base import BuildContext, ChannelBuilder
 
 __all__ = ["WindowChannel"]
@@ -14,37 +16,51 @@ __all__ = ["WindowChannel"]
 
 class WindowChannel(ChannelBuilder):
     """``slot_mapping`` int64 ``[T]`` and window ``indices`` int32 ``[T, width]`` + ``lens`` of one
-    group (window ``spec.window``, width ``spec.index_width or window``)."""
+    group (window ``spec.window``, width ``spec.index_width or window``). Circular groups: also
+    ``tail_slot_mapping`` int64 ``[T]`` (the write plan), and window entries inside the step's chunk
+    are in-step token rows ``-2 - row``."""
 
     @property
     def int32_unit(self) -> int:
         return self.group.block_size
+
+    @property
+    def circular(self) -> bool:
+        return self.group.kind == "circular"
 
     def allocate(self, ctx: BuildContext):
         T, width = ctx.max_num_tokens, self.spec.index_width or self.spec.window
         self.slots = torch.full((T,), -1, dtype=torch.int64, device=ctx.device)
         self.indices = torch.full((T, width), -1, dtype=torch.int32, device=ctx.device)
         self.lens = torch.zeros((T,), dtype=torch.int32, device=ctx.device)
-        circular = self.group.kind == "circular"
-        self._ring = dict(ring=not circular and ctx.ring_cols[self.spec.gid] > 0,
-                          circular_capacity=self.group.block_size if circular else None)
+        self.tail = torch.full((T,), -1, dtype=torch.int64, device=ctx.device) if self.circular else None
+        # NOTE: unfused path: per-request write floor of the tail plan (persistent: build allocates nothing)
+        self._tail_floor = torch.zeros((T + 1,), dtype=torch.int32, device=ctx.device) if self.circular else None
+        self._ring = dict(ring=not self.circular and ctx.ring_cols[self.spec.gid] > 0,
+                          circular_capacity=self.group.block_size if self.circular else None)
 
     def fused_tasks(self, ctx: BuildContext):
-        return [FusedTask("window", (self.indices, self.lens, self.slots), gid=self.spec.gid,
+        return [FusedTask("window", (self.indices, self.lens, self.slots, self.tail), gid=self.spec.gid,
                           a=self.kernel_block_size, b=self.spec.window, width=self.indices.shape[1],
-                          write_floor=self.group.prefix_cacheable, window_floor=True)]
+                          write_floor=self.group.prefix_cacheable, window_floor=True, circular=self.circular)]
 
     def launch(self, ctx: BuildContext):
         B, Tp = ctx.num_reqs, ctx.num_tokens_padded
         bt, kw, ring = ctx.tables[self.spec.gid], self.batch_args(ctx), self._ring
+        replay_end = ctx.replay_end[:B] if self.group.prefix_cacheable else None
         slot_mapping(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
-                     blocks_per_kv_block=self.group.blocks_per_kv_block,
-                     replay_end=ctx.replay_end[:B] if self.group.prefix_cacheable else None,
+                     blocks_per_kv_block=self.group.blocks_per_kv_block, replay_end=replay_end,
                      out=self.slots[:Tp], **ring, **kw)
+        if self.circular:
+            floor = tail_floor(ctx.seq_lens[:B], self.group.block_size, replay_end, out=self._tail_floor[:B])
+            slot_mapping(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
+                         replay_end=floor, out=self.tail[:Tp], **ring, **kw)
         window_indices(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
                        self.spec.window, replay_start=ctx.replay_start[:B], out=self.indices[:Tp],
                        out_lens=self.lens[:Tp], **ring, **kw)
 
     def views(self, ctx: BuildContext):
         Tp = ctx.num_tokens_padded
-        return self.meta(ctx, slot_mapping=self.slots[:Tp], indices=self.indices[:Tp], lens=self.lens[:Tp])
+        tail = self.tail[:Tp] if self.circular else None
+        return self.meta(ctx, slot_mapping=self.slots[:Tp], tail_slot_mapping=tail, indices=self.indices[:Tp],
+                         lens=self.lens[:Tp])

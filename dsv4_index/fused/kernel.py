@@ -21,8 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..ops._device import (causal_row, compressed_slot, decode_row_lens, raw_slot, visible_rows, window_len,
-                           window_row)
+from ..ops._device import (causal_row, circular_split, compressed_slot, decode_row_lens, raw_slot, visible_rows,
+                           window_len, window_row)
 from ..state.staging import H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START
 from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, INDEXER, NF, REPLAYS, REQUESTS, S_A, S_B, S_BC, S_CPI,
                     S_CPR, S_CPW, S_EXTRA, S_FLAGS, S_GID, S_HAS, S_KIND, S_MUL, S_NCHUNK, S_NCU, S_NPROG, S_RING,
@@ -115,11 +115,13 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
 
 
 @triton.jit
-def _index_rows(stage_ptr, bt, out, t, in_out, row, first, n, lo, hi, pay, col0, twidth, ring, stride,
+def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride,
                 TAB: tl.constexpr, I: tl.constexpr):
     """Columns ``[col0, col0 + NCHUNK * BC)`` of index-list rows ``t`` (window or causal): chunks that
-    reach a token's entries read the table, chunks past every token's length are plain ``-1`` stores."""
+    reach a token's entries read the table, chunks past every token's length are plain ``-1`` stores.
+    A circular group's window entries inside the step's chunk (from ``q_start``) become in-step rows."""
     KIND: tl.constexpr = TAB[I * _NF + _KIND]
+    CIRCULAR: tl.constexpr = (TAB[I * _NF + _FLAGS] & 4) != 0  # FLAG_CIRCULAR
     WIDTH: tl.constexpr = TAB[I * _NF + _WIDTH]
     BC: tl.constexpr = TAB[I * _NF + _BC]
     NCHUNK: tl.constexpr = TAB[I * _NF + _NCHUNK]
@@ -140,6 +142,8 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, first, n, lo, hi, pay, col0,
                 if KIND == WINDOW:
                     idx = window_row(bt, row, first, n, j, A, twidth, ring, stride,
                                      stage_ptr, lo, hi, pay, True)
+                    if CIRCULAR:
+                        idx = circular_split(idx, t, pos, first, n, j, q_start)
                 else:
                     idx = causal_row(bt, row, n, j, PB, stride, stage_ptr, lo, hi, pay, True)
                 tl.store(rowp + j, idx, mask=m)
@@ -149,6 +153,8 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, first, n, lo, hi, pay, col0,
             if KIND == WINDOW:
                 idx = window_row(bt, row, first, n, j, A, twidth, ring, stride,
                                  stage_ptr, lo, hi, pay, True)
+                if CIRCULAR:
+                    idx = circular_split(idx, t, pos, first, n, j, q_start)
             else:
                 idx = causal_row(bt, row, n, j, PB, stride, stage_ptr, lo, hi, pay, True)
             tl.store(rowp + j, idx, mask=m)
@@ -207,19 +213,28 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
             else:
                 floor = tl.zeros_like(pos)
             first, n = window_len(pos, valid, floor, PB, CPW, CPR, CPI)
+            if (FLAGS & 4) != 0:  # FLAG_CIRCULAR: the request's chunk starts at its query_start row
+                q_start = tl.load(stage_ptr + off_qsl + b, mask=valid, other=0)
+            else:
+                q_start = tl.zeros_like(pos)
             _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
-                        first, n, lo, hi, pay, col0, twidth, ring, stride, TAB, I)
+                        pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride, TAB, I)
             if col0 == 0:
                 tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
                 if (HAS & 4) != 0:
                     slot = raw_slot(bt, row, pos, valid, wfloor, A, twidth, ring, stride, CPW,
                                     CPR, CPI, stage_ptr, lo, hi, pay, True)
                     tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 8) + t, slot, mask=in_out)
+                if (HAS & 8) != 0:
+                    # NOTE: circular write plan: the last `capacity` (= A) tokens of the request's chunk
+                    slot = raw_slot(bt, row, pos, valid, seq - A, A, twidth, ring, stride, CPW,
+                                    CPR, CPI, stage_ptr, lo, hi, pay, True)
+                    tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 3, 8) + t, slot, mask=in_out)
         elif KIND == CAUSAL:
             n = visible_rows(pos, valid, A, CPW, CPR, CPI)
             n = tl.minimum(tl.minimum(n, TAB[I * _NF + _WIDTH]), twidth * PB)
             _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
-                        n, n, lo, hi, pay, col0, twidth, ring, stride, TAB, I)
+                        pos, n, n, pos, lo, hi, pay, col0, twidth, ring, stride, TAB, I)
             if col0 == 0:
                 tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
         elif KIND == COMPRESSED:

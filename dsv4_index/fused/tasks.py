@@ -12,7 +12,8 @@ kind           outputs (out0, out1, out2)                        params
 COMMON         token_to_req i32 [T], positions i64 [T],          -
                is_valid_token bool [T]
 WINDOW         indices i32 [T, width], lens i32 [T],             a = block size, b = window,
-               slot_mapping i64 [T] (or none)                    width, group, floor flags
+               slot_mapping i64 [T] (or none),                   width, group, floor flags,
+               out3: tail_slot_mapping i64 [T] (or none)         circular flag (in-step split)
 COMPRESSED     slot_mapping i64 [T], compact i64 [T] (or none)   a = R, b = S, group, extra = cu
 CAUSAL         indices i32 [T, width], lens i32 [T]              a = R, b = S, width, group
 INDEXER        lens, ks, ke i32 [T]; out3: max(lens, 1) [T]      a = R, group, extra = cu
@@ -64,6 +65,7 @@ S_KIND, S_TASK, S_A, S_B, S_WIDTH, S_TOFF, S_STRIDE, S_TWIDTH, S_RING, S_CPW, S_
 NF = 26
 FLAG_WRITE_FLOOR = 1    # writes stop below replay_end (prefix-cacheable group)
 FLAG_WINDOW_FLOOR = 2   # windows start at replay_start at the earliest
+FLAG_CIRCULAR = 4       # circular group: in-step window entries -2 - row, out3 = the write plan
 TWO_D = frozenset({"window", "causal"})
 ESIZE = {torch.int32: 4, torch.int64: 8, torch.int8: 1, torch.bool: 1}
 
@@ -105,7 +107,8 @@ def task_spec(i: int, t: "FusedTask", group_cp, muls, ring: bool) -> tuple:
     ``S_RING`` only says whether the table is a ring.
     """
     cp = tuple(map(int, group_cp(t.gid))) if t.gid is not None else (1, 0, 1)
-    flags = (FLAG_WRITE_FLOOR if t.write_floor else 0) | (FLAG_WINDOW_FLOOR if t.window_floor else 0)
+    flags = (FLAG_WRITE_FLOOR if t.write_floor else 0) | (FLAG_WINDOW_FLOOR if t.window_floor else 0) | \
+        (FLAG_CIRCULAR if t.circular else 0)
     has = sum(1 << k for k, o in enumerate(t.outputs) if o is not None)
     return (KINDS[t.kind], i, int(t.a), int(t.b), int(t.width), 0, 0, 0, int(ring), *cp,
             t.gid if t.gid is not None else 0, flags, int(t.extra), has, *muls)
@@ -160,6 +163,8 @@ class FusedTask:
     a, b : int — the kind's parameters (module table).
     width : int — row width of a 2-D output (its row stride); 0 for 1-D outputs.
     write_floor, window_floor : bool — apply ``replay_end`` to writes / ``replay_start`` to windows.
+    circular : bool — window task of a circular group (DESIGN §4): entries inside the step's chunk
+        are in-step token rows ``-2 - row``; ``out3`` (when given) is the write plan.
     extra : int — index of a staged per-request array (the plan fills it from the builder's index).
     """
 
@@ -172,6 +177,7 @@ class FusedTask:
     write_floor: bool = False
     window_floor: bool = False
     extra: int = -1
+    circular: bool = False
 
     def key(self) -> tuple:
         """Identical tasks (same kind and outputs) run once, whoever declares them."""

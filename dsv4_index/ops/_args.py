@@ -153,6 +153,23 @@ def check_ring_span(name: str, ring_width: int, block_size: int, first: torch.Te
                          f"{int(first[t])}..{int(last[t])} at once ({int(span[t])} {unit})")
 
 
+def check_write_plan(name: str, plan: torch.Tensor, req: torch.Tensor) -> None:
+    """A circular group's write plan (``tail_slot_mapping``, one slot or ``-1`` per token) must write
+    each slot at most once: two requests of one step sharing a ring block collide (DESIGN §4
+    "circular group"). Checked under ``validate=True`` only, on every device."""
+    live = plan >= 0
+    if not bool(live.any()):
+        return
+    slots, order = torch.sort(plan[live], stable=True)
+    dup = slots[1:] == slots[:-1]
+    if bool(dup.any()):
+        k = int(torch.nonzero(dup)[0])
+        toks = torch.nonzero(live)[:, 0][order[k:k + 2]]
+        a, b = sorted(int(req[t]) for t in toks)
+        raise ValueError(f"{name}: requests {a} and {b} both write slot {int(slots[k])} of a circular "
+                         f"group this step (they share a ring block)")
+
+
 def ring_columns_used(width: int, ring_width: int, blk_lo: torch.Tensor, blk_hi: torch.Tensor,
                       any_: torch.Tensor) -> torch.Tensor:
     """bool ``[B, width]``: the columns holding logical blocks ``blk_lo .. blk_hi`` of each request
@@ -213,6 +230,6 @@ def check_int32_total(name: str, total: int, what: str) -> None:
 
 
 __all__ = ["resolve_rows", "token_out", "prepare_rows", "check_values", "check_block_table",
-           "check_per_request", "table_rows", "check_ring", "ring_cols", "check_ring_span",
+           "check_per_request", "table_rows", "check_ring", "ring_cols", "check_ring_span", "check_write_plan",
            "ring_columns_used", "check_table_width", "check_slots_fit_int32", "prefix_blocks_used",
            "check_int32_total"]

@@ -194,6 +194,17 @@ def window_row(bt_ptr, row, first, n, j, block_size, table_width, ring_cols, row
 
 
 @triton.jit
+def circular_split(idx, t, pos, first, n, j, q_start):
+    """Window entries of a circular group (DESIGN §4 "circular group"): an entry whose position
+    ``p = first + j`` lies inside the request's chunk of this step is read from the step's own token
+    row ``r = t - (pos - p)`` (in the chunk iff ``r >= q_start``, the request's ``query_start``) and
+    encoded ``-2 - r``; earlier entries keep their ring slot. int32 ``[BT, BC]``."""
+    r = t[:, None] - pos[:, None] + first[:, None] + j
+    in_step = (j < n[:, None]) & (r >= q_start[:, None])
+    return tl.where(in_step, -2 - r, idx)
+
+
+@triton.jit
 def window_count(first, n, block_size, table_width):
     """Entries of :func:`window_row` that are slots: the ``n`` local positions ``first ..`` whose
     block lies inside the table's logical width (``== n`` on checked inputs; int32)."""

@@ -262,14 +262,8 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
                     w_keep = np.maximum(w_start, np.where(ring_run, w_end - tables.ring[w_gid], 0))
                     sel = ring_run & m
                     w_keep[sel] = np.maximum(w_keep[sel], lo[gpos[w_gid[sel]], r[sel]])
-        circ = tables.circular & (tables.window > 0)
-        if circ.any():
-            over = circ[:, None] & (tables.window[:, None] - 1 + b_q[None, :] > tables.bs[:, None])
-            if over.any():
-                g, i = (int(x) for x in np.argwhere(over)[0])
-                raise ValueError(f"gid {g} ({tables.groups[g].name}) is circular with capacity "
-                                 f"{int(tables.bs[g])}: slot {int(b_slots[i])} schedules {int(b_q[i])} tokens, "
-                                 f"at most {int(tables.bs[g] - tables.window[g] + 1)} fit with its window")
+        # NOTE: circular groups take any chunk (vLLM's ring): window reads before the chunk start come from
+        # the ring, those inside it from the step's own rows; only each request's last `capacity` tokens write
     if w_gid.size and int(w_cu[-1]) > max_writes:
         ring_run = tables.ring[w_gid] > 0
         if ring_run.any():
@@ -354,14 +348,15 @@ def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, new_slots: np.ndarr
 
 
 def _full_checks(tables: BlockTables, gid, slot, start, cu, ids) -> None:
-    """Contract checks of ``checks="full"`` (full groups: no null id, no id twice in a row)."""
-    for r in np.flatnonzero(tables.full[gid]).tolist():
+    """Contract checks of ``checks="full"`` (full and circular groups: no null id, no id twice in a row)."""
+    for r in np.flatnonzero((tables.full | tables.circular)[gid]).tolist():
         g = int(gid[r])
         run = ids[cu[r]:cu[r + 1]]
         if not run.size:
             continue
         if (run == 0).any():
-            raise ValueError(f"write run {r}: the null block 0 in full group gid {g} (slot {int(slot[r])})")
+            raise ValueError(f"write run {r}: the null block 0 in {tables.groups[g].kind} group gid {g} "
+                             f"(slot {int(slot[r])})")
         old = tables.mirrors[g][int(slot[r]), :int(start[r])]
         both = np.concatenate([old, run])
         if np.unique(both).size != both.size:

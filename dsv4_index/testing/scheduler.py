@@ -17,15 +17,14 @@ What it supports
 * Circular groups (``kind == "circular"``, vLLM's ``CircularBufferSpec``: one block of
   ``capacity = block_size`` rows per request, written as a ring): one block per request, allocated
   at admission (a new or resumed request lists ``[b]`` for the group, a running one ``[]``), freed
-  at finish or preemption, never trimmed. A step schedules at most ``capacity - window + 1``
-  tokens of a request (``window - 1 + q <= capacity`` for every circular group: older rows of the
-  oldest token's window would be overwritten otherwise), like a long-prefill threshold that also
-  caps decodes (fewer speculative tokens when it binds).
+  at finish or preemption, never trimmed. Chunks are not capped by the capacity (vLLM's ring,
+  DESIGN §4 "circular group": reads inside the chunk come from the step itself, only the chunk's
+  last ``capacity`` tokens are written).
 * Hybrid blocks (``blocks_per_kv_block = f``): the pool hands out allocation blocks ``b``; steps
   carry those allocation ids (as a real scheduler does), while block tables (the pipeline's, and
   the views here) hold kernel-block ids ``b*f .. b*f+f-1`` (``f`` zeros for the null block).
 * Token budget ``max_num_batched_tokens``: running decodes first (``1 + num_speculative_tokens``
-  tokens each, fewer near the budget, ``max_model_len`` or the circular cap), then running
+  tokens each, fewer near the budget or ``max_model_len``), then running
   prefills (chunked, at most ``long_prefill_threshold`` tokens each), then waiting requests
   (preempted ones first, then arrivals in order) while the budget and ``max_num_seqs`` allow and
   their blocks fit. Batch order in the step is the scheduling order, so decodes come first.
@@ -200,9 +199,6 @@ class ReferenceScheduler:
                                  default=min(g.table_width * g.block_size for g in groups))
         # NOTE: bounded replay rebuilds the last W positions of every sliding and circular group
         self.max_window = max((g.window for g in groups if g.kind != "full"), default=0)
-        # tokens of one request per step: window - 1 + q <= capacity for every circular group
-        self.circular_token_cap = min((g.block_size - g.window + 1 for g in groups if g.kind == "circular"),
-                                      default=None)
         pc = [g.gid for g in groups if g.prefix_cacheable]
         if len(pc) > 1:
             raise ValueError(f"groups: at most one prefix_cacheable group is supported, got gids {pc}")
@@ -268,7 +264,7 @@ class ReferenceScheduler:
         k = self.num_speculative_tokens  # NOTE: a decode may write k positions past the length
         top = min(length + k, self.max_model_len)
         prefill = min(length, self.long_prefill_threshold or length)
-        chunk = min(self.max_num_batched_tokens, max(prefill, 1 + k), self.circular_token_cap or length + k)
+        chunk = min(self.max_num_batched_tokens, max(prefill, 1 + k))
         return sum(cdiv(top, a) if g.kind == "full" else 1 if g.kind == "circular"
                    else cdiv(g.window - 1 + chunk, a) + 1
                    for g, a in zip(self.groups, self._abs))
@@ -394,8 +390,6 @@ class ReferenceScheduler:
             n = r.num_tokens - r.num_computed
             if self.long_prefill_threshold is not None:
                 n = min(n, self.long_prefill_threshold)
-        if self.circular_token_cap is not None:
-            n = min(n, self.circular_token_cap)
         return min(n, budget)
 
     def _preempt(self, r: _Req) -> None:

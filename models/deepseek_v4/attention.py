@@ -279,7 +279,12 @@ class DSV4Attention(nn.Module):
         """Cache this step's compressor state, then pool and cache every row a token completes."""
         ok = meta.is_valid_token
         st = meta[state_ch]
-        write_rows(state_cache, st.slot_mapping, comp.state(x), ok)
+        cur = comp.state(x)
+        # NOTE: a circular state group (vLLM's ring) lists in-step entries as -2 - token_row and is written
+        # with its write plan after the reads; other groups are written first and read from the cache
+        circular = st.tail_slot_mapping is not None
+        if not circular:
+            write_rows(state_cache, st.slot_mapping, cur, ok)
         # [T_pad], -1 unless the token ends a row. NOTE: under bounded replay (prefix hit) the state
         # windows of replayed tokens are floored at replay_start, so a row they complete may miss part
         # of its span; the metadata gives them no compressed write (pos < replay_end: the row is
@@ -292,7 +297,11 @@ class DSV4Attention(nn.Module):
         k = lens[:, None] - comp.span + torch.arange(comp.span, device=idx.device)  # [G, span]
         pick = torch.where(k >= 0, idx.gather(1, k.clamp(min=0)), -1)  # -1: span starts before pos 0
         rows = state_cache[pick.clamp(min=0).long()]
-        out_cache[done[sel].long()] = comp.pool(rows, pick >= 0)
+        if circular:
+            rows = torch.where((pick <= -2)[..., None], cur[(-2 - pick).clamp(min=0).long()], rows)
+        out_cache[done[sel].long()] = comp.pool(rows, pick != -1)
+        if circular:
+            write_rows(state_cache, st.tail_slot_mapping, cur, ok)
 
     def forward_paged(self, x: torch.Tensor, meta, caches: "LayerCache", *, return_lse: bool = False,
                       with_sink: bool = True, topk_fn: Optional[Callable] = None):

@@ -1,6 +1,7 @@
-"""Ring and circular sliding tables (DESIGN §4 "Sliding tables as rings"): window lists and slot
-mappings == an independent plain-Python model; kernel == reference (outputs poisoned); a ring or a
-circular group too small for the step is a ValueError naming block_table."""
+"""Ring and circular sliding tables (DESIGN §4 "Sliding tables as rings", "circular group"): window
+lists and slot mappings == an independent plain-Python model; kernel == reference (outputs poisoned);
+a ring too small for the step is a ValueError naming block_table. Circular groups take chunks longer
+than their capacity: window entries inside the step's chunk are in-step token rows ``-2 - row``."""
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ def ring_cases(draw, max_q=12):
     batch = draw(batches(max_reqs=4, max_ctx=300, max_q=max_q, unit=16))
     q_max = max(batch[0], default=1) or 1
     if circular:
-        # NOTE: capacity holds the W - 1 older positions and the step's q
-        bs = W - 1 + q_max + draw(st.integers(0, 3))
+        # NOTE: the ring holds the W - 1 positions before the chunk; the chunk itself may be longer
+        bs = max(W - 1, 1) + draw(st.integers(0, 5))
         world, rank, inter = 1, 0, 1
         cols = 1 + draw(st.integers(0, 2))  # extra columns are never read
     else:
@@ -57,6 +58,22 @@ def _replay_tensor(c, device):
     return None if c["replay"] is None else torch.tensor(c["replay"], dtype=torch.int32, device=device)
 
 
+def py_split_at_chunk(q_lens, seq_lens, idx, W, replay):
+    """Circular window rows: entries at positions >= the request's chunk start s are the step's token
+    row qs + (x - s), encoded -2 - row; the others keep their ring slot."""
+    out, t, qs = [list(r) for r in idx], 0, 0
+    for b, (q, sl) in enumerate(zip(q_lens, seq_lens)):
+        s = sl - q
+        for p in range(s, sl):
+            start = max(p - W + 1, replay[b] if replay is not None else 0, 0)
+            for j, x in enumerate(range(start, p + 1)):
+                if x >= s:
+                    out[t][j] = -2 - (qs + x - s)
+            t += 1
+        qs += q
+    return out
+
+
 @given(ring_cases())
 def test_reference_matches_python_model(c):
     q_lens, seq_lens = c["batch"]
@@ -67,6 +84,8 @@ def test_reference_matches_python_model(c):
                                          out_lens=poisoned((T,), torch.int32, "cpu"), **kw)
     want_idx, want_lens = py_window(q_lens, seq_lens, bt.tolist(), c["bs"], c["W"], width, T, c["replay"],
                                     c["world"], c["rank"], c["inter"], ring=not c["circular"], circular=circ)
+    if c["circular"]:
+        want_idx = py_split_at_chunk(q_lens, seq_lens, want_idx, c["W"], c["replay"])
     assert idx.tolist() == want_idx and lens.tolist() == want_lens
     slots = reference.slot_mapping(qsl, sl, bt, c["bs"], out=poisoned((T,), torch.int64, "cpu"), **kw)
     assert slots.tolist() == py_slot_mapping(q_lens, seq_lens, bt.tolist(), c["bs"], T, c["world"],
@@ -100,13 +119,14 @@ def test_hand_example_ring_and_circular():
     idx, lens = reference.window_indices(qsl, sl, bt, 4, 6, ring=True)
     assert idx.tolist() == [[80, 81, 82, 83, 120, 121]] and lens.tolist() == [6]
     assert reference.slot_mapping(qsl, sl, bt, 4, ring=True).tolist() == [121]
-    # circular capacity 8: slot = bt[0] * 8 + p % 8; positions 16..21 -> 16 * 8 + 0..5
+    # circular capacity 8: slot = bt[0] * 8 + p % 8 before the chunk start (21 here), in-step rows
+    # after: positions 16..20 -> 16 * 8 + 0..4 (ring), 21 -> token row 0 -> -2
     idx, _ = reference.window_indices(qsl, sl, bt[:, :1] + 6, 8, 6, circular_capacity=8)
-    assert idx.tolist() == [[128, 129, 130, 131, 132, 133]]
-    # positions 5..10 wrap around the ring of 8: 5, 6, 7, 0, 1, 2
+    assert idx.tolist() == [[128, 129, 130, 131, 132, -2]]
+    # positions 5..9 wrap around the ring of 8: 5, 6, 7, 0, 1; then the token itself (row 0)
     idx, _ = reference.window_indices(qsl, torch.tensor([11], dtype=torch.int32), bt[:, :1], 8, 6,
                                       circular_capacity=8)
-    assert idx.tolist() == [[85, 86, 87, 80, 81, 82]]
+    assert idx.tolist() == [[85, 86, 87, 80, 81, -2]]
 
 
 @pytest.mark.parametrize("backend", ["reference", None])
@@ -118,16 +138,19 @@ def test_too_small_rings_are_rejected(backend):
     win(ok, 4, ring=True)
     with pytest.raises(ValueError, match="block_table.*ring of 4 columns"):
         win(ok[:, :4], 4, ring=True)
-    win(ok[:, :1], 16, circular_capacity=16)         # 16 positions fit a capacity of 16
-    with pytest.raises(ValueError, match="block_table.*circular group of capacity 15"):
-        win(ok[:, :1], 15, circular_capacity=15)
+    # circular: only positions 23..29 (before the chunk start 30) are read from the ring
+    win(ok[:, :1], 7, circular_capacity=7)
+    with pytest.raises(ValueError, match="block_table.*circular group of capacity 6"):
+        win(ok[:, :1], 6, circular_capacity=6)
     # slot mapping: only the step's writes must fit (positions 30..38: 9 positions, 3 blocks of 4)
     dsv4_index.slot_mapping(qsl, sl, ok[:, :3], 4, ring=True, backend=backend)
     with pytest.raises(ValueError, match="block_table"):
         dsv4_index.slot_mapping(qsl, sl, ok[:, :2], 4, ring=True, backend=backend)
-    dsv4_index.slot_mapping(qsl, sl, ok[:, :1], 9, circular_capacity=9, backend=backend)
-    with pytest.raises(ValueError, match="block_table.*circular"):
-        dsv4_index.slot_mapping(qsl, sl, ok[:, :1], 8, circular_capacity=8, backend=backend)
+    # a circular group takes a chunk longer than its capacity (the address map, two tokens per slot)
+    for cap in (9, 8, 2):
+        got = dsv4_index.slot_mapping(qsl, sl, ok[:, :1], cap, circular_capacity=cap, backend=backend,
+                                      validate=True)
+        assert got.tolist() == [int(ok[0, 0]) * cap + p % cap for p in range(30, 39)]
     # argument checks
     for kw, name in [(dict(ring=True, circular_capacity=4), "exclusive"), (dict(ring=1), "ring"),
                      (dict(circular_capacity=8), "circular_capacity"),

@@ -12,7 +12,7 @@ import torch
 
 from ..._common import INT32_MAX, check_batch, check_cp, check_positive_int, needs_value_checks, use_triton
 from .._args import (check_block_table, check_per_request, check_ring, check_ring_span, check_table_width, check_values,
-                     prepare_rows, ring_cols, table_rows)
+                     check_write_plan, prepare_rows, ring_cols, table_rows)
 from . import kernel, naive
 
 __all__ = ["slot_mapping"]
@@ -24,7 +24,7 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
                  ring: bool = False, idx_mapping: Optional[torch.Tensor] = None,
                  replay_end: Optional[torch.Tensor] = None, num_tokens: Optional[int] = None,
                  out: Optional[torch.Tensor] = None, validate: bool = False,
-                 backend: Optional[str] = None) -> torch.Tensor:
+                 backend: Optional[str] = None, tail: bool = False) -> torch.Tensor:
     """Physical cache slot of every scheduled token of one kv-cache group.
 
     Parameters
@@ -40,8 +40,11 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     cp_world_size, cp_rank, cp_interleave : int
         DCP: tokens owned by other ranks get ``-1``; owned ones use their local position.
     circular_capacity : int, optional
-        Circular group: one block of ``capacity`` rows per request (needs ``block_size ==
-        capacity``, no DCP): ``slot = bt[0] * capacity + pos % capacity``.
+        Circular group (vLLM's ring, DESIGN §4 "circular group"): one block of ``capacity`` rows per
+        request (needs ``block_size == capacity``, no DCP): ``slot = bt[0] * capacity + pos % capacity``
+        for every token — the *address map*; a chunk may be longer than the capacity, two of its tokens
+        then share a slot. With ``validate=True`` (on every device) the write plan of the step must be
+        free of collisions between requests (two requests sharing a ring block).
     ring : bool
         The table's columns form a ring: logical block ``i`` is in column ``i % cols`` (DESIGN §4
         "Sliding tables as rings"); no logical width limit.
@@ -58,6 +61,10 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     validate : bool
         Run the value checks on CUDA inputs too (they always run on CPU inputs).
     backend : {None, "triton", "reference"}
+    tail : bool
+        Circular groups only: return the *write plan* (``tail_slot_mapping``) instead of the address
+        map: the same slot for the last ``capacity`` tokens of each request's chunk
+        (``pos >= seq_len - capacity``), ``-1`` before them; distinct rows within a request.
 
     Returns
     -------
@@ -76,10 +83,26 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     ring_width = ring_cols(block_table, ring, circular_capacity)
     if ring_width and block_table.shape[1] == 0:
         raise ValueError("block_table needs at least one column for a ring / circular table")
+    if not isinstance(tail, bool):
+        raise ValueError(f"tail must be a bool, got {tail!r}")
+    if tail and circular_capacity is None:
+        raise ValueError("tail=True (the write plan) needs circular_capacity")
     check = needs_value_checks(device, validate)
     rows = table_rows(block_table, idx_mapping, B, check)
     if check:
         check_values(query_start_loc, seq_lens, num_tokens, out.shape[0])
+    if circular_capacity is not None and (validate or tail):
+        # NOTE: the write plan: tokens before the request's last `capacity` write nothing
+        plan_floor = naive.tail_floor(seq_lens[:B], circular_capacity, replay_end)
+        if validate:
+            T = int(query_start_loc[-1])
+            plan = naive.slot_mapping(query_start_loc, seq_lens, block_table, block_size, rows, ring_width,
+                                      plan_floor, 1, 0, 1, T)
+            req = naive.local_positions(query_start_loc, seq_lens, T, None, 1, 0, 1)[0]
+            check_write_plan("block_table", plan, req)
+        if tail:
+            replay_end = plan_floor
+    if check and circular_capacity is None:
         T = int(query_start_loc[-1])
         req, pos, lp, need = naive.local_positions(query_start_loc, seq_lens, T, replay_end,
                                                    cp_world_size, cp_rank, cp_interleave)
@@ -88,7 +111,7 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
             first = torch.full((B,), INT32_MAX, dtype=torch.long).scatter_reduce_(
                 0, req[need].cpu(), lp[need].cpu(), "amin")
             check_ring_span("block_table", ring_width, block_size, first[req.cpu()], lp.cpu(),
-                            need.cpu(), req.cpu(), circular=circular_capacity is not None)
+                            need.cpu(), req.cpu())
         else:
             check_table_width("block_table", block_table.shape[1], req, lp // block_size, need)
     table_width = INT32_MAX if ring_width else block_table.shape[1]

@@ -24,6 +24,17 @@ def local_positions(query_start_loc, seq_lens, num_rows: int, replay_end: Option
     return req, pos, torch.where(need, cp_local(pos, cp_world_size, cp_interleave), -1), need
 
 
+def tail_floor(seq_lens: torch.Tensor, capacity: int, replay_end: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Write floor of a circular group's write plan (``tail_slot_mapping``), int32 ``[B]``: only the
+    last ``capacity`` tokens of each request's chunk write, ``pos >= seq_len - capacity`` (combined
+    with ``replay_end`` by max when given)."""
+    floor = torch.sub(seq_lens, capacity, out=out)
+    if replay_end is not None and replay_end.numel():
+        torch.maximum(floor, replay_end[:floor.numel()], out=floor)
+    return floor
+
+
 def slot_mapping(query_start_loc, seq_lens, block_table, block_size: int, rows: torch.Tensor,
                  ring_width: int, replay_end, cp_world_size: int, cp_rank: int, cp_interleave: int,
                  num_rows: int) -> torch.Tensor:

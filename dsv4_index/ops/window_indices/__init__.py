@@ -46,9 +46,13 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
         "Sliding tables as rings"). The ring must hold every position the request's tokens read
         in this step (value check).
     circular_capacity : int, optional
-        Circular group: one block of ``capacity`` rows per request (``block_size == capacity``, no
-        DCP): ``slot = bt[0] * capacity + pos % capacity``; the step's positions read by a request
-        must span at most ``capacity`` positions.
+        Circular group (vLLM's ring, DESIGN §4 "circular group"): one block of ``capacity`` rows per
+        request (``block_size == capacity``, no DCP). Reads split at the request's chunk start ``s``
+        (its first scheduled position): an entry at position ``p < s`` is the ring slot
+        ``bt[0] * capacity + p % capacity`` (``>= 0``); an entry at ``p >= s`` is read from the step's
+        own token row ``r = query_start + (p - s)`` and encoded ``-2 - r`` (``<= -2``; decode with
+        ``-2 - x``); ``-1`` stays padding. Any chunk length is accepted; the ring part of a request's
+        reads (positions ``max(s - W + 1, floor) .. s - 1``) must fit the capacity (value check).
     idx_mapping : int32 ``[B]``, optional
         Table row of each request (slot-indexed tables, e.g. the pipeline's).
     num_tokens : int, optional
@@ -66,9 +70,9 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
     Returns
     -------
     (int32 ``[T_out, width]`` slots ``bt[col(lp // block_size)] * block_size + lp % block_size`` of the
-    listed local positions ``lp``, then ``-1``; int32 ``[T_out]`` count of listed slots, ``0`` for
-    padded tokens). On unchecked inputs an entry whose block lies outside a plain table is ``-1`` and
-    not counted.
+    listed local positions ``lp`` (in-step rows ``-2 - r`` for circular groups), then ``-1``; int32
+    ``[T_out]`` count of listed entries, ``0`` for padded tokens). On unchecked inputs an entry whose
+    block lies outside a plain table is ``-1`` and not counted.
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)
@@ -96,10 +100,10 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
     if use_triton(device, backend):
         return kernel.launch(query_start_loc, seq_lens, block_table, idx_mapping, replay_start,
                              block_size, window, table_width, ring_width, cp_world_size, cp_rank,
-                             cp_interleave, out, out_lens)
+                             cp_interleave, out, out_lens, circular=circular_capacity is not None)
     idx, lens = naive.window_indices(query_start_loc, seq_lens, block_table, block_size, window, rows,
                                      ring_width, replay_start, cp_world_size, cp_rank, cp_interleave,
-                                     T_out, out.shape[1])
+                                     T_out, out.shape[1], circular=circular_capacity is not None)
     out.copy_(idx)
     out_lens[:T_out].copy_(lens)
     out_lens[T_out:] = 0
@@ -126,6 +130,11 @@ def _check_window_values(query_start_loc, seq_lens, block_table, block_size, win
                                            cp_world_size, cp_rank, cp_interleave)
     need = count > 0
     last = first + count - 1
+    if circular:
+        # NOTE: only the entries before the chunk start are read from the ring (the rest from the step)
+        q = qsl[1:] - qsl[:-1]
+        last = torch.minimum(last, (sl - q)[req] - 1)
+        need &= last >= first
     # NOTE: the positions a request's tokens read in one step form one range of local positions
     # (consecutive tokens' windows overlap or touch): [lo, hi] per request
     lo = torch.full((B,), INT32_MAX, dtype=torch.long).scatter_reduce_(0, req[need], first[need], "amin")
