@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ._triton import HAVE_TRITON, MISSING_MESSAGE, TritonUnavailable
+
 INDEX_SENTINEL = -1
 LENGTH_SENTINEL = 0
 INT32_MAX = 2 ** 31 - 1
@@ -35,15 +37,28 @@ def use_triton(device: torch.device, backend: Optional[str] = None) -> bool:
 
     ``backend`` (keyword) beats the ``DSV4_INDEX_BACKEND`` environment variable, which beats the
     default: Triton for CUDA tensors or under ``TRITON_INTERPRET=1``, the reference otherwise.
+    Without the ``triton`` package the default is the reference everywhere except under
+    ``TRITON_INTERPRET=1``; asking for Triton (``backend="triton"`` or the interpreter) then raises
+    :class:`dsv4_index._triton.TritonUnavailable` (an ``ImportError``) saying what to install.
     """
     choice = backend if backend is not None else os.environ.get("DSV4_INDEX_BACKEND") or None
     if choice is not None:
         if choice not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {choice!r}")
+        if choice == "triton":
+            _require_triton()
         if choice == "triton" and device.type != "cuda" and not interpreting():
             raise ValueError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
         return choice == "triton"
-    return device.type == "cuda" or interpreting()
+    if interpreting():
+        _require_triton()
+        return True
+    return device.type == "cuda" and HAVE_TRITON
+
+
+def _require_triton() -> None:
+    if not HAVE_TRITON:
+        raise TritonUnavailable(MISSING_MESSAGE)
 
 
 def needs_value_checks(device: torch.device, validate: bool) -> bool:

@@ -10,9 +10,9 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
-import triton
 
 from .._common import cdiv, interpreting
+from .._triton import triton
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
 from .tasks import (F_A, F_B, F_CPI, F_CPR, F_CPW, F_EXTRA, F_FLAGS, F_GROUP, F_KIND, F_OUT0, F_OUT1, F_OUT2, F_OUT3, F_RING, F_STRIDE,

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import triton.language as tl
 
+from .._triton import tl
 __all__ = ["FusedTask", "TOKEN_KINDS", "REQUEST_KINDS", "NUM_FIELDS"]
 
 # kinds
