@@ -9,8 +9,6 @@ everything (:func:`dsv4_index._common.use_triton` never picks Triton without it)
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["HAVE_TRITON", "TritonUnavailable", "MISSING_MESSAGE", "triton", "tl"]
 
 MISSING_MESSAGE = ("the Triton backend needs the `triton` package, which is not installed "
@@ -22,8 +20,6 @@ class TritonUnavailable(ImportError):
     """A Triton path was asked for and triton is not installed."""
 
 
-triton: Any
-tl: Any
 try:
     import triton
     import triton.language as tl
@@ -75,5 +71,5 @@ except ImportError:
         def __getattr__(self, name):
             raise TritonUnavailable(f"triton.language.{name}: {MISSING_MESSAGE}")
 
-    triton = _Triton()
-    tl = _Language()
+    triton = _Triton()  # type: ignore[assignment]
+    tl = _Language()  # type: ignore[assignment]
