@@ -95,7 +95,7 @@ def test_cli_layout_pro(installed):
     rc, out = sh([installed["py"], "-m", "dsv4_index", "layout", "--config", "pro"],
                  cwd=installed["cwd"], env=installed["env"])
     assert rc == 0, out
-    assert "DSV4Layout(max_model_len=131072, layers=62, W=128, c4=4, c128=128, index_topk=1024)" in out, out
+    assert "DSV4Layout(max_model_len=32768, layers=62, W=128, c4=4, c128=128, index_topk=1024)" in out, out
     for group in ("mla", "swa", "c4_state", "c128_state"):
         assert group in out, out
     script = installed["env_dir"] / ("Scripts/dsv4-index.exe" if os.name == "nt" else "bin/dsv4-index")
@@ -108,7 +108,7 @@ def test_cli_demo(installed):
     env.pop("TRITON_INTERPRET", None)          # CPU: the PyTorch reference path (the kernels have their tests)
     rc, out = sh([installed["py"], "-m", "dsv4_index", "demo"], cwd=installed["cwd"], env=env)
     assert rc == 0, out
-    assert "DSV4Layout(max_model_len=131072, layers=44" in out, out
+    assert "DSV4Layout(max_model_len=32768, layers=44" in out, out
     assert "step: 4 requests" in out, out
     for channel in ("[c4a]", "[c4i]", "[c128a]", "[swa]"):
         assert channel in out, out

@@ -304,7 +304,7 @@ def _heat(ax, cmap, cat, head, ids, r0: int, r1: int, ncol: int) -> None:
         big = n <= 50
         ax.plot(head[r0:r1], np.arange(r0, r1) - (0.38 if big else 0), "kv" if big else "k|", ms=7 if big else 3,
                 mew=0.6)
-    if n * ncol <= 400:   # NOTE: small tables: the ids of the blocks in use
+    if n * ncol <= 400 and ncol <= 20:   # NOTE: small tables: the ids of the blocks in use
         for (r, c), v in np.ndenumerate(ids[r0:r1, :ncol]):
             if cat[r0 + r, c] in (HELD, WINDOW, WRITTEN):
                 ax.text(c, r0 + r, str(int(v)), ha="center", va="center", fontsize=FS_CELL,
@@ -425,7 +425,7 @@ def _token_strip(ax, meta, qsl) -> None:
     ax.set_xlim(0, max(Tp, 1))
     ax.set_yticks([])
     ax.tick_params(labelsize=FS_SMALL)
-    ax.set_xlabel(f"token index (request segments alternate shades; hatched: {Tp - T} padded tokens)",
+    ax.set_xlabel(f"token index (request segments alternate shades; hatched: {Tp - T} padding tokens)",
                   fontsize=FS_LABEL)
 
 
