@@ -31,6 +31,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # examples/_progress.py
 
 import argparse
 import random
@@ -40,6 +41,7 @@ import time
 import zlib
 
 import torch  # NOTE: does not import triton; TRITON_INTERPRET is set below before anything does
+from _progress import progress  # examples/_progress.py: tqdm on a terminal, plain lines otherwise
 
 TOL = 1e-4
 MAX_LEN = 192          # max_model_len of the tiny layout
@@ -158,29 +160,6 @@ def make_trace(sched, inputs, steps, seed):
         accepted = sched.random_acceptance(step, rng)
         yield step, views, accepted, sched.block_holders()
         sched.update_after_step(accepted)
-
-
-def progress(total):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, unit="step", file=sys.stderr, disable=None, leave=False)
-    except ImportError:
-        class Line:
-            def __init__(self):
-                self.n = 0
-
-            def update(self, k=1):
-                self.n += k
-                if sys.stderr.isatty():
-                    print(f"\rstep {self.n}/{total}", end="", file=sys.stderr, flush=True)
-
-            def set_postfix_str(self, s):
-                pass
-
-            def close(self):
-                if sys.stderr.isatty():
-                    print(file=sys.stderr)
-        return Line()
 
 
 def main(argv=None) -> int:
