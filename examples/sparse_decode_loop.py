@@ -183,12 +183,12 @@ def main(argv=None) -> int:
     kinds = {k: cfg.layer_ids(k)[0] for k in ("swa", "c4", "c128")}
 
     # weights from the seed, round-tripped through a safetensors file
-    ref = torch.nn.ModuleDict({k: init_weights(DSV4Attention(cfg, l), args.seed * 1000 + l) for k, l in kinds.items()})
+    ref = torch.nn.ModuleDict({k: init_weights(DSV4Attention(cfg, i), args.seed * 1000 + i) for k, i in kinds.items()})
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tiny_attention.safetensors")
         save(ref, path)
         size = os.path.getsize(path)
-        models = load(torch.nn.ModuleDict({k: DSV4Attention(cfg, l) for k, l in kinds.items()}), path)
+        models = load(torch.nn.ModuleDict({k: DSV4Attention(cfg, i) for k, i in kinds.items()}), path)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), models.parameters()))
     models = models.to(device).eval()
     print(f"tiny DSV4 attention: layers {kinds} (kind: layer id); weights seed {args.seed}, "
