@@ -64,6 +64,7 @@ def installed(tmp_path_factory):
     return {"wheel": wheel, "py": py, "env_dir": env_dir, "site": site, "cwd": run_dir, "env": env}
 
 
+@pytest.mark.slow  # builds a wheel, installs it into a fresh venv
 def test_wheel_contents(installed):
     with zipfile.ZipFile(installed["wheel"]) as z:
         names = set(z.namelist())
@@ -80,6 +81,7 @@ def test_wheel_contents(installed):
     assert not any(n.startswith(("models/", "tests/", "examples/")) for n in names)
 
 
+@pytest.mark.slow  # builds a wheel, installs it into a fresh venv
 def test_imports_from_the_wheel(installed):
     rc, out = sh([installed["py"], "-c", "import dsv4_index.config as c, dsv4_index as d; "
                   "print(d.__file__); print(c.shipped_config('pro')['num_hidden_layers'])"],
@@ -91,6 +93,7 @@ def test_imports_from_the_wheel(installed):
     assert layers == "61"
 
 
+@pytest.mark.slow  # builds a wheel, installs it into a fresh venv
 def test_cli_layout_pro(installed):
     rc, out = sh([installed["py"], "-m", "dsv4_index", "layout", "--config", "pro"],
                  cwd=installed["cwd"], env=installed["env"])
@@ -103,6 +106,7 @@ def test_cli_layout_pro(installed):
     assert rc == 0 and "layers=5" in out, out
 
 
+@pytest.mark.slow  # builds a wheel, installs it into a fresh venv
 def test_cli_demo(installed):
     env = dict(installed["env"])
     env.pop("TRITON_INTERPRET", None)          # CPU: the PyTorch reference path (the kernels have their tests)
