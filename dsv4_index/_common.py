@@ -87,12 +87,35 @@ def check_tensor(name: str, x, *, dtypes: Sequence[torch.dtype], ndim: int,
     return x
 
 
-def check_positive_int(name: str, v, *, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
+def is_int(v, *, numpy_ok: bool = False) -> bool:
+    """``v`` is a Python int (a numpy integer too with ``numpy_ok``), never a bool."""
+    return not isinstance(v, bool) and isinstance(v, (int, np.integer) if numpy_ok else int)
+
+
+def check_int(name: str, v, *, lo: Optional[int] = None, hi: Optional[int] = None, numpy_ok: bool = False) -> int:
+    """``v`` as an int, or ``ValueError`` naming ``name``: an int (not a bool; numpy integers with
+    ``numpy_ok``) with ``lo <= v <= hi`` (either bound optional).
+
+    >>> check_int("block_size", 64, lo=1)
+    64
+    >>> check_int("cp_rank", 2, lo=0, hi=1)
+    Traceback (most recent call last):
+        ...
+    ValueError: cp_rank must be in [0, 1], got 2
+    """
+    if not is_int(v, numpy_ok=numpy_ok):
         raise ValueError(f"{name} must be an int, got {type(v).__name__}")
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        if hi is None:
+            raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if lo is None:
+            raise ValueError(f"{name} must be <= {hi}, got {v}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return int(v)
+
+
+def check_positive_int(name: str, v, *, minimum: int = 1) -> int:
+    return check_int(name, v, lo=minimum)
 
 
 def check_batch(query_start_loc, seq_lens, block_table=None):

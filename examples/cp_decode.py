@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
-from dsv4_index._common import cp_global, cp_owned_count  # noqa: E402
+from dsv4_index._common import check_int, cp_global, cp_owned_count  # noqa: E402
 from dsv4_index.testing.scheduler import ReferenceScheduler  # noqa: E402
 from dsv4_index.validate import check_cp_partition, check_metadata  # noqa: E402
 from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load_config  # noqa: E402
@@ -79,9 +79,8 @@ def cp_layouts(config, max_model_len: int, world: int, interleave: int, *, mla_b
     ``j`` of a request holds, on every rank, exactly the rank's owned tokens (rows) of virtual block
     ``j`` at local positions ``[j * block_size, (j + 1) * block_size)``.
     """
-    for name, v in (("cp_world_size", world), ("cp_interleave", interleave)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    check_int("cp_world_size", world, lo=1)
+    check_int("cp_interleave", interleave, lo=1)
     sched = DSV4Layout.from_config(config, max_model_len, mla_block_size=mla_block_size * world,
                                    swa_block_size=swa_block_size * world, **kw)
     rank = DSV4Layout.from_config(config, max_model_len, mla_block_size=mla_block_size,
