@@ -85,6 +85,7 @@ def test_inspect_without_matplotlib_says_what_to_install(tmp_path):
 
 
 def test_replay_progress_off_when_stderr_is_not_a_terminal():
-    code = "from dsv4_index.tools.cli import build_parser; print(build_parser().parse_args(['replay', 'x']).no_progress)"
+    code = ("from dsv4_index.tools.cli import build_parser\n"
+            "print(build_parser().parse_args(['replay', 'x']).no_progress)")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == "True", p.stdout + p.stderr

@@ -10,11 +10,12 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+FENCE = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```[ \t]*$", re.S | re.M)   # also inside list items
 
 RUNNER = r'''
 import sys, traceback
@@ -32,13 +33,14 @@ print(f"ran {{len(blocks)}} README blocks")
 
 
 def python_blocks(text: str):
-    """(first line number, source) of every fenced ```python block."""
-    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in FENCE.finditer(text)]
+    """(first line number, source) of every fenced ```python block (indented ones dedented)."""
+    return [(text.count("\n", 0, m.start(2)) + 1, textwrap.dedent(m.group(2))) for m in FENCE.finditer(text)]
 
 
 def test_extractor_finds_blocks():
-    text = "intro\n```python\nx = 1\n```\n```bash\nls\n```\n  ```python\nnot fenced at column 0\n```\n```python\ny = x\n```\n"
-    assert python_blocks(text) == [(3, "x = 1\n"), (12, "y = x\n")]
+    text = ("intro\n```python\nx = 1\n```\n```bash\nls\n```\n* item\n\n  ```python\n  z = x\n  ```\n"
+            "```python\ny = z\n```\n")
+    assert python_blocks(text) == [(3, "x = 1\n"), (11, "z = x\n"), (14, "y = z\n")]
 
 
 def test_every_python_block_compiles():
