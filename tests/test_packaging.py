@@ -185,3 +185,17 @@ def test_interpreter_asked_without_triton_says_what_to_install():
                        timeout=120)
     assert p.returncode != 0, p.stdout + p.stderr
     assert "TritonUnavailable" in p.stderr and "pip install triton" in p.stderr, p.stderr
+
+
+def test_cli_demo_without_triton():
+    code = NO_TRITON + ("import runpy\n"
+                        "sys.argv = ['dsv4_index', 'demo', '--config', 'tiny']\n"
+                        "try:\n"
+                        "    runpy.run_module('dsv4_index', run_name='__main__')\n"
+                        "finally:\n"
+                        "    assert 'triton' not in sys.modules\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DSV4_INDEX_BACKEND")}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "step: 4 requests" in p.stdout and "[c4a]" in p.stdout, p.stdout + p.stderr
