@@ -71,6 +71,7 @@ def test_reference_has_the_ops_signature(op):
     assert getattr(dsv4_index, op) is getattr(ops, op)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_modules_import_first_in_any_order():
     """A fresh interpreter imports each of these first (no cycle hides behind a lazy package)."""
     # NOTE: two leaves here (a fresh interpreter costs seconds); every module was checked this way
