@@ -78,6 +78,15 @@ def test_wheel_contents(installed):
     assert lic, sorted(names)
     assert "License-Expression: Apache-2.0" in metadata
     assert "Provides-Extra: test" in metadata and "Provides-Extra: examples" in metadata
+    import dsv4_index
+    assert f"Version: {dsv4_index.__version__}" in metadata
+    # runtime dependencies = what the package imports; the rest only in extras
+    base = sorted(line.split(":", 1)[1].strip() for line in metadata.splitlines()
+                  if line.startswith("Requires-Dist:") and "extra ==" not in line)
+    assert [d.split(">")[0].split("<")[0].split("=")[0].strip() for d in base] == ["numpy", "torch"], base
+    for extra in ("triton", "models", "plot", "dev"):
+        assert f"Provides-Extra: {extra}" in metadata, extra
+    assert "Classifier: Typing :: Typed" in metadata and "Project-URL" not in metadata
     assert not any(n.startswith(("models/", "tests/", "examples/")) for n in names)
 
 
