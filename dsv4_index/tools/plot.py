@@ -51,9 +51,7 @@ def _plt():
     return plt
 
 
-# ----------------------------------------------------------------------------------------------
 # a sample step
-# ----------------------------------------------------------------------------------------------
 def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] = None,
                       max_num_batched_tokens: int = 4096, num_speculative_tokens: int = 1,
                       prefill_chunk: int = 512, num_prefills: Optional[int] = None, min_context: Optional[int] = None,
@@ -110,9 +108,7 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
                      write_cu=np.asarray(cu, dtype=np.int64), write_ids=np.concatenate(ids))
 
 
-# ----------------------------------------------------------------------------------------------
 # the picture
-# ----------------------------------------------------------------------------------------------
 def _occupancy(meta, g, qsl, seq, max_rows: int):
     """(categories int8 [rows, cols], ring head column per row or None, table ids [rows, cols])."""
     B = min(meta.num_reqs, max_rows)
