@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ._triton import HAVE_TRITON, MISSING_MESSAGE, TritonUnavailable
+
 INDEX_SENTINEL = -1
 LENGTH_SENTINEL = 0
 INT32_MAX = 2 ** 31 - 1
@@ -35,15 +37,28 @@ def use_triton(device: torch.device, backend: Optional[str] = None) -> bool:
 
     ``backend`` (keyword) beats the ``DSV4_INDEX_BACKEND`` environment variable, which beats the
     default: Triton for CUDA tensors or under ``TRITON_INTERPRET=1``, the reference otherwise.
+    Without the ``triton`` package the default is the reference everywhere except under
+    ``TRITON_INTERPRET=1``; asking for Triton (``backend="triton"`` or the interpreter) then raises
+    :class:`dsv4_index._triton.TritonUnavailable` (an ``ImportError``) saying what to install.
     """
     choice = backend if backend is not None else os.environ.get("DSV4_INDEX_BACKEND") or None
     if choice is not None:
         if choice not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {choice!r}")
+        if choice == "triton":
+            _require_triton()
         if choice == "triton" and device.type != "cuda" and not interpreting():
             raise ValueError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
         return choice == "triton"
-    return device.type == "cuda" or interpreting()
+    if interpreting():
+        _require_triton()
+        return True
+    return device.type == "cuda" and HAVE_TRITON
+
+
+def _require_triton() -> None:
+    if not HAVE_TRITON:
+        raise TritonUnavailable(MISSING_MESSAGE)
 
 
 def needs_value_checks(device: torch.device, validate: bool) -> bool:
@@ -72,12 +87,35 @@ def check_tensor(name: str, x, *, dtypes: Sequence[torch.dtype], ndim: int,
     return x
 
 
-def check_positive_int(name: str, v, *, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
+def is_int(v, *, numpy_ok: bool = False) -> bool:
+    """``v`` is a Python int (a numpy integer too with ``numpy_ok``), never a bool."""
+    return not isinstance(v, bool) and isinstance(v, (int, np.integer) if numpy_ok else int)
+
+
+def check_int(name: str, v, *, lo: Optional[int] = None, hi: Optional[int] = None, numpy_ok: bool = False) -> int:
+    """``v`` as an int, or ``ValueError`` naming ``name``: an int (not a bool; numpy integers with
+    ``numpy_ok``) with ``lo <= v <= hi`` (either bound optional).
+
+    >>> check_int("block_size", 64, lo=1)
+    64
+    >>> check_int("cp_rank", 2, lo=0, hi=1)
+    Traceback (most recent call last):
+        ...
+    ValueError: cp_rank must be in [0, 1], got 2
+    """
+    if not is_int(v, numpy_ok=numpy_ok):
         raise ValueError(f"{name} must be an int, got {type(v).__name__}")
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        if hi is None:
+            raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if lo is None:
+            raise ValueError(f"{name} must be <= {hi}, got {v}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return int(v)
+
+
+def check_positive_int(name: str, v, *, minimum: int = 1) -> int:
+    return check_int(name, v, lo=minimum)
 
 
 def check_batch(query_start_loc, seq_lens, block_table=None):

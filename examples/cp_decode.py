@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
-from dsv4_index._common import cp_global, cp_owned_count  # noqa: E402
+from dsv4_index._common import check_int, cp_global, cp_owned_count  # noqa: E402
 from dsv4_index.testing.scheduler import ReferenceScheduler  # noqa: E402
 from dsv4_index.validate import check_cp_partition, check_metadata  # noqa: E402
 from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load_config  # noqa: E402
@@ -79,9 +79,8 @@ def cp_layouts(config, max_model_len: int, world: int, interleave: int, *, mla_b
     ``j`` of a request holds, on every rank, exactly the rank's owned tokens (rows) of virtual block
     ``j`` at local positions ``[j * block_size, (j + 1) * block_size)``.
     """
-    for name, v in (("cp_world_size", world), ("cp_interleave", interleave)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    check_int("cp_world_size", world, lo=1)
+    check_int("cp_interleave", interleave, lo=1)
     sched = DSV4Layout.from_config(config, max_model_len, mla_block_size=mla_block_size * world,
                                    swa_block_size=swa_block_size * world, **kw)
     rank = DSV4Layout.from_config(config, max_model_len, mla_block_size=mla_block_size,
@@ -329,7 +328,7 @@ def run_rank(comm, *, interleave: int = 1, steps: int = 30, seed: int = 0, devic
     cap = budget + pad
     pipe = MetadataPipeline(L.rank, 8, cap, dev, spec, cp_world_size=W, cp_rank=r, cp_interleave=interleave)
     layers = [CFG.layer_ids(k)[0] for k in ("swa", "c4", "c128")]
-    models = {l: init_weights(DSV4Attention(CFG, l), 10 + l).to(dev).eval() for l in layers}
+    models = {layer: init_weights(DSV4Attention(CFG, layer), 10 + layer).to(dev).eval() for layer in layers}
     caches = PagedCaches(CFG, L.rank, num_blocks, device=dev)
     if reference:
         single = MetadataPipeline(L.sched, 8, cap, dev, spec)
@@ -378,13 +377,13 @@ def run_rank(comm, *, interleave: int = 1, steps: int = 30, seed: int = 0, devic
         x[T:] = float("nan")  # padded tokens: must give zeros and write nothing
         x = x.to(dev)
         with torch.no_grad():
-            for l, m in models.items():
-                o, lse = m.forward_paged(x, meta, caches[l], return_lse=True, with_sink=r == 0, topk_fn=topk_fn)
+            for layer, m in models.items():
+                o, lse = m.forward_paged(x, meta, caches[layer], return_lse=True, with_sink=r == 0, topk_fn=topk_fn)
                 merged = merge_partials(comm.all_gather(o), comm.all_gather(lse))
                 y = torch.where(meta.is_valid_token[:, None], m.project(merged), 0.0)
                 if not reference:
                     continue
-                y1 = m.forward_paged(x, meta1, single_caches[l])
+                y1 = m.forward_paged(x, meta1, single_caches[layer])
                 res["err_single"] = max(res["err_single"], worst(y - y1), worst(y[T:]))
                 for b, rid in enumerate(meta.req_ids):
                     v = views[rid]
@@ -394,7 +393,7 @@ def run_rank(comm, *, interleave: int = 1, steps: int = 30, seed: int = 0, devic
                     skip = min(v.num_scheduled_tokens, max(0, v.replay_start + CFG.sliding_window - 1
                                                           - v.num_computed_tokens)) if v.replay_end else 0
                     res["err_dense"] = max(res["err_dense"], worst(y[qsl[b] + skip:qsl[b + 1]] - ref[skip:]))
-                    if l == layers[0]:
+                    if layer == layers[0]:
                         res["compared"] += v.num_scheduled_tokens - skip
                         res["replayed"] += max(0, min(v.seq_len, v.replay_end) - v.num_computed_tokens)
         metas = comm.gather_objects(host_meta(meta) if validate else None)

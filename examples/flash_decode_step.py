@@ -51,6 +51,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # examples/_progress.py
 
 import argparse
 import ctypes
@@ -61,6 +62,7 @@ from collections import Counter
 
 import numpy as np
 import torch  # NOTE: does not import triton; TRITON_INTERPRET is set before anything does
+from _progress import progress  # examples/_progress.py: tqdm on a terminal, plain lines otherwise
 
 KINDS = ("swa", "c4", "c128")
 SALT = {"swa": 0, "c4": 1, "c128": 2}
@@ -91,6 +93,16 @@ def parse_args(argv=None):
                     help="self-test: entry 0 of each token's list of these kinds repeats entry 1 (must FAIL)")
     a = ap.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sized = any(v is not None for v in (a.steps, a.batch, a.max_model_len, a.ctx))
+    if not a.device.startswith("cuda") and not a.small:
+        if not sized:   # NOTE: full V4-Flash shapes (B=256, 300 steps) in the Triton interpreter take hours
+            a.small = True
+            print("CPU without --small: full V4-Flash shapes would take hours in the Triton interpreter; running "
+                  "--small (under 10 s). Give --steps / --batch / --ctx to run full head shapes at your size.",
+                  file=sys.stderr, flush=True)
+        else:
+            print("CPU, full head shapes (64 heads, dim 512) in the Triton interpreter: expect tens of seconds "
+                  "per step and more with --batch; progress below.", file=sys.stderr, flush=True)
     a.steps, a.batch = a.steps or (6 if a.small else 300), a.batch or (8 if a.small else 256)
     a.max_model_len = a.max_model_len or (8192 if a.small else 131072)
     a.ctx = a.ctx or [200 if a.small else 4096, a.max_model_len]
@@ -501,6 +513,7 @@ def main(argv=None) -> int:
             caches[k].phys[torch.from_numpy(wl.slots(s, g_mla, rows, S[k]) - caches[k].lo).to(dev)] = \
                 vals(k, r["uid"], rows, 0, scale=R[k])
 
+    bar = progress(args.steps)
     for step in range(args.steps):
         batch, c_h, q_h, vd_h, admitted = wl.next_step()
         T, qsl = int(q_h.sum()), np.concatenate([[0], np.cumsum(q_h)])
@@ -599,11 +612,9 @@ def main(argv=None) -> int:
                     e["tokens"] += 1
         wl.advance()
         timer.starved *= step > 0  # NOTE: admission (step 0) is not timed
-        if sys.stderr.isatty() or (step + 1) % 50 == 0:
-            print(f"\rstep {step + 1}/{args.steps}  rel err " + " ".join(f"{k} {err[k]['rel']:.1e}" for k in KINDS),
-                  end="" if sys.stderr.isatty() else "\n", file=sys.stderr, flush=True)
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
+        bar.set_postfix_str("rel err " + " ".join(f"{k} {err[k]['rel']:.1e}" for k in KINDS))
+        bar.update(1)
+    bar.close()
     res = dict(args=vars(args), shape=dict(H=H, D=D, rope=rope, W=W, K=K, B=B, T_pad=Tp, max_model_len=L),
                layer_counts=counts, storage=storage, storage_note=note, metadata_backend=md_backend,
                attention_backend=attn_backend, pool=dict(first_id=wl.trash + 1, mla_first_id=wl.mla_lo, top=wl.top),

@@ -8,7 +8,8 @@ ring), and zoomed rows of a few requests with their window, causal compressed an
     python examples/inspect_step.py                            # tiny layout -> out/inspect_step.png
     python examples/inspect_step.py --config flash --requests 300 --out flash.png
 
-To draw a step of your own pipeline: ``from dsv4_index.tools.plot import draw_step; draw_step(pipe.build(), "step.png")``.
+To draw a step of your own pipeline:
+``from dsv4_index.tools.plot import draw_step; draw_step(pipe.build(), "step.png")``.
 """
 
 import os

@@ -31,6 +31,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # examples/_progress.py
 
 import argparse
 import random
@@ -40,6 +41,7 @@ import time
 import zlib
 
 import torch  # NOTE: does not import triton; TRITON_INTERPRET is set below before anything does
+from _progress import progress  # examples/_progress.py: tqdm on a terminal, plain lines otherwise
 
 TOL = 1e-4
 MAX_LEN = 192          # max_model_len of the tiny layout
@@ -160,29 +162,6 @@ def make_trace(sched, inputs, steps, seed):
         sched.update_after_step(accepted)
 
 
-def progress(total):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, unit="step", file=sys.stderr, disable=None, leave=False)
-    except ImportError:
-        class Line:
-            def __init__(self):
-                self.n = 0
-
-            def update(self, k=1):
-                self.n += k
-                if sys.stderr.isatty():
-                    print(f"\rstep {self.n}/{total}", end="", file=sys.stderr, flush=True)
-
-            def set_postfix_str(self, s):
-                pass
-
-            def close(self):
-                if sys.stderr.isatty():
-                    print(file=sys.stderr)
-        return Line()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = pick_backend(args)
@@ -204,12 +183,12 @@ def main(argv=None) -> int:
     kinds = {k: cfg.layer_ids(k)[0] for k in ("swa", "c4", "c128")}
 
     # weights from the seed, round-tripped through a safetensors file
-    ref = torch.nn.ModuleDict({k: init_weights(DSV4Attention(cfg, l), args.seed * 1000 + l) for k, l in kinds.items()})
+    ref = torch.nn.ModuleDict({k: init_weights(DSV4Attention(cfg, i), args.seed * 1000 + i) for k, i in kinds.items()})
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tiny_attention.safetensors")
         save(ref, path)
         size = os.path.getsize(path)
-        models = load(torch.nn.ModuleDict({k: DSV4Attention(cfg, l) for k, l in kinds.items()}), path)
+        models = load(torch.nn.ModuleDict({k: DSV4Attention(cfg, i) for k, i in kinds.items()}), path)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), models.parameters()))
     models = models.to(device).eval()
     print(f"tiny DSV4 attention: layers {kinds} (kind: layer id); weights seed {args.seed}, "

@@ -246,6 +246,7 @@ def test_garbage_batches_are_rejected_or_built_exactly(muts):
 @pytest.mark.skipif(not INTERP, reason="the fused kernel needs CUDA or TRITON_INTERPRET=1")
 @settings(max_examples=8)
 @given(_mutations())
+@pytest.mark.slow  # ./dev quick skips it
 def test_garbage_batches_fused(muts):
     _garbage(muts, None)
 

@@ -355,14 +355,17 @@ def trace():
     return seen
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_sparse_decode_views(trace):
     assert trace["decode_tokens"] > 20 and trace["padded_decode"] > 0 and trace["kernel"] >= 3, trace
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_paged_mqa_logits_view(trace):
     assert trace["logits_rows"] > 20, trace
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_sparse_prefill_combined_matrix(trace):
     assert trace["prefill_tokens"] > 100 and trace["replayed"] > 0 and trace["with_prefix"] > 0, trace
     assert trace["multi_chunk_steps"] > 0 and trace["later_in_chunk"] > 0, trace
@@ -371,6 +374,7 @@ def test_sparse_prefill_combined_matrix(trace):
 # ----------------------------------------------------------------------------------------------
 # DeepGEMM lengths at the production page size (64 indexer rows per page) and the clamped copies
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow  # ./dev quick skips it
 def test_paged_mqa_logits_64_row_pages_and_clamped_lens():
     """Hand-made steps, mla block 256 (64 c4 rows per page, as DeepGEMM's ``block_kv``): a decode that
     reads two pages, a 1-token decode in a ``next_n = 2`` batch (``[0, n]``) and dummy ``seq_len = 1``

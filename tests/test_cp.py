@@ -26,6 +26,8 @@ from dsv4_index.testing.scheduler import ReferenceScheduler  # noqa: E402
 from dsv4_index.validate import MetadataError, check_cp_partition  # noqa: E402
 from models.deepseek_v4.attention import merge_partials, sink_attention, sink_attention_lse  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-rank runs, torchrun (./dev quick skips it)
+
 TOL = 1e-4
 STATE = ("c4_state", "c128_state")
 

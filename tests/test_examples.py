@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+pytestmark = pytest.mark.slow  # runs the example scripts end to end (./dev quick skips it)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the V4-Flash example (./dev quick skips it)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "flash_decode_step.py"
 FLASH = ROOT / "dsv4_index" / "configs" / "flash.json"

@@ -50,6 +50,7 @@ NUM_BLOCKS = 40
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow  # ./dev quick skips it
 def test_fused_equals_unfused_equals_reference_over_a_trace(case):
     _trace_case(case)
 
@@ -332,6 +333,7 @@ def test_step_stats_count_staged_ids():
     assert all(p.last_step_stats.h2d_bytes == none.h2d_bytes for p in pipes.values())
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_many_requests():
     """120 requests (trailing capacity rows are zero-length) and a second step
     that appends blocks and leaves gaps (unscheduled requests)."""

@@ -23,6 +23,8 @@ from dsv4_index.validate import check_metadata, check_topk
 
 from _meta_helpers import HAS_TRITON, tiny_layout
 
+pytestmark = pytest.mark.slow  # long fuzz (./dev quick skips it)
+
 LAYOUTS = {"tiny": tiny_layout(), "hybrid": tiny_layout(kernel_block_size=16),
            "full": tiny_layout(sliding_tables="full"), "compact": tiny_layout(compact_compressed=True),
            "circular": tiny_layout(circular={"c4_state": 16, "c128_state": 32}, kernel_block_size={"swa": 2})}

@@ -77,6 +77,7 @@ def test_module_list_is_complete():
 
 
 @pytest.mark.parametrize("bare", [False, True], ids=["package", "bare"])
+@pytest.mark.slow  # ./dev quick skips it
 def test_every_module_imports_in_any_order_and_alone(bare):
     failed = probe("dsv4_index", PKG, bare, MODULES, ROOT)
     assert not failed, "\n".join(f"{o} {n}:\n{tb}" for o, n, tb in failed)
@@ -93,6 +94,7 @@ def test_probe_finds_a_cycle(tmp_path):
     assert {(o, n) for o, n, _ in failed} == {("forward", "cyc.a"), ("alone", "cyc.a")}
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_plain_import_statements_in_fresh_interpreters():
     """``python -c "import a; import b; ..."`` literally, forward and reverse (no importlib)."""
     for names in (MODULES, MODULES[::-1]):

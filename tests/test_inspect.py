@@ -25,6 +25,7 @@ def test_tiny_step_picture(tmp_path):
     assert out.endswith("tiny.png") and w > 1500 and h > 1000 and n > 50_000, (w, h, n)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_flash_step_picture_cli(tmp_path, capsys):
     out = tmp_path / "flash.png"
     assert main(["inspect", "--config", "flash", "--requests", "200", "--out", str(out)]) == 0

@@ -9,6 +9,8 @@ import torch
 from models.deepseek_v4 import DSV4Attention, DSV4Config, init_weights, load, load_config, save
 from models.deepseek_v4.attention import apply_rope
 
+pytestmark = pytest.mark.slow  # model equivalence (./dev quick skips it)
+
 TOL = 1e-4
 CFG = load_config("tiny")
 KINDS = {k: CFG.layer_ids(k)[0] for k in ("swa", "c4", "c128")}

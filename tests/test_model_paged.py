@@ -21,6 +21,8 @@ from dsv4_index.pipeline import MetadataPipeline
 from dsv4_index.testing.scheduler import ReferenceScheduler, cache_writes
 from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load_config
 
+pytestmark = pytest.mark.slow  # model equivalence (./dev quick skips it)
+
 TOL = 1e-4
 CFG = load_config("tiny")
 MAX_LEN = 256

@@ -146,6 +146,7 @@ def run_trace(layout, steps, seed, *, pad=0, device="cpu", max_num_reqs=6, max_t
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.slow  # ./dev quick skips it
 def test_tiny_trace_reference_backend(monkeypatch, seed):
     monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
     tokens = run_trace(tiny_layout(), 100, seed, pad=seed * 3, num_blocks=96)
@@ -154,17 +155,20 @@ def test_tiny_trace_reference_backend(monkeypatch, seed):
 
 @pytest.mark.parametrize("kw", [dict(sliding_tables="full"), dict(circular={"c4_state": 16, "c128_state": 32}),
                                 dict(kernel_block_size={"mla": 16, "swa": 2})], ids=["full", "circular", "hybrid"])
+@pytest.mark.slow  # ./dev quick skips it
 def test_tiny_trace_other_tables_reference_backend(monkeypatch, kw):
     monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
     assert run_trace(tiny_layout(**kw), 80, 4, pad=2, num_blocks=64) > 500
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_flash_trace_reference_backend(monkeypatch):
     monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
     run_trace(flash_layout(), 60, 7, num_blocks=64, max_tokens=512, prompt_len=(1, 900), max_new_tokens=(1, 8))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.slow  # ./dev quick skips it
 def test_tiny_trace_kernels(device):
     """The same trace on the Triton kernels (interpreter on CPU, compiled on CUDA)."""
     run_trace(tiny_layout(), 12, 3, pad=4, num_blocks=96, device=device)
@@ -213,6 +217,7 @@ def test_bad_step_leaves_state_unchanged(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.slow  # ./dev quick skips it
 def test_scheduler_trace_fused_vs_unfused_vs_python(device):
     """A reference-scheduler trace (prefix hits with replay, preemption and resume, spec decode)
     through the fused pipeline (block writes applied in the launch), the unfused one (applied by

@@ -124,6 +124,7 @@ def test_every_registered_kind_joins_the_one_launch(registry):
     assert pipe._builders["c8a"].compressed is pipe._builders["c8i"].compressed
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_registered_channels_fused_equals_unfused_equals_reference(registry):
     register_all()
     layout = user_layout()
@@ -146,6 +147,7 @@ def test_registered_channels_fused_equals_unfused_equals_reference(registry):
     assert m["c8i"].ks is not None and m["c8i"].indices.shape[1] == 128 and m["c2"].indices.shape[1] == 128
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_builder_without_fused_tasks_runs_its_own_launch(registry):
     register_all()
     layout = user_layout()
@@ -179,6 +181,7 @@ def test_registered_window_subclass_joins_the_fused_launch(registry):
     assert int(m["test_fused_win"].lens.max()) == 4
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_readme_example_verbatim(registry):
     """The README's "Adding a channel" code, run as written on V4-Flash at 128K: one launch, and a
     step's c2 rows (512 column tiles of the fused launch) equal the reference."""

@@ -562,6 +562,7 @@ CASES += [(name, "ring", True) for name in (  # NOTE: the fused launch applies s
 
 @pytest.mark.parametrize("name,variant,fused", CASES, ids=[
     n + ("-fused" if f else "") + ("-circular" if v != KINDS[n].variant else "") for n, v, f in CASES])
+@pytest.mark.slow  # ./dev quick skips it
 def test_rejected_step_changes_nothing(name, variant, fused):
     if fused and not INTERP:
         pytest.skip("the fused pipeline needs CUDA or TRITON_INTERPRET=1")

@@ -581,6 +581,7 @@ def _replay_trace(layout, seed, steps, *, validate=True):
 
 
 @pytest.mark.parametrize("circular", [None, CIRCULAR, CIRCULAR_BOTH], ids=["rings", "c128_state", "both_states"])
+@pytest.mark.slow  # ./dev quick skips it
 def test_replay_never_writes_blocks_another_request_holds(circular):
     """Through the pipeline (check_metadata after every build): no token of any step writes into a
     block that another live request holds (slot and compressed slot mappings of every channel), nor
@@ -632,6 +633,7 @@ def test_circular_worst_need_and_admission():
 
 
 @pytest.mark.parametrize("circular", [CIRCULAR, CIRCULAR_BOTH], ids=["c128_state", "both_states"])
+@pytest.mark.slow  # ./dev quick skips it
 def test_circular_traces_through_pipeline_validate(circular):
     """Random traces (chunks, spec decode, preemption and resume, prefix hits) with circular state
     groups: the pipeline accepts every step and check_metadata passes after every build."""
@@ -658,6 +660,7 @@ _FIELDS = ("slot_mapping", "compressed_slot_mapping", "indices", "lens", "ks", "
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETING),
                     reason="the Triton path needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.slow  # ./dev quick skips it
 def test_circular_fused_triton_equals_reference(device):
     """The fused Triton launch (interpreter on CPU) equals the PyTorch reference field by field on a
     short trace with both state groups circular, prefix hits with replay, and padding."""

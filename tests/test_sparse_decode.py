@@ -15,6 +15,8 @@ from models.deepseek_v4.attention import sink_attention_lse
 from models.deepseek_v4.sparse_decode import (bench_sparse_decode, sparse_decode_attention,
                                               sparse_decode_attention_reference)
 
+pytestmark = pytest.mark.slow  # attention kernel in the interpreter (./dev quick skips it)
+
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")

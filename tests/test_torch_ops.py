@@ -9,6 +9,8 @@ import dsv4_index.torch_ops as T
 from dsv4_index import DSV4Layout, MetadataPipeline, reference
 from dsv4_index.testing.scheduler import random_trace
 
+pytestmark = pytest.mark.slow  # torch.compile (./dev quick skips it)
+
 OPS = torch.ops.dsv4_index
 I32 = torch.int32
 

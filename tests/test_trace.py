@@ -65,6 +65,7 @@ def test_trace_format(trace):
     assert b.write_ids.size > 0 and b.write_cu[-1] == b.write_ids.size
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_replay_clean_prints_a_summary(trace, capsys):
     res = replay_trace(trace, device="cpu")
     assert res.ok, res.report()

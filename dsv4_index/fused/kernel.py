@@ -18,8 +18,7 @@ the stage (the overlay), so no program reads what another program of the launch 
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from .._triton import triton, tl
 
 from ..ops._device import (causal_row, circular_split, compressed_slot, decode_row_lens, raw_slot, visible_rows,
                            window_len, window_row)

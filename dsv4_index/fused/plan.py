@@ -11,9 +11,9 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
-import triton
 
 from .._common import cdiv, interpreting
+from .._triton import triton
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
 from .tasks import (ESIZE, KINDS, NF, REQUEST_KINDS, TOKEN_KINDS, FusedTask, TileConfig, geometry, request_specs,

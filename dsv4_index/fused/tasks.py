@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import triton.language as tl
 
+from .._triton import tl
 __all__ = ["FusedTask", "TileConfig", "TOKEN_KINDS", "REQUEST_KINDS"]
 
 # kinds

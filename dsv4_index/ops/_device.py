@@ -27,8 +27,7 @@ Conventions
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from .._triton import triton, tl
 
 
 # ----------------------------------------------------------------------------------------------

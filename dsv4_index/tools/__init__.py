@@ -1,1 +1,2 @@
-"""Tools beside the core: step traces (:mod:`.trace`), the step picture (:mod:`.plot`), the command line (:mod:`.cli`)."""
+"""Tools beside the core: step traces (:mod:`.trace`), the step picture (:mod:`.plot`), the command line
+(:mod:`.cli`)."""

@@ -1,16 +1,17 @@
-"""Command line: ``python -m dsv4_index layout|demo|inspect|replay``.
+"""Command line of dsv4-index: ``python -m dsv4_index COMMAND`` (or the ``dsv4-index`` script).
 
-``layout`` prints the groups and channels derived from a DeepSeek-V4 config; ``demo`` builds and prints
-the metadata of one sample DeepSeek-V4-Flash step (two decodes, one speculative decode, one prefill chunk);
-``inspect`` draws one sample step of a layout as a PNG (needs matplotlib); ``replay`` feeds a recorded
-step trace (``dsv4_index.tools.trace.record_steps``) through a checked pipeline and the reference and prints the
-first step, channel, token and values where anything goes wrong, or a summary table.
+Every command takes ``--config`` (a shipped name ``flash`` | ``pro`` | ``tiny`` or a config.json path) and
+``--max-model-len`` (default: the config's ``max_position_embeddings``, at most 32768). "Padding" means the
+rows a step adds after its live tokens to reach the padded size ``T_pad`` (a CUDA-graph batch size);
+``T_pad`` = live tokens + padding.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +24,37 @@ def _config_path(name: str) -> str:
     if p.suffix == ".json" or p.exists():
         return str(p)
     return str(CONFIGS / f"{name}.json")
+
+
+DEFAULT_MAX_MODEL_LEN = 32768
+
+LAYOUT_COLUMNS = """\
+columns: gid = kv-cache group id; kind = full | sliding | circular; block = tokens per (kernel) block;
+  f = kernel blocks per allocation block (hybrid blocks; 1 = plain); window = sliding window in tokens;
+  width = logical blocks per request, ceil(max_model_len / block) (per DCP rank where sharded; sliding
+  groups store only a ring of their newest blocks);
+  channels: R = compress ratio, S = rows per cache block, idx = index-list width (entries per token)"""
+
+
+def max_model_len_of(args) -> int:
+    """``--max-model-len`` or the default: the config's ``max_position_embeddings``, at most 32768."""
+    if args.max_model_len is not None:
+        return args.max_model_len
+    path = Path(_config_path(args.config))
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        longest = int(json.loads(path.read_text()).get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)
+    except (OSError, ValueError, TypeError, AttributeError):
+        longest = DEFAULT_MAX_MODEL_LEN   # NOTE: from_config reports an unreadable config itself
+    return min(longest, DEFAULT_MAX_MODEL_LEN)
+
+
+def layout_cmd(args) -> int:
+    from .. import DSV4Layout
+    print(DSV4Layout.from_config(_config_path(args.config), max_model_len=max_model_len_of(args)))
+    print(LAYOUT_COLUMNS)
+    return 0
 
 
 def sample_step(layout, *, seed: int = 0):
@@ -47,14 +79,14 @@ def sample_step(layout, *, seed: int = 0):
                      finished_req_ids=[], preempted_req_ids=[])
 
 
-def demo(args) -> None:
+def demo(args) -> int:
     from .. import DSV4Layout, MetadataPipeline
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
         print("(CPU: functional ops run their PyTorch reference; set TRITON_INTERPRET=1 to run the Triton "
               "kernels in the interpreter)")
-    layout = DSV4Layout.from_config(_config_path(args.config), max_model_len=args.max_model_len)
+    layout = DSV4Layout.from_config(_config_path(args.config), max_model_len=max_model_len_of(args))
     print(layout)
     pipe = MetadataPipeline(layout, max_num_reqs=8, max_num_batched_tokens=64, device=device,
                             num_speculative_tokens=1)
@@ -62,8 +94,9 @@ def demo(args) -> None:
     pipe.update(sample_step(layout), pad_to=48)
     meta = pipe.build()
     torch.set_printoptions(linewidth=140, threshold=200, edgeitems=4)
-    print(f"\nstep: {meta.num_reqs} requests {meta.req_ids} (decode-first), {meta.num_tokens} tokens padded to "
-          f"{meta.num_tokens_padded}; decodes {meta.num_decodes} ({meta.num_decode_tokens} tokens), "
+    print(f"\nstep: {meta.num_reqs} requests {meta.req_ids} (decode-first), {meta.num_tokens} tokens + "
+          f"{meta.num_tokens_padded - meta.num_tokens} padding = {meta.num_tokens_padded}; decodes {meta.num_decodes} "
+          f"({meta.num_decode_tokens} tokens), "
           f"prefills {meta.num_prefills} ({meta.num_prefill_tokens} tokens)")
     print("query_start_loc", meta.query_start_loc.tolist(), " seq_lens", meta.seq_lens.tolist())
     print("positions      ", meta.positions.tolist())
@@ -85,22 +118,30 @@ def demo(args) -> None:
                 cut = row if len(row) <= 10 else row[:8] + ["..."] + row[-2:]
                 print(f"    t={t:3d} len={n:5d}  {cut}")
     if "c4a" in meta:
-        K = layout.index_topk
+        K = int(layout.index_topk or 1)
         topk = torch.full((meta.num_tokens_padded, K), -1, dtype=torch.int32, device=device)
         topk[:, :4] = torch.tensor([0, 3, 70, 10_000], dtype=torch.int32)
         slots, lens = meta.topk_to_slots("c4a", topk)
         print(f"\n[c4a] topk_to_slots of picks [0, 3, 70, 10000] (10000 is beyond every context): "
               f"token 0 -> {slots[0, :4].tolist()} len {int(lens[0])}")
+    return 0
 
 
 def inspect_step(args) -> int:
     from .plot import draw_step, sample_step
 
-    pipe, meta = sample_step(_config_path(args.config), args.requests, max_model_len=args.max_model_len,
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("inspect draws with matplotlib, which is not installed: pip install 'dsv4-index[plot]' "
+              "(or pip install matplotlib)", file=sys.stderr)
+        return 2
+    pipe, meta = sample_step(_config_path(args.config), args.requests, max_model_len=max_model_len_of(args),
                              device=args.device or "cpu", seed=args.seed)
     draw_step(meta, args.out, seed=args.seed)
     print(f"{args.config}: {meta.num_reqs} requests ({meta.num_decodes} decodes first), {meta.num_tokens} tokens "
-          f"padded to {meta.num_tokens_padded} -> {args.out} ({os.path.getsize(args.out) // 1024} KiB)")
+          f"+ {meta.num_tokens_padded - meta.num_tokens} padding -> {args.out} "
+          f"({os.path.getsize(args.out) // 1024} KiB)")
     return 0
 
 
@@ -113,23 +154,37 @@ def replay(args) -> int:
     return 0 if res.ok else 1
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     ap = argparse.ArgumentParser(prog="python -m dsv4_index", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("layout", "demo"):
-        p = sub.add_parser(name)
-        p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json")
-        p.add_argument("--max-model-len", type=int, default=131072)
-        p.add_argument("--device", default=None)
-    p = sub.add_parser("inspect", help="draw one sample step of a layout as a PNG")
-    p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json")
-    p.add_argument("--requests", type=int, default=None, help="requests in the step (default: 300; tiny: 6)")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: 32768 (tiny: 128)")
+    ap.add_argument("--version", action="version", version=f"dsv4-index {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=description or help)
+        p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json "
+                       "(default: flash)")
+        p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                       help="longest request in tokens; sizes every table (default: the config's "
+                       f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})")
+        return p
+
+    command("layout", "print the kv-cache groups and channels a config gives, with a key to the columns")
+    p = command("demo", "build one sample V4 step (2 decodes, 1 speculative decode, 1 prefill chunk) and "
+                "print its metadata")
+    p.add_argument("--device", default=None, help="pipeline device (default: cuda if available, else cpu)")
+    p = command("inspect", "draw one sample step (table occupancy, token order, zoomed requests) as a PNG",
+                "draw one sample step of a layout as a PNG (needs matplotlib: pip install 'dsv4-index[plot]')")
+    p.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="requests in the step (default: 300; tiny: 6)")
     p.add_argument("--out", default="step.png", help="output PNG (default: step.png)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="pipeline device (default: cpu)")
-    p = sub.add_parser("replay", help="replay a recorded step trace through the checker and the reference")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sample step and its top-k picks (default: 0)")
+    p.add_argument("--device", default=None, help="pipeline device (default: cpu, the PyTorch reference)")
+    p = sub.add_parser("replay", help="replay a recorded step trace through the checker and the reference",
+                       description="replay a recorded step trace through a checked pipeline and the reference; "
+                       "prints the first divergence, or a summary")
     p.add_argument("trace", help="JSONL trace written by dsv4_index.tools.trace.record_steps")
     p.add_argument("--config", default=None, help="replay with this config instead of the recorded layout "
                    "(flash | pro | tiny | path); the recorded block sizes, rings and DCP are kept")
@@ -137,13 +192,18 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default=None, choices=("triton", "reference"),
                    help="backend of the checked pipeline (default: triton on CUDA or under TRITON_INTERPRET=1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random top-k picks compared every step")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", default=not sys.stderr.isatty(),
+                   help="no progress output (default: a bar on a terminal, nothing when stderr is not one)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.cmd == "layout":
-        from .. import DSV4Layout
-        print(DSV4Layout.from_config(_config_path(args.config), max_model_len=args.max_model_len))
+        return layout_cmd(args)
     elif args.cmd == "demo":
-        demo(args)
+        return demo(args)
     elif args.cmd == "inspect":
         return inspect_step(args)
     else:

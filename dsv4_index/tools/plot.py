@@ -36,6 +36,10 @@ _CAT_NAMES = ["empty", "held (before this step)", "in a token's window (read)", 
               "stale ring column (not read)"]
 
 
+# font sizes (points): legible at 100 % zoom of the saved PNG
+FS_CELL, FS_SMALL, FS_LABEL, FS_TITLE, FS_SUPTITLE = 8, 10, 11, 12, 14
+
+
 def _plt():
     try:
         import matplotlib
@@ -47,9 +51,7 @@ def _plt():
     return plt
 
 
-# ----------------------------------------------------------------------------------------------
 # a sample step
-# ----------------------------------------------------------------------------------------------
 def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] = None,
                       max_num_batched_tokens: int = 4096, num_speculative_tokens: int = 1,
                       prefill_chunk: int = 512, num_prefills: Optional[int] = None, min_context: Optional[int] = None,
@@ -71,7 +73,7 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
         raise ValueError(f"num_requests must be in [1, max_num_reqs = {R}], got {num_requests!r}")
     n_pre = num_prefills if num_prefills is not None else max(1, B // 100) if B >= 3 else 0
     n_spec = max(int(B - n_pre >= 2), (B - n_pre) // 10) if num_speculative_tokens else 0
-    q = np.ones(B, dtype=np.int64)
+    q: np.ndarray = np.ones(B, dtype=np.int64)
     q[n_pre:n_pre + n_spec] = 1 + num_speculative_tokens
     budget = max_num_batched_tokens - int(q[n_pre:].sum())
     for i in range(n_pre):
@@ -82,8 +84,7 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
     L = layout.max_model_len
     hi = np.maximum(L - q - num_speculative_tokens - 1, 1)
     lo = np.minimum(hi, max(1, min_context or L // 64))
-    nc = np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64)
-    nc = np.minimum(nc, hi)
+    nc = np.minimum(np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64), hi)
     order = rng.permutation(B)
     q, nc = q[order], nc[order]
     slots = rng.permutation(R)[:B].astype(np.int64)
@@ -107,9 +108,7 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
                      write_cu=np.asarray(cu, dtype=np.int64), write_ids=np.concatenate(ids))
 
 
-# ----------------------------------------------------------------------------------------------
 # the picture
-# ----------------------------------------------------------------------------------------------
 def _occupancy(meta, g, qsl, seq, max_rows: int):
     """(categories int8 [rows, cols], ring head column per row or None, table ids [rows, cols])."""
     B = min(meta.num_reqs, max_rows)
@@ -190,6 +189,7 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
     plt = _plt()
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     import os
     layout = meta.layout
@@ -199,67 +199,75 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
     q = np.diff(qsl)
     rows = _pick_rows(meta, requests)
     groups = layout.groups
-    fig = plt.figure(figsize=(18, 9 + 3.1 * len(rows)))
-    gs = fig.add_gridspec(2 + len(rows), max(len(groups), 2), height_ratios=[1.6, 4.0] + [1.45] * len(rows),
-                          hspace=0.55, wspace=0.22, top=1 - 0.5 / fig.get_figheight(), bottom=0.03)
+    fig = plt.figure(figsize=(18, 10 + 3.3 * len(rows)))
+    gs = fig.add_gridspec(2 + len(rows), max(len(groups), 2), height_ratios=[1.9, 4.4] + [1.5] * len(rows),
+                          hspace=0.62, wspace=0.25, top=1 - 0.6 / fig.get_figheight(), bottom=0.03)
 
-    # 1. token order ------------------------------------------------------------------------
-    top = gs[0, :].subgridspec(2, 1, height_ratios=[3, 1], hspace=0.9)
-    _token_strip(fig.add_subplot(top[1]), meta, qsl)
-    ax = fig.add_subplot(top[0])
-    x = np.arange(B)
-    kind = np.where(x >= nd, 2, np.where(q > 1, 1, 0))
-    colors = np.asarray(["#3182bd", "#9e9ac8", "#e6550d"])[kind]
-    ax.bar(x, q, width=1.0, color=colors, linewidth=0)
-    ax.set_yscale("log")
-    ax.set_xlim(-0.5, max(B, 1) - 0.5)
-    ax.set_ylabel("tokens scheduled", fontsize=8)
-    ax.set_xlabel("batch row (decode rows first)", fontsize=8)
-    ax.axvline(nd - 0.5, color="k", lw=1, ls="--")
-    ax2 = ax.twinx()
-    ax2.plot(x, np.maximum(seq, 1), ".", ms=2.5 if B > 50 else 7, color="0.25")
-    ax2.set_yscale("log")
-    ax2.set_ylabel("context after the step (dots)", fontsize=8)
-    ax.set_title(f"token order: {nd} decode rows ({meta.num_decode_tokens} tokens) then {B - nd} prefill rows "
-                 f"({meta.num_prefill_tokens} tokens); {T} tokens padded to {Tp}", fontsize=9)
-    ax.legend(handles=[Patch(color=c, label=l) for c, l in zip(
-        ["#3182bd", "#9e9ac8", "#e6550d"], ["decode (1 token)", "speculative decode", "prefill chunk"])],
-        fontsize=7, loc="upper center", ncol=3)
-    for a in (ax, ax2):
-        a.tick_params(labelsize=7)
+    # 1. token order: decode rows | prefill rows (each panel as wide as it needs), the token axis below
+    kind_colors = ["#3182bd", "#9e9ac8", "#e6550d"]
+    kind_names = ["decode (1 token)", "speculative decode", "prefill chunk"]
+    top = gs[0, :].subgridspec(2, 2, height_ratios=[3, 1], width_ratios=[4.2, 1.0], hspace=1.0, wspace=0.12)
+    _token_strip(fig.add_subplot(top[1, 0]), meta, qsl)
+    key = fig.add_subplot(top[1, 1])
+    key.axis("off")
+    key.legend(handles=[Patch(color=c, label=n) for c, n in zip(kind_colors, kind_names)]
+               + [plt.Line2D([], [], ls="", marker=".", ms=9, color="0.25", label="context after the step")],
+               loc="center", fontsize=FS_SMALL, frameon=False)
+    kind = np.where(np.arange(B) >= nd, 2, np.where(q > 1, 1, 0))
+    for k, (lo, hi, what) in enumerate(((0, nd, "decode rows"), (nd, B, "prefill rows"))):
+        ax = fig.add_subplot(top[0, k])
+        x = np.arange(lo, hi)
+        ax.bar(x, q[lo:hi], width=0.9 if hi - lo < 50 else 1.0, color=np.asarray(kind_colors)[kind[lo:hi]],
+               linewidth=0)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
+        ax.set_xlim(lo - 0.5, max(hi, lo + 1) - 0.5)
+        if hi - lo <= 12:
+            ax.set_xticks(x)
+        ax.set_xlabel(f"batch row ({what})", fontsize=FS_LABEL)
+        ax2 = ax.twinx()
+        ax2.plot(x, np.maximum(seq[lo:hi], 1), ".", ms=3 if hi - lo > 50 else 9, color="0.25")
+        ax2.set_yscale("log")
+        if k == 0:
+            ax.set_ylabel("tokens scheduled (bars)", fontsize=FS_LABEL)
+            ax.set_title(f"token order: {nd} decode rows ({meta.num_decode_tokens} tokens) first, then {B - nd} "
+                         f"prefill rows ({meta.num_prefill_tokens} tokens); {T} tokens + {Tp - T} padding = {Tp}",
+                         fontsize=FS_TITLE, loc="left")
+        else:
+            ax2.set_ylabel("context (dots)", fontsize=FS_LABEL)
+        if hi == lo:
+            ax.text(0.5, 0.5, f"no {what}", transform=ax.transAxes, ha="center", va="center", fontsize=FS_LABEL)
+        for a in (ax, ax2):
+            a.tick_params(labelsize=FS_SMALL)
 
-    # 2. occupancy --------------------------------------------------------------------------
+    # 2. occupancy: per group, the decode rows and (in their own panel, so they stay visible) the prefill rows
     cmap = ListedColormap(_CAT_COLORS)
+    cat_all = {g.gid: _occupancy(meta, g, qsl, seq, B) for g in groups}
+    spans = [(0, min(nd, max_rows))] + ([(nd, min(B, nd + max_rows))] if B > nd else [])
     for g in groups:
-        ax = fig.add_subplot(gs[1, g.gid])
-        cat, head, ids = _occupancy(meta, g, qsl, seq, max_rows)
+        cat, head, ids = cat_all[g.gid]
         used = np.flatnonzero((cat != EMPTY).any(0))
         ncol = cat.shape[1] if meta.ring_cols[g.gid] or not used.size else min(cat.shape[1], int(used[-1]) + 2)
-        ax.imshow(cat[:, :ncol], cmap=cmap, vmin=-0.5, vmax=len(_CAT_COLORS) - 0.5, aspect="auto",
-                  interpolation="nearest")
-        if head is not None:
-            big = len(head) <= 50
-            ax.plot(head, np.arange(len(head)) - (0.38 if big else 0), "kv" if big else "k|", ms=6 if big else 3,
-                    mew=0.6)
-        if cat.shape[0] * ncol <= 400:   # NOTE: small tables: the ids of the blocks in use
-            for (r, c), v in np.ndenumerate(ids[:, :ncol]):
-                if cat[r, c] in (HELD, WINDOW, WRITTEN):
-                    ax.text(c, r, str(int(v)), ha="center", va="center", fontsize=6 if ncol <= 12 else 5,
-                            rotation=0 if ncol <= 12 else 90)
-        ring = int(meta.ring_cols[g.gid])
-        kind_s = (f"ring: block i in column i % {ring}; marks: newest" if ring else
-                  "circular: one block per request" if g.kind == "circular" else
-                  f"{g.kind}: columns {ncol} of {cat.shape[1]} shown")
-        win = f", window {g.window}" if g.window else ""
-        ax.set_title(f"gid {g.gid} {g.name}: block {g.block_size} tokens{win}\n{kind_s}", fontsize=8)
-        ax.set_xlabel("table column", fontsize=7)
-        if g.gid == 0:
-            ax.set_ylabel(f"batch row (first {cat.shape[0]} of {B})", fontsize=7)
-        ax.tick_params(labelsize=6)
-        if nd < cat.shape[0]:
-            ax.axhline(nd - 0.5, color="k", lw=0.8, ls="--")
+        cell = gs[1, g.gid].subgridspec(len(spans), 1, hspace=0.08,
+                                       height_ratios=[4.0, 1.0][:len(spans)] if len(spans) > 1 else [1.0])
+        for k, (r0, r1) in enumerate(spans):
+            ax = fig.add_subplot(cell[k, 0])
+            _heat(ax, cmap, cat, head, ids, r0, r1, ncol)
+            if g.gid == 0:
+                ax.set_ylabel("decode rows" if k == 0 else "prefill\nrows", fontsize=FS_LABEL)
+            if k == 0:
+                ring = int(meta.ring_cols[g.gid])
+                kind_s = (f"ring of {ring} columns, \u25bc newest block" if ring else
+                          "circular: one block per request" if g.kind == "circular" else
+                          f"{g.kind}: columns {ncol} of {cat.shape[1]} shown")
+                win = f", window {g.window}" if g.window else ""
+                ax.set_title(f"gid {g.gid} {g.name}: block {g.block_size} tokens{win}\n{kind_s}", fontsize=FS_LABEL)
+            if k == len(spans) - 1:
+                ax.set_xlabel("table column", fontsize=FS_LABEL)
+            else:
+                ax.tick_params(labelbottom=False)
     fig.legend(handles=[Patch(facecolor=c, edgecolor="0.6", label=n) for c, n in zip(_CAT_COLORS, _CAT_NAMES)],
-               loc="center", ncol=5, fontsize=8, bbox_to_anchor=(0.5, _legend_y(fig, gs)))
+               loc="upper center", ncol=5, fontsize=FS_LABEL, frameon=False,
+               bbox_to_anchor=(0.5, _legend_y(fig, gs)))
 
     # 3. zoomed requests ----------------------------------------------------------------------
     picks = _topk_picks(meta, topk, seed)
@@ -268,7 +276,7 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
 
     fig.suptitle(title or f"dsv4-index step: {B} requests, {T} tokens (layout: {len(groups)} groups, "
                  f"window {layout.sliding_window}, ratios {layout.c4_ratio}/{layout.c128_ratio}, "
-                 f"max_model_len {layout.max_model_len})", fontsize=11, y=0.995)
+                 f"max_model_len {layout.max_model_len})", fontsize=FS_SUPTITLE, y=0.995)
     path = str(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
@@ -277,8 +285,29 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
 
 
 def _legend_y(fig, gs) -> float:
+    """Just under the occupancy row's x labels, above the zoomed requests (in the gap between them)."""
     pos = gs[1, 0].get_position(fig)
-    return pos.y0 - 0.035
+    return pos.y0 - 0.5 / fig.get_figheight()
+
+
+def _heat(ax, cmap, cat, head, ids, r0: int, r1: int, ncol: int) -> None:
+    """Occupancy rows ``[r0, r1)`` (batch rows on the y axis), ring heads, block ids of small tables."""
+    n = max(r1 - r0, 0)
+    part = cat[r0:r1, :ncol] if n else np.zeros((1, ncol), dtype=cat.dtype)
+    ax.imshow(part, cmap=cmap, vmin=-0.5, vmax=len(_CAT_COLORS) - 0.5, aspect="auto", interpolation="nearest",
+              extent=(-0.5, ncol - 0.5, r0 + max(n, 1) - 0.5, r0 - 0.5))
+    if head is not None and n:
+        big = n <= 50
+        ax.plot(head[r0:r1], np.arange(r0, r1) - (0.38 if big else 0), "kv" if big else "k|", ms=7 if big else 3,
+                mew=0.6)
+    if n * ncol <= 400 and ncol <= 20:   # NOTE: small tables: the ids of the blocks in use
+        for (r, c), v in np.ndenumerate(ids[r0:r1, :ncol]):
+            if cat[r0 + r, c] in (HELD, WINDOW, WRITTEN):
+                ax.text(c, r0 + r, str(int(v)), ha="center", va="center", fontsize=FS_CELL,
+                        rotation=0 if ncol <= 12 else 90)
+    if n <= 12:
+        ax.set_yticks(range(r0, r1))
+    ax.tick_params(labelsize=FS_SMALL)
 
 
 def _topk_picks(meta, topk, seed: int):
@@ -301,7 +330,7 @@ def _topk_picks(meta, topk, seed: int):
 
 def _block_colors(blocks: np.ndarray):
     import matplotlib.pyplot as plt
-    pal = plt.get_cmap("tab20").colors
+    pal = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]  # a ListedColormap
     return [pal[int(v) % 20] for v in blocks]
 
 
@@ -335,10 +364,10 @@ def _zoom(fig, spec, meta, b: int, qsl, seq, picks) -> None:
                       tk[t] * R, np.where(ok, sl[t] // S, -1), ok))
     lanes.append((0, f"this step: positions {pos - q + 1}..{pos}", np.arange(pos - q + 1, pos + 1),
                   np.full(q, -1), np.ones(q, bool)))
-    zoom_lo = max(0, pos - 2 * max((len(l[2]) for l in lanes if l[0] == 1), default=8) - 4)
+    zoom_lo = max(0, pos - 2 * max((len(lane[2]) for lane in lanes if lane[0] == 1), default=8) - 4)
     for k in (0, 1):
         ax = fig.add_subplot(sub[0, k])
-        mine = [l for l in lanes if l[0] == k or (k == 1 and l[1].startswith("this step"))]
+        mine = [lane for lane in lanes if lane[0] == k or (k == 1 and lane[1].startswith("this step"))]
         for y, (_, label, p, blk, ok) in enumerate(mine):
             if k == 1:
                 keep = p >= zoom_lo
@@ -359,20 +388,20 @@ def _zoom(fig, spec, meta, b: int, qsl, seq, picks) -> None:
                 if label.split(":")[0] in meta.channels:
                     sl = meta[label.split(":")[0]].indices[t, :len(p)]
                     ax.text(p[0] - 1, y, _slots_text(sl.detach().cpu()[-len(p):].tolist()), ha="right",
-                            va="center", fontsize=6)
-        ax.set_yticks(range(len(mine)), [l[1] for l in mine], fontsize=7)
+                            va="center", fontsize=FS_SMALL)
+        ax.set_yticks(range(len(mine)), [lane[1] for lane in mine], fontsize=FS_SMALL)
         ax.set_ylim(-0.7, len(mine) - 0.3)
-        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="x", labelsize=FS_SMALL)
         if k == 0:
             ax.set_xlim(-0.01 * seq[b], seq[b] * 1.04 + 1)
             ax.set_xlabel("position in the request (compressed row r drawn at r * R; colour = block id)",
-                          fontsize=7)
+                          fontsize=FS_SMALL)
             ax.set_title(f"request {rid} (batch row {b}, {what}, {q} token(s)): token {t} at position {pos}, "
-                         f"context {int(seq[b])}", fontsize=8, loc="left")
+                         f"context {int(seq[b])}", fontsize=FS_LABEL, loc="left")
         else:
             ax.set_xlim(zoom_lo - 0.5, pos + 1.5)
             ax.yaxis.tick_right()
-            ax.set_xlabel("last positions (colour and label: block id of each window entry)", fontsize=7)
+            ax.set_xlabel("last positions (colour and label: block id of each window entry)", fontsize=FS_SMALL)
 
 
 def _slots_text(sl: list) -> str:
@@ -391,8 +420,9 @@ def _token_strip(ax, meta, qsl) -> None:
         ax.broken_barh([(T, Tp - T)], (0, 1), facecolor="0.85", hatch="////", edgecolor="0.5", linewidth=0)
     ax.set_xlim(0, max(Tp, 1))
     ax.set_yticks([])
-    ax.tick_params(labelsize=7)
-    ax.set_xlabel(f"token index (request segments alternate shades; hatched: {Tp - T} padded tokens)", fontsize=8)
+    ax.tick_params(labelsize=FS_SMALL)
+    ax.set_xlabel(f"token index (request segments alternate shades; hatched: {Tp - T} padding tokens)",
+                  fontsize=FS_LABEL)
 
 
 def _label_blocks(ax, y, p, blk, xrange: float) -> None:
@@ -402,7 +432,7 @@ def _label_blocks(ax, y, p, blk, xrange: float) -> None:
     cuts = np.flatnonzero(np.diff(blk)) + 1
     for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(p)]):
         if blk[s] >= 0 and (e - s) / max(xrange, 1) > 0.07:
-            ax.text((p[s] + p[e - 1]) / 2, y, f"blk {int(blk[s])}", ha="center", va="center", fontsize=6)
+            ax.text((p[s] + p[e - 1]) / 2, y, f"blk {int(blk[s])}", ha="center", va="center", fontsize=FS_SMALL)
 
 
 def sample_step(config="flash", num_requests: Optional[int] = None, *, max_model_len: Optional[int] = None,
@@ -419,6 +449,7 @@ def sample_step(config="flash", num_requests: Optional[int] = None, *, max_model
 
     probe = DSV4Layout.from_config(config, max_model_len=max_model_len or 1024)
     small = probe.sliding_window < 64
+    kw: dict = {}
     if small:
         L, kw, n, T, chunk = max_model_len or 128, dict(mla_block_size=32, swa_block_size=4), 6, 64, 13
     else:

@@ -46,6 +46,7 @@ def test_token_to_req_many(B, pad):
 
 @needs_triton
 @pytest.mark.parametrize("K,compact", [(16, False), (16, True), (512, False), (512, True)])
+@pytest.mark.slow  # ./dev quick skips it
 def test_topk_to_slots_many(K, compact):
     q, ctx = many(600, seed=K + compact, max_q=2 if K == 512 else 3)
     if K == 512:  # NOTE: one program per token under the interpreter: keep the tokens few

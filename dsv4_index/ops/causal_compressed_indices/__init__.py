@@ -62,6 +62,17 @@ def causal_compressed_indices(query_start_loc: torch.Tensor, seq_lens: torch.Ten
         ``indices[t, j] = bt[j // S] * S + j % S`` for ``j < lens[t]`` (local rows), ``-1`` after.
         Padded tokens (``t >= query_start_loc[B]``) get ``-1`` rows and length 0. Unchecked CUDA
         inputs never read outside the table: rows are clamped to ``min(width, cols * S)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dsv4_index import causal_compressed_indices
+    >>> qsl = torch.tensor([0, 1, 4], dtype=torch.int32)    # request 0: 1 token, request 1: 3 tokens
+    >>> seq = torch.tensor([10, 3], dtype=torch.int32)      # positions 9 and 0, 1, 2
+    >>> bt = torch.tensor([[4, 9, 2], [7, 0, 0]], dtype=torch.int32)   # block ids per request
+    >>> idx, lens = causal_compressed_indices(qsl, seq, bt, 4, 2, 8, num_tokens=4)   # S 4, R 2, width 8
+    >>> idx[0].tolist(), lens.tolist()                  # rows 0..4 of request 0
+    ([16, 17, 18, 19, 36, -1, -1, -1], [5, 0, 1, 1])
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)

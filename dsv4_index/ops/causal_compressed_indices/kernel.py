@@ -5,9 +5,8 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ..._triton import triton, tl
 from .._device import causal_row, row_in_table, searched_tokens, visible_rows
 
 TILE = 4096  # elements per program tile

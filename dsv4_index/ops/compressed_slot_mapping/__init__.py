@@ -69,6 +69,18 @@ def compressed_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tenso
     int64 ``[T_out]``: ``bt[lc // S] * S + lc % S`` for completing tokens, ``-1`` elsewhere (padded
     tokens, rows owned by another rank, replayed tokens); or with ``compact=True`` the tuple
     (int64 ``[T // R + B]`` or ``[len(out)]``, int32 cu ``[B + 1]`` or ``[len(out_cu)]``).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dsv4_index import compressed_slot_mapping
+    >>> qsl = torch.tensor([0, 1, 4], dtype=torch.int32)    # request 0: 1 token, request 1: 3 tokens
+    >>> seq = torch.tensor([10, 3], dtype=torch.int32)      # positions 9 and 0, 1, 2
+    >>> bt = torch.tensor([[4, 9, 2], [7, 0, 0]], dtype=torch.int32)   # block ids per request
+    >>> compressed_slot_mapping(qsl, seq, bt, 4, 2, num_tokens=5).tolist()   # S = 4 rows per block, R = 2
+    [36, -1, 28, -1, -1]
+
+    Position 9 completes row 4 (block ``bt[0, 1] = 9``: slot 36), position 1 row 0 of request 1.
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)

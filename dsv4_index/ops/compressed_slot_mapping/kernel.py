@@ -9,9 +9,8 @@ of its tokens (a loop over request tiles, :func:`dsv4_index.ops._device.complete
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ..._triton import triton, tl
 from .._device import completed_rows, compressed_slot, row_in_table, searched_tokens
 
 BLOCK_T = 128

@@ -64,6 +64,17 @@ def indexer_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compr
         = lens of token ``j - (next_n - q_b)`` of request ``b``, 0 before it (right-aligned; None
         without ``next_n``); ``cu[b + 1] = cu[b] + seq_len_b // R`` (owned), ``cu[0] = 0``;
         ``ks[t] = cu[b]``, ``ke[t] = cu[b] + lens[t]``. Padded tokens: ``lens = ks = ke = 0``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dsv4_index import indexer_lengths
+    >>> qsl = torch.tensor([0, 1, 4], dtype=torch.int32)    # request 0: 1 token, request 1: 3 tokens
+    >>> seq = torch.tensor([10, 3], dtype=torch.int32)      # positions 9 and 0, 1, 2
+    >>> bt = torch.tensor([[4, 9, 2], [7, 0, 0]], dtype=torch.int32)   # block ids per request
+    >>> r = indexer_lengths(qsl, seq, 2, next_n=1, num_decodes=1, num_tokens=5)   # R 2; 1 decode request
+    >>> r.lens.tolist(), r.ks.tolist(), r.ke.tolist(), r.cu.tolist(), r.decode_lens.tolist()
+    ([5, 0, 1, 1, 0], [0, 5, 5, 5, 0], [5, 5, 6, 6, 0], [0, 5, 6], [[5]])
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_positive_int("compress_ratio", compress_ratio)

@@ -6,9 +6,8 @@ programs; each sums what it needs of the request counts with a bounded loop over
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ..._triton import triton, tl
 from .._device import decode_row_lens, rows_before, searched_tokens, visible_rows
 
 BLOCK_T = 128

@@ -70,6 +70,16 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     -------
     int64 ``[T_out]``: ``bt[col(lp // block_size)] * block_size + lp % block_size``; ``-1`` for
     padded tokens, tokens owned by another rank, replayed tokens and blocks outside the table.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dsv4_index import slot_mapping
+    >>> qsl = torch.tensor([0, 1, 4], dtype=torch.int32)    # request 0: 1 token, request 1: 3 tokens
+    >>> seq = torch.tensor([10, 3], dtype=torch.int32)      # positions 9 and 0, 1, 2
+    >>> bt = torch.tensor([[4, 9, 2], [7, 0, 0]], dtype=torch.int32)   # block ids per request
+    >>> slot_mapping(qsl, seq, bt, 4, num_tokens=6).tolist()   # block_size 4: bt[b, pos // 4] * 4 + pos % 4
+    [9, 28, 29, 30, -1, -1]
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ..._triton import triton, tl
 from .._device import raw_slot, row_in_table, searched_tokens
 
 BLOCK_T = 256

@@ -34,6 +34,14 @@ def token_to_req(query_start_loc: torch.Tensor, num_tokens: Optional[int], *,
     Returns
     -------
     int32 ``[T_out]``: ``b`` for ``qsl[b] <= t < qsl[b + 1]``; ``0`` for padded tokens ``t >= qsl[B]``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dsv4_index import token_to_req
+    >>> qsl = torch.tensor([0, 1, 4], dtype=torch.int32)    # request 0: 1 token, request 1: 3 tokens
+    >>> token_to_req(qsl, num_tokens=6).tolist()          # 2 padded tokens at the end
+    [0, 1, 1, 1, 0, 0]
     """
     _, device = check_batch(query_start_loc, None)
     out = prepare_rows("out", out, query_start_loc, num_tokens, torch.int32)

@@ -60,6 +60,20 @@ def topk_to_slots(topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: t
         owns row ``l`` and its local block ``lc // S`` lies inside the table; it becomes
         ``bt[lc // S] * S + lc % S``, anything else ``-1``. ``lens[t]`` = number of valid entries
         (0 for padded tokens, whose rows are all ``-1``).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dsv4_index import topk_to_slots
+    >>> qsl = torch.tensor([0, 1, 4], dtype=torch.int32)    # request 0: 1 token, request 1: 3 tokens
+    >>> seq = torch.tensor([10, 3], dtype=torch.int32)      # positions 9 and 0, 1, 2
+    >>> bt = torch.tensor([[4, 9, 2], [7, 0, 0]], dtype=torch.int32)   # block ids per request
+    >>> topk = torch.tensor([[0, 4, 5, -1], [0, 1, 2, 3], [0, 1, 2, 3], [1, 0, 3, 3]], dtype=torch.int32)
+    >>> slots, lens = topk_to_slots(topk, qsl, seq, bt, 4, 2)        # S 4, R 2
+    >>> slots[0].tolist(), slots[3].tolist(), lens.tolist()   # row 5 is not visible yet at position 9
+    ([16, 36, -1, -1], [-1, 28, -1, -1], [2, 0, 1, 1])
+    >>> topk_to_slots(topk, qsl, seq, bt, 4, 2, compact=True)[0][3].tolist()   # valid picks first
+    [28, -1, -1, -1]
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)

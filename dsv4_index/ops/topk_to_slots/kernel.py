@@ -21,9 +21,8 @@ entry points:
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ..._triton import triton, tl
 from .._device import row_in_table, searched_tokens, topk_slot, visible_rows
 
 TILE_ELEMS = 512  # picks per program (BLOCK_T * BLOCK_K) when a row is shorter

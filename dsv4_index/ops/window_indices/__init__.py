@@ -73,6 +73,19 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
     listed local positions ``lp`` (in-step rows ``-2 - r`` for circular groups), then ``-1``; int32
     ``[T_out]`` count of listed entries, ``0`` for padded tokens). On unchecked inputs an entry whose
     block lies outside a plain table is ``-1`` and not counted.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dsv4_index import window_indices
+    >>> qsl = torch.tensor([0, 1, 4], dtype=torch.int32)    # request 0: 1 token, request 1: 3 tokens
+    >>> seq = torch.tensor([10, 3], dtype=torch.int32)      # positions 9 and 0, 1, 2
+    >>> bt = torch.tensor([[4, 9, 2], [7, 0, 0]], dtype=torch.int32)   # block ids per request
+    >>> idx, lens = window_indices(qsl, seq, bt, 4, 4, num_tokens=5)   # block_size 4, window 4
+    >>> idx[0].tolist(), idx[3].tolist()                # positions 6..9 of request 0; 0..2 of request 1
+    ([38, 39, 8, 9], [28, 29, 30, -1])
+    >>> lens.tolist()
+    [4, 1, 2, 3, 0]
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)

@@ -5,9 +5,8 @@ row width in ``BLOCK_W`` chunks; the body is :func:`dsv4_index.ops._device.windo
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from ..._triton import triton, tl
 from .._device import circular_split, row_in_table, searched_tokens, window_count, window_len, window_row
 
 TILE = 4096  # elements per program tile
