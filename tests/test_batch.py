@@ -188,8 +188,6 @@ BAD = {
     "float block id": (dict(running_requests=[RunningRequest("a", lists(1.5), 4)]),
                        r"running_requests: new_block_ids of 'a' gid 0 has a bad block id 1.5"),
     "bool block id": (dict(new_requests=[NewRequest("n", lists(True), 0)]), r"new_requests: block_ids of 'n'"),
-    "block list not a list": (dict(new_requests=[NewRequest("n", ("12",) + lists()[1:], 0)]),
-                              r"new_requests: block_ids of 'n' gid 0 must be a list"),
     "wrong group count": (dict(running_requests=[RunningRequest("a", ([6],), 4)]),
                           r"running_requests: new_block_ids of 'a' has 1 per-gid block lists, expected"),
     "negative computed": (dict(new_requests=[NewRequest("n", lists(5), -1)]),
@@ -219,6 +217,14 @@ def test_batch_from_step_errors_name_the_field(name):
     with pytest.raises(ValueError, match=match):
         batch_from_step(_step(**over), sm, G)
     assert state(sm) == before
+
+
+def test_block_list_entries_are_fixed_at_construction():
+    with pytest.raises(ValueError, match=r"block_ids of 'n' gid 0 must be a list of block ids, got str"):
+        NewRequest("n", ("12",) + lists()[1:], 0)
+    with pytest.raises(TypeError, match=r"new_block_ids of 'a' gid 1 must be a list of block ids, got int"):
+        RunningRequest("a", ([], 5, [], []), 0)
+    assert RunningRequest("a", None, 3).new_block_ids is None
 
 
 def test_batch_from_step_rejects_other_inputs():
