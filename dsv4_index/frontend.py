@@ -278,15 +278,8 @@ def _convert(sm: SlotMap, num_groups: Optional[int], src: _Src, new, running, ns
     c = _rows(src, num_groups, new, running, nst, finished, preempted, replay_start, replay_end)
     G = c.num_groups
     d = SlotMapDelta()
-    gone = set()
-    for rid in (*c.finished, *c.preempted):
-        if rid not in gone:
-            gone.add(rid)
-            if rid in sm.slot_of:
-                d.freed.append(rid)
-    d.preempted = [r for r in c.preempted if r in sm.slot_of or r in sm.preempted]
-    d.forgotten = [r for r in c.finished if r in sm.preempted]
-    free = sorted(set(sm._free) | {sm.slot_of[r] for r in d.freed}, reverse=True)
+    _gone(sm, c.finished, c.preempted, d)
+    free = _lowest_free(sm, [sm.slot_of[r] for r in d.freed], len(c.rows))
     slots: List[int] = []
     runs_g, runs_s, runs_st, runs_ids, cu = [], [], [], [], [0]
     for r in c.rows:
@@ -395,35 +388,120 @@ def _append_runs(G: Optional[int], lists: list, slots: np.ndarray, trusted: bool
     return gids, slots[row], np.full(N, APPEND, dtype=np.int64), cu, w_ids
 
 
-def _fast(sm: SlotMap, G: Optional[int], ids: list, lists: list, ncs: list, nst, trusted: bool
-          ) -> Optional[Tuple[StepBatch, SlotMapDelta]]:
-    """A step of running requests only (no new, resumed, finished or preempted request, no replay),
-    in C-level passes; None whenever anything is unusual (then :func:`_convert` decides)."""
+def _lowest_free(sm: SlotMap, freed_slots: List[int], k: int) -> List[int]:
+    """The ``k`` lowest free slots after ``freed_slots`` are released, in descending order (a stack).
+
+    NOTE: ``sm._free`` is kept sorted descending, so its lowest ``k`` are its last ``k``.
+    """
+    if not freed_slots:
+        return sm._free[-k:] if k else []
+    return sorted(sm._free[-k:] + freed_slots)[:k][::-1] if k else []
+
+
+def _gone(sm: SlotMap, finished, preempted, d: SlotMapDelta) -> Set[str]:
+    """Fill the delta's freed / preempted / forgotten ids; return the finished or preempted ids."""
+    gone = set()
+    for rid in chain(finished, preempted):
+        if rid not in gone:
+            gone.add(rid)
+            if rid in sm.slot_of:
+                d.freed.append(rid)
+    d.preempted = [r for r in preempted if r in sm.slot_of or r in sm.preempted]
+    d.forgotten = [r for r in finished if r in sm.preempted]
+    return gone
+
+
+def _fast(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: list, ncs: list, nst, finished, preempted,
+          trusted: bool) -> Optional[Tuple[StepBatch, SlotMapDelta]]:
+    """A step without resumed requests or replay bounds: running requests in C-level passes over the
+    scheduler's columns, the few new ones row by row; None whenever anything is unusual (then
+    :func:`_convert` gives the same batch or names the culprit).
+
+    ``new``: [(rid, block_ids, nc)]; ``trusted``: the block tuples and their entries' types were fixed
+    at construction (``NewRequest`` / ``RunningRequest``), only the ids are checked.
+    """
+    d = SlotMapDelta()
     try:
-        S = len(ids)
-        if not S or type(nst) is not dict or len(nst) != S or len(lists) != S or len(ncs) != S:
+        S, K = len(ids), len(new)
+        if not S + K or type(nst) is not dict or len(nst) != S + K or len(lists) != S or len(ncs) != S \
+                or type(ncs) is not list:
             return None
-        if type(ids) is list and ids == sm._order:
+        gone = _gone(sm, _id_set("finished_req_ids", finished), _id_set("preempted_req_ids", preempted), d) \
+            if finished or preempted else ()
+        if type(ids) is list and ids == sm._order and not gone:
             slots = sm._order_slots  # NOTE: same rows as the last committed batch: distinct, held
-        else:
+        elif S:
             sl = list(map(sm.slot_of.get, ids))
-            if None in sl or len(set(ids)) != S:
+            if None in sl or len(set(ids)) != S or (gone and not gone.isdisjoint(ids)):
                 return None
-            slots = _frozen(np.array(sl, dtype=np.int64))
-        qs = list(nst.values()) if list(nst) == ids else list(map(nst.__getitem__, ids))
+            slots = np.array(sl, dtype=np.int64)
+        else:
+            slots = _EMPTY
+        if K:
+            new_ids = [r[0] for r in new]
+            all_ids = new_ids + ids
+            if not set(map(type, new_ids)) <= {str} or len(set(all_ids)) != S + K \
+                    or (gone and not gone.isdisjoint(new_ids)) or any(map(sm.slot_of.__contains__, new_ids)):
+                return None
+        else:
+            all_ids = ids
+        qs = list(nst.values()) if list(nst) == all_ids else list(map(nst.__getitem__, all_ids))
     except (TypeError, KeyError):
         return None
-    nc, q = _ints(ncs), _ints(qs)
-    if nc is None or q is None:
+    counts = _ints([r[2] for r in new] + ncs + qs if K else ncs + qs)  # NOTE: one pass (type, overflow, range)
+    if counts is None:
         return None
     runs = _append_runs(G, lists, slots, trusted)
     if runs is None:
         return None
+    is_new = _no_new(S)
+    free_slots = _EMPTY
+    if d.freed:
+        free_slots = np.array([sm.slot_of[r] for r in d.freed], dtype=np.int64)
+    if K:
+        free = _lowest_free(sm, free_slots.tolist(), K)
+        if len(free) < K:
+            return None
+        new_runs = _new_runs(G, new, free, trusted)
+        if new_runs is None:
+            return None
+        for r, slot in zip(new, reversed(free)):
+            d.taken[r[0]] = slot
+        slots = np.concatenate([np.array(free[::-1], dtype=np.int64), slots])
+        is_new = np.concatenate([np.ones(K, dtype=bool), is_new])
+        runs = tuple(np.concatenate([a, b]) for a, b in zip(new_runs[:3], runs[:3])) + \
+            (np.concatenate([new_runs[3], runs[3][1:] + new_runs[3][-1]]), np.concatenate([new_runs[4], runs[4]]))
     w_g, w_s, w_st, w_cu, w_ids = runs
-    batch = StepBatch(req_slots=slots, num_computed_tokens=nc, num_scheduled_tokens=q, is_new=_no_new(S),
-                      free_slots=_EMPTY, write_gids=w_g, write_slots=w_s, write_starts=w_st, write_cu=w_cu,
+    n = S + K
+    batch = StepBatch(req_slots=_frozen(slots) if K or slots is not sm._order_slots else slots,
+                      num_computed_tokens=counts[:n], num_scheduled_tokens=counts[n:], is_new=is_new,
+                      free_slots=free_slots, write_gids=w_g, write_slots=w_s, write_starts=w_st, write_cu=w_cu,
                       write_ids=w_ids)
-    return batch, SlotMapDelta(order=list(ids), slots=slots)
+    d.order, d.slots = list(all_ids), batch.req_slots
+    return batch, d
+
+
+def _new_runs(G: Optional[int], new: list, free: List[int], trusted: bool):
+    """Write runs of new rows (one per gid from block 0, empty ones included); None when unusual."""
+    g_, s_, cu, ids = [], [], [0], []
+    for (rid, lists, _), slot in zip(new, reversed(free)):
+        if not trusted and (type(lists) not in _LISTS or not set(map(type, lists)) <= _LISTS):
+            return None
+        if G is None:
+            G = len(lists)
+        if len(lists) != G:
+            return None
+        g_.extend(range(G))
+        s_.extend([slot] * G)
+        for x in lists:
+            ids.extend(x)
+            cu.append(len(ids))
+    w_ids = _ints(ids)
+    if w_ids is None:
+        return None
+    N = len(g_)
+    return (np.array(g_, dtype=np.int64), np.array(s_, dtype=np.int64), np.zeros(N, dtype=np.int64),
+            np.array(cu, dtype=np.int64), w_ids)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,10 +530,10 @@ def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] =
     if not isinstance(step, StepInput):
         raise StepTypeError(f"step must be a StepInput, got {type(step).__name__}")
     run = step.running_requests
-    if not step.new_requests and not step.finished_req_ids and not step.preempted_req_ids \
-            and not step.replay_start and not step.replay_end and not any(map(_RESUMED, run)):
-        done = _fast(slots, num_groups, list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
-                     list(map(_COMPUTED, run)), step.num_scheduled_tokens, True)
+    if not step.replay_start and not step.replay_end and not any(map(_RESUMED, run)):
+        done = _fast(slots, num_groups, _new_of(step), list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
+                     list(map(_COMPUTED, run)), step.num_scheduled_tokens, step.finished_req_ids,
+                     step.preempted_req_ids, True)
         if done is not None:
             return done
     return _convert(slots, num_groups, STEP, _new_of(step), _running_of(step), step.num_scheduled_tokens,
@@ -517,12 +595,12 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
     nst = _field(out, "num_scheduled_tokens", "SchedulerOutput")
     finished = _field(out, "finished_req_ids", "SchedulerOutput")
     preempted = getattr(out, "preempted_req_ids", None)  # NOTE: absent before vLLM's model runner v2
-    if not new and not finished and not preempted and not replay_start and not replay_end and not resumed:
-        done = _fast(slots, num_groups, ids, nbs, ncs, nst, False)
+    new_rows = [(_field(r, "req_id", f"scheduled_new_reqs[{i}]"), _field(r, "block_ids", f"scheduled_new_reqs[{i}]"),
+                 _field(r, "num_computed_tokens", f"scheduled_new_reqs[{i}]")) for i, r in enumerate(new)]
+    if not replay_start and not replay_end and not resumed:
+        done = _fast(slots, num_groups, new_rows, ids, nbs, ncs, nst, finished, preempted, False)
         if done is not None:
             return done
-    new_rows = [(_field(r, "req_id", "scheduled_new_reqs[i]"), _field(r, "block_ids", "scheduled_new_reqs[i]"),
-                 _field(r, "num_computed_tokens", "scheduled_new_reqs[i]")) for r in new]
     resumed = set(resumed)
     running = [(rid, nb, nc, rid in resumed) for rid, nb, nc in zip(ids, nbs, ncs)]
     return _convert(slots, num_groups, SCHED, new_rows, running, nst, finished, preempted,
