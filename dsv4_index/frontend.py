@@ -31,6 +31,7 @@ Anything unusual goes to :func:`_convert`, which gives the same batch or names t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from itertools import chain, compress
 from operator import attrgetter
@@ -42,7 +43,8 @@ from ._common import INT32_MAX
 from .batch import APPEND, StepBatch
 from .step import StepInput, StepTypeError
 
-__all__ = ["SlotMap", "SlotMapDelta", "batch_from_step", "batch_from_scheduler_output", "check_step", "LIMIT"]
+__all__ = ["SlotMap", "SlotMapDelta", "batch_from_step", "batch_from_scheduler_output", "check_step", "explain",
+           "LIMIT"]
 
 LIMIT = INT32_MAX  # NOTE: every count and block id of an id-keyed step is in [0, LIMIT]
 _INT = {int}
@@ -72,6 +74,7 @@ class SlotMapDelta:
     forgotten: List[str] = field(default_factory=list)      # finished ids dropped from `preempted`
     taken: Dict[str, int] = field(default_factory=dict)     # id -> slot it takes
     order: List[str] = field(default_factory=list)          # ids of the batch rows
+    new: List[str] = field(default_factory=list)            # ids sent as new requests (for error messages)
     slots: Optional[np.ndarray] = field(default=None, compare=False, repr=False)  # their slots
 
 
@@ -312,6 +315,7 @@ def _convert(sm: SlotMap, num_groups: Optional[int], src: _Src, new, running, ns
             runs_ids.extend(ids)
             cu.append(len(runs_ids))
     d.order = [r.rid for r in c.rows]
+    d.new = [r.rid for r in c.rows if r.kind == NEW]
     n = len(c.rows)
 
     def per_row(mapping):
@@ -467,6 +471,7 @@ def _fast(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: list, ncs:
             return None
         for r, slot in zip(new, reversed(free)):
             d.taken[r[0]] = slot
+        d.new = new_ids
         slots = np.concatenate([np.array(free[::-1], dtype=np.int64), slots])
         is_new = np.concatenate([np.ones(K, dtype=bool), is_new])
         runs = tuple(np.concatenate([a, b]) for a, b in zip(new_runs[:3], runs[:3])) + \
@@ -581,6 +586,10 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
     ncs = _column(c, "num_computed_tokens", S, "scheduled_cached_reqs")
     if hasattr(c, "resumed_req_ids"):
         resumed = _id_set("scheduled_cached_reqs.resumed_req_ids", c.resumed_req_ids)
+        if resumed and not set(ids).issuperset(resumed):
+            rid = next(r for r in resumed if r not in set(ids))
+            raise ValueError(f"scheduled_cached_reqs.resumed_req_ids lists {rid!r}, which is not in "
+                             f"scheduled_cached_reqs.req_ids")
     elif hasattr(c, "resumed_from_preemption"):
         flags = _column(c, "resumed_from_preemption", S, "scheduled_cached_reqs")
         bad = [f for f in flags if type(f) is not bool]
@@ -605,3 +614,51 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
     running = [(rid, nb, nc, rid in resumed) for rid, nb, nc in zip(ids, nbs, ncs)]
     return _convert(slots, num_groups, SCHED, new_rows, running, nst, finished, preempted,
                     replay_start or {}, replay_end or {})
+
+
+# ----------------------------------------------------------------------------------------------
+# the pipeline's array-level errors, in the scheduler's terms
+# ----------------------------------------------------------------------------------------------
+_POS = re.compile(r"write_ids\[(\d+)\]|write run (\d+)|\bslot (\d+)")
+
+
+def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str = "step") -> ValueError:
+    """``error`` (raised by the pipeline for a converted ``batch``) with its array positions named
+    as the scheduler's requests and fields: ``write_ids[j]`` -> ``running_requests['a'].new_block_ids[g][k]``,
+    ``write run r`` -> ``new_requests['a'].block_ids[g]``, ``slot s`` -> ``request 'a' (slot s)``.
+
+    ``src``: ``"step"`` (a StepInput) or ``"scheduler_output"``. Returns a new exception of the same
+    type (raise it ``from error``), or ``error`` itself when it names no position it can map.
+    """
+    order, slots = delta.order, np.asarray(batch.req_slots).tolist()
+    if len(order) != len(slots):
+        return error
+    rid_of = dict(zip(slots, order))
+    new_where, run_where = (STEP if src == "step" else SCHED)
+    fresh = set(delta.new)
+
+    def run_field(r: int) -> Optional[str]:
+        if batch.write_gids is None or not 0 <= r < len(batch.write_gids):
+            return None
+        rid = rid_of.get(int(batch.write_slots[r]))
+        if rid is None:
+            return None
+        g = int(batch.write_gids[r])
+        return (f"{new_where}[{rid!r}].block_ids[{g}]" if rid in fresh else
+                f"{run_where}[{rid!r}].new_block_ids[{g}]")
+
+    def sub(m: re.Match) -> str:
+        if m.group(1) is not None and batch.write_cu is not None:
+            j = int(m.group(1))
+            cu = np.asarray(batch.write_cu)
+            r = int(np.searchsorted(cu, j, side="right")) - 1
+            f = run_field(r)
+            return m.group(0) if f is None else f"{f}[{j - int(cu[r])}]"
+        if m.group(2) is not None:
+            f = run_field(int(m.group(2)))
+            return m.group(0) if f is None else f
+        s = int(m.group(3))
+        return f"request {rid_of[s]!r} (slot {s})" if s in rid_of else m.group(0)
+
+    msg = _POS.sub(sub, str(error))
+    return error if msg == str(error) else type(error)(msg)
