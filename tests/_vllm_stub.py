@@ -76,5 +76,6 @@ def from_step(step: StepInput, *, old: bool = False, none_when_empty: bool = Tru
     new = [NewRequestData(r.req_id, [], [], None, None, tuple(map(list, r.block_ids)), r.num_computed_tokens, None)
            for r in step.new_requests]
     return SchedulerOutput(new, cached, dict(step.num_scheduled_tokens), step.total_tokens,
-                           {r: [0] * (n - 1) for r, n in step.num_scheduled_tokens.items() if n > 1}, {}, [],
+                           {r: [0] * (n - 1) for r, n in step.num_scheduled_tokens.items()
+                            if type(n) is int and 1 < n <= 64}, {}, [],
                            set(step.finished_req_ids), [], set(step.preempted_req_ids))
