@@ -14,7 +14,9 @@ appends at most one block per group; ``workload.py``):
 * building the ``StepInput`` itself (its ``RunningRequest`` objects), for scale.
 
 Each conversion runs against a slot map committed from the previous step (the steady state an engine
-sees). Prints one table; ``benchmarks/FRONTEND.md`` keeps the figures.
+sees). ``--baseline OLD_BATCH_PY`` (e.g. ``git show aea0708:dsv4_index/batch.py > /tmp/old_batch.py``)
+adds the same conversions by that older converter, interleaved, and checks every batch against it
+(values and dtypes). Prints one table; ``benchmarks/FRONTEND.md`` keeps the figures.
 """
 
 from __future__ import annotations
@@ -67,6 +69,24 @@ def committed(sm: SlotMap, step: StepInput) -> SlotMap:
     return sm
 
 
+def load_baseline(path: str):
+    """An older ``dsv4_index/batch.py`` as the module ``dsv4_index._baseline_batch``."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dsv4_index._baseline_batch", path)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "dsv4_index"
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def same(a, b) -> None:
+    for k in a.__dataclass_fields__:
+        x, y = getattr(a, k), getattr(b, k)
+        assert (x is None) == (y is None), k
+        assert x is None or (x.dtype == y.dtype and np.array_equal(x, y)), k
+
+
 def timed(fn, *a):
     t0 = time.perf_counter()
     fn(*a)
@@ -77,7 +97,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--baseline", help="an older dsv4_index/batch.py to compare with (timing and outputs)")
     args = ap.parse_args()
+    old = load_baseline(args.baseline) if args.baseline else None
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
     G = len(layout.groups)
     case = Case(f"decode B={args.batch}", decodes=args.batch)
@@ -86,10 +108,16 @@ def main():
     batch, step = wl.next_step()
     pipe.update(batch)
     pipe._staged_writes = 0
-    sm = SlotMap(1024)
-    sm.commit(batch_from_step(step, sm, G)[1])
     a, b = np.arange(256), np.arange(256)
     t = {k: [] for k in ("unit", "update", "step", "sched", "step_changed", "sched_changed", "construct")}
+    checked = 0
+    sm = SlotMap(1024)
+    sm.commit(batch_from_step(step, sm, G)[1])
+    if old is not None:
+        osm = old.SlotMap(1024)
+        osm.commit(old.batch_from_step(step, osm, G)[1])
+        for k in ("old_step", "old_sched", "old_step_changed", "old_sched_changed"):
+            t[k] = []
     gc.disable()
     for i in range(args.steps + 5):
         batch, step = wl.next_step()
@@ -110,10 +138,19 @@ def main():
         t0 = time.perf_counter()
         [RunningRequest(r.req_id, r.new_block_ids, r.num_computed_tokens) for r in run]
         t_con = time.perf_counter() - t0
+        if old is not None:
+            t_old = [timed(old.batch_from_step, step, osm, G), timed(old.batch_from_scheduler_output, out, osm, G),
+                     timed(old.batch_from_step, ch, osm, G), timed(old.batch_from_scheduler_output, ch_out, osm, G)]
+            for fn, ofn, x in ((batch_from_step, old.batch_from_step, step), (batch_from_step, old.batch_from_step, ch),
+                               (batch_from_scheduler_output, old.batch_from_scheduler_output, out),
+                               (batch_from_scheduler_output, old.batch_from_scheduler_output, ch_out)):
+                same(fn(x, sm, G)[0], ofn(x, osm, G)[0])
+                checked += 1
+            osm.commit(old.batch_from_step(step, osm, G)[1])
         _, d = batch_from_step(step, sm, G)
         sm.commit(d)
         if i >= 5:
-            for k, v in zip(t, (unit, t_upd, t_step, t_sched, t_ch, t_ch_out, t_con)):
+            for k, v in zip(t, (unit, t_upd, t_step, t_sched, t_ch, t_ch_out, t_con, *(t_old if old else ()))):
                 t[k].append(v)
     gc.enable()
     med = {k: statistics.median(v) * 1e6 for k, v in t.items()}
@@ -127,8 +164,14 @@ def main():
              "step_changed": "batch_from_step, first after a change (1 finished, 1 new)",
              "sched_changed": "batch_from_scheduler_output, first after a change",
              "construct": "building the StepInput's RunningRequests (not conversion)"}
+    if old is not None:
+        names.update(old_step="baseline batch_from_step, steady", old_sched="baseline batch_from_scheduler_output, steady",
+                     old_step_changed="baseline batch_from_step, first after a change",
+                     old_sched_changed="baseline batch_from_scheduler_output, first after a change")
     for k, name in names.items():
         print(f"| {name} | {med[k]:.1f} | {med[k] / u:.0f} | {med[k] / med['update']:.2f} |")
+    if old is not None:
+        print(f"{checked} batches equal to the baseline's (values and dtypes)")
 
 
 if __name__ == "__main__":

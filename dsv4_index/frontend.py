@@ -2,25 +2,10 @@
 :class:`~dsv4_index.step.StepInput` (:func:`batch_from_step`) or of a vLLM-style ``SchedulerOutput``
 (:func:`batch_from_scheduler_output`) into a :class:`~dsv4_index.batch.StepBatch`.
 
-The rules of an id-keyed step (one set: :func:`_rows` holds the stateless part, which
-``StepInput.validate_static`` runs too, :func:`_convert` the slot-map part):
-
-* request ids are ``str``, each listed once (new or running) and not also finished / preempted;
-  the keys of ``num_scheduled_tokens`` are exactly the scheduled ids;
-* every count (``num_computed_tokens``, ``num_scheduled_tokens``, ``replay_start``, ``replay_end``)
-  and every block id is a Python ``int`` (not a ``bool``, ``float`` or numpy scalar) in
-  ``[0, 2**31 - 1]``, checked before any sum or array conversion, so no wrap can pass; the pipeline
-  then bounds them by ``max_model_len`` and its capacities;
-* a request's block lists are a tuple (or list) with one list (or tuple) per gid; a running request's
-  ``new_block_ids`` may be None (no new block; vLLM's form);
-* a running request holds a slot, or is resumed after a preemption this map saw; a new request takes
-  the lowest free slot;
-* a finished or preempted id the map never saw is a no-op (vLLM reports requests aborted while
-  waiting).
-
-Errors are ``ValueError`` (:class:`~dsv4_index.step.StepTypeError`, also a ``TypeError``, for a wrong
-type) naming the scheduler's field and the request id, e.g. ``running_requests: new_block_ids of 'a'
-gid 1 has a bad block id 2147483648 at new_block_ids[1][0]``.
+The rules of an id-keyed step live in :mod:`dsv4_index.step_rules` (the stateless part, which
+``StepInput.validate_static`` runs too); :func:`_convert` adds the slot-map part. Errors name the
+scheduler's field and the request id, e.g. ``running_requests: new_block_ids of 'a' gid 1 has a bad
+block id 2147483648 at new_block_ids[1][0]``; a finished or preempted id the map never saw is a no-op.
 
 Speed (``benchmarks/FRONTEND.md``): a step of running requests only (a steady decode) takes
 :func:`_fast`: C-level passes over the scheduler's columns, the slots of the last committed batch
@@ -31,25 +16,21 @@ Anything unusual goes to :func:`_convert`, which gives the same batch or names t
 
 from __future__ import annotations
 
-import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress
 from operator import attrgetter
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ._common import INT32_MAX
 from .batch import APPEND, StepBatch
 from .step import StepInput, StepTypeError
+from .step_rules import (_LISTS, APPENDS, LIMIT, NEW, RESUMED, SCHED, STEP, _id_set, _ints, _new_of, _rows,  # noqa: F401
+                         _running_of, _Src, check_step, explain)
 
 __all__ = ["SlotMap", "SlotMapDelta", "batch_from_step", "batch_from_scheduler_output", "check_step", "explain",
            "LIMIT"]
-
-LIMIT = INT32_MAX  # NOTE: every count and block id of an id-keyed step is in [0, LIMIT]
-_INT = {int}
-_LISTS = {list, tuple}
-NEW, RESUMED, APPENDS = 0, 1, 2  # row kinds
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -115,164 +96,6 @@ class SlotMap:
             self._order, self._order_slots = list(d.order), d.slots
         else:
             self._order, self._order_slots = [], _EMPTY
-
-
-# ----------------------------------------------------------------------------------------------
-# the rules
-# ----------------------------------------------------------------------------------------------
-class _Src(NamedTuple):
-    new: str   # where new requests are listed
-    run: str   # where running requests are listed
-
-
-STEP = _Src("new_requests", "running_requests")
-SCHED = _Src("scheduled_new_reqs", "scheduled_cached_reqs")
-
-
-def _bad_int(name: str, v) -> None:
-    """Raise for a count or id ``v`` outside the rules (called only when one is bad)."""
-    if type(v) is not int:
-        raise StepTypeError(f"{name} must be an int >= 0, got {v!r} (a {type(v).__name__}; counts are Python ints)")
-    if v < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-    if v > LIMIT:
-        raise ValueError(f"{name} must be an int >= 0 and <= {LIMIT} (int32), got {v!r}")
-
-
-def _ok(v) -> bool:
-    return type(v) is int and 0 <= v <= LIMIT
-
-
-def _ints(vals) -> Optional[np.ndarray]:
-    """Python ints in ``[0, LIMIT]`` -> int64 array; None when any is not (the caller names it).
-
-    NOTE: the types first (``np.array`` would truncate floats and take bools), then an overflow-safe
-    conversion (OverflowError beyond int64), then one unsigned max (negatives are huge as uint64).
-    """
-    if not set(map(type, vals)) <= _INT:
-        return None
-    try:
-        a = np.array(vals, dtype=np.int64)
-    except OverflowError:
-        return None
-    if a.shape[0] and a.view(np.uint64).max() > LIMIT:
-        return None
-    return a
-
-
-def _id_set(name: str, ids) -> Sequence[str]:
-    if ids is None:
-        return ()
-    if isinstance(ids, (str, bytes)):
-        raise StepTypeError(f"{name} must be a set or list of request ids, got the bare string {ids!r}")
-    if isinstance(ids, Mapping):
-        raise StepTypeError(f"{name} must be a set or list of request ids, got {type(ids).__name__}")
-    try:
-        ids = list(ids)
-    except TypeError:
-        raise StepTypeError(f"{name} must be a set or list of request ids, got {type(ids).__name__}") from None
-    for rid in ids:
-        if not isinstance(rid, str):
-            raise StepTypeError(f"{name} must hold str request ids, got {rid!r}")
-    return ids
-
-
-class _Row(NamedTuple):
-    where: str
-    field: str
-    rid: str
-    lists: Optional[tuple]
-    nc: int
-    kind: int
-
-
-class _Checked(NamedTuple):
-    rows: List[_Row]
-    finished: Sequence[str]
-    preempted: Sequence[str]
-    num_groups: Optional[int]
-
-
-def _rows(src: _Src, num_groups: Optional[int], new, running, nst, finished, preempted, replay_start,
-          replay_end) -> _Checked:
-    """Every rule that needs no slot map; raise naming the field and request.
-
-    ``new``: [(rid, block_ids, nc)]; ``running``: [(rid, new_block_ids or None, nc, resumed)].
-    """
-    finished = _id_set("finished_req_ids", finished)
-    preempted = _id_set("preempted_req_ids", preempted)
-    if not isinstance(nst, Mapping):
-        raise StepTypeError(f"num_scheduled_tokens must be a dict of request id -> int, got {type(nst).__name__}")
-    gone = set(finished) | set(preempted)
-    width = num_groups
-    seen: Dict[str, int] = {}
-    rows: List[_Row] = []
-    all_ids: List[int] = []
-    entries = chain(((src.new, "block_ids", rid, lists, nc, NEW) for rid, lists, nc in new),
-                    ((src.run, "new_block_ids", rid, lists, nc, RESUMED if rs else APPENDS)
-                     for rid, lists, nc, rs in running))
-    for where, fld, rid, lists, nc, kind in entries:
-        if not isinstance(rid, str):
-            raise StepTypeError(f"{where}: request ids must be str, got {rid!r}")
-        if rid in seen:
-            raise ValueError(f"{where}: request {rid!r} is listed more than once "
-                             f"(in {src.new} and/or {src.run})")
-        seen[rid] = nc
-        if rid in gone:
-            raise ValueError(f"{where}: request {rid!r} is also in finished_req_ids / preempted_req_ids")
-        if not _ok(nc):
-            _bad_int(f"{where}: num_computed_tokens of {rid!r}", nc)
-        if rid not in nst:
-            raise ValueError(f"{where}: request {rid!r} has no entry in num_scheduled_tokens")
-        if lists is not None or kind == NEW:
-            if isinstance(lists, (str, bytes)) or not isinstance(lists, (tuple, list)):
-                raise StepTypeError(f"{where}: {fld} of {rid!r} must be a tuple with one list per gid, "
-                                    f"got {type(lists).__name__}")
-            if width is None:
-                width = len(lists)
-            if len(lists) != width:
-                raise ValueError(f"{where}: {fld} of {rid!r} has {len(lists)} per-gid block lists, expected "
-                                 f"{width if num_groups is not None else f'{width} (as other requests)'}")
-            for g, ids in enumerate(lists):
-                if type(ids) not in _LISTS:
-                    raise StepTypeError(f"{where}: {fld} of {rid!r} gid {g} must be a list of block ids, "
-                                        f"got {type(ids).__name__}")
-                all_ids.extend(ids)
-        rows.append(_Row(where, fld, rid, None if lists is None else tuple(lists), nc, kind))
-    if all_ids and _ints(all_ids) is None:
-        for r in rows:
-            for g, ids in enumerate(r.lists or ()):
-                for k, b in enumerate(ids):
-                    if not _ok(b):
-                        msg = (f"{r.where}: {r.field} of {r.rid!r} gid {g} has a bad block id {b!r} at "
-                               f"{r.field}[{g}][{k}] (block ids are Python ints in [0, {LIMIT}])")
-                        raise (StepTypeError if type(b) is not int else ValueError)(msg)
-    for rid, n in nst.items():
-        if rid not in seen:
-            raise ValueError(f"num_scheduled_tokens lists {rid!r}, which is in neither {src.new} nor {src.run}")
-        if not _ok(n):
-            _bad_int(f"num_scheduled_tokens[{rid!r}]", n)
-    for name, mapping in (("replay_start", replay_start), ("replay_end", replay_end)):
-        if not mapping:
-            continue
-        if not isinstance(mapping, Mapping):
-            raise StepTypeError(f"{name} must be a dict of request id -> int, got {type(mapping).__name__}")
-        for rid, v in mapping.items():
-            if rid not in seen:
-                raise ValueError(f"{name} lists {rid!r}, which is not scheduled in this step")
-            if not _ok(v):
-                _bad_int(f"{name}[{rid!r}]", v)
-            if name == "replay_start" and nst[rid] > 0 and v > seen[rid]:
-                raise ValueError(f"replay_start[{rid!r}] = {v} is outside [0, num_computed_tokens = {seen[rid]}]")
-    return _Checked(rows, finished, preempted, width)
-
-
-def check_step(step: StepInput, num_groups: Optional[int] = None) -> None:
-    """The stateless rules of ``step`` (what ``StepInput.validate_static`` runs)."""
-    if not isinstance(step, StepInput):
-        raise StepTypeError(f"step must be a StepInput, got {type(step).__name__}")
-    _rows(STEP, num_groups, _new_of(step), _running_of(step), step.num_scheduled_tokens, step.finished_req_ids,
-          step.preempted_req_ids, step.replay_start, step.replay_end)
 
 
 def _convert(sm: SlotMap, num_groups: Optional[int], src: _Src, new, running, nst, finished, preempted,
@@ -367,6 +190,13 @@ def _append_runs(G: Optional[int], lists: list, slots: np.ndarray, trusted: bool
     if len(widths) != 1 or (G is not None and G not in widths):
         return None
     G = widths.pop()
+    if trusted:
+        # NOTE: entries are lists / tuples (fixed at construction): any() finds the requests with ids
+        has = list(compress(range(len(chosen)), map(any, chosen)))
+        if not has:
+            return _NO_RUNS
+        sel = has if sel is None else list(map(sel.__getitem__, has))
+        chosen = list(map(chosen.__getitem__, has))
     flat = list(chain.from_iterable(chosen))
     if not trusted and not set(map(type, flat)) <= _LISTS:
         return None
@@ -516,14 +346,6 @@ _REQ_ID, _NEW_BLOCKS, _COMPUTED, _RESUMED = (attrgetter(a) for a in ("req_id", "
                                                                       "num_computed_tokens", "resumed"))
 
 
-def _new_of(step: StepInput):
-    return [(r.req_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests]
-
-
-def _running_of(step: StepInput):
-    return [(r.req_id, r.new_block_ids, r.num_computed_tokens, bool(r.resumed)) for r in step.running_requests]
-
-
 def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] = None
                     ) -> Tuple[StepBatch, SlotMapDelta]:
     """Convert a :class:`StepInput` (pure: ``slots`` is not changed; commit the delta after the
@@ -554,6 +376,8 @@ def _field(obj, name: str, where: str):
 
 def _column(obj, name: str, n: int, where: str) -> list:
     v = _field(obj, name, where)
+    if type(v) is list and len(v) == n:
+        return v
     if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, Sequence):
         raise StepTypeError(f"{where}.{name} must be a list (one entry per request), got {type(v).__name__}")
     if len(v) != n:
@@ -578,7 +402,7 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
     """
     c = _field(out, "scheduled_cached_reqs", "SchedulerOutput")
     ids = _field(c, "req_ids", "scheduled_cached_reqs")
-    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence):
+    if type(ids) is not list and (isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence)):
         raise StepTypeError(f"scheduled_cached_reqs.req_ids must be a list of request ids, got {type(ids).__name__}")
     S = len(ids)
     ids = ids if type(ids) is list else list(ids)
@@ -599,7 +423,7 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
     else:
         raise StepTypeError("scheduled_cached_reqs has neither 'resumed_req_ids' nor 'resumed_from_preemption'")
     new = _field(out, "scheduled_new_reqs", "SchedulerOutput")
-    if isinstance(new, (str, bytes, Mapping)) or not isinstance(new, Sequence):
+    if type(new) is not list and (isinstance(new, (str, bytes, Mapping)) or not isinstance(new, Sequence)):
         raise StepTypeError(f"scheduled_new_reqs must be a list of NewRequestData, got {type(new).__name__}")
     nst = _field(out, "num_scheduled_tokens", "SchedulerOutput")
     finished = _field(out, "finished_req_ids", "SchedulerOutput")
@@ -616,49 +440,3 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
                     replay_start or {}, replay_end or {})
 
 
-# ----------------------------------------------------------------------------------------------
-# the pipeline's array-level errors, in the scheduler's terms
-# ----------------------------------------------------------------------------------------------
-_POS = re.compile(r"write_ids\[(\d+)\]|write run (\d+)|\bslot (\d+)")
-
-
-def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str = "step") -> ValueError:
-    """``error`` (raised by the pipeline for a converted ``batch``) with its array positions named
-    as the scheduler's requests and fields: ``write_ids[j]`` -> ``running_requests['a'].new_block_ids[g][k]``,
-    ``write run r`` -> ``new_requests['a'].block_ids[g]``, ``slot s`` -> ``request 'a' (slot s)``.
-
-    ``src``: ``"step"`` (a StepInput) or ``"scheduler_output"``. Returns a new exception of the same
-    type (raise it ``from error``), or ``error`` itself when it names no position it can map.
-    """
-    order, slots = delta.order, np.asarray(batch.req_slots).tolist()
-    if len(order) != len(slots):
-        return error
-    rid_of = dict(zip(slots, order))
-    new_where, run_where = (STEP if src == "step" else SCHED)
-    fresh = set(delta.new)
-
-    def run_field(r: int) -> Optional[str]:
-        if batch.write_gids is None or not 0 <= r < len(batch.write_gids):
-            return None
-        rid = rid_of.get(int(batch.write_slots[r]))
-        if rid is None:
-            return None
-        g = int(batch.write_gids[r])
-        return (f"{new_where}[{rid!r}].block_ids[{g}]" if rid in fresh else
-                f"{run_where}[{rid!r}].new_block_ids[{g}]")
-
-    def sub(m: re.Match) -> str:
-        if m.group(1) is not None and batch.write_cu is not None:
-            j = int(m.group(1))
-            cu = np.asarray(batch.write_cu)
-            r = int(np.searchsorted(cu, j, side="right")) - 1
-            f = run_field(r)
-            return m.group(0) if f is None else f"{f}[{j - int(cu[r])}]"
-        if m.group(2) is not None:
-            f = run_field(int(m.group(2)))
-            return m.group(0) if f is None else f
-        s = int(m.group(3))
-        return f"request {rid_of[s]!r} (slot {s})" if s in rid_of else m.group(0)
-
-    msg = _POS.sub(sub, str(error))
-    return error if msg == str(error) else type(error)(msg)

@@ -9,7 +9,8 @@ The shapes mirror a vLLM-like scheduler output (INTERFACES.md "Scheduler contrac
   listed per kv-cache group ``gid`` (order of :attr:`DSV4Layout.groups`);
 * the library never allocates block ids, it only mirrors them into block tables.
 
-The rules of a step live in one place, :mod:`dsv4_index.frontend` (the converter the pipeline runs);
+The rules of a step live in one place, :mod:`dsv4_index.step_rules` (run by the converters of
+:mod:`dsv4_index.frontend`, which the pipeline calls);
 :meth:`StepInput.validate_static` runs the part that needs no pipeline state. The requests fix the
 shape of their block lists at construction (a tuple of lists per gid); counts and ids are checked per
 step: Python ints (not bools, floats or numpy scalars) in ``[0, 2**31 - 1]``.
@@ -156,7 +157,7 @@ class StepInput:
 
     def validate_static(self, num_groups: Optional[int] = None) -> None:
         """The checks of the id-keyed converter that need no pipeline state (the same code:
-        :func:`dsv4_index.frontend.check_step`); raise ``ValueError`` naming the request and field.
+        :func:`dsv4_index.step_rules.check_step`); raise ``ValueError`` naming the request and field.
 
         Parameters
         ----------
@@ -167,5 +168,5 @@ class StepInput:
         NOTE: duplicate block ids are a ``checks="full"`` contract check of the pipeline (DESIGN §5),
         not a rule of the step.
         """
-        from .frontend import check_step
+        from .step_rules import check_step
         check_step(self, num_groups)

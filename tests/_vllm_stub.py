@@ -4,7 +4,7 @@ this library reads with their real names and types, the others present and ignor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
 from dsv4_index.step import StepInput

@@ -388,3 +388,30 @@ def test_step_batch_rejections_name_the_array_and_change_nothing(over, match):
     m = pipe.build()
     assert m.req_ids is None and m.req_slots.tolist() == [0] and m.num_tokens == 3
     assert [pipe.tables.row(g, 0).tolist() for g in range(G)] == [[4 + g] for g in range(G)]
+
+
+def test_long_decode_trace_fast_path_equals_hand_built_batches(monkeypatch):
+    """A decode-heavy trace (8 requests, 60 steps): the id-keyed path (mostly the fast path, with the
+    slot map's cached rows) and hand-built StepBatches give the same metadata every step."""
+    from dsv4_index import frontend
+    from dsv4_index.testing.scheduler import random_trace
+    trace = list(random_trace(LAYOUT, 60, 3, num_blocks=96, max_num_batched_tokens=40, max_num_seqs=4,
+                              num_speculative_tokens=1, prompt_len=(1, 30), max_new_tokens=(8, 30),
+                              arrival_prob=0.3))
+    calls = {"general": 0}
+    general = frontend._convert
+
+    def counted(*a, **k):
+        calls["general"] += 1
+        return general(*a, **k)
+    monkeypatch.setattr(frontend, "_convert", counted)
+    ids, arr, hand = ref_pipe(), ref_pipe(), HandSlots(4)
+    for i, (step, _) in enumerate(trace):
+        batch = hand.convert(step)
+        ids.update(step)
+        arr.update(batch)
+        a, b = meta_tensors(ids.build()), meta_tensors(arr.build())
+        for k in ("req_ids", "req_slots", "idx_mapping"):
+            a.pop(k), b.pop(k)
+        assert_same(a, b, i)
+    assert calls["general"] < len(trace) // 2, calls

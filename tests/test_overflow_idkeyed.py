@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dsv4_index import MetadataPipeline, NewRequest, RunningRequest, SlotMap, StepInput, batch_from_scheduler_output
+from dsv4_index import MetadataPipeline, NewRequest, RunningRequest, StepInput, batch_from_scheduler_output
 
 from _meta_helpers import assert_same, meta_tensors, tiny_layout
 from _vllm_stub import from_step

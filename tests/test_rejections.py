@@ -244,7 +244,7 @@ def _replay_start_beyond(c):
     r = _pick(c.step, lambda r: _appending(r) and c.step.num_scheduled_tokens[r.req_id] > 0)
     if r is None:
         return None
-    nc, s = r.num_computed_tokens, c.pipe.slot_of(r.req_id)
+    nc = r.num_computed_tokens
     return (rep(c.step, replay_start={**c.step.replay_start, r.req_id: nc + 1}), None,
             esc(f"replay_start[{r.req_id!r}] = {nc + 1} is outside [0, num_computed_tokens = {nc}]"))
 
