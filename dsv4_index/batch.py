@@ -105,6 +105,13 @@ class StepBatch:
         return cls(**{k: arr(k, bool if k == "is_new" else np.int64) for k in cls.__dataclass_fields__})
 
 
-# NOTE: the id-keyed front ends live in .frontend (they import StepBatch from here); their public
-# names stay importable from this module.
-from .frontend import SlotMap, SlotMapDelta, batch_from_scheduler_output, batch_from_step  # noqa: E402
+_FRONTEND = ("SlotMap", "SlotMapDelta", "batch_from_step", "batch_from_scheduler_output")
+
+
+def __getattr__(name: str):
+    # NOTE: the id-keyed front ends live in .frontend (which imports StepBatch from here); their public
+    # names stay importable from this module, resolved lazily so that neither import runs the other's
+    if name in _FRONTEND:
+        from . import frontend
+        return getattr(frontend, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
