@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from .batch import APPEND, StepBatch
-from .step import StepInput, StepTypeError
+from .step import NewRequest, RunningRequest, StepInput, StepTypeError
 from .step_rules import (_LISTS, APPENDS, LIMIT, NEW, RESUMED, SCHED, STEP, _id_set, _ints, _new_of, _rows,  # noqa: F401
                          _running_of, _Src, check_step, explain)
 
@@ -346,6 +346,9 @@ _REQ_ID, _NEW_BLOCKS, _COMPUTED, _RESUMED = (attrgetter(a) for a in ("req_id", "
                                                                       "num_computed_tokens", "resumed"))
 
 
+_RUNNING, _NEW = {RunningRequest}, {NewRequest}
+
+
 def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] = None
                     ) -> Tuple[StepBatch, SlotMapDelta]:
     """Convert a :class:`StepInput` (pure: ``slots`` is not changed; commit the delta after the
@@ -358,9 +361,11 @@ def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] =
         raise StepTypeError(f"step must be a StepInput, got {type(step).__name__}")
     run = step.running_requests
     if not step.replay_start and not step.replay_end and not any(map(_RESUMED, run)):
+        # NOTE: the block tuples' shape is trusted only from the library's own (frozen) request types
+        trusted = set(map(type, run)) <= _RUNNING and set(map(type, step.new_requests)) <= _NEW
         done = _fast(slots, num_groups, _new_of(step), list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
                      list(map(_COMPUTED, run)), step.num_scheduled_tokens, step.finished_req_ids,
-                     step.preempted_req_ids, True)
+                     step.preempted_req_ids, trusted)
         if done is not None:
             return done
     return _convert(slots, num_groups, STEP, _new_of(step), _running_of(step), step.num_scheduled_tokens,

@@ -415,3 +415,12 @@ def test_long_decode_trace_fast_path_equals_hand_built_batches(monkeypatch):
             a.pop(k), b.pop(k)
         assert_same(a, b, i)
     assert calls["general"] < len(trace) // 2, calls
+
+
+def test_duck_typed_requests_are_checked_like_scheduler_output():
+    """Objects that only look like RunningRequests get every type check (no construction-time trust)."""
+    sm = SlotMap(2)
+    commit(sm, StepInput([NewRequest("a", lists(1), 0)], [], {"a": 4}))
+    fake = NS(req_id="a", new_block_ids=(0,) + lists()[1:], num_computed_tokens=4, resumed=False)
+    with pytest.raises(TypeError, match=r"new_block_ids of 'a' gid 0 must be a list of block ids, got int"):
+        batch_from_step(StepInput([], [fake], {"a": 1}), sm, G)
