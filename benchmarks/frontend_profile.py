@@ -98,6 +98,8 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--baseline", help="an older dsv4_index/batch.py to compare with (timing and outputs)")
+    ap.add_argument("--prefill", action="store_true", help="also time batch_from_step on the prefill and mixed "
+                                                          "cases of workload.py (against --baseline if given)")
     args = ap.parse_args()
     old = load_baseline(args.baseline) if args.baseline else None
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
@@ -172,6 +174,37 @@ def main():
         print(f"| {name} | {med[k]:.1f} | {med[k] / u:.0f} | {med[k] / med['update']:.2f} |")
     if old is not None:
         print(f"{checked} batches equal to the baseline's (values and dtypes)")
+    if args.prefill:
+        prefill_cases(layout, old, 60)
+
+
+def prefill_cases(layout, old, steps: int) -> None:
+    """``batch_from_step`` on the prefill-heavy cases (a new request every step), medians."""
+    from workload import CASES
+    G = len(layout.groups)
+    print("| case | batch_from_step µs | baseline µs |")
+    print("|---|---|---|")
+    for name in ("prefill 8K + 32K cached", "mixed 256 + 4K"):
+        wl = Workload(layout, CASES[name], 0)
+        _, step = wl.next_step()
+        sm = SlotMap(1024)
+        sm.commit(batch_from_step(step, sm, G)[1])
+        if old is not None:
+            osm = old.SlotMap(1024)
+            osm.commit(old.batch_from_step(step, osm, G)[1])
+        tn, to = [], []
+        gc.disable()
+        for _ in range(steps):
+            _, step = wl.next_step()
+            tn.append(timed(batch_from_step, step, sm, G))
+            if old is not None:
+                to.append(timed(old.batch_from_step, step, osm, G))
+                same(batch_from_step(step, sm, G)[0], old.batch_from_step(step, osm, G)[0])
+                osm.commit(old.batch_from_step(step, osm, G)[1])
+            sm.commit(batch_from_step(step, sm, G)[1])
+        gc.enable()
+        base = f"{statistics.median(to) * 1e6:.0f}" if to else "-"
+        print(f"| {name} | {statistics.median(tn) * 1e6:.0f} | {base} |")
 
 
 if __name__ == "__main__":
