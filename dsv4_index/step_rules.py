@@ -213,9 +213,10 @@ _POS = re.compile(r"write_ids\[(\d+)\]|write run (\d+)|\bslot (\d+)")
 
 
 def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str = "step") -> ValueError:
-    """``error`` (raised by the pipeline for a converted ``batch``) with its array positions named
-    as the scheduler's requests and fields: ``write_ids[j]`` -> ``running_requests['a'].new_block_ids[g][k]``,
-    ``write run r`` -> ``new_requests['a'].block_ids[g]``, ``slot s`` -> ``request 'a' (slot s)``.
+    """``error`` (raised by the pipeline for a converted ``batch``) with its array positions named as
+    the scheduler's requests and fields, appended so the message keeps its words:
+    ``... write_ids[5] = 2147483647 in gid 0 ... [write_ids[5] = running_requests['a'].new_block_ids[0][0]]``,
+    ``write run r = new_requests['a'].block_ids[g]``, ``slot s = request 'a'``.
 
     ``src``: ``"step"`` (a StepInput) or ``"scheduler_output"``. Returns a new exception of the same
     type (raise it ``from error``), or ``error`` itself when it names no position it can map.
@@ -237,19 +238,23 @@ def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str =
         return (f"{new_where}[{rid!r}].block_ids[{g}]" if rid in fresh else
                 f"{run_where}[{rid!r}].new_block_ids[{g}]")
 
-    def sub(m: re.Match) -> str:
+    def name(m: re.Match) -> Optional[str]:
         if m.group(1) is not None and batch.write_cu is not None:
             j = int(m.group(1))
             cu = np.asarray(batch.write_cu)
             r = int(np.searchsorted(cu, j, side="right")) - 1
             f = run_field(r)
-            return m.group(0) if f is None else f"{f}[{j - int(cu[r])}]"
+            return None if f is None else f"{f}[{j - int(cu[r])}]"
         if m.group(2) is not None:
-            f = run_field(int(m.group(2)))
-            return m.group(0) if f is None else f
+            return run_field(int(m.group(2)))
         s = int(m.group(3))
-        return f"request {rid_of[s]!r} (slot {s})" if s in rid_of else m.group(0)
+        return f"request {rid_of[s]!r}" if s in rid_of else None
 
-    msg = _POS.sub(sub, str(error))
-    return error if msg == str(error) else type(error)(msg)
-
+    names = {}
+    for m in _POS.finditer(str(error)):
+        n = name(m)
+        if n is not None:
+            names.setdefault(m.group(0), n)
+    if not names:
+        return error
+    return type(error)(f"{error} [{'; '.join(f'{k} = {v}' for k, v in names.items())}]")
