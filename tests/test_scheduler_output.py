@@ -284,3 +284,13 @@ def test_readme_vllm_section_runs():
                                                 "len(layout.groups)); pipe.update(_b); pipe.slot_map.commit(_d)")
         exec(compile(code, "README.md", "exec"), ns)
     assert ns["meta"].num_tokens == 1
+
+
+@pytest.mark.xfail(strict=True, reason="needs MetadataPipeline.update() to call step_rules.explain on the id-keyed "
+                                       "path (host's update(); hunk in the front report): remove this mark then")
+def test_pipeline_update_names_the_request_of_an_array_level_error():
+    p2 = MetadataPipeline(LAYOUT, 4, 40, "cpu", 2, backend="reference")
+    p2.update(StepInput([NewRequest("a", _admitted_output().scheduled_new_reqs[0].block_ids, 0)], [], {"a": 40}))
+    nb = tuple([2**31 - 1] if k == 0 else [] for k in range(G))
+    with pytest.raises(ValueError, match=r"\[write_ids\[0\] = running_requests\['a'\]\.new_block_ids\[0\]\[0\]\]"):
+        p2.update(StepInput([], [RunningRequest("a", nb, 40)], {"a": 1}))
