@@ -9,25 +9,46 @@ The shapes mirror a vLLM-like scheduler output (INTERFACES.md "Scheduler contrac
   listed per kv-cache group ``gid`` (order of :attr:`DSV4Layout.groups`);
 * the library never allocates block ids, it only mirrors them into block tables.
 
-Only checks that need no pipeline state live here (:meth:`StepInput.validate_static`); the pipeline
-checks the rest (e.g. that a running request is known, that a table row is wide enough).
+The rules of a step live in one place, :mod:`dsv4_index.step_rules` (run by the converters of
+:mod:`dsv4_index.frontend`, which the pipeline calls);
+:meth:`StepInput.validate_static` runs the part that needs no pipeline state. The requests fix the
+shape of their block lists at construction (a tuple of lists per gid); counts and ids are checked per
+step: Python ints (not bools, floats or numpy scalars) in ``[0, 2**31 - 1]``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["NewRequest", "RunningRequest", "StepInput"]
+__all__ = ["NewRequest", "RunningRequest", "StepInput", "StepTypeError"]
+
+_LIST_TYPES = {list, tuple}
+
+
+class StepTypeError(ValueError, TypeError):
+    """A field of an id-keyed step has the wrong type (both a ``TypeError`` and a ``ValueError``: a
+    pipeline rejects it like any other bad step)."""
 
 IdSet = Union[AbstractSet[str], Sequence[str]]
 
 
-def _as_block_lists(name: str, block_ids) -> Tuple[List[int], ...]:
+def _as_block_lists(name: str, block_ids, allow_none: bool = False) -> Optional[Tuple[List[int], ...]]:
+    """The per-gid block lists as a tuple; every entry a list or tuple (its ids are checked per step).
+
+    NOTE: the tuple and the type of each entry are fixed here (the dataclasses are frozen), so the
+    converters need not re-check them; the ids inside may still change and are checked every step.
+    """
+    if block_ids is None and allow_none:
+        return None
     if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, (tuple, list)):
-        raise ValueError(f"{name} must be a tuple with one list of block ids per gid, "
-                         f"got {type(block_ids).__name__}")
-    return tuple(block_ids)
+        raise StepTypeError(f"{name} must be a tuple with one list of block ids per gid, "
+                            f"got {type(block_ids).__name__}")
+    block_ids = tuple(block_ids)
+    if not set(map(type, block_ids)) <= _LIST_TYPES:
+        g, bad = next((g, x) for g, x in enumerate(block_ids) if type(x) not in _LIST_TYPES)
+        raise StepTypeError(f"{name} gid {g} must be a list of block ids, got {type(bad).__name__}")
+    return block_ids
 
 
 @dataclass(frozen=True)
@@ -65,9 +86,9 @@ class RunningRequest:
     ----------
     req_id : str
         Engine-wide request id.
-    new_block_ids : tuple[list[int], ...]
+    new_block_ids : tuple[list[int], ...] or None
         One list per gid: block ids appended to the request's row in that group since the last step
-        (empty lists when none). With ``resumed=True`` (the request comes back after preemption)
+        (empty lists, or None as vLLM sends it, when none). With ``resumed=True`` (the request comes back after preemption)
         these are the request's *whole* block lists, replacing the old rows.
     num_computed_tokens : int
         Tokens whose KV is cached before this step; may go backwards after rejected speculative
@@ -77,13 +98,13 @@ class RunningRequest:
     """
 
     req_id: str
-    new_block_ids: Tuple[List[int], ...]
+    new_block_ids: Optional[Tuple[List[int], ...]]
     num_computed_tokens: int
     resumed: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "new_block_ids",
-                           _as_block_lists(f"new_block_ids of {self.req_id!r}", self.new_block_ids))
+                           _as_block_lists(f"new_block_ids of {self.req_id!r}", self.new_block_ids, True))
 
 
 
@@ -135,74 +156,17 @@ class StepInput:
         return len(self.num_scheduled_tokens)
 
     def validate_static(self, num_groups: Optional[int] = None) -> None:
-        """Checks that need no pipeline state; raise ValueError naming the field.
+        """The checks of the id-keyed converter that need no pipeline state (the same code:
+        :func:`dsv4_index.step_rules.check_step`); raise ``ValueError`` naming the request and field.
 
         Parameters
         ----------
         num_groups : int, optional
             Expected number of per-gid block lists (``len(layout.groups)``). When None, every request
             must simply carry the same number of lists.
+
+        NOTE: duplicate block ids are a ``checks="full"`` contract check of the pipeline (DESIGN §5),
+        not a rule of the step.
         """
-        self._validate_static_slow(num_groups)
-
-    def _validate_static_slow(self, num_groups: Optional[int] = None) -> None:
-        nst = self.num_scheduled_tokens
-        if not isinstance(nst, Mapping):
-            raise ValueError(f"num_scheduled_tokens must be a dict, got {type(nst).__name__}")
-        for rid, n in nst.items():
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"num_scheduled_tokens[{rid!r}] must be an int >= 0, got {n!r}")
-
-        computed: Dict[str, int] = {}
-        widths = set() if num_groups is None else {num_groups}
-        entries = [("new_requests", r, r.block_ids) for r in self.new_requests]
-        entries += [("running_requests", r, r.new_block_ids) for r in self.running_requests]
-        for what, req, lists in entries:
-            rid = req.req_id
-            if rid in computed:
-                raise ValueError(f"{what}: request {rid!r} is listed more than once "
-                                 f"(in new_requests and/or running_requests)")
-            n_c = req.num_computed_tokens
-            if isinstance(n_c, bool) or not isinstance(n_c, int) or n_c < 0:
-                raise ValueError(f"{what}: num_computed_tokens of {rid!r} must be an int >= 0, got {n_c!r}")
-            computed[rid] = n_c
-            if rid not in nst:
-                raise ValueError(f"{what}: request {rid!r} has no entry in num_scheduled_tokens")
-            widths.add(len(lists))
-            if len(widths) > 1:
-                expect = f"{num_groups}" if num_groups is not None else "the same number as other requests"
-                raise ValueError(f"{what}: request {rid!r} has {len(lists)} per-gid block lists, "
-                                 f"expected {expect}")
-            for gid, ids in enumerate(lists):
-                seen = set()
-                for b in ids:
-                    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-                        raise ValueError(f"{what}: request {rid!r} gid {gid} has a bad block id {b!r}")
-                    if b in seen and b != 0:
-                        raise ValueError(f"{what}: request {rid!r} lists block id {b} twice in gid {gid}")
-                    seen.add(b)
-
-        extra = [rid for rid in nst if rid not in computed]
-        if extra:
-            raise ValueError(f"num_scheduled_tokens lists {extra[0]!r}, which is in neither "
-                             f"new_requests nor running_requests")
-        for name in ("finished_req_ids", "preempted_req_ids"):
-            if isinstance(getattr(self, name), (str, bytes)):
-                raise ValueError(f"{name} must be a set or list of request ids, got the bare string "
-                                 f"{getattr(self, name)!r}")
-            clash = [rid for rid in getattr(self, name) if rid in computed]
-            if clash:
-                raise ValueError(f"{name} contains {clash[0]!r}, which is also scheduled in this step")
-        for rid, start in self.replay_start.items():
-            if rid not in computed:
-                raise ValueError(f"replay_start lists {rid!r}, which is not scheduled in this step")
-            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise ValueError(f"replay_start[{rid!r}] must be an int >= 0, got {start!r}")
-            if nst[rid] > 0 and start > computed[rid]:
-                raise ValueError(f"replay_start[{rid!r}] = {start} exceeds the first scheduled position "
-                                 f"{computed[rid]} (num_computed_tokens)")
-        for rid, end in self.replay_end.items():
-            if rid not in computed:
-                raise ValueError(f"replay_end lists {rid!r}, which is not scheduled in this step")
-            if isinstance(end, bool) or not isinstance(end, int) or end < 0:
-                raise ValueError(f"replay_end[{rid!r}] must be an int >= 0, got {end!r}")
+        from .step_rules import check_step
+        check_step(self, num_groups)

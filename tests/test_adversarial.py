@@ -64,7 +64,7 @@ def _bad_steps(layout, pool):
         "new request id already live": (StepInput([NewRequest("b", pool.blocks(4), 0)], [], {"b": 4}), "safe",
                                         "request 'b' already holds a slot"),
         "replay_start beyond num_computed": (StepInput([], [RunningRequest("b", e, 37)], {"b": 1},
-                                                       replay_start={"b": 38}), "safe", "replay_start of slot 1 = 38"),
+                                                       replay_start={"b": 38}), "safe", "'b'] = 38 is outside"),
         "resumed unknown request": (StepInput([], [RunningRequest("zz", pool.blocks(4), 0, resumed=True)],
                                               {"zz": 4}), "safe", "'zz' is resumed but was never preempted"),
         "finished ids as a bare string": (StepInput([], [], {}, finished_req_ids="ab"), "safe", "bare string 'ab'"),

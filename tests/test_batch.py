@@ -188,8 +188,6 @@ BAD = {
     "float block id": (dict(running_requests=[RunningRequest("a", lists(1.5), 4)]),
                        r"running_requests: new_block_ids of 'a' gid 0 has a bad block id 1.5"),
     "bool block id": (dict(new_requests=[NewRequest("n", lists(True), 0)]), r"new_requests: block_ids of 'n'"),
-    "block list not a list": (dict(new_requests=[NewRequest("n", ("12",) + lists()[1:], 0)]),
-                              r"new_requests: block_ids of 'n' gid 0 must be a list"),
     "wrong group count": (dict(running_requests=[RunningRequest("a", ([6],), 4)]),
                           r"running_requests: new_block_ids of 'a' has 1 per-gid block lists, expected"),
     "negative computed": (dict(new_requests=[NewRequest("n", lists(5), -1)]),
@@ -219,6 +217,14 @@ def test_batch_from_step_errors_name_the_field(name):
     with pytest.raises(ValueError, match=match):
         batch_from_step(_step(**over), sm, G)
     assert state(sm) == before
+
+
+def test_block_list_entries_are_fixed_at_construction():
+    with pytest.raises(ValueError, match=r"block_ids of 'n' gid 0 must be a list of block ids, got str"):
+        NewRequest("n", ("12",) + lists()[1:], 0)
+    with pytest.raises(TypeError, match=r"new_block_ids of 'a' gid 1 must be a list of block ids, got int"):
+        RunningRequest("a", ([], 5, [], []), 0)
+    assert RunningRequest("a", None, 3).new_block_ids is None
 
 
 def test_batch_from_step_rejects_other_inputs():
@@ -382,3 +388,39 @@ def test_step_batch_rejections_name_the_array_and_change_nothing(over, match):
     m = pipe.build()
     assert m.req_ids is None and m.req_slots.tolist() == [0] and m.num_tokens == 3
     assert [pipe.tables.row(g, 0).tolist() for g in range(G)] == [[4 + g] for g in range(G)]
+
+
+def test_long_decode_trace_fast_path_equals_hand_built_batches(monkeypatch):
+    """A decode-heavy trace (8 requests, 60 steps): the id-keyed path (mostly the fast path, with the
+    slot map's cached rows) and hand-built StepBatches give the same metadata every step."""
+    from dsv4_index import frontend
+    from dsv4_index.testing.scheduler import random_trace
+    trace = list(random_trace(LAYOUT, 60, 3, num_blocks=96, max_num_batched_tokens=40, max_num_seqs=4,
+                              num_speculative_tokens=1, prompt_len=(1, 30), max_new_tokens=(8, 30),
+                              arrival_prob=0.3))
+    calls = {"general": 0}
+    general = frontend._convert
+
+    def counted(*a, **k):
+        calls["general"] += 1
+        return general(*a, **k)
+    monkeypatch.setattr(frontend, "_convert", counted)
+    ids, arr, hand = ref_pipe(), ref_pipe(), HandSlots(4)
+    for i, (step, _) in enumerate(trace):
+        batch = hand.convert(step)
+        ids.update(step)
+        arr.update(batch)
+        a, b = meta_tensors(ids.build()), meta_tensors(arr.build())
+        for k in ("req_ids", "req_slots", "idx_mapping"):
+            a.pop(k), b.pop(k)
+        assert_same(a, b, i)
+    assert calls["general"] < len(trace) // 2, calls
+
+
+def test_duck_typed_requests_are_checked_like_scheduler_output():
+    """Objects that only look like RunningRequests get every type check (no construction-time trust)."""
+    sm = SlotMap(2)
+    commit(sm, StepInput([NewRequest("a", lists(1), 0)], [], {"a": 4}))
+    fake = NS(req_id="a", new_block_ids=(0,) + lists()[1:], num_computed_tokens=4, resumed=False)
+    with pytest.raises(TypeError, match=r"new_block_ids of 'a' gid 0 must be a list of block ids, got int"):
+        batch_from_step(StepInput([], [fake], {"a": 1}), sm, G)

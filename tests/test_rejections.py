@@ -206,7 +206,7 @@ K("negative_replay_end", lambda c: _on(_pick(c.step), lambda r: (
 K("replay_end_beyond_int32", lambda c: _on(  # NOTE: a wrapped value lets replayed tokens overwrite shared KV
     _pick(c.step, lambda r: _appending(r) and c.step.num_scheduled_tokens[r.req_id] > 0), lambda r: (
         rep(c.step, replay_end={**c.step.replay_end, r.req_id: 2**32}), None,
-        esc(f"replay_end of slot {c.pipe.slot_of(r.req_id)} = {2**32} does not fit int32"))))
+        esc(f"replay_end[{r.req_id!r}] must be an int >= 0 and <= {2**31 - 1} (int32), got {2**32}"))))
 K("too_many_tokens", lambda c: _on(next(iter(c.step.num_scheduled_tokens), None), lambda rid: (
     rep(c.step, num_scheduled_tokens=_nst(c.step, **{rid: c.step.num_scheduled_tokens[rid] + T_MAX + 1
                                                      - c.step.total_tokens})), None,
@@ -245,9 +245,9 @@ def _replay_start_beyond(c):
     r = _pick(c.step, lambda r: _appending(r) and c.step.num_scheduled_tokens[r.req_id] > 0)
     if r is None:
         return None
-    nc, s = r.num_computed_tokens, c.pipe.slot_of(r.req_id)
+    nc = r.num_computed_tokens
     return (rep(c.step, replay_start={**c.step.replay_start, r.req_id: nc + 1}), None,
-            esc(f"replay_start of slot {s} = {nc + 1} is outside [0, num_computed_tokens = {nc}]"))
+            esc(f"replay_start[{r.req_id!r}] = {nc + 1} is outside [0, num_computed_tokens = {nc}]"))
 
 
 K("new_request_already_holding_slot", _new_holding_slot)

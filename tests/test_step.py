@@ -1,5 +1,6 @@
 import dataclasses
 
+import numpy as np
 import pytest
 
 from dsv4_index.step import NewRequest, RunningRequest, StepInput
@@ -50,8 +51,11 @@ def test_defaults_and_frozen():
     (dict(running_requests=[RunningRequest("a", ([], [], []), 1)],
           num_scheduled_tokens={"a": 1}), "more than once"),
     (dict(running_requests=[RunningRequest("b", ([], [4]), 300)]), "per-gid"),
-    (dict(new_requests=[NewRequest("a", ([1, 2, 1], [3], [5]), 0)]), "twice in gid 0"),
-    (dict(running_requests=[RunningRequest("b", ([], [4], [6, 6]), 300)]), "twice in gid 2"),
+    (dict(new_requests=[NewRequest("a", ([1, 2**31], [3], [5]), 0)]), r"block_ids of 'a' gid 0 .* at block_ids\[0\]\[1\]"),
+    (dict(running_requests=[RunningRequest("b", ([], [4], [10**30]), 300)]), r"new_block_ids\[2\]\[0\]"),
+    (dict(num_scheduled_tokens={"a": 2**62, "b": 3}), r"num_scheduled_tokens\['a'\] must be an int >= 0 and <= "),
+    (dict(running_requests=[RunningRequest("b", ([], [4], [6]), 2**63 - 1)]), "num_computed_tokens of 'b'"),
+    (dict(replay_end={"b": 2**31}), r"replay_end\['b'\]"),
     (dict(new_requests=[NewRequest("a", ([1, -2], [3], [5]), 0)]), "block id"),
     (dict(replay_start={"zz": 0}), "replay_start"),
     (dict(replay_start={"b": -1}), "replay_start"),
@@ -60,6 +64,8 @@ def test_defaults_and_frozen():
     (dict(num_scheduled_tokens={"a": True, "b": 3}), "num_scheduled_tokens"),
     (dict(new_requests=[NewRequest("a", ([1], [3], [5]), 2.0)]), "num_computed_tokens"),
     (dict(new_requests=[NewRequest("a", ([1, True], [3], [5]), 0)]), "block id"),
+    (dict(running_requests=[RunningRequest("b", ([], [np.int64(4)], [6]), 300)]), r"bad block id np.int64\(4\)"),
+    (dict(num_scheduled_tokens={"a": np.int64(3), "b": 3}), r"num_scheduled_tokens\['a'\].*int64"),
     (dict(replay_end={"zz": 4}), "replay_end"),
     (dict(replay_end={"b": -1}), "replay_end"),
     (dict(finished_req_ids="ab"), "finished_req_ids.*bare string"),
@@ -68,6 +74,26 @@ def test_defaults_and_frozen():
 def test_validation_errors(over, match):
     with pytest.raises(ValueError, match=match):
         make_step(**over).validate_static()
+
+
+def test_duplicate_block_ids_are_a_full_check_not_a_step_rule():
+    # NOTE: DESIGN §5: duplicates are the pipeline's checks="full" contract check (full groups)
+    make_step(new_requests=[NewRequest("a", ([1, 2, 1], [3], [5]), 0)]).validate_static()
+
+
+def test_validate_static_runs_the_converters_rules():
+    """The same message as the converter for a stateless error (one checker)."""
+    from dsv4_index import SlotMap, batch_from_step
+    bad = make_step(num_scheduled_tokens={"a": 10**30, "b": 3})
+    with pytest.raises(ValueError) as e1:
+        bad.validate_static(3)
+    with pytest.raises(ValueError) as e2:
+        batch_from_step(bad, SlotMap(4), 3)
+    assert str(e1.value) == str(e2.value)
+
+
+def test_none_new_block_ids_is_no_new_block():
+    make_step(running_requests=[RunningRequest("b", None, 300)]).validate_static(3)
 
 
 def test_num_groups_mismatch():

@@ -1,0 +1,81 @@
+"""Stand-ins for vLLM's scheduler dataclasses (``vllm/v1/core/sched/output.py`` at HEAD), the fields
+this library reads with their real names and types, the others present and ignored; and the
+``SchedulerOutput`` of a :class:`~dsv4_index.step.StepInput` (as vLLM would send the same step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set, Tuple
+
+from dsv4_index.step import StepInput
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: Optional[List[int]]
+    mm_features: list
+    sampling_params: object
+    pooling_params: object
+    block_ids: Tuple[List[int], ...]
+    num_computed_tokens: int
+    lora_request: object
+    prompt_embeds: object = None
+    prefill_token_ids: Optional[List[int]] = None
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: List[str]
+    resumed_req_ids: Set[str]
+    new_token_ids: List[List[int]]
+    all_token_ids: Dict[str, List[int]]
+    new_block_ids: List[Optional[Tuple[List[int], ...]]]
+    num_computed_tokens: List[int]
+    num_output_tokens: List[int]
+
+
+@dataclass
+class OldCachedRequestData:  # NOTE: vLLM <= 0.10: a list of flags instead of the set
+    req_ids: List[str]
+    resumed_from_preemption: List[bool]
+    new_token_ids: List[List[int]]
+    new_block_ids: List[Optional[Tuple[List[int], ...]]]
+    num_computed_tokens: List[int]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: List[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: Dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: Dict[str, List[int]]
+    scheduled_encoder_inputs: Dict[str, List[int]]
+    num_common_prefix_blocks: List[int]
+    finished_req_ids: Set[str]
+    free_encoder_mm_hashes: List[str]
+    preempted_req_ids: Optional[Set[str]] = None
+    pending_structured_output_tokens: bool = False
+    kv_connector_metadata: object = None
+    ec_connector_metadata: object = None
+
+
+def from_step(step: StepInput, *, old: bool = False, none_when_empty: bool = True) -> SchedulerOutput:
+    """vLLM's output for ``step``: ``new_block_ids`` None for a running request without new blocks
+    (vLLM's ``get_block_ids(allow_none=True)``), ``old``: the list-of-flags form of older vLLM."""
+    run = step.running_requests
+    nbs = [None if (none_when_empty and not r.resumed and not any(r.new_block_ids or ())) else
+           tuple(map(list, r.new_block_ids or ())) for r in run]
+    ids, ncs = [r.req_id for r in run], [r.num_computed_tokens for r in run]
+    if old:
+        cached = OldCachedRequestData(ids, [bool(r.resumed) for r in run], [[] for _ in run], nbs, ncs)
+    else:
+        cached = CachedRequestData(ids, {r.req_id for r in run if r.resumed}, [[] for _ in run], {}, nbs, ncs,
+                                   [1] * len(run))
+    new = [NewRequestData(r.req_id, [], [], None, None, tuple(map(list, r.block_ids)), r.num_computed_tokens, None)
+           for r in step.new_requests]
+    return SchedulerOutput(new, cached, dict(step.num_scheduled_tokens), step.total_tokens,
+                           {r: [0] * (n - 1) for r, n in step.num_scheduled_tokens.items()
+                            if type(n) is int and 1 < n <= 64}, {}, [],
+                           set(step.finished_req_ids), [], set(step.preempted_req_ids))
