@@ -98,7 +98,8 @@ class MetadataPipeline:
         units = [1] * len(layout.groups)
         for b in self._builders.values():
             units[b.spec.gid] = max(units[b.spec.gid], b.int32_unit)
-        self.tables = BlockTables(layout.groups, max_num_reqs, T, self.device, units)
+        self.tables = BlockTables(layout.groups, max_num_reqs, T, self.device, units,
+                                  max_model_len=getattr(layout, "max_model_len", None))
         self.tables.compressed = tuple(sorted({(s.gid, s.compress_ratio, s.rows_per_block)
                                                for s in layout.channels.values() if s.compress_ratio > 1}))
         dev, i32 = self.device, torch.int32

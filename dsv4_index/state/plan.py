@@ -93,6 +93,26 @@ def _in_range(name: str, x: np.ndarray, hi: int, what: str) -> None:
         raise ValueError(f"{name}[{i}] = {int(x[i])} is not {what} in [0, {hi})")
 
 
+def _check_counts(nc: np.ndarray, q: np.ndarray, max_model_len: int, max_num_tokens: int) -> None:
+    """Bound every count before any sum or product (no int64 wrap can pass a later check).
+
+    ``0 <= num_computed_tokens <= max_model_len`` and ``0 <= num_scheduled_tokens <= max_num_tokens``
+    elementwise (one unsigned max each: negatives view as huge); then ``seq_lens`` and ``T`` fit
+    easily in int64 (rows <= max_num_reqs).
+    """
+    for name, x in (("num_computed_tokens", nc), ("num_scheduled_tokens", q)):
+        if int(x.min()) < 0:
+            i = _first(x < 0)
+            raise ValueError(f"{name}[{i}] = {int(x[i])} is negative")
+    if int(nc.view(np.uint64).max()) > max_model_len:
+        i = _first(nc > max_model_len)
+        raise ValueError(f"num_computed_tokens[{i}] = {int(nc[i])} is beyond max_model_len = {max_model_len}")
+    if int(q.view(np.uint64).max()) > max_num_tokens:
+        total = sum(q.tolist())  # NOTE: Python ints: exact, no wrap
+        raise ValueError(f"num_scheduled_tokens: the step schedules {total} tokens, more than "
+                         f"max_num_batched_tokens = {max_num_tokens}")
+
+
 def _owned(n: np.ndarray, cp) -> np.ndarray:
     world, rank, inter = cp
     cycle = inter * world
@@ -127,10 +147,7 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
     free = _EMPTY if batch.free_slots is None else _arr("free_slots", batch.free_slots)
     if n_rows:
         _in_range("req_slots", slots, R, "a slot")
-        if min(int(nc.min()), int(q.min())) < 0:
-            name, x = ("num_computed_tokens", nc) if nc.min() < 0 else ("num_scheduled_tokens", q)
-            i = _first(x < 0)
-            raise ValueError(f"{name}[{i}] = {int(x[i])} is negative")
+        _check_counts(nc, q, tables.max_model_len, max_num_tokens)
         count = np.bincount(slots, minlength=R)
         if count.max() > 1:
             s = int(np.argmax(count))
@@ -303,8 +320,11 @@ def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, new_slots: np.ndarr
     if not occ[slot].all():
         i = _first(~occ[slot])
         raise ValueError(f"write_slots[{i}] = {int(slot[i])} holds no request after this step")
+    # NOTE: bound cu before differencing it (huge values would wrap the differences)
+    if cu[0] != 0 or cu[-1] != ids.shape[0] or int(cu.view(np.uint64).max()) > ids.shape[0]:
+        raise ValueError(f"write_cu must rise from 0 to len(write_ids) = {ids.shape[0]}")
     n = cu[1:] - cu[:-1]
-    if cu[0] != 0 or cu[-1] != ids.shape[0] or (n < 0).any():
+    if (n < 0).any():
         raise ValueError(f"write_cu must rise from 0 to len(write_ids) = {ids.shape[0]}")
     key = gid * R + slot
     if N > 1:
@@ -318,17 +338,19 @@ def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, new_slots: np.ndarr
         fresh = np.zeros(R, dtype=bool)
         fresh[new_slots] = True
         have = np.where(fresh[slot], 0, have)
-    if tables.fmax == 1:
+    # NOTE: the hole check runs in allocation blocks, before any product (start * f could wrap)
+    f = tables.f[gid] if tables.fmax > 1 else None
+    hole = (start < APPEND) | (start > (have if f is None else have // f))
+    if hole.any():
+        i = _first(hole)
+        raise ValueError(f"write_starts[{i}] = {int(start[i])} leaves a hole: gid {int(gid[i])} of slot "
+                         f"{int(slot[i])} holds {int(have[i] // tables.f[gid[i]])} blocks")
+    if f is None:
         start_k = np.where(start == APPEND, have, start)
         end_k = start_k + n
     else:
-        f = tables.f[gid]
         start_k = np.where(start == APPEND, have, start * f)
         end_k = start_k + n * f
-    if (start < APPEND).any() or (start_k > have).any():
-        i = _first((start < APPEND) | (start_k > have))
-        raise ValueError(f"write_starts[{i}] = {int(start[i])} leaves a hole: gid {int(gid[i])} of slot "
-                         f"{int(slot[i])} holds {int(have[i] // tables.f[gid[i]])} blocks")
     over = end_k > tables.logical[gid]
     if over.any():
         i = _first(over)

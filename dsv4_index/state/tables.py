@@ -48,10 +48,13 @@ class BlockTables:
     """
 
     def __init__(self, groups: Sequence, max_num_reqs: int, max_num_batched_tokens: int,
-                 device: torch.device, int32_units: Sequence[int]):
+                 device: torch.device, int32_units: Sequence[int], max_model_len: int = None):
         G, R = len(groups), max_num_reqs
         self.groups = tuple(groups)
         self.max_num_reqs = R
+        # NOTE: the bound of every token count (num_computed_tokens) the host accepts
+        self.max_model_len = int(max_model_len if max_model_len is not None else
+                                 max((g.table_width * g.block_size for g in groups), default=0))
         cols, ring = zip(*(g.columns(max_num_batched_tokens) for g in groups)) if G else ((), ())
         self.cols = np.asarray(cols, dtype=np.int64)
         self.ring = np.asarray(ring, dtype=np.int64)
