@@ -8,6 +8,10 @@ block, ids) and are staged as ``(flat destination, value)`` pairs that the fused
 
 Column of logical (kernel) block ``i`` of group ``g``: ``i`` for plain tables, ``i % ring_cols`` for
 ring tables (sliding groups, DESIGN §4), ``0`` for circular groups (one block per request).
+
+The tables own their writes: :meth:`BlockTables.commit` applies a checked step's block counts,
+:meth:`BlockTables.stage_writes` fills the write regions and the overlay of the staging buffer and
+the host mirror.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 import torch
 
 from .._common import INT32_MAX
+from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE
 
 __all__ = ["BlockTables"]
 
@@ -95,6 +100,48 @@ class BlockTables:
         self.num_blocks = np.zeros((G, R), dtype=np.int64)
 
     # ------------------------------------------------------------------------------------------
+    def commit(self, plan) -> None:
+        """Block counts after a checked step (freed and new slots start empty)."""
+        nb = self.num_blocks
+        if plan.free_slots.size:
+            nb[:, plan.free_slots] = 0
+        if plan.new_slots.size:
+            nb[:, plan.new_slots] = 0
+        if plan.w_gid.size:
+            nb[plan.w_gid, plan.w_slot] = plan.w_end
+
+    def stage_writes(self, plan, h: np.ndarray, lay) -> int:
+        """Stage a checked step's block ids into host buffer ``h`` (format of ``state/staging.py``):
+        the values and flat destinations of the kept ids, the overlay of every (group, batch row),
+        and the host mirror. Returns the number of ids staged."""
+        B, G, tp = plan.slots.shape[0], len(self.groups), lay.rows
+        ov = h[lay.overlay:lay.overlay + OVERLAY_STRIDE * G * tp].reshape(G, tp, OVERLAY_STRIDE)
+        ov[:, :B] = 0
+        if not plan.w_gid.size:
+            return 0
+        keep, dst = self.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
+        vals = plan.w_ids if keep is None else plan.w_ids[keep]
+        N, w0 = vals.shape[0], lay.writes
+        h[w0:w0 + N] = vals
+        h[w0 + N:w0 + 2 * N] = dst
+        self.mirror[dst] = vals
+        if keep is None:
+            # NOTE: every id kept (one per run): run i's id is value i
+            first, pay = plan.w_start, w0 + np.arange(plan.w_gid.shape[0])
+        else:
+            first = np.maximum(plan.w_keep, plan.w_start)
+            kept = np.minimum(plan.w_end - first, np.diff(plan.w_cu)).clip(min=0)
+            pay = w0 + np.cumsum(kept) - kept
+        r, end = plan.w_row, plan.w_end
+        at = lay.overlay + OVERLAY_STRIDE * (plan.w_gid * tp + r)
+        m = r >= 0
+        if not m.all():
+            at, first, end, pay = at[m], first[m], end[m], pay[m]
+        h[at + OV_LO] = first
+        h[at + OV_HI] = end
+        h[at + OV_PAY] = pay
+        return N
+
     def row(self, gid: int, slot: int) -> np.ndarray:
         """Host copy of the valid logical blocks of a slot, in logical order (int32 ``[n]``).
 
