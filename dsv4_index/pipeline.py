@@ -96,13 +96,12 @@ class MetadataPipeline:
         self.slot_map = SlotMap(max_num_reqs)
 
         self._builders = {name: builder_for(spec, layout) for name, spec in layout.channels.items()}
-        units = [1] * len(layout.groups)
-        for b in self._builders.values():
-            units[b.spec.gid] = max(units[b.spec.gid], b.int32_unit)
+        units = [max([1] + [b.int32_unit for b in self._builders.values() if b.spec.gid == g])
+                 for g in range(len(layout.groups))]
+        compressed = tuple(sorted({(s.gid, s.compress_ratio, s.rows_per_block)
+                                   for s in layout.channels.values() if s.compress_ratio > 1}))
         self.tables = BlockTables(layout.groups, max_num_reqs, T, self.device, units,
-                                  max_model_len=getattr(layout, "max_model_len", None))
-        self.tables.compressed = tuple(sorted({(s.gid, s.compress_ratio, s.rows_per_block)
-                                               for s in layout.channels.values() if s.compress_ratio > 1}))
+                                  max_model_len=getattr(layout, "max_model_len", None), compressed=compressed)
         dev, i32 = self.device, torch.int32
         self.ctx = BuildContext(
             layout=layout, device=dev, max_num_reqs=max_num_reqs, max_num_tokens=T,
@@ -185,22 +184,19 @@ class MetadataPipeline:
             raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__}")
         plan = self.requests.plan(batch, pad_to)
         # NOTE: every check passed; from here on nothing raises
-        stats = StepStats(num_h2d_copies=1, num_launches=self._num_launches)
-        if self.staging.pending_writes:
+        applies = int(self.staging.pending_writes > 0)
+        if applies:
             self.staging.apply_pending(self.tables.flat)  # the previous step was staged but never built
-            stats.num_applies = 1
         self.tables.commit(plan)
         self.requests.commit(plan)
         if delta is not None:
             self.slot_map.commit(delta)
-            self._req_ids = [delta.order[i] for i in plan.rows]
-        else:
-            self._req_ids = None
-        stats.h2d_bytes, stats.num_writes = self.staging.stage(plan, self.tables, self.ctx.staged_inputs,
-                                                               self.requests.signature)
+        self._req_ids = None if delta is None else [delta.order[i] for i in plan.rows.tolist()]
+        nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs, self.requests.signature)
         self.ctx.set_step(plan)
         self._plan = plan
-        self.last_step_stats = stats
+        self.last_step_stats = StepStats(num_h2d_copies=1, h2d_bytes=nbytes, num_writes=nwrites,
+                                         num_launches=self._num_launches, num_applies=applies)
 
     # ------------------------------------------------------------------------------------------
     # device side

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from ..ops._device import (causal_row, compressed_slot, decode_row_lens, raw_slot, visible_rows, window_len,
                            window_row)
-from ..state.staging import H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START
+from ..state.staging import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START,
+                             OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE)
 from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, F_A, F_B, F_CPI, F_CPR, F_CPW, F_EXTRA, F_FLAGS,
                     F_GROUP, F_KIND, F_OUT0, F_OUT1, F_OUT2, F_OUT3, F_RING, F_STRIDE, F_TABLE, F_TWIDTH, F_WIDTH,
                     FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, INDEXER, REPLAYS, REQUESTS, STAGED_COPY, TOKEN_ROWS, WINDOW)
@@ -29,6 +30,10 @@ _H_NUM_DECODES: tl.constexpr = tl.constexpr(H_NUM_DECODES)
 _H_NUM_WRITES: tl.constexpr = tl.constexpr(H_NUM_WRITES)
 _H_REPLAY_START: tl.constexpr = tl.constexpr(H_REPLAY_START)
 _H_REPLAY_END: tl.constexpr = tl.constexpr(H_REPLAY_END)
+_OVERLAY_STRIDE: tl.constexpr = tl.constexpr(OVERLAY_STRIDE)  # NOTE: the overlay record (state/staging.py)
+_OV_LO: tl.constexpr = tl.constexpr(OV_LO)
+_OV_HI: tl.constexpr = tl.constexpr(OV_HI)
+_OV_PAY: tl.constexpr = tl.constexpr(OV_PAY)
 
 
 @triton.jit
@@ -132,10 +137,10 @@ def _token_unit(stage_ptr, desc_ptr, tile, col, T_pad, rows, off_qsl, off_seq, o
             cpw = 1  # NOTE: Python ints are constexprs: the ownership math folds away
             cpr = 0
             cpi = 1
-        ov = off_ov + (gid * rows + b) * 3
-        lo = tl.load(stage_ptr + ov, mask=valid, other=0)
-        hi = tl.load(stage_ptr + ov + 1, mask=valid, other=0)
-        pay = tl.load(stage_ptr + ov + 2, mask=valid, other=0)
+        ov = off_ov + (gid * rows + b) * _OVERLAY_STRIDE
+        lo = tl.load(stage_ptr + ov + _OV_LO, mask=valid, other=0)
+        hi = tl.load(stage_ptr + ov + _OV_HI, mask=valid, other=0)
+        pay = tl.load(stage_ptr + ov + _OV_PAY, mask=valid, other=0)
         if kind == WINDOW:
             floor = tl.zeros_like(pos)
             if ((flags & FLAG_WINDOW_FLOOR) != 0) & (tl.load(stage_ptr + _H_REPLAY_START) != 0):

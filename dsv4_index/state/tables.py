@@ -37,6 +37,10 @@ class BlockTables:
     max_num_batched_tokens : int
         Sizes ring tables (:meth:`GroupSpec.columns`).
     device : torch.device
+    max_model_len : int, optional
+        Bound of every token count the host accepts (default: the widest group's tokens).
+    compressed : sequence of (gid, compress_ratio, rows_per_block)
+        Geometry of the compressed channels (their block needs under DCP).
     int32_units : sequence of int
         Per group: the largest number of slots per block that an int32 index list of the group
         addresses (block size for window lists, rows per block for compressed lists; 1 when the
@@ -53,7 +57,8 @@ class BlockTables:
     """
 
     def __init__(self, groups: Sequence, max_num_reqs: int, max_num_batched_tokens: int,
-                 device: torch.device, int32_units: Sequence[int], max_model_len: int = None):
+                 device: torch.device, int32_units: Sequence[int], max_model_len: int = None,
+                 compressed: Sequence[Tuple[int, int, int]] = ()):
         G, R = len(groups), max_num_reqs
         self.groups = tuple(groups)
         self.max_num_reqs = R
@@ -77,7 +82,7 @@ class BlockTables:
         self.sharded = np.asarray([g.sharded for g in groups], dtype=bool)
         self.full = np.asarray([g.kind == "full" for g in groups], dtype=bool)
         self.ring_groups = np.flatnonzero((self.ring > 0) & ~self.circular)
-        self.compressed = ()  # NOTE: (gid, R, S) of the compressed channels, set by the pipeline
+        self.compressed = tuple(compressed)  # NOTE: (gid, compress ratio, rows per block) of compressed channels
         units = np.maximum(np.asarray(int32_units, dtype=np.int64), 1)
         self.id_max = (INT32_MAX - (units - 1)) // units  # NOTE: largest kernel-block id
         self.id_max_min = int(self.id_max.min()) if G else INT32_MAX
