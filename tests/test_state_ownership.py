@@ -123,7 +123,7 @@ def _pipes(variant, checks="safe"):
 
 
 def _plan_fields(p):
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "steady"}
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("steady", "w_key")}  # NOTE: how, not what
 
 
 def _same(a, b):

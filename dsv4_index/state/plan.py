@@ -59,6 +59,7 @@ class StepPlan:
     w_cu: np.ndarray            # int64 [N + 1]
     w_ids: np.ndarray           # int64 [n]
     w_row: np.ndarray           # int64 [N]: device batch row of each run's slot, -1 when not in the batch
+    w_key: Optional[np.ndarray] = None  # int64 [N] ``gid * max_num_reqs + slot`` (steady path) or None
     steady: bool = False        # NOTE: planned by the steady path (same batch as the last step)
 
 

@@ -28,27 +28,55 @@ __all__ = ["SteadyCache", "plan_steady"]
 
 _I64, _U64, _BOOL = np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.bool_)
 _EMPTY = np.zeros(0, dtype=np.int64)
+_count = np.count_nonzero
 _BIG = np.iinfo(np.int64).max
+_POISON = -(1 << 40)  # NOTE: the poison cell after the slack matrix: a run outside the batch lands there
 
 
 class _Scratch:
     """Buffers the steady check writes before it knows the answer (not state: overwritten each step)."""
 
-    def __init__(self, shape, n_keys: int):
-        self.x_next = np.empty(shape, dtype=np.int64)  # C order: x_next.ravel() is a view
-        self.keys = np.zeros(max(n_keys, 1), dtype=np.int64)
+    def __init__(self, shape):
+        self.flat, self.x_next = _slack_buffer(shape)
+        self.over = np.empty(shape, dtype=bool)
+        self.seen = np.zeros(shape[0] * shape[1] + 1, dtype=bool)
         self.seq = None
 
 
+def _slack_buffer(shape):
+    """A flat int64 buffer of ``prod(shape) + 1`` cells (the last: poison) and its ``shape`` view."""
+    flat = np.full(shape[0] * shape[1] + 1, _POISON, dtype=np.int64)
+    return flat, flat[:-1].reshape(shape)
+
+
 class SteadyCache:
-    """The last accepted batch in device order, for :func:`plan_steady` (built by :meth:`build`)."""
+    """The last accepted batch in device order, for :func:`plan_steady` (built by :meth:`build`).
+
+    Attributes (``G'`` non-circular groups, ``B`` batch rows, ``R`` slots, ``G`` groups)
+    ----------
+    x : int64 ``[G', B]`` — slack ``blocks * block_size - seq_len`` per (group, batch row), a view of
+        a flat buffer whose extra last cell is the poison cell.
+    bound : uint64 ``[G', B]`` — the sufficient bound of ``x`` (module docstring), per group.
+    key_x, key_row : int64 ``[G * R + 1]`` — for the flat (group, slot) key ``gid * R + slot``: its
+        flat cell of ``x`` (the poison cell unless a non-circular group of a batch slot; keys past
+        ``G * R`` clip to the last entry, poison too) and its batch row.
+    """
 
     @classmethod
     def build(cls, plan: StepPlan, tables, generation: int, old: Optional["SteadyCache"]):
         """The cache after accepting ``plan`` (general path), or None when no steady step can follow
-        (a row without tokens, a sequence at ``max_model_len``)."""
+        (a row without tokens, a sequence at ``max_model_len``, a ring too small for its window)."""
         n_rows, B = plan.all_slots.shape[0], plan.slots.shape[0]
         if B == 0 or n_rows != B or int(plan.seq_lens.max()) > tables.max_model_len:
+            return None
+        R, G = tables.max_num_reqs, len(tables.groups)
+        groups = np.flatnonzero(~tables.circular)
+        Gx = groups.size
+        bs = tables.bs[groups]
+        qmax = int(plan.num_scheduled.max())
+        ring, win = tables.ring[groups], tables.window[groups]
+        U = np.where(ring > 0, ring * bs - win - bs + 2 - qmax, _BIG)
+        if (U < 0).any():
             return None
         c = cls()
         c.generation, c.B, c.shape = generation, B, (B,)
@@ -59,33 +87,33 @@ class SteadyCache:
         c.slots_bytes, c.q_bytes = plan.all_slots.tobytes(), q_all.tobytes()
         c.nc_bytes = (plan.all_computed + q_all).tobytes()
         c.num_tokens, c.num_decodes, c.num_decode_tokens = plan.num_tokens, plan.num_decodes, plan.num_decode_tokens
-        R, G = tables.max_num_reqs, len(tables.groups)
-        c.row_of = np.full(R, B, dtype=np.int64)  # NOTE: slot -> device batch row; B: not in the batch
-        c.row_of[c.b_slots] = np.arange(B)
-        c.slots_ext = np.append(c.b_slots, -1)
-        groups = np.flatnonzero(~tables.circular)
-        c.gpos = np.full(G, -1, dtype=np.int64)
-        c.gpos[groups] = np.arange(groups.size)
-        # NOTE: the width a steady run may reach: 0 for circular groups (their runs take the general path)
-        c.width = np.where(tables.circular, 0, tables.logical)
-        bs = tables.bs[groups]
+        c.num_slots, c.num_groups = R, G
+        c.x_flat, c.x = _slack_buffer((Gx, B))
+        c.x[:] = tables.num_blocks[groups][:, c.b_slots] * bs[:, None] - plan.seq_lens[None, :]
+        c.bound = np.ascontiguousarray(np.broadcast_to(U.astype(np.uint64)[:, None], c.x.shape))
+        gpos = np.full(G, -1, dtype=np.int64)
+        gpos[groups] = np.arange(Gx)
+        rows = np.arange(B)
+        c.key_x = np.full(G * R + 1, Gx * B, dtype=np.int64)
+        c.key_row = np.full(G * R + 1, -1, dtype=np.int64)
+        for g in range(G):
+            c.key_row[g * R + c.b_slots] = rows
+            if gpos[g] >= 0:
+                c.key_x[g * R + c.b_slots] = gpos[g] * B + rows
         c.bs_of_gid = tables.bs.copy()
-        # NOTE: C order: the steady check adds to a flat view of its copy (fancy indexing may give F order)
-        c.x = np.ascontiguousarray(tables.num_blocks[groups][:, c.b_slots] * bs[:, None] - plan.seq_lens[None, :])
-        qmax = int(plan.num_scheduled.max())
-        ring, win = tables.ring[groups], tables.window[groups]
-        U = np.where((ring > 0), ring * bs - win - bs + 2 - qmax, _BIG)
-        c.bound = U.astype(np.uint64)[:, None] if (U >= 0).all() else None
+        c.width = np.where(tables.circular, 0, tables.logical)
         c.max_runs = G * B
-        c.arange = np.arange(c.max_runs + 1, dtype=np.int64)
-        c.append = np.full(c.max_runs, -1, dtype=np.int64)
-        c.scratch = _Scratch(c.x.shape, c.max_runs)
+        arange = np.arange(c.max_runs + 1, dtype=np.int64)
+        c.arange, c.arange_bytes = arange, arange.tobytes()
+        c.append_bytes = np.full(c.max_runs, -1, dtype=np.int64).tobytes()
+        c.scratch = _Scratch(c.x.shape)
         return c
 
     def advance(self, plan: StepPlan, tables) -> bool:
         """Accept a steady ``plan``; False when no further steady step can follow."""
         s = self.scratch
         self.x, s.x_next = s.x_next, self.x
+        self.x_flat, s.flat = s.flat, self.x_flat
         self.nc_bytes = s.seq.tobytes()
         return int(s.seq.max()) <= tables.max_model_len
 
@@ -94,12 +122,12 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
                 level: str) -> Optional[StepPlan]:
     """The plan of a steady step, or None (not steady, or a bound not proven: the general checks
     decide). Writes only the cache's scratch buffers."""
-    if type(batch) is not StepBatch or c.bound is None:
+    if type(batch) is not StepBatch:
         return None
     slots, nc, q = batch.req_slots, batch.num_computed_tokens, batch.num_scheduled_tokens
     for x in (slots, nc, q):
-        if type(x) is not np.ndarray or x.dtype != _I64 or x.shape != c.shape:
-            return None
+        if type(x) is not np.ndarray or x.dtype is not _I64 or x.shape != c.shape:  # NOTE: identity: fast, and
+            return None                                                               # a miss only costs speed
     if slots.tobytes() != c.slots_bytes or q.tobytes() != c.q_bytes or nc.tobytes() != c.nc_bytes:
         return None
     if batch.replay_start is not None or batch.replay_end is not None:
@@ -117,39 +145,45 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
         return None
     else:
         T_pad = int(pad_to)
-    s, B = c.scratch, c.B
+    s = c.scratch
     xn = np.subtract(c.x, c.b_q, out=s.x_next)
+    flat = s.flat
     gid = batch.write_gids
     if gid is None or len(gid) == 0:
-        gid = slot = have = end = r = _EMPTY
+        gid = slot = have = end = row = key = _EMPTY
         cu, ids = c.arange[:1], _EMPTY
     else:
         slot, start, cu, ids = batch.write_slots, batch.write_starts, batch.write_cu, batch.write_ids
         for x in (gid, slot, start, cu, ids):
-            if type(x) is not np.ndarray or x.dtype != _I64 or x.ndim != 1:
+            if type(x) is not np.ndarray or x.dtype is not _I64 or x.ndim != 1:
                 return None
         N = gid.shape[0]
         if N > c.max_runs or N > max_writes or slot.shape[0] != N or start.shape[0] != N or ids.shape[0] != N:
             return None
-        if cu.tobytes() != c.arange[:N + 1].tobytes() or start.tobytes() != c.append[:N].tobytes():
+        if cu.tobytes() != c.arange_bytes[:8 * N + 8] or start.tobytes() != c.append_bytes[:8 * N]:
+            return None  # NOTE: not one APPEND id per run
+        R = c.num_slots
+        # NOTE: gid, slot < R (G <= R is not needed: keys past G * R clip to the poison entry)
+        both, u = np.bitwise_or(gid, slot).view(_U64), ids.view(_U64)
+        if both.item(both.argmax()) >= R or u.item(u.argmax()) > tables.id_max_min:  # NOTE: argmax: no wrapper
             return None
-        if int(gid.view(_U64).max()) >= c.gpos.shape[0] or int(ids.view(_U64).max()) > tables.id_max_min:
+        key = gid * R + slot
+        have = tables.num_blocks.take(key, mode="clip")
+        if _count(have >= c.width.take(gid, mode="clip")):  # NOTE: width, and no circular group
             return None
-        r = c.row_of.take(slot, mode="clip")
-        if np.count_nonzero(c.slots_ext.take(r) != slot):  # NOTE: every run's slot is a batch row
+        add = c.bs_of_gid.take(gid, mode="clip")
+        flat[-1] = _POISON
+        cells = c.key_x.take(key, mode="clip")
+        flat[cells] += add  # NOTE: a run outside the batch lands on the poison cell
+        seen = s.seen
+        seen[cells] = True
+        distinct = _count(seen)
+        seen[cells] = False
+        if flat[-1] != _POISON or distinct != N:  # NOTE: one run per (group, slot)
             return None
-        have = tables.num_blocks.take(gid * tables.max_num_reqs + slot)
-        if np.count_nonzero(have >= c.width.take(gid)):    # NOTE: width, and no circular group
-            return None
-        key = c.gpos.take(gid) * B + r
-        keys, runs = s.keys, c.arange[:N]
-        keys[key] = runs
-        if np.count_nonzero(keys.take(key) != runs):       # NOTE: one run per (group, slot)
-            return None
-        flat = xn.ravel()
-        flat[key] += c.bs_of_gid.take(gid)
+        row = c.key_row.take(key, mode="clip")
         end = have + 1
-    if np.count_nonzero(xn.view(_U64) > c.bound):  # NOTE: coverage and every ring bound at once
+    if _count(np.greater(xn.view(_U64), c.bound, out=s.over)):  # NOTE: coverage and every ring bound at once
         return None
     if level == "full" and gid.size:
         _full_checks(tables, gid, slot, have, cu, ids)
@@ -160,4 +194,4 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
         replay_start=None, replay_end=None, num_decodes=c.num_decodes, num_decode_tokens=c.num_decode_tokens,
         num_tokens=T, num_tokens_padded=T_pad, free_slots=_EMPTY, new_slots=_EMPTY, all_slots=slots,
         all_computed=nc, w_gid=gid, w_slot=slot, w_start=have, w_end=end, w_keep=have, w_cu=cu, w_ids=ids,
-        w_row=r, steady=True)
+        w_row=row, w_key=key, steady=True)

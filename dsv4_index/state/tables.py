@@ -103,6 +103,13 @@ class BlockTables:
             self.tables.append(self.flat[lo:lo + n].view(R, int(self.cols[g])))
             self.mirrors.append(self.mirror[lo:lo + n].reshape(R, int(self.cols[g])))
         self.num_blocks = np.zeros((G, R), dtype=np.int64)
+        self._num_blocks_flat = self.num_blocks.ravel()  # NOTE: a view (C order), keyed gid * R + slot
+        # NOTE: per (gid, slot) key: flat offset of the row, and the column modulus (ring width; 1 for
+        # circular groups: column 0; huge for plain tables: the logical block)
+        self._payload = np.arange(G * R + 1, dtype=np.int64)
+        self._row_base = (self.base[:, None] + np.arange(R)[None, :] * self.cols[:, None]).ravel()
+        self._col_mod = np.repeat(np.where(self.circular, 1, np.where(self.ring > 0, self.ring,
+                                                                      np.iinfo(np.int64).max)), R)
 
     # ------------------------------------------------------------------------------------------
     def commit(self, plan) -> None:
@@ -112,18 +119,22 @@ class BlockTables:
             nb[:, plan.free_slots] = 0
         if plan.new_slots.size:
             nb[:, plan.new_slots] = 0
-        if plan.w_gid.size:
+        if plan.w_key is not None:
+            self._num_blocks_flat[plan.w_key] = plan.w_end
+        elif plan.w_gid.size:
             nb[plan.w_gid, plan.w_slot] = plan.w_end
 
     def stage_writes(self, plan, h: np.ndarray, lay) -> int:
         """Stage a checked step's block ids into host buffer ``h`` (format of ``state/staging.py``):
         the values and flat destinations of the kept ids, the overlay of every (group, batch row),
         and the host mirror. Returns the number of ids staged."""
-        B, G, tp = plan.slots.shape[0], len(self.groups), lay.rows
-        ov = h[lay.overlay:lay.overlay + OVERLAY_STRIDE * G * tp].reshape(G, tp, OVERLAY_STRIDE)
-        ov[:, :B] = 0
+        ov = h[lay.overlay:lay.overlay + OVERLAY_STRIDE * len(self.groups) * lay.rows]
+        ov[:] = 0  # NOTE: every row of the layout (one contiguous memset; rows past B are never read)
+        ov = ov.reshape(len(self.groups), lay.rows, OVERLAY_STRIDE)
         if not plan.w_gid.size:
             return 0
+        if plan.w_key is not None:  # NOTE: steady path: one kept id per run, every run on a batch row
+            return self._stage_appends(plan, h, lay, ov)
         keep, dst = self.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
         vals = plan.w_ids if keep is None else plan.w_ids[keep]
         N, w0 = vals.shape[0], lay.writes
@@ -138,13 +149,29 @@ class BlockTables:
             kept = np.minimum(plan.w_end - first, np.diff(plan.w_cu)).clip(min=0)
             pay = w0 + np.cumsum(kept) - kept
         r, end = plan.w_row, plan.w_end
-        at = lay.overlay + OVERLAY_STRIDE * (plan.w_gid * tp + r)
+        at = lay.overlay + OVERLAY_STRIDE * (plan.w_gid * lay.rows + r)
         m = r >= 0
         if not m.all():
             at, first, end, pay = at[m], first[m], end[m], pay[m]
         h[at + OV_LO] = first
         h[at + OV_HI] = end
         h[at + OV_PAY] = pay
+        return N
+
+    def _stage_appends(self, plan, h: np.ndarray, lay, ov: np.ndarray) -> int:
+        """:meth:`stage_writes` of runs that append one id each to batch rows (run ``i``'s id is value ``i``)."""
+        key, ids, N, w0 = plan.w_key, plan.w_ids, plan.w_ids.shape[0], lay.writes
+        dst = self._row_base.take(key)
+        dst += plan.w_start % self._col_mod.take(key)
+        h[w0:w0 + N] = ids
+        h[w0 + N:w0 + 2 * N] = dst
+        self.mirror[dst] = ids
+        rec = ov.reshape(-1, OVERLAY_STRIDE)
+        at = plan.w_gid * lay.rows
+        at += plan.w_row
+        rec[at, OV_LO] = plan.w_start
+        rec[at, OV_HI] = plan.w_end
+        rec[at, OV_PAY] = self._payload[:N] + w0
         return N
 
     def row(self, gid: int, slot: int) -> np.ndarray:

@@ -87,4 +87,4 @@ def staged_compact_cu(seq_lens, num_scheduled, out, *, compress_ratio: int) -> N
     completes this step, ``seq_lens[b] // R - (seq_lens[b] - num_scheduled[b]) // R``, prefix-summed
     into ``out`` int32 ``[B + 1]`` (every rank lists every row, so it does not depend on the rank)."""
     out[0] = 0
-    np.cumsum(seq_lens // compress_ratio - (seq_lens - num_scheduled) // compress_ratio, out=out[1:])
+    out[1:] = np.add.accumulate(seq_lens // compress_ratio - (seq_lens - num_scheduled) // compress_ratio)
