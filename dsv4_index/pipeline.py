@@ -258,14 +258,20 @@ class MetadataPipeline:
 
     def warmup(self, pad_sizes=(1,)) -> None:
         """Compile every kernel the pipeline uses (an empty step per size in ``pad_sizes``, one top-k
-        conversion per channel that has one) and, with ``cuda_graphs``, capture a graph per size.
-        Call it before the first ``update()``."""
+        conversion per channel that has one), check the direct launch of the fused kernel against
+        Triton's JIT launch (:meth:`FusedPlan.check_direct_launch`: on a difference the pipeline warns
+        and keeps the JIT launch) and, with ``cuda_graphs``, capture a graph per size. Call it before
+        the first ``update()``."""
         if self._plan is not None:
             raise RuntimeError("warmup() must run before the first update()")
         empty = StepBatch(req_slots=np.zeros(0, np.int64), num_computed_tokens=np.zeros(0, np.int64),
                           num_scheduled_tokens=np.zeros(0, np.int64))
-        for n in pad_sizes:
+        for i, n in enumerate(pad_sizes):
             MetadataPipeline.update(self, empty, pad_to=int(n))  # NOTE: not through a recording wrapper
+            if i == 0 and self._fused is not None:
+                # NOTE: before any graph capture: the direct launch must equal the JIT launch
+                self._fused.launch(self.staging.lay)
+                self._fused.check_direct_launch(self.staging.lay)
             self.build()
         for conv in self._converters.values():
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))

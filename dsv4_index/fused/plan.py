@@ -6,6 +6,7 @@ once per step. The plan knows no builder class: it only packs what builders hand
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -115,16 +116,70 @@ class FusedPlan:
         positionally; after the first launch the compiled kernel's launcher is called directly
         (``direct``), skipping Triton's argument binding, unless ``DSV4_INDEX_DIRECT_LAUNCH=0``.
         """
+        k = self._compiled
+        if k is not None:
+            self._launch_direct(k, lay)
+            return
+        k = self._launch_jit(lay)
+        if self._direct and hasattr(k, "run") and hasattr(k, "packed_metadata") and hasattr(k, "function"):
+            self._compiled = k
+
+    def _args(self, lay: StageLayout):
         n_req, n_tok = self.num_units
         t_pad = lay.t_pad
         req_tiles = cdiv(t_pad + 1, self.block_r)
         grid = self.num_writers + n_req * req_tiles + cdiv(t_pad, self.block_t) * n_tok
-        args = (*self._head, t_pad, n_req, req_tiles, n_tok, *lay.kernel_args())
+        return grid, (*self._head, t_pad, n_req, req_tiles, n_tok, *lay.kernel_args())
+
+    def _launch_jit(self, lay: StageLayout):
+        """The documented path: Triton's JIT call (binds arguments, picks the compiled kernel)."""
+        grid, args = self._args(lay)
+        return fused_step_kernel[(grid,)](*args, *self._consts, num_warps=self.num_warps)
+
+    def _launch_direct(self, k, lay: StageLayout) -> None:
+        """Triton's private ``CompiledKernel.run`` with the positional layout of Triton 3.x (checked
+        against :meth:`_launch_jit` by :meth:`check_direct_launch`)."""
+        grid, args = self._args(lay)
+        k.run(grid, 1, 1, torch.cuda.current_stream().cuda_stream, k.function, k.packed_metadata, None,
+              None, None, *args, *self._consts)
+
+    def check_direct_launch(self, lay: StageLayout) -> bool:
+        """Warm-up check of the direct launch: every output of the tasks is poisoned, the step staged
+        with ``lay`` is launched through the JIT path and then through the direct path, and the
+        outputs must be byte-identical. On any difference or error the plan falls back to the JIT
+        path for good (a warning says why). Returns True when the direct launch stays on."""
         k = self._compiled
-        if k is not None:
-            k.run(grid, 1, 1, torch.cuda.current_stream().cuda_stream, k.function, k.packed_metadata, None,
-                  None, None, *args, *self._consts)
-            return
-        k = fused_step_kernel[(grid,)](*args, *self._consts, num_warps=self.num_warps)
-        if self._direct and hasattr(k, "run") and hasattr(k, "packed_metadata"):
-            self._compiled = k
+        if k is None:
+            return False
+        outs = list({t.data_ptr(): t for task in self.tasks for t in task.outputs if t is not None}.values())
+
+        def run(launch):
+            for o in outs:
+                o.fill_(True if o.dtype == torch.bool else -7)
+            launch()
+            if o.is_cuda:
+                torch.cuda.synchronize(o.device)
+            return [o.clone() for o in outs]
+
+        why = None
+        try:
+            want = run(lambda: self._launch_jit(lay))
+            got = run(lambda: self._launch_direct(k, lay))
+            bad = [i for i, (a, b) in enumerate(zip(want, got)) if not torch.equal(a, b)]
+            if bad:
+                why = f"{len(bad)} of {len(outs)} outputs differ from the JIT launch"
+        except Exception as e:  # NOTE: a changed private layout may raise anything
+            why = f"{type(e).__name__}: {e}"
+        if why is None:
+            return True
+        self._compiled, self._direct = None, False
+        self._launch_jit(lay)  # NOTE: leave this step's outputs as the documented path writes them
+        warnings.warn(f"dsv4_index: the direct launch through triton's CompiledKernel.run does not match "
+                      f"the JIT launch ({why}); using the JIT launch (set DSV4_INDEX_DIRECT_LAUNCH=0 to "
+                      f"skip the check)", RuntimeWarning, stacklevel=3)
+        return False
+
+    @property
+    def direct(self) -> bool:
+        """True while launches go through the compiled kernel's launcher directly."""
+        return self._compiled is not None
