@@ -6,14 +6,14 @@ Unit: one numpy op, ``a + b`` on two int64 arrays of 256 entries (timed in the s
 with the arms, so that a noisy or slow host moves the unit with the arms). For each case of
 ``workload.py`` (V4-Flash, server-sized: 1024 requests, 8192 tokens) every arm has its own pipeline
 and its own copy of the workload (same seed, same steps) and the arms run round-robin, one step each
-per round, GC off; medians over rounds:
+per round (the order rotating every round), GC off; medians over rounds:
 
 * ``safe`` / ``full``: ``update()`` of a steady step at ``checks="safe"`` / ``"full"``;
 * ``general``: the same steady step through the general checks only (``steady=False``: the path every
   step took before the steady path);
 * ``change safe`` / ``change full``: the first step after a batch change (one decode request finishes
-  and a new one takes its slot: a new batch, the general checks and a rebuilt steady cache), every
-  fourth round;
+  and a short new one (16-64 cached tokens) takes its slot: a new batch, the general checks and a
+  rebuilt steady cache), every fourth round;
 * ``StepInput``: the id-keyed conversion of the same steady step (``batch_from_step``).
 
 With ``--build`` (CUDA only) also ``build()`` as a CUDA-graph replay, host time at 8 calls per busy
@@ -54,8 +54,9 @@ class Churn(Workload):
         old = self.decode_ids[k]
         slot = self.slots.pop(old)
         self.free.append(slot)
-        lo, hi = self.case.ctx_range
-        rid, lists = self._new(int(self.rng.integers(lo, hi + 1)), self.case.q_decode)
+        # NOTE: a short request joins (16-64 cached tokens): the step measures the batch change, not the
+        # staging of a long context's block lists (that is a prefill's cost)
+        rid, lists = self._new(int(self.rng.integers(16, 65)), self.case.q_decode)
         self.decode_ids[k] = rid
         c = self.case
         rows, fresh = [], {rid: lists}
@@ -105,9 +106,11 @@ def profile(layout, case, rounds: int, device: str = "cpu") -> dict:
         conv_steps.append((sm, conv.next_step()[1]))
     times = {k: [] for k in [*arms, "StepInput", "unit"]}
     steady_hits = {k: 0 for k in arms}
+    names = list(pipes)
     for i, change in enumerate(flags):
         times["unit"].append(unit_seconds())
-        for k, p in pipes.items():
+        for k in names[i % len(names):] + names[:i % len(names)]:  # NOTE: rotate the order every round
+            p = pipes[k]
             is_change_arm = k.startswith("change")
             batch = steps[k][i]
             t0 = time.perf_counter()
@@ -155,15 +158,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--cases", default="decode B=256,decode B=1024,MTP 256x2,prefill 8K + 32K cached")
     ap.add_argument("--build", action="store_true", help="also time build() graph replay on CUDA")
+    ap.add_argument("--device", default="cpu", help="device of the update() arms' pipelines (pinned staging "
+                                                   "and a real H2D copy on cuda)")
     args = ap.parse_args()
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
     gc.disable()
-    print("numpy-op unit: a + b on 256 int64, timed interleaved with the arms (µs = this run's host only)")
+    print(f"numpy-op unit: a + b on 256 int64, timed interleaved with the arms (µs = this run's host only); "
+          f"update() arms on {args.device}")
     print("| case | unit µs | safe | full | general (before) | change safe | change full | change ÷ safe | "
           "StepInput | steady hits safe/full |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.cases.split(","):
-        r = profile(layout, CASES[name], args.rounds)
+        r = profile(layout, CASES[name], args.rounds, args.device)
         u = r["unit"]
         h = r["steady_hits"]
         print(f"| {name} | {u * 1e6:.3f} | {r['safe'] / u:.0f} | {r['full'] / u:.0f} | {r['general'] / u:.0f} | "

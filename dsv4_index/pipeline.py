@@ -323,6 +323,11 @@ class MetadataPipeline:
         """:class:`~dsv4_index.state.staging.StageLayout` of the last staged step (None before)."""
         return self.staging.lay
 
+    @property
+    def _lay(self):
+        # NOTE: old private name kept for benchmarks/bench_step.py until it reads stage_layout
+        return self.staging.lay
+
     def close_recording(self) -> None:
         """Stop recording (``record=``) and close the trace file."""
         if self.recording is not None:

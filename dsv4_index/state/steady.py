@@ -57,9 +57,9 @@ class SteadyCache:
     x : int64 ``[G', B]`` — slack ``blocks * block_size - seq_len`` per (group, batch row), a view of
         a flat buffer whose extra last cell is the poison cell.
     bound : uint64 ``[G', B]`` — the sufficient bound of ``x`` (module docstring), per group.
-    key_x, key_row : int64 ``[G * R + 1]`` — for the flat (group, slot) key ``gid * R + slot``: its
+    key_x, key_row : int64 ``[G * num_slots + 1]`` — for the flat (group, slot) key ``gid * num_slots + slot``: its
         flat cell of ``x`` (the poison cell unless a non-circular group of a batch slot; keys past
-        ``G * R`` clip to the last entry, poison too) and its batch row.
+        ``G * num_slots`` clip to the last entry, poison too) and its batch row.
     """
 
     @classmethod
@@ -69,7 +69,7 @@ class SteadyCache:
         n_rows, B = plan.all_slots.shape[0], plan.slots.shape[0]
         if B == 0 or n_rows != B or int(plan.seq_lens.max()) > tables.max_model_len:
             return None
-        R, G = tables.max_num_reqs, len(tables.groups)
+        num_slots, G = tables.max_num_reqs, len(tables.groups)
         groups = np.flatnonzero(~tables.circular)
         Gx = groups.size
         bs = tables.bs[groups]
@@ -87,19 +87,19 @@ class SteadyCache:
         c.slots_bytes, c.q_bytes = plan.all_slots.tobytes(), q_all.tobytes()
         c.nc_bytes = (plan.all_computed + q_all).tobytes()
         c.num_tokens, c.num_decodes, c.num_decode_tokens = plan.num_tokens, plan.num_decodes, plan.num_decode_tokens
-        c.num_slots, c.num_groups = R, G
+        c.num_slots, c.num_groups = num_slots, G
         c.x_flat, c.x = _slack_buffer((Gx, B))
         c.x[:] = tables.num_blocks[groups][:, c.b_slots] * bs[:, None] - plan.seq_lens[None, :]
         c.bound = np.ascontiguousarray(np.broadcast_to(U.astype(np.uint64)[:, None], c.x.shape))
         gpos = np.full(G, -1, dtype=np.int64)
         gpos[groups] = np.arange(Gx)
         rows = np.arange(B)
-        c.key_x = np.full(G * R + 1, Gx * B, dtype=np.int64)
-        c.key_row = np.full(G * R + 1, -1, dtype=np.int64)
+        c.key_x = np.full(G * num_slots + 1, Gx * B, dtype=np.int64)
+        c.key_row = np.full(G * num_slots + 1, -1, dtype=np.int64)
         for g in range(G):
-            c.key_row[g * R + c.b_slots] = rows
+            c.key_row[g * num_slots + c.b_slots] = rows
             if gpos[g] >= 0:
-                c.key_x[g * R + c.b_slots] = gpos[g] * B + rows
+                c.key_x[g * num_slots + c.b_slots] = gpos[g] * B + rows
         c.bs_of_gid = tables.bs.copy()
         c.width = np.where(tables.circular, 0, tables.logical)
         c.max_runs = G * B
@@ -162,12 +162,12 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
             return None
         if cu.tobytes() != c.arange_bytes[:8 * N + 8] or start.tobytes() != c.append_bytes[:8 * N]:
             return None  # NOTE: not one APPEND id per run
-        R = c.num_slots
-        # NOTE: gid, slot < R (G <= R is not needed: keys past G * R clip to the poison entry)
+        num_slots = c.num_slots
+        # NOTE: gid, slot < num_slots (G <= num_slots is not needed: keys past G * num_slots clip to the poison entry)
         both, u = np.bitwise_or(gid, slot).view(_U64), ids.view(_U64)
-        if both.item(both.argmax()) >= R or u.item(u.argmax()) > tables.id_max_min:  # NOTE: argmax: no wrapper
+        if both.item(both.argmax()) >= num_slots or u.item(u.argmax()) > tables.id_max_min:  # NOTE: argmax: no wrapper
             return None
-        key = gid * R + slot
+        key = gid * num_slots + slot
         have = tables.num_blocks.take(key, mode="clip")
         if _count(have >= c.width.take(gid, mode="clip")):  # NOTE: width, and no circular group
             return None

@@ -59,9 +59,9 @@ class BlockTables:
     def __init__(self, groups: Sequence, max_num_reqs: int, max_num_batched_tokens: int,
                  device: torch.device, int32_units: Sequence[int], max_model_len: int = None,
                  compressed: Sequence[Tuple[int, int, int]] = ()):
-        G, R = len(groups), max_num_reqs
+        G, num_slots = len(groups), max_num_reqs
         self.groups = tuple(groups)
-        self.max_num_reqs = R
+        self.max_num_reqs = num_slots
         # NOTE: the bound of every token count (num_computed_tokens) the host accepts
         self.max_model_len = int(max_model_len if max_model_len is not None else
                                  max((g.table_width * g.block_size for g in groups), default=0))
@@ -88,8 +88,8 @@ class BlockTables:
         self.id_max_min = int(self.id_max.min()) if G else INT32_MAX
         self.base = np.zeros(G, dtype=np.int64)
         if G:
-            self.base[1:] = np.cumsum(self.cols * R)[:-1]
-        total = int((self.cols * R).sum())
+            self.base[1:] = np.cumsum(self.cols * num_slots)[:-1]
+        total = int((self.cols * num_slots).sum())
         if total > INT32_MAX:
             raise ValueError(f"block tables need {total} entries, beyond int32 offsets; lower "
                              f"max_num_reqs or max_model_len")
@@ -99,17 +99,17 @@ class BlockTables:
         self.tables: List[torch.Tensor] = []
         self.mirrors: List[np.ndarray] = []
         for g in range(G):
-            lo, n = int(self.base[g]), int(self.cols[g]) * R
-            self.tables.append(self.flat[lo:lo + n].view(R, int(self.cols[g])))
-            self.mirrors.append(self.mirror[lo:lo + n].reshape(R, int(self.cols[g])))
-        self.num_blocks = np.zeros((G, R), dtype=np.int64)
-        self._num_blocks_flat = self.num_blocks.ravel()  # NOTE: a view (C order), keyed gid * R + slot
+            lo, n = int(self.base[g]), int(self.cols[g]) * num_slots
+            self.tables.append(self.flat[lo:lo + n].view(num_slots, int(self.cols[g])))
+            self.mirrors.append(self.mirror[lo:lo + n].reshape(num_slots, int(self.cols[g])))
+        self.num_blocks = np.zeros((G, num_slots), dtype=np.int64)
+        self._num_blocks_flat = self.num_blocks.ravel()  # NOTE: a view (C order), keyed gid * num_slots + slot
         # NOTE: per (gid, slot) key: flat offset of the row, and the column modulus (ring width; 1 for
         # circular groups: column 0; huge for plain tables: the logical block)
-        self._payload = np.arange(G * R + 1, dtype=np.int64)
-        self._row_base = (self.base[:, None] + np.arange(R)[None, :] * self.cols[:, None]).ravel()
+        self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
+        self._row_base = (self.base[:, None] + np.arange(num_slots)[None, :] * self.cols[:, None]).ravel()
         self._col_mod = np.repeat(np.where(self.circular, 1, np.where(self.ring > 0, self.ring,
-                                                                      np.iinfo(np.int64).max)), R)
+                                                                      np.iinfo(np.int64).max)), num_slots)
 
     # ------------------------------------------------------------------------------------------
     def commit(self, plan) -> None:
