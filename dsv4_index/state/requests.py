@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from .plan import StepPlan, plan_step
-from .steady import SteadyCache, plan_steady
+from .steady import SteadyCache, SteadyGeometry, plan_steady
 
 __all__ = ["RequestState"]
 
@@ -49,6 +49,7 @@ class RequestState:
         self.use_steady = (bool(steady) and not (cp[0] > 1 and tables.sharded.any()) and tables.fmax == 1
                            and bool((tables.window[tables.ring_groups] >= 1).all()))
         self.cache: Optional[SteadyCache] = None
+        self._geometry = SteadyGeometry(tables) if self.use_steady else None
         self._generation = 0
 
     def plan(self, batch, pad_to: Optional[int]) -> StepPlan:
@@ -73,8 +74,7 @@ class RequestState:
         if plan.new_slots.size:
             occ[plan.new_slots] = True
         self._generation += 1
-        self.cache = (SteadyCache.build(plan, self._tables, self._generation, self.cache)
-                      if self.use_steady else None)
+        self.cache = SteadyCache.build(plan, self._geometry, self._generation) if self.use_steady else None
 
     @property
     def signature(self) -> Optional[int]:

@@ -24,7 +24,7 @@ import numpy as np
 from ..batch import StepBatch
 from .plan import StepPlan, _full_checks
 
-__all__ = ["SteadyCache", "plan_steady"]
+__all__ = ["SteadyGeometry", "SteadyCache", "plan_steady"]
 
 _I64, _U64, _BOOL = np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.bool_)
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -43,10 +43,46 @@ class _Scratch:
         self.seq = None
 
 
+_CONSTANTS = {}
+
+
+def _constants(n: int):
+    """``arange(n + 1)``, its bytes and the bytes of ``n`` APPEND starts (built once per size)."""
+    got = _CONSTANTS.get(n)
+    if got is None:
+        arange = np.arange(n + 1, dtype=np.int64)
+        got = _CONSTANTS[n] = (arange, arange.tobytes(), np.full(n, -1, dtype=np.int64).tobytes())
+    return got
+
+
 def _slack_buffer(shape):
     """A flat int64 buffer of ``prod(shape) + 1`` cells (the last: poison) and its ``shape`` view."""
     flat = np.full(shape[0] * shape[1] + 1, _POISON, dtype=np.int64)
     return flat, flat[:-1].reshape(shape)
+
+
+class SteadyGeometry:
+    """What the steady path needs of the tables, computed once per pipeline.
+
+    Non-circular groups (``groups``, their block sizes ``bs_x``), the ring bound before ``q_max``
+    (``bound0 = ring * bs - W - bs + 2``, huge for plain tables), the width a steady append may reach
+    (0 for circular groups: their runs take the general path), and the flat (group, slot) keys.
+    """
+
+    def __init__(self, tables):
+        G, num_slots = len(tables.groups), tables.max_num_reqs
+        self.num_groups, self.num_slots, self.num_keys = G, num_slots, G * num_slots
+        self.max_model_len = tables.max_model_len
+        self.groups = np.flatnonzero(~tables.circular)
+        bs = tables.bs[self.groups]
+        self.bs_x = bs[:, None]
+        ring, win = tables.ring[self.groups], tables.window[self.groups]
+        self.bound0 = np.where(ring > 0, ring * bs - win - bs + 2, _BIG // 2)
+        self.bs = tables.bs.copy()
+        self.width = np.where(tables.circular, 0, tables.logical)
+        self.key_base = (np.arange(G, dtype=np.int64) * num_slots)[:, None]
+        self.nb_flat = tables.num_blocks.ravel()  # NOTE: a view of the live block counts
+        self.arange, self.arange_bytes, self.append_bytes = _constants(G * num_slots)
 
 
 class SteadyCache:
@@ -63,49 +99,39 @@ class SteadyCache:
     """
 
     @classmethod
-    def build(cls, plan: StepPlan, tables, generation: int, old: Optional["SteadyCache"]):
+    def build(cls, plan: StepPlan, geo: "SteadyGeometry", generation: int):
         """The cache after accepting ``plan`` (general path), or None when no steady step can follow
         (a row without tokens, a sequence at ``max_model_len``, a ring too small for its window)."""
         n_rows, B = plan.all_slots.shape[0], plan.slots.shape[0]
-        if B == 0 or n_rows != B or int(plan.seq_lens.max()) > tables.max_model_len:
+        if B == 0 or n_rows != B or int(plan.seq_lens.max()) > geo.max_model_len:
             return None
-        num_slots, G = tables.max_num_reqs, len(tables.groups)
-        groups = np.flatnonzero(~tables.circular)
-        Gx = groups.size
-        bs = tables.bs[groups]
-        qmax = int(plan.num_scheduled.max())
-        ring, win = tables.ring[groups], tables.window[groups]
-        U = np.where(ring > 0, ring * bs - win - bs + 2 - qmax, _BIG)
-        if (U < 0).any():
+        U = geo.bound0 - int(plan.num_scheduled.max())
+        if int(U.min()) < 0:
             return None
         c = cls()
         c.generation, c.B, c.shape = generation, B, (B,)
         c.rows, c.b_slots, c.b_q = plan.rows, plan.slots, plan.num_scheduled
-        c.identity = bool((plan.rows == np.arange(B)).all())
+        c.identity = bool((plan.rows == geo.arange[:B]).all())
         q_all = np.empty(B, dtype=np.int64)
         q_all[plan.rows] = plan.num_scheduled
         c.slots_bytes, c.q_bytes = plan.all_slots.tobytes(), q_all.tobytes()
         c.nc_bytes = (plan.all_computed + q_all).tobytes()
         c.num_tokens, c.num_decodes, c.num_decode_tokens = plan.num_tokens, plan.num_decodes, plan.num_decode_tokens
-        c.num_slots, c.num_groups = num_slots, G
+        c.num_slots, c.geo = geo.num_slots, geo
+        Gx = geo.groups.size
+        # NOTE: flat (group, slot) keys of every group for the batch slots, group-major
+        keys = (geo.key_base + c.b_slots[None, :]).ravel()
         c.x_flat, c.x = _slack_buffer((Gx, B))
-        c.x[:] = tables.num_blocks[groups][:, c.b_slots] * bs[:, None] - plan.seq_lens[None, :]
-        c.bound = np.ascontiguousarray(np.broadcast_to(U.astype(np.uint64)[:, None], c.x.shape))
-        gpos = np.full(G, -1, dtype=np.int64)
-        gpos[groups] = np.arange(Gx)
-        rows = np.arange(B)
-        c.key_x = np.full(G * num_slots + 1, Gx * B, dtype=np.int64)
-        c.key_row = np.full(G * num_slots + 1, -1, dtype=np.int64)
-        for g in range(G):
-            c.key_row[g * num_slots + c.b_slots] = rows
-            if gpos[g] >= 0:
-                c.key_x[g * num_slots + c.b_slots] = gpos[g] * B + rows
-        c.bs_of_gid = tables.bs.copy()
-        c.width = np.where(tables.circular, 0, tables.logical)
-        c.max_runs = G * B
-        arange = np.arange(c.max_runs + 1, dtype=np.int64)
-        c.arange, c.arange_bytes = arange, arange.tobytes()
-        c.append_bytes = np.full(c.max_runs, -1, dtype=np.int64).tobytes()
+        kx = keys.reshape(geo.num_groups, B)[geo.groups].ravel()  # NOTE: the non-circular groups' keys
+        np.subtract(geo.nb_flat.take(kx).reshape(Gx, B) * geo.bs_x, plan.seq_lens, out=c.x)
+        c.bound = np.repeat(U.astype(np.uint64), B).reshape(Gx, B)
+        rows = geo.arange[:B]
+        c.key_x = np.full(geo.num_keys + 1, Gx * B, dtype=np.int64)
+        c.key_row = np.full(geo.num_keys + 1, -1, dtype=np.int64)
+        c.key_row[keys] = np.tile(rows, geo.num_groups)
+        c.key_x[kx] = geo.arange[:Gx * B]
+        c.bs_of_gid, c.width, c.max_runs = geo.bs, geo.width, geo.num_groups * B
+        c.arange, c.arange_bytes, c.append_bytes = geo.arange, geo.arange_bytes, geo.append_bytes
         c.scratch = _Scratch(c.x.shape)
         return c
 
