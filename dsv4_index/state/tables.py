@@ -26,6 +26,8 @@ from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE
 
 __all__ = ["BlockTables"]
 
+_FEW_RUNS = 16  # NOTE: up to this many runs, stage_writes copies slices per run
+
 
 class BlockTables:
     """Block tables of every group of a layout, for ``max_num_reqs`` request slots.
@@ -106,6 +108,9 @@ class BlockTables:
         self._num_blocks_flat = self.num_blocks.ravel()  # NOTE: a view (C order), keyed gid * num_slots + slot
         # NOTE: per (gid, slot) key: flat offset of the row, and the column modulus (ring width; 1 for
         # circular groups: column 0; huge for plain tables: the logical block)
+        self._ring_list, self._base_list = self.ring.tolist(), self.base.tolist()
+        self._cols_list = self.cols.tolist()
+        self._iota = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int32)
         self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
         self._row_base = (self.base[:, None] + np.arange(num_slots)[None, :] * self.cols[:, None]).ravel()
         self._col_mod = np.repeat(np.where(self.circular, 1, np.where(self.ring > 0, self.ring,
@@ -135,12 +140,16 @@ class BlockTables:
             return 0
         if plan.w_key is not None:  # NOTE: steady path: one kept id per run, every run on a batch row
             return self._stage_appends(plan, h, lay, ov)
-        keep, dst = self.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
-        vals = plan.w_ids if keep is None else plan.w_ids[keep]
-        N, w0 = vals.shape[0], lay.writes
-        h[w0:w0 + N] = vals
-        h[w0 + N:w0 + 2 * N] = dst
-        self.mirror[dst] = vals
+        w0 = lay.writes
+        N = self._stage_runs(plan, h, w0) if plan.w_gid.shape[0] <= _FEW_RUNS else None
+        keep = False
+        if N is None:
+            keep, dst = self.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
+            vals = plan.w_ids if keep is None else plan.w_ids[keep]
+            N = vals.shape[0]
+            h[w0:w0 + N] = vals
+            h[w0 + N:w0 + 2 * N] = dst
+            self.mirror[dst] = vals
         if keep is None:
             # NOTE: every id kept (one per run): run i's id is value i
             first, pay = plan.w_start, w0 + np.arange(plan.w_gid.shape[0])
@@ -157,6 +166,40 @@ class BlockTables:
         h[at + OV_HI] = end
         h[at + OV_PAY] = pay
         return N
+
+    def _stage_runs(self, plan, h: np.ndarray, w0: int):
+        """:meth:`stage_writes` of a few runs (a prefill): each run's kept ids are one slice, or two
+        where a ring wraps (it keeps at most ``ring`` ids); no array over every id. None when a run
+        keeps more ids than its ring (the general path handles it)."""
+        runs, total = [], 0
+        cu = plan.w_cu.tolist()
+        for i, (g, slot, start, end, keep) in enumerate(zip(plan.w_gid.tolist(), plan.w_slot.tolist(),
+                                                            plan.w_start.tolist(), plan.w_end.tolist(),
+                                                            plan.w_keep.tolist())):
+            first = max(keep, start)
+            k = max(min(end - first, cu[i + 1] - cu[i]), 0)
+            ring = self._ring_list[g]
+            if ring and k > ring:
+                return None
+            if k:
+                runs.append((g, slot, first, k, cu[i] + first - start, ring))
+                total += k
+        vals, dsts, ids = h[w0:w0 + total], h[w0 + total:w0 + 2 * total], plan.w_ids
+        pos = 0
+        for g, slot, first, k, src, ring in runs:
+            row = self._base_list[g] + slot * self._cols_list[g]
+            col = first % ring if ring else first
+            a = min(k, ring - col) if ring else k
+            run_ids = ids[src:src + k]
+            vals[pos:pos + k] = run_ids
+            d = dsts[pos:pos + a]
+            np.add(self._iota[:a], row + col, out=d)
+            self.mirror[row + col:row + col + a] = run_ids[:a]
+            if a < k:  # NOTE: the ring wraps once: the rest starts at column 0
+                np.add(self._iota[:k - a], row, out=dsts[pos + a:pos + k])
+                self.mirror[row:row + k - a] = run_ids[a:]
+            pos += k
+        return total
 
     def _stage_appends(self, plan, h: np.ndarray, lay, ov: np.ndarray) -> int:
         """:meth:`stage_writes` of runs that append one id each to batch rows (run ``i``'s id is value ``i``)."""
