@@ -324,6 +324,16 @@ class MetadataPipeline:
         return self.staging.lay
 
     @property
+    def last_plan(self) -> Optional[StepPlan]:
+        """The checked plan (:class:`~dsv4_index.state.StepPlan`) of the last accepted step; read only."""
+        return self._plan
+
+    @property
+    def last_plan_was_steady(self) -> bool:
+        """True when the last accepted step was checked on the steady path (``state/steady.py``)."""
+        return self._plan is not None and self._plan.steady
+
+    @property
     def _lay(self):
         # NOTE: old private name kept for benchmarks/bench_step.py until it reads stage_layout
         return self.staging.lay

@@ -127,7 +127,7 @@ def _plan_fields(p):
 
 
 def _same(a, b):
-    for x, y in zip(_plan_fields(a._plan).values(), _plan_fields(b._plan).values()):
+    for x, y in zip(_plan_fields(a.last_plan).values(), _plan_fields(b.last_plan).values()):
         if isinstance(x, np.ndarray):
             assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all()
         else:
@@ -186,8 +186,8 @@ def test_steady_path_equals_general_checks(variant):
                 assert not _diff(before, state(a)), "a rejected steady step changed the state"
         a.update(step, pad_to=pad)
         b.update(step, pad_to=pad)
-        hits += a._plan.steady
-        assert not b._plan.steady
+        hits += a.last_plan.steady
+        assert not b.last_plan.steady
         _same(a, b)
         if i % 4 == 0:
             assert not _diff(outputs(a.build()), outputs(b.build()))
@@ -198,10 +198,10 @@ def test_steady_path_equals_general_checks(variant):
 
 def test_steady_full_checks_keep_their_errors():
     a, b = _pipes("ring", checks="full")
-    work = Steady(layout("ring"), seed=5)
-    for i in range(8):
+    work, hits, steady = Steady(layout("ring"), seed=5), 0, 0
+    for i in range(40):
         step = work.step()
-        if i >= 2 and step.num_runs and step.write_gids[0] == 0:
+        if i >= 2 and step.num_runs and step.write_gids[0] == 0 and hits < 3:
             g0 = int(step.write_slots[0])
             dup = int(a.tables.row(0, g0)[0])                  # NOTE: an id already in the full group's row
             ids = step.write_ids.copy()
@@ -209,9 +209,16 @@ def test_steady_full_checks_keep_their_errors():
             for p in (a, b):
                 with pytest.raises(ValueError, match=f"block id {dup} twice in gid 0"):
                     p.update(dataclasses.replace(step, write_ids=ids))
+            ids[0] = 0
+            for p in (a, b):
+                with pytest.raises(ValueError, match="the null block 0 in full group gid 0"):
+                    p.update(dataclasses.replace(step, write_ids=ids))
+            hits += 1
         a.update(step)
         b.update(step)
+        steady += a.last_plan.steady
         _same(a, b)
+    assert hits >= 2 and steady >= 8
 
 
 def test_over_allocation_falls_back_to_the_exact_ring_check():
@@ -231,7 +238,7 @@ def test_over_allocation_falls_back_to_the_exact_ring_check():
         if errs[0] is not None:
             assert "is a ring of" in errs[0]
             break
-        general += i > 0 and not a._plan.steady
+        general += i > 0 and not a.last_plan.steady
         _same(a, b)
     else:
         pytest.fail("the over-allocating row never broke the ring bound")
@@ -251,7 +258,7 @@ def test_per_run_slices_stage_what_the_id_arrays_stage(monkeypatch, variant):
     sliced = 0
     for step in steps:
         a.update(step)
-        sliced += a.last_step_stats.num_writes > 0 and a._plan.w_gid.shape[0] <= tables_mod._FEW_RUNS
+        sliced += a.last_step_stats.num_writes > 0 and a.last_plan.w_gid.shape[0] <= tables_mod._FEW_RUNS
         monkeypatch.setattr(tables_mod, "_FEW_RUNS", -1)  # NOTE: b stages every step over the id arrays
         b.update(step)
         monkeypatch.undo()

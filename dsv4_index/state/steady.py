@@ -1,5 +1,5 @@
 """The steady-step path of the checks: a step that repeats the last accepted batch (same slots, same
-scheduled counts, ``num_computed_tokens`` equal to the last step's ``seq_lens``, nothing freed or new,
+scheduled counts, at most a block of tokens per row, ``num_computed_tokens`` equal to the last step's ``seq_lens``, nothing freed or new,
 no replay bounds) and whose write runs each append one id to a batch row is checked here in a few
 array comparisons; any other step, or any doubt, goes to the general checks of :mod:`.plan`
 (which also produce every error message). The plan is then identical to the general one.
@@ -76,6 +76,7 @@ class SteadyGeometry:
         self.groups = np.flatnonzero(~tables.circular)
         bs = tables.bs[self.groups]
         self.bs_x = bs[:, None]
+        self.max_q = int(bs.min()) if bs.size else 0
         ring, win = tables.ring[self.groups], tables.window[self.groups]
         self.bound0 = np.where(ring > 0, ring * bs - win - bs + 2, _BIG // 2)
         self.bs = tables.bs.copy()
@@ -101,11 +102,15 @@ class SteadyCache:
     @classmethod
     def build(cls, plan: StepPlan, geo: "SteadyGeometry", generation: int):
         """The cache after accepting ``plan`` (general path), or None when no steady step can follow
-        (a row without tokens, a sequence at ``max_model_len``, a ring too small for its window)."""
+        (a row without tokens or with more than the smallest block's, a sequence at ``max_model_len``,
+        a ring too small for its window)."""
         n_rows, B = plan.all_slots.shape[0], plan.slots.shape[0]
-        if B == 0 or n_rows != B or int(plan.seq_lens.max()) > geo.max_model_len:
+        qmax = int(plan.num_scheduled.max()) if B else 0
+        # NOTE: a row scheduling more tokens than the smallest block appends several ids per run some
+        # step (it is a prefill: never steady); such batches build no cache
+        if B == 0 or n_rows != B or qmax > geo.max_q or int(plan.seq_lens.max()) > geo.max_model_len:
             return None
-        U = geo.bound0 - int(plan.num_scheduled.max())
+        U = geo.bound0 - qmax
         if int(U.min()) < 0:
             return None
         c = cls()
@@ -211,8 +216,8 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
         end = have + 1
     if _count(np.greater(xn.view(_U64), c.bound, out=s.over)):  # NOTE: coverage and every ring bound at once
         return None
-    if level == "full" and gid.size:
-        _full_checks(tables, gid, slot, have, cu, ids)
+    if level == "full" and gid.size and not _full_ok(tables, gid, slot, have, ids):
+        _full_checks(tables, gid, slot, have, cu, ids)  # NOTE: raises the general path's message
     seq = np.add(nc, q)
     s.seq = seq
     return StepPlan(
@@ -221,3 +226,22 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
         num_tokens=T, num_tokens_padded=T_pad, free_slots=_EMPTY, new_slots=_EMPTY, all_slots=slots,
         all_computed=nc, w_gid=gid, w_slot=slot, w_start=have, w_end=end, w_keep=have, w_cu=cu, w_ids=ids,
         w_row=row, w_key=key, steady=True)
+
+
+def _full_ok(tables, gid, slot, have, ids) -> bool:
+    """``checks="full"`` for one-id appends, vectorised per full group: no null id, no id already in
+    the row. False: let :func:`~.plan._full_checks` find the culprit (it raises)."""
+    full = tables.full.take(gid)
+    if not _count(full):
+        return True
+    sel = full.nonzero()[0]
+    g_sel, run_ids = gid.take(sel), ids.take(sel)
+    if not run_ids.all():
+        return False
+    for g in np.unique(g_sel).tolist():
+        m = sel if g_sel.shape[0] == 1 or (g_sel == g).all() else sel[g_sel == g]
+        rows = tables.mirrors[g][slot.take(m)]                       # int32 [k, cols]
+        held = tables.iota_cols[:rows.shape[1]] < have.take(m)[:, None]
+        if _count((rows == ids.take(m)[:, None]) & held):
+            return False
+    return True

@@ -111,6 +111,7 @@ class BlockTables:
         self._ring_list, self._base_list = self.ring.tolist(), self.base.tolist()
         self._cols_list = self.cols.tolist()
         self._iota = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int32)
+        self.iota_cols = self._iota.astype(np.int64)  # NOTE: column numbers (the full checks' row masks)
         self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
         self._row_base = (self.base[:, None] + np.arange(num_slots)[None, :] * self.cols[:, None]).ravel()
         self._col_mod = np.repeat(np.where(self.circular, 1, np.where(self.ring > 0, self.ring,
