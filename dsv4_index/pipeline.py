@@ -243,18 +243,19 @@ class MetadataPipeline:
         key = (B, Tp, nd)
         if self._views is None or self._views[0] != key:
             # NOTE: views depend on (B, T_pad, num_decodes) only: reuse them while those repeat
-            self._views = (key, {name: b.views(ctx) for name, b in self._builders.items()})
-        channels = dict(self._views[1])
+            common = dict(query_start_loc=ctx.query_start_loc[:B + 1], seq_lens=ctx.seq_lens[:B],
+                          idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
+                          token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
+                          ring_cols=ctx.ring_cols, layout=self.layout, cp=self.cp, next_n=ctx.next_n,
+                          builders=self._builders, _converters=self._converters, num_reqs=B,
+                          num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd)
+            self._views = (key, {name: b.views(ctx) for name, b in self._builders.items()}, common)
+        _, channels, common = self._views
         return DSV4Metadata(
-            num_reqs=B, num_tokens=T, num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd,
-            num_decode_tokens=plan.num_decode_tokens, num_prefill_tokens=T - plan.num_decode_tokens,
+            num_tokens=T, num_decode_tokens=plan.num_decode_tokens, num_prefill_tokens=T - plan.num_decode_tokens,
             req_slots=plan.slots, req_ids=self._req_ids, host_query_start_loc=self.staging.host_qsl,
-            host_seq_lens=plan.seq_lens, query_start_loc=ctx.query_start_loc[:B + 1],
-            seq_lens=ctx.seq_lens[:B], idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
-            token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
-            block_tables=list(self.tables.tables), ring_cols=ctx.ring_cols, channels=channels,
-            layout=self.layout, cp=self.cp, next_n=ctx.next_n, replay_start=plan.replay_start,
-            replay_end=plan.replay_end, builders=self._builders, _converters=self._converters)
+            host_seq_lens=plan.seq_lens, block_tables=list(self.tables.tables), channels=dict(channels),
+            replay_start=plan.replay_start, replay_end=plan.replay_end, **common)
 
     def warmup(self, pad_sizes=(1,)) -> None:
         """Compile every kernel the pipeline uses (an empty step per size in ``pad_sizes``, one top-k
