@@ -123,7 +123,8 @@ def _pipes(variant, checks="safe"):
 
 
 def _plan_fields(p):
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("steady", "w_key")}  # NOTE: how, not what
+    # NOTE: "steady" and "w_key" say how the plan was made, not what it is
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("steady", "w_key")}
 
 
 def _same(a, b):
@@ -153,8 +154,9 @@ def _bad_steps(c, b: StepBatch, pipe):
         out.append((rep(b, write_gids=b.write_gids[1:], write_slots=b.write_slots[1:], write_starts=b.write_starts[1:],
                         write_cu=b.write_cu[1:] - 1, write_ids=b.write_ids[1:]), None))  # a needed block missing
         out.append((rep(b, write_gids=np.append(b.write_gids, b.write_gids[0]),      # two runs for one (g, slot)
-                        write_slots=np.append(b.write_slots, b.write_slots[0]), write_starts=np.append(b.write_starts, -1),
-                        write_cu=np.append(b.write_cu, b.write_cu[-1] + 1), write_ids=np.append(b.write_ids, 9999)), None))
+                        write_slots=np.append(b.write_slots, b.write_slots[0]),
+                        write_starts=np.append(b.write_starts, -1), write_cu=np.append(b.write_cu, b.write_cu[-1] + 1),
+                        write_ids=np.append(b.write_ids, 9999)), None))
         slots = b.write_slots.copy()
         slots[0] = 2                                                       # a slot holding no request
         out.append((rep(b, write_slots=slots), None))

@@ -342,7 +342,8 @@ def _runs(batch: StepBatch, num_slots: int, G: int, occ: np.ndarray, new_slots: 
         dup = k[1:] == k[:-1]
         if dup.any():
             kk = int(k[1:][dup][0])
-            raise ValueError(f"two write runs for gid {kk // num_slots}, slot {kk % num_slots} (one run per (group, slot))")
+            raise ValueError(f"two write runs for gid {kk // num_slots}, slot {kk % num_slots} "
+                             f"(one run per (group, slot))")
     have = tables.num_blocks[gid, slot]                  # kernel blocks held now
     if new_slots.size:
         fresh = np.zeros(num_slots, dtype=bool)

@@ -1,6 +1,6 @@
 """The steady-step path of the checks: a step that repeats the last accepted batch (same slots, same
-scheduled counts, at most a block of tokens per row, ``num_computed_tokens`` equal to the last step's ``seq_lens``, nothing freed or new,
-no replay bounds) and whose write runs each append one id to a batch row is checked here in a few
+scheduled counts, at most a block of tokens per row, ``num_computed_tokens`` equal to the last step's
+``seq_lens``, nothing freed or new, no replay bounds) and whose write runs each append one id to a batch row is checked here in a few
 array comparisons; any other step, or any doubt, goes to the general checks of :mod:`.plan`
 (which also produce every error message). The plan is then identical to the general one.
 
@@ -146,7 +146,7 @@ class SteadyCache:
         self.x, s.x_next = s.x_next, self.x
         self.x_flat, s.flat = s.flat, self.x_flat
         self.nc_bytes = s.seq.tobytes()
-        return int(s.seq.max()) <= tables.max_model_len
+        return s.seq.item(s.seq.argmax()) <= tables.max_model_len
 
 
 def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_writes: int,
