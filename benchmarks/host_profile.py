@@ -1,12 +1,24 @@
-"""Host cost of ``MetadataPipeline.update()`` per phase, on any machine (no kernel runs).
+"""Host cost of ``MetadataPipeline.update(StepBatch)``, in numpy-op units, on any machine.
 
-    python benchmarks/host_profile.py [--steps 200] [--cases "decode B=256,decode B=1024"]
+    python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"] [--build]
 
-For each case of ``workload.py`` (V4-Flash, server-sized: 1024 requests, 8192 tokens): the median µs of
-``update(StepBatch)`` with ``checks="safe"`` and ``"full"``, of the ``StepInput`` conversion
-(``batch_from_step``), and of the two phases of a safe update: the checks (``plan_step``) and the
-staging fill + copy. GC off, medians over steady steps. ``build()`` is not timed here (on CPU it runs
-the reference; on the H200 ``bench_step.py`` times it).
+Unit: one numpy op, ``a + b`` on two int64 arrays of 256 entries (timed in the same run, interleaved
+with the arms, so that a noisy or slow host moves the unit with the arms). For each case of
+``workload.py`` (V4-Flash, server-sized: 1024 requests, 8192 tokens) every arm has its own pipeline
+and its own copy of the workload (same seed, same steps) and the arms run round-robin, one step each
+per round (the order rotating every round), GC off; medians over rounds:
+
+* ``safe`` / ``full``: ``update()`` of a steady step at ``checks="safe"`` / ``"full"``;
+* ``general``: the same steady step through the general checks only (``steady=False``: the path every
+  step took before the steady path);
+* ``change safe`` / ``change full``: the first step after a batch change (one decode request finishes
+  and a short new one (16-64 cached tokens) takes its slot: a new batch, the general checks and a
+  rebuilt steady cache), every fourth round;
+* ``StepInput``: the id-keyed conversion of the same steady step (``batch_from_step``).
+
+With ``--build`` (CUDA only) also ``build()`` as a CUDA-graph replay, host time at 8 calls per busy
+wait (``torch.cuda._sleep`` keeps the GPU busy so the host is never back-pressured).
+Nothing is built in the ``update()`` arms (on the CPU ``build()`` runs the reference).
 """
 
 from __future__ import annotations
@@ -18,70 +30,161 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
 from dsv4_index import DSV4Layout, MetadataPipeline, batch_from_step  # noqa: E402
 from dsv4_index.batch import SlotMap  # noqa: E402
-from dsv4_index.state import plan_step  # noqa: E402
 from workload import CASES, Workload  # noqa: E402
 
+CHANGE_EVERY = 4
 
-def shadow(pipe, wl):
+
+class Churn(Workload):
+    """A workload whose ``next_step(change=True)`` finishes one decode request and admits a new one
+    in its slot (same batch size, a new batch)."""
+
+    def next_step(self, change: bool = False):
+        if not change or self.first or not self.decode_ids:
+            return super().next_step()
+        k = self.n % len(self.decode_ids)
+        old = self.decode_ids[k]
+        slot = self.slots.pop(old)
+        self.free.append(slot)
+        # NOTE: a short request joins (16-64 cached tokens): the step measures the batch change, not the
+        # staging of a long context's block lists (that is a prefill's cost)
+        rid, lists = self._new(int(self.rng.integers(16, 65)), self.case.q_decode)
+        self.decode_ids[k] = rid
+        c = self.case
+        rows, fresh = [], {rid: lists}
+        for r in self.decode_ids:
+            if r in fresh:
+                rows.append((r, self.computed[r], c.q_decode, True, fresh[r], 0))
+            else:
+                rows.append((r, self.computed[r], c.q_decode, False, self._append(r, c.q_decode), -1))
+        batch = self._batch(rows, [slot])
+        step = self._step_input(rows, [old])
+        for r, nc, q, *_ in rows:
+            self.computed[r] = nc + q
+        return batch, step
+
+
+def unit_seconds(reps: int = 200) -> float:
+    a, b = np.arange(256, dtype=np.int64), np.arange(256, dtype=np.int64)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a + b
+    return (time.perf_counter() - t0) / reps
+
+
+def shadow(pipe, wl) -> SlotMap:
     sm = SlotMap(pipe.max_num_reqs)
-    sm.slot_of = dict(wl.slots)
+    for rid, s in wl.slots.items():
+        sm.slot_of[rid] = s
     sm._free = sorted(set(range(pipe.max_num_reqs)) - set(wl.slots.values()), reverse=True)
     return sm
 
 
-def profile(layout, case, steps: int) -> dict:
-    out = {}
-    for checks in ("safe", "full"):
-        pipe = MetadataPipeline(layout, 1024, 8192, "cpu", case.q_decode - 1, checks=checks, backend="reference")
-        wl = Workload(layout, case, 0)
-        ts, tp, tc, tsg = [], [], [], []
-        for i in range(steps + 3):
-            sm = shadow(pipe, wl) if checks == "safe" else None
-            batch, step = wl.next_step()
-            if checks == "safe" and i >= 3:
-                t0 = time.perf_counter()
-                batch_from_step(step, sm, len(layout.groups))
-                tc.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                plan_step(batch, occupied=pipe._occupied, tables=pipe.tables, cp=pipe.cp,
-                          max_num_tokens=pipe.max_num_tokens, max_writes=pipe.max_staged_blocks, pad_to=None,
-                          decode_threshold=1 + pipe.num_speculative_tokens, level=checks)
-                tp.append(time.perf_counter() - t0)
+def profile(layout, case, rounds: int, device: str = "cpu") -> dict:
+    q1 = case.q_decode - 1
+    arms = {"safe": dict(checks="safe"), "full": dict(checks="full"), "general": dict(checks="safe", steady=False),
+            "change safe": dict(checks="safe"), "change full": dict(checks="full")}
+    pipes = {k: MetadataPipeline(layout, 1024, 8192, device, q1, backend="reference", fused=False, **kw)
+             for k, kw in arms.items()}
+    loads = {k: Churn(layout, case, 0) for k in arms}
+    conv = Churn(layout, case, 0)
+    conv_pipe = MetadataPipeline(layout, 1024, 8192, device, q1, backend="reference", fused=False)
+    # NOTE: steps are generated before timing (the generator's Python would cool the caches between arms)
+    flags = [i >= 2 and i % CHANGE_EVERY == 0 for i in range(rounds + 2)]
+    steps = {k: [loads[k].next_step(change=f and k.startswith("change"))[0] for f in flags] for k in arms}
+    conv_steps = []
+    for i in range(rounds + 2):
+        sm = shadow(conv_pipe, conv)
+        conv_steps.append((sm, conv.next_step()[1]))
+    times = {k: [] for k in [*arms, "change safe next", "StepInput", "unit"]}
+    times["change full next"] = []
+    steady_hits = {k: 0 for k in arms}
+    names = list(pipes)
+    for i, change in enumerate(flags):
+        times["unit"].append(unit_seconds())
+        for k in names[i % len(names):] + names[:i % len(names)]:  # NOTE: rotate the order every round
+            p = pipes[k]
+            is_change_arm = k.startswith("change")
+            batch = steps[k][i]
             t0 = time.perf_counter()
-            pipe.update(batch)
-            if i >= 3:
-                ts.append(time.perf_counter() - t0)
-            pipe._staged_writes = 0  # NOTE: nothing is built here; do not make update() apply it
-        out[f"update_{checks}"] = statistics.median(ts) * 1e6
-        if checks == "safe":
-            out["checks"] = statistics.median(tp) * 1e6
-            out["staging"] = out["update_safe"] - out["checks"]
-            out["step_input"] = statistics.median(tc) * 1e6
-            out["h2d_bytes"] = pipe.last_step_stats.h2d_bytes
+            p.update(batch)
+            dt = time.perf_counter() - t0
+            p.staging.applied()  # NOTE: nothing is built here; do not make the next update() apply it
+            if is_change_arm and not change and i >= 3 and flags[i - 1]:
+                times[k + " next"].append(dt)  # NOTE: the step after the change (the cache was rebuilt)
+            if i < 2 or (is_change_arm and not change) or (change and not is_change_arm):
+                continue
+            times[k].append(dt)
+            steady_hits[k] += bool(p.last_plan_was_steady)
+        if i >= 2:
+            sm, step = conv_steps[i]
+            t0 = time.perf_counter()
+            batch_from_step(step, sm, len(layout.groups))
+            times["StepInput"].append(time.perf_counter() - t0)
+    out = {k: statistics.median(v) for k, v in times.items() if v}
+    out["steady_hits"] = steady_hits
+    out["n"] = {k: len(v) for k, v in times.items()}
     return out
+
+
+def build_replay_host(layout, case, steps: int = 50, per_wait: int = 8) -> float:
+    """Host µs of ``build()`` as a CUDA-graph replay, ``per_wait`` calls queued behind one busy wait."""
+    import torch
+    wl = Workload(layout, case, 0)
+    pipe = MetadataPipeline(layout, 1024, 8192, "cuda", case.q_decode - 1, cuda_graphs=True)
+    pipe.warmup()
+    ts = []
+    for i in range(steps):
+        batch, _ = wl.next_step()
+        pipe.update(batch)
+        pipe.build()  # NOTE: captures the graph on first use of this T_pad
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)
+        t0 = time.perf_counter()
+        for _ in range(per_wait):
+            pipe.build()
+        ts.append((time.perf_counter() - t0) / per_wait)
+        torch.cuda.synchronize()
+    return statistics.median(ts[5:]) * 1e6
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--cases", default="decode B=1,decode B=256,decode B=1024,MTP 256x2,prefill 8K,"
-                                       "prefill 8K + 32K cached,mixed 256 + 4K")
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--cases", default="decode B=256,decode B=1024,MTP 256x2,prefill 8K + 32K cached")
+    ap.add_argument("--build", action="store_true", help="also time build() graph replay on CUDA")
+    ap.add_argument("--device", default="cpu", help="device of the update() arms' pipelines (pinned staging "
+                                                   "and a real H2D copy on cuda)")
     args = ap.parse_args()
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
-    print("| case | update(StepBatch) safe µs | of which checks / staging | full checks µs | StepInput "
-          "conversion µs | H2D bytes |")
-    print("|---|---|---|---|---|---|")
     gc.disable()
+    print(f"numpy-op unit: a + b on 256 int64, timed interleaved with the arms (µs = this run's host only); "
+          f"update() arms on {args.device}")
+    print("| case | unit µs | safe | full | general (before) | change safe | change full | change ÷ safe | "
+          "next after change (safe) | StepInput | steady hits safe/full |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.cases.split(","):
-        r = profile(layout, CASES[name], args.steps)
-        print(f"| {name} | {r['update_safe']:.1f} | {r['checks']:.1f} / {r['staging']:.1f} | {r['update_full']:.1f} | "
-              f"{r['step_input']:.1f} | {r['h2d_bytes']} |", flush=True)
+        r = profile(layout, CASES[name], args.rounds, args.device)
+        u = r["unit"]
+        h = r["steady_hits"]
+        print(f"| {name} | {u * 1e6:.3f} | {r['safe'] / u:.0f} | {r['full'] / u:.0f} | {r['general'] / u:.0f} | "
+              f"{r['change safe'] / u:.0f} | {r['change full'] / u:.0f} | {r['change safe'] / r['safe']:.2f} | "
+              f"{r['change safe next'] / u:.0f} | {r['StepInput'] / u:.0f} | "
+              f"{h['safe']}/{r['n']['safe']}, {h['full']}/{r['n']['full']} |", flush=True)
+        print(f"|   (µs) | | {r['safe'] * 1e6:.1f} | {r['full'] * 1e6:.1f} | {r['general'] * 1e6:.1f} | "
+              f"{r['change safe'] * 1e6:.1f} | {r['change full'] * 1e6:.1f} | | {r['change safe next'] * 1e6:.1f} | "
+              f"{r['StepInput'] * 1e6:.1f} | |", flush=True)
+        if args.build:
+            print(f"|   build() graph replay host µs at 8 calls per busy wait | "
+                  f"{build_replay_host(layout, CASES[name]):.1f} |", flush=True)
 
 
 if __name__ == "__main__":

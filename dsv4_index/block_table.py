@@ -1,6 +1,12 @@
 """Block tables: a host mirror (numpy over pinned memory) edited row by row, and a device table
 updated by ``commit()`` with one H2D copy of the column ranges changed since the last commit.
 
+NOTE: a standalone utility for engines that keep their own rows (add / append / move / swap / clear,
+segment-packed commits). :class:`~dsv4_index.MetadataPipeline` does not use it: its tables are
+:class:`dsv4_index.state.BlockTables` (slot-indexed rows that never move, written through the
+step's staging buffer). Issue 18 asks for one implementation; making these names a facade over
+``state/`` (or retiring them) is still open.
+
 Dirty tracking is per row: one column range ``[lo, hi)`` (empty when ``lo >= hi``) covering every
 entry of the row's valid prefix ``[0, num_blocks)`` that changed since the last pack. ``append_row``
 marks only the new columns; ``add_row`` / ``move_row`` / ``swap_row`` mark the new valid prefix of the

@@ -16,20 +16,18 @@ the checks (:mod:`.state.plan`), the staging buffer (:mod:`.state.staging`), the
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import numpy as np
 import torch
 
 from ._common import check_cp, use_triton
-from .batch import SlotMap, StepBatch, batch_from_step
+from .batch import SlotMap, StepBatch, batch_from_scheduler_output, batch_from_step
 from .channels import BuildContext, ChannelBuilder, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
 from .metadata import DSV4Metadata, StepStats
-from .state import CHECK_LEVELS, BlockTables, StepPlan, StepStaging, plan_step
-from .state.staging import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END,
-                            H_REPLAY_START, HEADER)
+from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
 from .step import StepInput
 
 __all__ = ["MetadataPipeline"]
@@ -62,14 +60,17 @@ class MetadataPipeline:
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
     record : str or Path, optional — write every ``update()`` (the array-form step and its pad size,
         rejected steps with their error) to this JSONL trace (:mod:`dsv4_index.tools.trace`); replay it with
-        ``python -m dsv4_index replay TRACE``.
+        ``python -m dsv4_index replay TRACE``. Through :func:`~dsv4_index.tools.trace.record_steps`;
+        :meth:`close_recording` ends it.
+    steady : bool — check a steady step (the last batch again, one-id appends) on the steady path of
+        ``state/steady.py`` (same plan, same errors); False: every step takes the general checks.
     """
 
     def __init__(self, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False, record=None):
+                 cuda_graphs: bool = False, record=None, steady: bool = True):
         for name, v, lo in (("max_num_reqs", max_num_reqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("num_speculative_tokens", num_speculative_tokens, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -95,12 +96,12 @@ class MetadataPipeline:
         self.slot_map = SlotMap(max_num_reqs)
 
         self._builders = {name: builder_for(spec, layout) for name, spec in layout.channels.items()}
-        units = [1] * len(layout.groups)
-        for b in self._builders.values():
-            units[b.spec.gid] = max(units[b.spec.gid], b.int32_unit)
-        self.tables = BlockTables(layout.groups, max_num_reqs, T, self.device, units)
-        self.tables.compressed = tuple(sorted({(s.gid, s.compress_ratio, s.rows_per_block)
-                                               for s in layout.channels.values() if s.compress_ratio > 1}))
+        units = [max([1] + [b.int32_unit for b in self._builders.values() if b.spec.gid == g])
+                 for g in range(len(layout.groups))]
+        compressed = tuple(sorted({(s.gid, s.compress_ratio, s.rows_per_block)
+                                   for s in layout.channels.values() if s.compress_ratio > 1}))
+        self.tables = BlockTables(layout.groups, max_num_reqs, T, self.device, units,
+                                  max_model_len=getattr(layout, "max_model_len", None), compressed=compressed)
         dev, i32 = self.device, torch.int32
         self.ctx = BuildContext(
             layout=layout, device=dev, max_num_reqs=max_num_reqs, max_num_tokens=T,
@@ -112,16 +113,15 @@ class MetadataPipeline:
             replay_end=torch.zeros(T + 1, dtype=i32, device=dev), token_to_req=torch.zeros(T, dtype=i32, device=dev),
             positions=torch.zeros(T, dtype=torch.int64, device=dev),
             is_valid_token=torch.zeros(T, dtype=torch.bool, device=dev), backend=backend)
-        n_extra, self._staging_builders = 0, []
         for b in self._builders.values():
-            b.allocate(self.ctx)
-            k = b.num_staged_arrays()
-            if k:
-                b.extra_index, n_extra = n_extra, n_extra + k
-                self._staging_builders.append((b, k))
+            b.allocate(self.ctx)  # NOTE: builders declare their staged per-request inputs here
         cap = min(self.tables.total, 1 << 20) if max_staged_blocks is None else max_staged_blocks
         self.max_staged_blocks = max(int(cap), 1)
-        self.staging = StepStaging(dev, T, len(layout.groups), n_extra, self.max_staged_blocks, max_num_reqs)
+        self.staging = StepStaging(dev, T, len(layout.groups), len(self.ctx.staged_inputs), self.max_staged_blocks,
+                                   max_num_reqs)
+        self.requests = RequestState(max_num_reqs, self.tables, cp=self.cp, max_num_tokens=T,
+                                     max_writes=self.max_staged_blocks, decode_threshold=1 + num_speculative_tokens,
+                                     level=self.checks, steady=steady)
 
         self._fused: Optional[FusedPlan] = None
         self._unfused = list(self._builders.values())
@@ -140,159 +140,63 @@ class MetadataPipeline:
         if cuda_graphs and (self._fused is None or self._unfused or self.device.type != "cuda"):
             raise ValueError("cuda_graphs needs a CUDA device and every channel in the fused launch")
         self._graphs = {} if cuda_graphs else None
-        self._occupied = np.zeros(max_num_reqs, dtype=bool)
-        self._computed = np.zeros(max_num_reqs, dtype=np.int64)
-        self._row_of = np.full(max_num_reqs, -1, dtype=np.int64)
         self._plan: Optional[StepPlan] = None
         self._req_ids: Optional[List[str]] = None
-        self._lay = None
-        self._staged_writes = 0          # NOTE: ids staged by the last update and not applied yet
         self._views = None
         self._converters = {name: (lambda topk, compact=False, _b=b: _b.topk_to_slots(self.ctx, topk, compact=compact))
                             for name, b in self._builders.items()
                             if type(b).topk_to_slots is not ChannelBuilder.topk_to_slots}
+        self._num_launches = (1 if self._fused else 0) + len(self._unfused)
         self.last_step_stats = StepStats()
-        self.recorder = None
+        self.recording = None
         if record is not None:
-            from .tools.trace import Recorder
-            self.recorder = Recorder(record, self)
+            from .tools.trace import record_steps  # NOTE: lazy: the tools import the pipeline, not the reverse
+            self._record_block = record_steps(self, record)
+            self.recording = self._record_block.__enter__()
 
     # ------------------------------------------------------------------------------------------
     # host side
     # ------------------------------------------------------------------------------------------
-    def update(self, step: Union[StepInput, StepBatch], *, pad_to: Optional[int] = None) -> None:
+    def update(self, step, *, pad_to: Optional[int] = None) -> None:
         """Apply one scheduler step on the host and stage it for the device (ONE H2D copy).
 
         Parameters
         ----------
-        step : StepInput or StepBatch — id-keyed (converted through the pipeline's slot map) or
-            array form (the caller owns the slots).
+        step : StepBatch, StepInput or a vLLM-style ``SchedulerOutput`` (duck-typed: has
+            ``scheduled_new_reqs``) — the array form (the caller owns the slots), or id-keyed
+            (converted through the pipeline's slot map, committed only once the step is accepted).
         pad_to : int, optional — pad the token count to this size (a CUDA-graph batch size); padded
             tokens are invalid (``-1`` slots and rows, ``0`` lengths).
 
         Raises ValueError naming the culprit; the pipeline is then exactly as it was (tables,
         request state, slot map, staging).
         """
-        batch = delta = None
-        try:
-            if isinstance(step, StepInput):
-                batch, delta = batch_from_step(step, self.slot_map, len(self.layout.groups))
-            elif isinstance(step, StepBatch):
-                batch = step
-            else:
-                raise ValueError(f"step must be a StepInput or a StepBatch, got {type(step).__name__}")
-            plan = plan_step(batch, occupied=self._occupied, tables=self.tables, cp=self.cp,
-                             max_num_tokens=self.max_num_tokens, max_writes=self.max_staged_blocks, pad_to=pad_to,
-                             decode_threshold=1 + self.num_speculative_tokens, level=self.checks)
-        except ValueError as e:
-            if self.recorder is not None:
-                self.recorder.record_rejected(batch, pad_to, e, None if delta is None else list(delta.order))
-            raise
+        delta = None
+        if type(step) is StepBatch:
+            batch = step
+        elif isinstance(step, StepInput):
+            batch, delta = batch_from_step(step, self.slot_map, len(self.layout.groups))
+        elif hasattr(step, "scheduled_new_reqs"):
+            batch, delta = batch_from_scheduler_output(step, self.slot_map, len(self.layout.groups))
+        elif isinstance(step, StepBatch):
+            batch = step
+        else:
+            raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__}")
+        plan = self.requests.plan(batch, pad_to)
         # NOTE: every check passed; from here on nothing raises
-        stats = StepStats(num_h2d_copies=1, num_launches=(1 if self._fused else 0) + len(self._unfused))
-        if self._staged_writes:
-            self._apply_staged_writes()  # the previous step was staged but never built
-            stats.num_applies = 1
-        self._commit(plan)
+        applies = int(self.staging.pending_writes > 0)
+        if applies:
+            self.staging.apply_pending(self.tables.flat)  # the previous step was staged but never built
+        self.tables.commit(plan)
+        self.requests.commit(plan)
         if delta is not None:
             self.slot_map.commit(delta)
-            self._req_ids = [delta.order[i] for i in plan.rows]
-        else:
-            self._req_ids = None
-        stats.h2d_bytes, stats.num_writes = self._stage(plan)
-        ctx = self.ctx
-        ctx.num_reqs, ctx.num_tokens = len(plan.slots), plan.num_tokens
-        ctx.num_tokens_padded, ctx.num_decodes = plan.num_tokens_padded, plan.num_decodes
-        ctx.has_replay_start, ctx.has_replay_end = plan.replay_start is not None, plan.replay_end is not None
+        self._req_ids = None if delta is None else [delta.order[i] for i in plan.rows.tolist()]
+        nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs, self.requests.signature)
+        self.ctx.set_step(plan)
         self._plan = plan
-        self.last_step_stats = stats
-        if self.recorder is not None:
-            self.recorder.record(batch, pad_to, None if delta is None else list(delta.order))
-
-    def _commit(self, plan: StepPlan) -> None:
-        occ, tables = self._occupied, self.tables
-        if plan.free_slots.size:
-            occ[plan.free_slots] = False
-            tables.num_blocks[:, plan.free_slots] = 0
-        if plan.new_slots.size:
-            occ[plan.new_slots] = True
-            tables.num_blocks[:, plan.new_slots] = 0
-        if plan.all_slots.size:
-            self._computed[plan.all_slots] = plan.all_computed
-        if plan.w_gid.size:
-            tables.num_blocks[plan.w_gid, plan.w_slot] = plan.w_end
-
-    def _stage(self, plan: StepPlan):
-        """Fill the staging buffer (format: ``state/staging.py``) and copy it; (bytes, ids staged)."""
-        tables, st = self.tables, self.staging
-        h = st.begin()
-        lay = st.layout(plan.num_tokens_padded)
-        B, T, G = len(plan.slots), plan.num_tokens, len(self.layout.groups)
-        q = plan.num_scheduled
-        # writes (kernel blocks; rings keep a run's newest ids)
-        N, w0 = 0, lay.writes
-        if plan.w_gid.size:
-            keep, dst = tables.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
-            vals = plan.w_ids if keep is None else plan.w_ids[keep]
-            N = vals.shape[0]
-            h[w0:w0 + N] = vals
-            h[w0 + N:w0 + 2 * N] = dst
-            tables.mirror[dst] = vals
-        h[:HEADER] = 0
-        h[H_NUM_REQS], h[H_NUM_TOKENS], h[H_NUM_DECODES], h[H_NUM_WRITES] = B, T, plan.num_decodes, N
-        h[H_REPLAY_START] = plan.replay_start is not None
-        h[H_REPLAY_END] = plan.replay_end is not None
-        h[lay.qsl] = 0
-        np.cumsum(q, out=h[lay.qsl + 1:lay.qsl + B + 1])
-        self._host_qsl = h[lay.qsl:lay.qsl + B + 1].astype(np.int64)
-        h[lay.seq_lens:lay.seq_lens + B] = plan.seq_lens
-        h[lay.slots:lay.slots + B] = plan.slots
-        if plan.replay_start is not None:
-            h[lay.replay_start:lay.replay_start + B] = plan.replay_start
-        if plan.replay_end is not None:
-            h[lay.replay_end:lay.replay_end + B] = plan.replay_end
-        rows = np.arange(B)
-        h[lay.tok_row:lay.tok_row + T] = rows if T == B else np.repeat(rows, q)
-        for b, k in self._staging_builders:
-            arrays = [h[lay.extra_at(b.extra_index + i):lay.extra_at(b.extra_index + i) + B + 1] for i in range(k)]
-            b.fill_staged(self.ctx, plan.seq_lens, q, arrays)
-        tp = lay.rows
-        ov = h[lay.overlay:lay.overlay + 3 * G * tp].reshape(G, tp, 3)
-        ov[:, :B] = 0
-        if N:
-            row_of = self._row_of
-            row_of[plan.slots] = rows
-            r = row_of[plan.w_slot]
-            row_of[plan.slots] = -1
-            if keep is None:
-                # NOTE: every id kept (one per run): run i's id is value i
-                first, pay = plan.w_start, w0 + np.arange(plan.w_gid.shape[0])
-            else:
-                first = np.maximum(plan.w_keep, plan.w_start)
-                kept = np.minimum(plan.w_end - first, np.diff(plan.w_cu)).clip(min=0)
-                pay = w0 + np.cumsum(kept) - kept
-            m = r >= 0
-            at = lay.overlay + 3 * (plan.w_gid * tp + r)
-            if not m.all():
-                at, first, end, pay = at[m], first[m], plan.w_end[m], pay[m]
-            else:
-                end = plan.w_end
-            h[at] = first
-            h[at + 1] = end
-            h[at + 2] = pay
-        used = w0 + 2 * N
-        st.copy(used)
-        self._lay = lay
-        self._staged_writes = N
-        return 4 * used, N
-
-    def _apply_staged_writes(self) -> None:
-        """Apply the writes of the last staged step on the device (torch ops, no host sync)."""
-        lay, N = self._lay, self._staged_writes
-        if N:
-            s = self.staging.dev
-            self.tables.flat[s[lay.writes + N:lay.writes + 2 * N].long()] = s[lay.writes:lay.writes + N]
-        self._staged_writes = 0
+        self.last_step_stats = StepStats(num_h2d_copies=1, h2d_bytes=nbytes, num_writes=nwrites,
+                                         num_launches=self._num_launches, num_applies=applies)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -303,12 +207,13 @@ class MetadataPipeline:
         if self._plan is None:
             raise RuntimeError("build() needs a prior update(step)")
         ctx = self.ctx
-        ctx._done.clear()
+        ctx.begin_build()
         if self._fused is not None:
             self._launch_fused()
-            self._staged_writes = 0
+            self.staging.applied()
         else:
-            self._build_requests()
+            self.staging.apply_pending(self.tables.flat)
+            ctx.fill_requests(self.staging.dev, self.staging.lay)
         for b in self._unfused:
             b.launch(ctx)
         meta = self._metadata()
@@ -318,7 +223,7 @@ class MetadataPipeline:
         return meta
 
     def _launch_fused(self) -> None:
-        lay = self._lay
+        lay = self.staging.lay
         if self._graphs is None:
             self._fused.launch(lay)
             return
@@ -332,57 +237,43 @@ class MetadataPipeline:
             self._fused.launch(lay)
         self._graphs[lay.t_pad] = graph
 
-    def _build_requests(self) -> None:
-        """Unfused path: apply writes, then the per-request and per-token common tensors (torch)."""
-        self._apply_staged_writes()
-        ctx, lay, s = self.ctx, self._lay, self.staging.dev
-        B, T, Tp = ctx.num_reqs, ctx.num_tokens, ctx.num_tokens_padded
-        ctx.query_start_loc[:B + 1].copy_(s[lay.qsl:lay.qsl + B + 1])
-        ctx.query_start_loc[B + 1:Tp + 1].fill_(T)
-        for dst, off, on in ((ctx.seq_lens, lay.seq_lens, True), (ctx.idx_mapping, lay.slots, True),
-                             (ctx.replay_start, lay.replay_start, ctx.has_replay_start),
-                             (ctx.replay_end, lay.replay_end, ctx.has_replay_end)):
-            if on:
-                dst[:B].copy_(s[off:off + B])
-                dst[B:Tp + 1].zero_()
-            else:
-                dst[:Tp + 1].zero_()
-        ctx.fill_token_map()
-
     def _metadata(self) -> DSV4Metadata:
         ctx, plan = self.ctx, self._plan
         B, T, Tp, nd = ctx.num_reqs, ctx.num_tokens, ctx.num_tokens_padded, ctx.num_decodes
         key = (B, Tp, nd)
         if self._views is None or self._views[0] != key:
             # NOTE: views depend on (B, T_pad, num_decodes) only: reuse them while those repeat
-            self._views = (key, {name: b.views(ctx) for name, b in self._builders.items()})
-        channels = dict(self._views[1])
+            common = dict(query_start_loc=ctx.query_start_loc[:B + 1], seq_lens=ctx.seq_lens[:B],
+                          idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
+                          token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
+                          ring_cols=ctx.ring_cols, layout=self.layout, cp=self.cp, next_n=ctx.next_n,
+                          builders=self._builders, _converters=self._converters, num_reqs=B,
+                          num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd)
+            self._views = (key, {name: b.views(ctx) for name, b in self._builders.items()}, common)
+        _, channels, common = self._views
         return DSV4Metadata(
-            num_reqs=B, num_tokens=T, num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd,
-            num_decode_tokens=plan.num_decode_tokens, num_prefill_tokens=T - plan.num_decode_tokens,
-            req_slots=plan.slots, req_ids=self._req_ids, host_query_start_loc=self._host_qsl,
-            host_seq_lens=plan.seq_lens, query_start_loc=ctx.query_start_loc[:B + 1],
-            seq_lens=ctx.seq_lens[:B], idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
-            token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
-            block_tables=list(self.tables.tables), ring_cols=ctx.ring_cols, channels=channels,
-            layout=self.layout, cp=self.cp, next_n=ctx.next_n, replay_start=plan.replay_start,
-            replay_end=plan.replay_end, builders=self._builders, _converters=self._converters)
+            num_tokens=T, num_decode_tokens=plan.num_decode_tokens, num_prefill_tokens=T - plan.num_decode_tokens,
+            req_slots=plan.slots, req_ids=self._req_ids, host_query_start_loc=self.staging.host_qsl,
+            host_seq_lens=plan.seq_lens, block_tables=list(self.tables.tables), channels=dict(channels),
+            replay_start=plan.replay_start, replay_end=plan.replay_end, **common)
 
     def warmup(self, pad_sizes=(1,)) -> None:
         """Compile every kernel the pipeline uses (an empty step per size in ``pad_sizes``, one top-k
-        conversion per channel that has one) and, with ``cuda_graphs``, capture a graph per size.
-        Call it before the first ``update()``."""
+        conversion per channel that has one), check the direct launch of the fused kernel against
+        Triton's JIT launch (:meth:`FusedPlan.check_direct_launch`: on a difference the pipeline warns
+        and keeps the JIT launch) and, with ``cuda_graphs``, capture a graph per size. Call it before
+        the first ``update()``."""
         if self._plan is not None:
             raise RuntimeError("warmup() must run before the first update()")
         empty = StepBatch(req_slots=np.zeros(0, np.int64), num_computed_tokens=np.zeros(0, np.int64),
                           num_scheduled_tokens=np.zeros(0, np.int64))
-        recorder, self.recorder = self.recorder, None  # NOTE: warm-up steps are not part of a trace
-        try:
-            for n in pad_sizes:
-                self.update(empty, pad_to=int(n))
-                self.build()
-        finally:
-            self.recorder = recorder
+        for i, n in enumerate(pad_sizes):
+            MetadataPipeline.update(self, empty, pad_to=int(n))  # NOTE: not through a recording wrapper
+            if i == 0 and self._fused is not None:
+                # NOTE: before any graph capture: the direct launch must equal the JIT launch
+                self._fused.launch(self.staging.lay)
+                self._fused.check_direct_launch(self.staging.lay)
+            self.build()
         for conv in self._converters.values():
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
             # NOTE: topk needs >= T_pad rows (the last warm-up size), not 1
@@ -406,5 +297,51 @@ class MetadataPipeline:
     @property
     def num_launches(self) -> int:
         """Kernel launches per ``build()`` (1 when every channel joins the fused launch)."""
-        return (1 if self._fused else 0) + len(self._unfused)
+        return self._num_launches
+
+    @property
+    def occupied(self) -> np.ndarray:
+        """bool ``[max_num_reqs]``: slots holding a request (a read-only copy)."""
+        return self.requests.occupied.copy()
+
+    @property
+    def builders(self) -> dict:
+        """Channel name -> its :class:`~dsv4_index.channels.ChannelBuilder` (read only)."""
+        return dict(self._builders)
+
+    @property
+    def fused_plan(self) -> Optional[FusedPlan]:
+        """The fused launch's plan, or None when every channel launches its own ops."""
+        return self._fused
+
+    @property
+    def unfused_builders(self) -> list:
+        """Builders outside the fused launch (launched one by one in ``build()``)."""
+        return list(self._unfused)
+
+    @property
+    def stage_layout(self):
+        """:class:`~dsv4_index.state.staging.StageLayout` of the last staged step (None before)."""
+        return self.staging.lay
+
+    @property
+    def last_plan(self) -> Optional[StepPlan]:
+        """The checked plan (:class:`~dsv4_index.state.StepPlan`) of the last accepted step; read only."""
+        return self._plan
+
+    @property
+    def last_plan_was_steady(self) -> bool:
+        """True when the last accepted step was checked on the steady path (``state/steady.py``)."""
+        return self._plan is not None and self._plan.steady
+
+    @property
+    def _lay(self):
+        # NOTE: old private name kept for benchmarks/bench_step.py until it reads stage_layout
+        return self.staging.lay
+
+    def close_recording(self) -> None:
+        """Stop recording (``record=``) and close the trace file."""
+        if self.recording is not None:
+            self._record_block.__exit__(None, None, None)
+            self.recording = None
 

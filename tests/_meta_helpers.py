@@ -92,7 +92,7 @@ def output_buffers(pipe) -> list:
     or the staging buffer (state, not output)."""
     ctx, seen, out = pipe.ctx, set(), []
     state = {pipe.tables.flat.untyped_storage().data_ptr(), pipe.staging.dev.untyped_storage().data_ptr()}
-    cands = [v for b in pipe._builders.values() for v in vars(b).values()] + list(ctx._shared.values())
+    cands = [v for b in pipe.builders.values() for v in vars(b).values()] + list(ctx._shared.values())
     cands += [getattr(ctx, n) for n in ("query_start_loc", "seq_lens", "idx_mapping", "replay_start", "replay_end",
                                         "token_to_req", "positions", "is_valid_token")]
     for t in cands:
@@ -147,8 +147,8 @@ def three_pipelines(layout, max_num_reqs, max_tokens, **kw) -> Dict[str, Metadat
     p = {"fused": MetadataPipeline(layout, max_num_reqs, max_tokens, DEVICE, fused=True, **kw),
          "unfused": MetadataPipeline(layout, max_num_reqs, max_tokens, DEVICE, fused=False, **kw),
          "reference": MetadataPipeline(layout, max_num_reqs, max_tokens, DEVICE, backend="reference", **kw)}
-    assert p["fused"].num_launches == 1 and p["fused"]._fused is not None, "fused: not one launch"
-    assert p["unfused"]._fused is None and p["reference"]._fused is None
+    assert p["fused"].num_launches == 1 and p["fused"].fused_plan is not None, "fused: not one launch"
+    assert p["unfused"].fused_plan is None and p["reference"].fused_plan is None
     return p
 
 

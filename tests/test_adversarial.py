@@ -104,7 +104,7 @@ def _next_step(layout):
 def _host_state(pipe):
     """What a rejected step must leave as it was (host and device tables, request slots, slot map)."""
     t = pipe.tables
-    return (t.mirror.tobytes(), t.num_blocks.tobytes(), t.flat.cpu().numpy().tobytes(), pipe._occupied.tobytes(),
+    return (t.mirror.tobytes(), t.num_blocks.tobytes(), t.flat.cpu().numpy().tobytes(), pipe.occupied.tobytes(),
             dict(pipe.slot_map.slot_of), set(pipe.slot_map.preempted), pipe.last_step_stats)
 
 

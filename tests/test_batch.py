@@ -383,7 +383,7 @@ def test_step_batch_rejections_name_the_array_and_change_nothing(over, match):
               write_starts=np.zeros(G, np.int64), write_cu=np.arange(G + 1), write_ids=np.arange(4, 4 + G))
     with pytest.raises(ValueError, match=match):
         pipe.update(StepBatch(**{**kw, **over}))
-    assert not pipe._occupied.any() and not pipe.tables.num_blocks.any() and pipe.last_step_stats.num_h2d_copies == 0
+    assert not pipe.occupied.any() and not pipe.tables.num_blocks.any() and pipe.last_step_stats.num_h2d_copies == 0
     pipe.update(StepBatch(**kw))  # the good batch goes through afterwards
     m = pipe.build()
     assert m.req_ids is None and m.req_slots.tolist() == [0] and m.num_tokens == 3

@@ -218,7 +218,7 @@ def test_fused_equals_reference_under_dcp():
              for r in range(world)]
     ref = [MetadataPipeline(L.rank, 8, 40, dev, 2, cp_world_size=world, cp_rank=r, cp_interleave=inter,
                             backend="reference") for r in range(world)]
-    assert all(p.num_launches == 1 for p in fused) and all(p._fused is None for p in ref)
+    assert all(p.num_launches == 1 for p in fused) and all(p.fused_plan is None for p in ref)
     last, g, replayed = [None] * (2 * world), torch.Generator().manual_seed(0), 0
     for i, (step, _) in enumerate(_trace(L, 9, seed=5)):
         replayed += bool(step.replay_end)

@@ -167,7 +167,7 @@ def test_no_fused_plan_without_triton(monkeypatch):
     monkeypatch.delenv("DSV4_INDEX_BACKEND", raising=False)
     layout = tiny_layout()
     pipe = MetadataPipeline(layout, 2, 16, "cpu")
-    assert pipe._fused is None and pipe.num_launches == len(layout.channels)  # the reference path
+    assert pipe.fused_plan is None and pipe.num_launches == len(layout.channels)  # the reference path
 
 
 def test_multi_step_running_and_finish():
@@ -240,7 +240,7 @@ def test_warmup_then_empty_and_padded_only_steps():
 def test_plan_grid_is_host_sized_and_shares_identical_geometry():
     layout = flash_layout()
     pipe = MetadataPipeline(layout, 4, 256, DEVICE)
-    plan = pipe._fused
+    plan = pipe.fused_plan
     n_req, n_tok = plan.num_units
     small = plan.configs[1]
     t_super = plan._variants[1]["t_super"]
@@ -372,8 +372,8 @@ def test_varying_tokens_reuse_one_compiled_launcher():
         step = random_step(rng, blocks, kind, n_reqs=1 + i, max_ctx=1500, spec=1, prefix=f"s{i}_")
         pipe.update(step, pad_to=step.total_tokens + i)
         pipe.build()
-        compiled = compiled or pipe._fused._compiled
-        assert compiled is not None and pipe._fused._compiled is compiled  # counts are runtime arguments
+        compiled = compiled or pipe.fused_plan._compiled
+        assert compiled is not None and pipe.fused_plan._compiled is compiled  # counts are runtime arguments
         pipe.update(StepInput([], [], {}, {r.req_id for r in step.new_requests}, set()))
 
 
@@ -413,7 +413,7 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
     for i, kind in enumerate(["decode", "mixed", "prefill"]):
         step = random_step(rng, blocks, kind, n_reqs=2, max_ctx=1500, spec=1, prefix=f"f{i}_")
         step_all({"fast": fast, "slow": slow}, step, pad_to=step.total_tokens + i)
-        assert slow._fused._compiled is None and fast._fused._compiled is not None
+        assert slow.fused_plan._compiled is None and fast.fused_plan._compiled is not None
         done = {r.req_id for r in step.new_requests}
         for p in (fast, slow):
             p.update(StepInput([], [], {}, done, set()))

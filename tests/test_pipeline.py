@@ -226,7 +226,7 @@ def test_scheduler_trace_fused_vs_unfused_vs_python(device):
     spec, R = 2, 4
     fused = MetadataPipeline(layout, R, 32 + 4, device, num_speculative_tokens=spec)
     plain = MetadataPipeline(layout, R, 32 + 4, device, num_speculative_tokens=spec, fused=False)
-    assert fused._fused is not None and plain._fused is None
+    assert fused.fused_plan is not None and plain.fused_plan is None
     assert fused.num_launches == 1 and plain.num_launches == len(layout.channels)
     writes = 0
     trace = eventful_trace(layout, 8, num_blocks=40, max_num_seqs=R, seeds=range(200))
@@ -278,7 +278,7 @@ def test_warmup_compiles_topk_conversion(monkeypatch):
     layout = tiny_layout()
     pipe = MetadataPipeline(layout, 4, 32, "cpu")
     calls = []
-    for name, b in pipe._builders.items():
+    for name, b in pipe.builders.items():
         orig = b.topk_to_slots
         monkeypatch.setattr(b, "topk_to_slots", lambda ctx, topk, compact=False, orig=orig, name=name:
                             calls.append((name, topk)) or orig(ctx, topk, compact=compact))
@@ -290,3 +290,96 @@ def test_warmup_compiles_topk_conversion(monkeypatch):
     with pytest.raises(RuntimeError, match="warmup"):
         pipe.update(StepInput([], [], {}))
         pipe.warmup()
+
+
+# ----------------------------------------------------------------------------------------------
+# a vLLM-style SchedulerOutput (duck-typed), and the direct launch checked at warm-up
+# ----------------------------------------------------------------------------------------------
+class _NS:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _scheduler_output(step: StepInput):
+    """``step`` as the lists a vLLM ``SchedulerOutput`` holds."""
+    new = [_NS(req_id=r.req_id, block_ids=tuple(r.block_ids), num_computed_tokens=r.num_computed_tokens)
+           for r in step.new_requests]
+    run = step.running_requests
+    cached = _NS(req_ids=[r.req_id for r in run], new_block_ids=[tuple(r.new_block_ids) for r in run],
+                 num_computed_tokens=[r.num_computed_tokens for r in run],
+                 resumed_req_ids={r.req_id for r in run if r.resumed})
+    return _NS(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+               num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=set(step.finished_req_ids),
+               preempted_req_ids=set(step.preempted_req_ids))
+
+
+def test_scheduler_output_path_equals_step_input(monkeypatch):
+    """``update(SchedulerOutput)`` converts with ``batch_from_scheduler_output``, commits the slot map
+    only once the step is accepted, and fills ``meta.req_ids``; a rejected one changes nothing."""
+    monkeypatch.setenv("DSV4_INDEX_BACKEND", "reference")
+    layout = tiny_layout()
+    a = MetadataPipeline(layout, 6, 64, "cpu", num_speculative_tokens=2)
+    b = MetadataPipeline(layout, 6, 64, "cpu", num_speculative_tokens=2)
+    used = 0
+    for i, (step, views) in enumerate(random_trace(layout, 30, 7, num_blocks=96, max_num_batched_tokens=64,
+                                                   max_num_seqs=6, num_speculative_tokens=2,
+                                                   enable_prefix_caching=False)):
+        plain = not (step.replay_start or getattr(step, "replay_end", None))  # NOTE: replays are not in the lists
+        if plain and i and step.num_scheduled_tokens:
+            bad = _scheduler_output(step)
+            bad.num_scheduled_tokens = {**bad.num_scheduled_tokens, "nope": 1}
+            before = (dict(a.slot_map.slot_of), a.occupied.tobytes(), a.tables.num_blocks.tobytes())
+            with pytest.raises(ValueError, match="nope"):
+                a.update(bad)
+            assert before == (dict(a.slot_map.slot_of), a.occupied.tobytes(), a.tables.num_blocks.tobytes())
+        a.update(_scheduler_output(step) if plain else step)
+        b.update(step)
+        used += plain
+        n = a.last_step_stats.h2d_bytes // 4
+        assert n == b.last_step_stats.h2d_bytes // 4 and torch.equal(a.staging.dev[:n], b.staging.dev[:n])
+        ma, mb = a.build(), b.build()
+        assert ma.req_ids == mb.req_ids and ma.req_ids is not None
+        check_step(layout, ma, views, 3, a)
+    assert used >= 20
+
+
+class _Launcher:
+    """Stands in for triton's CompiledKernel: ``run`` does nothing (a changed private layout) or raises."""
+
+    function = packed_metadata = None
+
+    def __init__(self, fail: bool):
+        self.fail = fail
+
+    def run(self, *args):
+        if self.fail:
+            raise TypeError("run() takes 12 positional arguments")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.parametrize("fail", [False, True], ids=["writes-nothing", "raises"])
+def test_direct_launch_that_differs_falls_back_to_jit(device, fail):
+    layout = tiny_layout()
+    pipe = MetadataPipeline(layout, 4, 16, device)
+    pipe.warmup()
+    plan = pipe.fused_plan
+    for v in plan._variants:  # NOTE: a broken direct launcher (the check must catch it)
+        v["kernel"] = _Launcher(fail)
+    plan._compiled, plan._direct = plan._variants[0]["kernel"], True
+    pipe.update(StepInput([], [], {}), pad_to=4)
+    with pytest.warns(RuntimeWarning, match="does not match the JIT launch"):
+        assert plan.check_direct_launch(pipe.stage_layout) is False
+    assert not plan.direct
+    meta = pipe.build()  # NOTE: the JIT path from now on
+    assert (meta.positions == 0).all() and not meta.is_valid_token.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_direct_launch_matches_jit_on_this_triton():
+    import warnings
+    layout = tiny_layout()
+    pipe = MetadataPipeline(layout, 4, 16, "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        pipe.warmup()
+    assert pipe.fused_plan.direct

@@ -110,18 +110,18 @@ def test_every_registered_kind_joins_the_one_launch(registry):
     register_all()
     layout = user_layout()
     pipe = MetadataPipeline(layout, 4, 40, DEVICE, num_speculative_tokens=2)
-    assert pipe.num_launches == 1 and pipe._unfused == []
+    assert pipe.num_launches == 1 and pipe.unfused_builders == []
     for name in USER:
-        b = pipe._builders[name]
+        b = pipe.builders[name]
         assert type(b).__module__ == __name__
         tasks = b.fused_tasks(pipe.ctx)
         assert tasks, name
-        keys = {t.key() for t in pipe._fused.tasks}
+        keys = {t.key() for t in pipe.fused_plan.tasks}
         assert all(t.key() in keys for t in tasks), f"{name}: a task is missing from the fused plan"
     # c8a / c8i share one compressed mapping (one geometry), distinct from c4a's and c128a's
-    kinds = [(t.kind, t.a) for t in pipe._fused.tasks if t.kind == "compressed"]
+    kinds = [(t.kind, t.a) for t in pipe.fused_plan.tasks if t.kind == "compressed"]
     assert sorted(kinds) == [("compressed", 2), ("compressed", 4), ("compressed", 8), ("compressed", 16)]
-    assert pipe._builders["c8a"].compressed is pipe._builders["c8i"].compressed
+    assert pipe.builders["c8a"].compressed is pipe.builders["c8i"].compressed
 
 
 @pytest.mark.slow  # ./dev quick skips it
@@ -156,7 +156,7 @@ def test_builder_without_fused_tasks_runs_its_own_launch(registry):
     lone = MetadataPipeline(layout, 4, 40, DEVICE, num_speculative_tokens=2)
     ref = MetadataPipeline(layout, 4, 40, DEVICE, num_speculative_tokens=2, backend="reference")
     assert fused.num_launches == 1 and lone.num_launches == 2
-    assert [type(b) for b in lone._unfused] == [LoneWindow]
+    assert [type(b) for b in lone.unfused_builders] == [LoneWindow]
     trace = eventful_trace(layout, 5, need=("finished", "spec"), num_blocks=NUM_BLOCKS, seeds=range(200))
     for i, (step, _) in enumerate(trace):
         compare_step({"fused": fused, "lone": lone, "reference": ref}, step, step.total_tokens + i % 2, tag=i,
@@ -175,7 +175,7 @@ def test_registered_window_subclass_joins_the_fused_launch(registry):
                                            index_width=4, outputs={"slot_mapping", "indices", "lens"}))
     rng = random.Random(9)
     pipes = three_pipelines(layout, 6, 160)  # NOTE: a plain subclass inherits its kind's fused tasks
-    assert pipes["fused"].num_launches == 1 and type(pipes["fused"]._builders["test_fused_win"]) is MyWindow
+    assert pipes["fused"].num_launches == 1 and type(pipes["fused"].builders["test_fused_win"]) is MyWindow
     step = random_step(rng, Blocks(layout, rng), "mixed", n_reqs=3, max_ctx=150, replay=True)
     m = step_all(pipes, step, pad_to=step.total_tokens + 1)
     assert int(m["test_fused_win"].lens.max()) == 4
@@ -197,7 +197,7 @@ def test_readme_example_verbatim(registry):
     layout = ns["layout"]
     pipes = {"fused": MetadataPipeline(layout, 2, 8, DEVICE), "reference": MetadataPipeline(layout, 2, 8, DEVICE,
                                                                                            backend="reference")}
-    assert pipes["fused"].num_launches == 1 and type(pipes["fused"]._builders["c2"]) is CausalCompressedChannel
+    assert pipes["fused"].num_launches == 1 and type(pipes["fused"].builders["c2"]) is CausalCompressedChannel
     lists = tuple(list(range(1 + 1000 * g, 1 + 1000 * g + cdiv(1030, b.alloc_block_size))) for g, b in
                   enumerate(layout.groups))
     m = step_all(pipes, StepInput([NewRequest("a", lists, 1024)], [], {"a": 6}), pad_to=8)

@@ -6,8 +6,8 @@ step, built by mutating the real next step (``StepInput`` or its ``StepBatch`` f
 after a ``build()`` or between an ``update()`` and its ``build()`` (a staged, unbuilt step). Then:
 
 * the error is a ``ValueError`` whose message names the field / request id / slot at fault;
-* every attribute of A (tables, host mirror, block counts, request slots, slot map, staging buffers,
-  the last plan and stats, build context) is unchanged (identity included);
+* every attribute of A (tables, host mirror, block counts, request state and its steady-step cache,
+  slot map, staging buffers, the last plan and stats, build context) is unchanged (identity included);
 * A and B (which never saw a bad step) hold equal state after every later ``update()`` and equal
   outputs (every metadata tensor, device tables, a top-k conversion) after every later ``build()``.
 
@@ -66,7 +66,7 @@ def trace(variant: str, fused: bool = False):
 def make_pipe(variant: str, checks: str = "safe", fused: bool = False) -> MetadataPipeline:
     p = MetadataPipeline(layout(variant), R, T_MAX, DEVICE, SPEC, checks=checks, max_staged_blocks=STAGED,
                          backend=None if fused else "reference")
-    assert (p._fused is not None) == fused
+    assert (p.fused_plan is not None) == fused
     return p
 
 
@@ -384,7 +384,7 @@ def _row(b, pred):
 
 
 def _free_slot(c, b):  # a slot holding no request, not taken by this step
-    return next((s for s in range(R) if not c.pipe._occupied[s] and s not in b.req_slots[b.is_new]), None)
+    return next((s for s in range(R) if not c.pipe.requests.occupied[s] and s not in b.req_slots[b.is_new]), None)
 
 
 def _hole(c, b):
@@ -430,7 +430,7 @@ KB("batch_free_a_free_slot", lambda c, b: _on(_free_slot(c, b), lambda s: (
     _set(b, free_slots=[*b.free_slots, s]), None,
     esc(f"free_slots[{len(b.free_slots)}] = {s} does not hold a request"))))
 KB("batch_free_slot_twice", lambda c, b: _on(next(
-    (s for s in range(R) if c.pipe._occupied[s] and s not in b.free_slots), None), lambda s: (
+    (s for s in range(R) if c.pipe.requests.occupied[s] and s not in b.free_slots), None), lambda s: (
     _set(b, free_slots=[*b.free_slots, s, s]), None, esc("free_slots lists a slot twice"))))
 KB("batch_two_runs_for_one_group_slot", lambda c, b: b.num_runs and (
     _pack(b, _runs(b) + [[int(b.write_gids[0]), int(b.write_slots[0]), APPEND, _fresh(1)]]), None,
@@ -495,8 +495,11 @@ def _freeze(x, ids: bool):
 def state(pipe: MetadataPipeline, ids: bool = True) -> dict:
     """Every attribute of the pipeline and of its tables, slot map, staging and build context."""
     out = {}
-    for owner, obj in (("pipe", pipe), ("tables", pipe.tables), ("slot_map", pipe.slot_map),
-                       ("staging", pipe.staging), ("ctx", pipe.ctx)):
+    owners = [("pipe", pipe), ("tables", pipe.tables), ("slot_map", pipe.slot_map), ("staging", pipe.staging),
+              ("ctx", pipe.ctx), ("requests", pipe.requests)]
+    if pipe.requests.cache is not None:  # NOTE: the steady path's batch cache (its scratch is not state)
+        owners.append(("steady", pipe.requests.cache))
+    for owner, obj in owners:
         for k, v in vars(obj).items():
             out[f"{owner}.{k}"] = _freeze(v, ids)
     return out

@@ -669,7 +669,7 @@ def test_circular_fused_triton_equals_reference(device):
                                num_speculative_tokens=2, long_prefill_threshold=12, seed=4)
     fused = MetadataPipeline(layout, 5, 28, device, 2)
     ref = MetadataPipeline(layout, 5, 28, device, 2, backend="reference")
-    assert fused._fused is not None and ref._fused is None
+    assert fused.fused_plan is not None and ref.fused_plan is None
     seen = Counter()
     # a prefix owner, then requests that hit it while it runs
     script = [{"add": [dict(req_id="a", prompt_len=70, max_new_tokens=12)]}, {}, {}, {}, {}, {},

@@ -272,7 +272,7 @@ def test_pipeline_validate_option(monkeypatch):
     s1, s2 = two_steps(layout)
     pipe.update(s1)
     pipe.build()
-    swa = pipe._builders["swa"]
+    swa = pipe.builders["swa"]
     views = swa.views
 
     def corrupt(ctx):  # NOTE: views() runs whether or not a fused plan covers the channel
@@ -286,7 +286,7 @@ def test_pipeline_validate_option(monkeypatch):
         pipe.build()
     assert e.value.channel == "swa"
     quiet = make_pipeline(layout, backend="reference")  # default: no check
-    monkeypatch.setattr(quiet._builders["swa"], "views", corrupt)
+    monkeypatch.setattr(quiet.builders["swa"], "views", corrupt)
     quiet.update(s1)
     quiet.build()
 

@@ -12,9 +12,8 @@ builder class.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Type
+from typing import Callable, Dict, List, Optional, Tuple, Type
 
-import numpy as np
 import torch
 
 from ..fused.tasks import FusedTask
@@ -117,6 +116,29 @@ class BuildContext:
     _token_ids: Optional[torch.Tensor] = None
     _shared: Dict[tuple, torch.Tensor] = field(default_factory=dict)
     _done: set = field(default_factory=set)
+    staged_inputs: List[Callable] = field(default_factory=list)  # per-request host arrays, in stage order
+    _staged_keys: Dict[tuple, int] = field(default_factory=dict)
+
+    def staged_input(self, key: tuple, fill: Callable) -> int:
+        """Declare a per-request int32 array ``[B + 1]`` staged with every step (at ``allocate``).
+
+        ``fill(seq_lens, num_scheduled, out)`` computes it on the host (numpy; ``seq_lens`` and
+        ``num_scheduled`` int64 ``[B]`` in batch order, ``out`` int32 ``[B + 1]``); keep its formula
+        beside the op's reference. Returns the array's index in the staging buffer's extra region (the
+        ``extra`` of a :class:`~dsv4_index.fused.tasks.FusedTask`); builders declaring the same
+        ``key`` share one array.
+        """
+        i = self._staged_keys.get(key)
+        if i is None:
+            i = self._staged_keys[key] = len(self.staged_inputs)
+            self.staged_inputs.append(fill)
+        return i
+
+    def set_step(self, plan) -> None:
+        """The host values of an accepted step (called by ``update()``)."""
+        self.num_reqs, self.num_tokens = plan.slots.shape[0], plan.num_tokens
+        self.num_tokens_padded, self.num_decodes = plan.num_tokens_padded, plan.num_decodes
+        self.has_replay_start, self.has_replay_end = plan.replay_start is not None, plan.replay_end is not None
 
     def group_cp(self, gid: int) -> Tuple[int, int, int]:
         """(world, rank, interleave) that applies to group ``gid`` ((1, 0, 1) when replicated)."""
@@ -136,6 +158,26 @@ class BuildContext:
             buf = torch.full(tuple(shape), -1, dtype=dtype, device=self.device)
             self._shared[key] = buf
         return buf
+
+    def begin_build(self) -> None:
+        """Start a build (the shared outputs of the unfused path are computed once per build)."""
+        self._done.clear()
+
+    def fill_requests(self, stage: torch.Tensor, lay) -> None:
+        """Unfused path: the per-request and per-token common tensors of this step from the device
+        staging buffer ``stage`` (layout ``lay``, ``state/staging.py``), with torch ops."""
+        B, T, Tp = self.num_reqs, self.num_tokens, self.num_tokens_padded
+        self.query_start_loc[:B + 1].copy_(stage[lay.qsl:lay.qsl + B + 1])
+        self.query_start_loc[B + 1:Tp + 1].fill_(T)
+        for dst, off, on in ((self.seq_lens, lay.seq_lens, True), (self.idx_mapping, lay.slots, True),
+                             (self.replay_start, lay.replay_start, self.has_replay_start),
+                             (self.replay_end, lay.replay_end, self.has_replay_end)):
+            if on:
+                dst[:B].copy_(stage[off:off + B])
+                dst[B:Tp + 1].zero_()
+            else:
+                dst[:Tp + 1].zero_()
+        self.fill_token_map()
 
     def fill_token_map(self) -> None:
         """``token_to_req``, ``is_valid_token`` and ``positions`` of ``[0, T_pad)`` from this step's
@@ -167,7 +209,8 @@ class ChannelBuilder:
 
     Required: :meth:`allocate`, :meth:`launch`, :meth:`views`. Optional:
     :meth:`fused_tasks` (join the one fused launch; default: none, so :meth:`launch` runs),
-    :meth:`num_staged_arrays` / :meth:`fill_staged` (per-request host arrays staged with the step),
+    per-request host arrays staged with the step (declare them with :meth:`BuildContext.staged_input`
+    in :meth:`allocate`),
     :attr:`int32_unit`, :meth:`expected` (used by :mod:`dsv4_index.validate`), :meth:`topk_to_slots`.
     Device work must do no host sync, no allocation and have no data-dependent shape (DESIGN §7).
     """
@@ -176,7 +219,6 @@ class ChannelBuilder:
         self.spec = spec
         self.layout = layout
         self.group = layout.groups[spec.gid]
-        self.extra_index = -1  # NOTE: first staged array of this builder (set by the pipeline)
 
     @property
     def kernel_block_size(self) -> int:
@@ -206,14 +248,6 @@ class ChannelBuilder:
         """This channel's share of the one fused launch (identical tasks of several builders run
         once); an empty list keeps the channel on its own :meth:`launch`."""
         return []
-
-    def num_staged_arrays(self) -> int:
-        """Per-request int32 arrays (``[B + 1]`` each) the channel stages with every step."""
-        return 0
-
-    def fill_staged(self, ctx: BuildContext, seq_lens: np.ndarray, num_scheduled: np.ndarray,
-                    arrays: List[np.ndarray]) -> None:
-        """Fill the staged arrays for a step (host, numpy; ``arrays[k]`` has ``B + 1`` entries)."""
 
     def expected(self, host_ctx: BuildContext) -> ChannelMetadata:
         """What this step's outputs must equal: :meth:`launch` run by a fresh builder of the same

@@ -3,12 +3,14 @@ every channel of one geometry) and the top-k -> slot conversion of ``c4a``."""
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+
 import torch
 
 from .._common import use_triton
 from ..fused.tasks import FusedTask
 from ..ops import compressed_slot_mapping, indexer_lengths
+from ..ops.compressed_slot_mapping.naive import staged_compact_cu
 from ..ops.topk_to_slots import kernel as topk_kernel
 from ..ops.topk_to_slots import topk_to_slots_rows
 from .base import BuildContext, ChannelBuilder
@@ -31,27 +33,20 @@ class CompressedBase(ChannelBuilder):
         T = ctx.max_num_tokens
         self.compressed = ctx.shared_buffer(self.key, (T,), torch.int64)
         self.compact = self.compact_cu = None
+        self.compact_cu_index = -1
         if s.compact:
             self.compact = ctx.shared_buffer(self.key + ("compact",), (T,), torch.int64)
             self.compact_cu = ctx.shared_buffer(self.key + ("compact_cu",), (T + 1,), torch.int32)
-
-    def num_staged_arrays(self) -> int:
-        return 1 if self.spec.compact else 0
-
-    def fill_staged(self, ctx, seq_lens, num_scheduled, arrays):
-        # NOTE: rows completed this step per request: seq_len // R - (seq_len - q) // R (every rank
-        # lists every row, owned or not, so cu does not depend on the rank)
-        R = self.spec.compress_ratio
-        cu = arrays[0]
-        cu[0] = 0
-        np.cumsum(seq_lens // R - (seq_lens - num_scheduled) // R, out=cu[1:])
+            # NOTE: the compact cu is a per-request input staged with the step (formula: the op's naive.py)
+            self.compact_cu_index = ctx.staged_input(self.key + ("compact_cu",), functools.partial(
+                staged_compact_cu, compress_ratio=s.compress_ratio))
 
     def fused_tasks(self, ctx: BuildContext):
         s = self.spec
         tasks = [FusedTask("compressed", (self.compressed, self.compact), gid=s.gid, a=s.compress_ratio,
-                           b=s.rows_per_block, write_floor=self.group.prefix_cacheable, extra=self.extra_index)]
+                           b=s.rows_per_block, write_floor=self.group.prefix_cacheable, extra=self.compact_cu_index)]
         if s.compact:
-            tasks.append(FusedTask("staged_copy", (self.compact_cu,), extra=self.extra_index))
+            tasks.append(FusedTask("staged_copy", (self.compact_cu,), extra=self.compact_cu_index))
         return tasks
 
     def launch(self, ctx: BuildContext):

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+
 import torch
 
-from .._common import cp_owned_count
 from ..fused.tasks import FusedTask
 from ..ops import causal_compressed_indices, indexer_lengths
+from ..ops.indexer_lengths.naive import staged_cu
 from .base import BuildContext
 from .compressed import CompressedBase
 
@@ -33,24 +34,16 @@ class IndexerChannel(CompressedBase):
         self.lens_clamped = torch.ones((T,), dtype=torch.int32, device=dev)
         self.decode_lens_clamped = torch.ones((T, ctx.next_n), dtype=torch.int32, device=dev)
         self.with_indices = "indices" in self.spec.outputs
+        # NOTE: cu is a per-request input staged with the step (formula: ops/indexer_lengths/naive.py)
+        w, r, i = ctx.group_cp(self.spec.gid)
+        self.cu_index = ctx.staged_input(("indexer_cu", self.spec.gid, self.spec.compress_ratio), functools.partial(
+            staged_cu, compress_ratio=self.spec.compress_ratio, cp_world_size=w, cp_rank=r, cp_interleave=i))
         if self.with_indices:
             self.indices = torch.full((T, self.spec.index_width), -1, dtype=torch.int32, device=dev)
             self.index_lens = torch.zeros((T,), dtype=torch.int32, device=dev)
 
-    def num_staged_arrays(self) -> int:
-        return super().num_staged_arrays() + 1
-
-    def fill_staged(self, ctx, seq_lens, num_scheduled, arrays):
-        if self.spec.compact:
-            super().fill_staged(ctx, seq_lens, num_scheduled, arrays[:1])
-        w, r, i = ctx.group_cp(self.spec.gid)
-        rows = seq_lens // self.spec.compress_ratio
-        cu = arrays[-1]
-        cu[0] = 0
-        np.cumsum(cp_owned_count(rows, w, r, i) if w > 1 else rows, out=cu[1:])
-
     def fused_tasks(self, ctx: BuildContext):
-        s, cu_index = self.spec, self.extra_index + (1 if self.spec.compact else 0)
+        s, cu_index = self.spec, self.cu_index
         tasks = super().fused_tasks(ctx) + [
             FusedTask("indexer", (self.lens, self.ks, self.ke, self.lens_clamped), gid=s.gid, a=s.compress_ratio,
                       extra=cu_index),

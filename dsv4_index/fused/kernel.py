@@ -22,7 +22,8 @@ from .._triton import triton, tl
 
 from ..ops._device import (causal_row, circular_split, compressed_slot, decode_row_lens, raw_slot, visible_rows,
                            window_len, window_row)
-from ..state.staging import H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START
+from ..state.staging import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START,
+                             OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE)
 from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, INDEXER, NF, REPLAYS, REQUESTS, S_A, S_B, S_BC, S_CPI,
                     S_CPR, S_CPW, S_EXTRA, S_FLAGS, S_GID, S_HAS, S_KIND, S_MUL, S_NCHUNK, S_NCU, S_NPROG, S_RING,
                     S_START, S_STRIDE, S_TASK, S_TOFF, S_TWIDTH, S_WIDTH, STAGED_COPY, TOKEN_ROWS, WINDOW, S_BT)
@@ -39,6 +40,10 @@ _H_REPLAY_END: tl.constexpr = tl.constexpr(H_REPLAY_END)
     S_KIND, S_TASK, S_A, S_B, S_WIDTH, S_TOFF, S_STRIDE, S_TWIDTH, S_RING, S_CPW, S_CPR, S_CPI, S_GID, S_FLAGS, S_EXTRA,
     S_HAS, S_MUL, S_BT, S_BC, S_NCHUNK, S_NCU, S_START, S_NPROG)]
 _NF: tl.constexpr = tl.constexpr(NF)
+_OVERLAY_STRIDE: tl.constexpr = tl.constexpr(OVERLAY_STRIDE)  # NOTE: the overlay record (state/staging.py)
+_OV_LO: tl.constexpr = tl.constexpr(OV_LO)
+_OV_HI: tl.constexpr = tl.constexpr(OV_HI)
+_OV_PAY: tl.constexpr = tl.constexpr(OV_PAY)
 
 
 @triton.jit
@@ -197,10 +202,10 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
         else:
             ring = 0
         if KIND == WINDOW or KIND == CAUSAL or KIND == COMPRESSED:
-            ov = off_ov + (TAB[I * _NF + _GID] * rows + b) * 3
-            lo = tl.load(stage_ptr + ov, mask=valid, other=0)
-            hi = tl.load(stage_ptr + ov + 1, mask=valid, other=0)
-            pay = tl.load(stage_ptr + ov + 2, mask=valid, other=0)
+            ov = off_ov + (TAB[I * _NF + _GID] * rows + b) * _OVERLAY_STRIDE
+            lo = tl.load(stage_ptr + ov + _OV_LO, mask=valid, other=0)
+            hi = tl.load(stage_ptr + ov + _OV_HI, mask=valid, other=0)
+            pay = tl.load(stage_ptr + ov + _OV_PAY, mask=valid, other=0)
         if (FLAGS & 1) != 0:  # FLAG_WRITE_FLOOR
             wfloor = tl.load(stage_ptr + off_re + b, mask=valid & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
         else:

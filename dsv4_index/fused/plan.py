@@ -7,6 +7,7 @@ knows no builder class: it only packs what builders hand it.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -143,7 +144,9 @@ class FusedPlan:
         self._compiled = self._variants[0]["kernel"]
 
     def grid(self, t_pad: int) -> int:
-        v = self._variants[self.variant(t_pad)]
+        return self._grid(self._variants[self.variant(t_pad)], t_pad)
+
+    def _grid(self, v: dict, t_pad: int) -> int:
         return (self.num_writers + self._num_req * cdiv(t_pad + 1, self.block_r)
                 + cdiv(t_pad, v["t_super"]) * v["p_super"])
 
@@ -156,12 +159,69 @@ class FusedPlan:
         positionally; on CUDA the compiled kernel's launcher is called directly (skipping Triton's
         argument binding), unless ``DSV4_INDEX_DIRECT_LAUNCH=0``.
         """
-        t_pad = lay.t_pad
-        v = self._variants[self.variant(t_pad)]
-        args = (*self._ptrs, t_pad, cdiv(t_pad + 1, self.block_r), *lay.kernel_args())
-        k = v["kernel"]
-        if k is not None:
-            k.run(self.grid(t_pad), 1, 1, torch.cuda.current_stream().cuda_stream, k.function, k.packed_metadata,
-                  None, None, None, *args, *v["consts"].values())
+        v = self._variants[self.variant(lay.t_pad)]
+        if self._direct and v["kernel"] is not None:
+            self._launch_direct(v, v["kernel"], lay)
             return
-        fused_step_kernel[(self.grid(t_pad),)](*args, num_warps=v["cfg"].num_warps, **v["consts"])
+        self._launch_jit(v, lay)
+
+    def _args(self, v: dict, lay: StageLayout):
+        t_pad = lay.t_pad
+        return self._grid(v, t_pad), (*self._ptrs, t_pad, cdiv(t_pad + 1, self.block_r), *lay.kernel_args())
+
+    def _launch_jit(self, v: dict, lay: StageLayout):
+        """The documented path: Triton's JIT call (binds arguments, picks the compiled kernel)."""
+        grid, args = self._args(v, lay)
+        return fused_step_kernel[(grid,)](*args, num_warps=v["cfg"].num_warps, **v["consts"])
+
+    def _launch_direct(self, v: dict, k, lay: StageLayout) -> None:
+        """Triton's private ``CompiledKernel.run`` with the positional layout of Triton 3.x (checked
+        against :meth:`_launch_jit` by :meth:`check_direct_launch`)."""
+        grid, args = self._args(v, lay)
+        k.run(grid, 1, 1, torch.cuda.current_stream().cuda_stream, k.function, k.packed_metadata, None,
+              None, None, *args, *v["consts"].values())
+
+    def check_direct_launch(self, lay: StageLayout) -> bool:
+        """Warm-up check of the direct launch: for every compiled variant, every output of the tasks is
+        poisoned, the step staged with ``lay`` is launched through the JIT path and then through the
+        direct path, and the outputs must be byte-identical. On any difference or error the plan falls
+        back to the JIT path for good (a warning says why). Returns True when the direct launch stays on."""
+        if not self._direct or self._compiled is None:
+            return False
+        outs = list({t.data_ptr(): t for task in self.tasks for t in task.outputs if t is not None}.values())
+
+        def run(launch):
+            for o in outs:
+                o.fill_(True if o.dtype == torch.bool else -7)
+            launch()
+            if outs and outs[0].is_cuda:
+                torch.cuda.synchronize(outs[0].device)
+            return [o.clone() for o in outs]
+
+        why = None
+        try:
+            for v in {id(v): v for v in self._variants}.values():
+                k = v["kernel"]
+                if k is None:
+                    continue
+                want = run(lambda: self._launch_jit(v, lay))
+                got = run(lambda: self._launch_direct(v, k, lay))
+                bad = [i for i, (a, b) in enumerate(zip(want, got)) if not torch.equal(a, b)]
+                if bad:
+                    why = f"{len(bad)} of {len(outs)} outputs differ from the JIT launch ({v['cfg']})"
+                    break
+        except Exception as e:  # NOTE: a changed private layout may raise anything
+            why = f"{type(e).__name__}: {e}"
+        if why is None:
+            return True
+        self._compiled, self._direct = None, False
+        self.launch(lay)  # NOTE: leave this step's outputs as the documented path writes them
+        warnings.warn(f"dsv4_index: the direct launch through triton's CompiledKernel.run does not match "
+                      f"the JIT launch ({why}); using the JIT launch (set DSV4_INDEX_DIRECT_LAUNCH=0 to "
+                      f"skip the check)", RuntimeWarning, stacklevel=3)
+        return False
+
+    @property
+    def direct(self) -> bool:
+        """True while launches go through the compiled kernels' launchers directly."""
+        return self._direct and self._compiled is not None

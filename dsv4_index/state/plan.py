@@ -58,6 +58,9 @@ class StepPlan:
     w_keep: np.ndarray
     w_cu: np.ndarray            # int64 [N + 1]
     w_ids: np.ndarray           # int64 [n]
+    w_row: np.ndarray           # int64 [N]: device batch row of each run's slot, -1 when not in the batch
+    w_key: Optional[np.ndarray] = None  # int64 [N] ``gid * max_num_reqs + slot`` (steady path) or None
+    steady: bool = False        # NOTE: planned by the steady path (same batch as the last step)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -93,6 +96,26 @@ def _in_range(name: str, x: np.ndarray, hi: int, what: str) -> None:
         raise ValueError(f"{name}[{i}] = {int(x[i])} is not {what} in [0, {hi})")
 
 
+def _check_counts(nc: np.ndarray, q: np.ndarray, max_model_len: int, max_num_tokens: int) -> None:
+    """Bound every count before any sum or product (no int64 wrap can pass a later check).
+
+    ``0 <= num_computed_tokens <= max_model_len`` and ``0 <= num_scheduled_tokens <= max_num_tokens``
+    elementwise (one unsigned max each: negatives view as huge); then ``seq_lens`` and ``T`` fit
+    easily in int64 (rows <= max_num_reqs).
+    """
+    for name, x in (("num_computed_tokens", nc), ("num_scheduled_tokens", q)):
+        if int(x.min()) < 0:
+            i = _first(x < 0)
+            raise ValueError(f"{name}[{i}] = {int(x[i])} is negative")
+    if int(nc.view(np.uint64).max()) > max_model_len:
+        i = _first(nc > max_model_len)
+        raise ValueError(f"num_computed_tokens[{i}] = {int(nc[i])} is beyond max_model_len = {max_model_len}")
+    if int(q.view(np.uint64).max()) > max_num_tokens:
+        total = sum(q.tolist())  # NOTE: Python ints: exact, no wrap
+        raise ValueError(f"num_scheduled_tokens: the step schedules {total} tokens, more than "
+                         f"max_num_batched_tokens = {max_num_tokens}")
+
+
 def _owned(n: np.ndarray, cp) -> np.ndarray:
     world, rank, inter = cp
     cycle = inter * world
@@ -106,7 +129,7 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
 
     Parameters
     ----------
-    occupied : bool ``[R]`` slots holding a request before the step.
+    occupied : bool ``[num_slots]`` slots holding a request before the step.
     tables : the pipeline's :class:`BlockTables` (geometry and block counts; read only).
     cp : (world, rank, interleave) of the sharded groups.
     max_num_tokens, max_writes : capacities (tokens per step, staged ids per step).
@@ -116,7 +139,7 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
     """
     if not isinstance(batch, StepBatch):
         raise ValueError(f"step must be a StepInput or a StepBatch, got {type(batch).__name__}")
-    R = occupied.shape[0]
+    num_slots = occupied.shape[0]
     G = len(tables.groups)
     slots = _arr("req_slots", batch.req_slots)
     n_rows = slots.shape[0]
@@ -126,20 +149,17 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
               else _arr("is_new", batch.is_new, n_rows, dtype_kind="b"))
     free = _EMPTY if batch.free_slots is None else _arr("free_slots", batch.free_slots)
     if n_rows:
-        _in_range("req_slots", slots, R, "a slot")
-        if min(int(nc.min()), int(q.min())) < 0:
-            name, x = ("num_computed_tokens", nc) if nc.min() < 0 else ("num_scheduled_tokens", q)
-            i = _first(x < 0)
-            raise ValueError(f"{name}[{i}] = {int(x[i])} is negative")
-        count = np.bincount(slots, minlength=R)
+        _in_range("req_slots", slots, num_slots, "a slot")
+        _check_counts(nc, q, tables.max_model_len, max_num_tokens)
+        count = np.bincount(slots, minlength=num_slots)
         if count.max() > 1:
             s = int(np.argmax(count))
             raise ValueError(f"req_slots: slot {s} appears in {int(count[s])} batch rows")
     # -- slots freed, then taken ------------------------------------------------------------
     occ = occupied.copy()
     if free.size:
-        _in_range("free_slots", free, R, "a slot")
-        if np.bincount(free, minlength=R).max() > 1:
+        _in_range("free_slots", free, num_slots, "a slot")
+        if np.bincount(free, minlength=num_slots).max() > 1:
             raise ValueError("free_slots lists a slot twice")
         if not occ[free].all():
             i = _first(~occ[free])
@@ -202,7 +222,7 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
             i = _first(re > INT32_MAX)  # tokens overwrite prefix-shared full-group KV
             raise ValueError(f"replay_end of slot {int(b_slots[i])} = {int(re[i])} does not fit int32")
     # -- write runs ---------------------------------------------------------------------------
-    w_gid, w_slot, w_start, w_end, w_cu, w_ids = _runs(batch, R, G, occ, new_slots, tables)
+    w_gid, w_slot, w_start, w_end, w_cu, w_ids = _runs(batch, num_slots, G, occ, new_slots, tables)
     w_keep = w_start
     # -- coverage, rings, circular groups (per group x batch row) -----------------------------
     if B and G:
@@ -212,7 +232,7 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
             nb[:, b_new] = 0
         row_of = None
         if w_gid.size:
-            row_of = np.full(R, -1, dtype=np.int64)
+            row_of = np.full(num_slots, -1, dtype=np.int64)
             row_of[b_slots] = np.arange(B)
             r = row_of[w_slot]
             m = r >= 0
@@ -225,9 +245,9 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
             local[sharded] = _owned(seq, cp)
             need = (local + bs - 1) // bs
             # NOTE: under DCP a rank's compressed rows may need more blocks than its raw tokens
-            for g, R, S in tables.compressed:
+            for g, ratio, S in tables.compressed:
                 if sharded[g]:
-                    need[g] = np.maximum(need[g], -(-_owned(seq // R, cp) // S))
+                    need[g] = np.maximum(need[g], -(-_owned(seq // ratio, cp) // S))
         else:
             need = (seq[None, :] + bs - 1) // bs
         if tables.circular.any():
@@ -264,6 +284,12 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
                     w_keep[sel] = np.maximum(w_keep[sel], lo[gpos[w_gid[sel]], r[sel]])
         # NOTE: circular groups take any chunk (vLLM's ring): window reads before the chunk start come from
         # the ring, those inside it from the step's own rows; only each request's last `capacity` tokens write
+    if not w_gid.size:
+        w_row = _EMPTY
+    elif B and G:
+        w_row = r
+    else:
+        w_row = np.full(w_gid.shape[0], -1, dtype=np.int64)
     if w_gid.size and int(w_cu[-1]) > max_writes:
         ring_run = tables.ring[w_gid] > 0
         if ring_run.any():
@@ -279,10 +305,11 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
         seq_lens=seq, replay_start=rs, replay_end=re, num_decodes=nd,
         num_decode_tokens=int(b_q[:nd].sum()) if nd else 0, num_tokens=T, num_tokens_padded=int(T_pad),
         free_slots=free, new_slots=new_slots, all_slots=slots, all_computed=nc,
-        w_gid=w_gid, w_slot=w_slot, w_start=w_start, w_end=w_end, w_keep=w_keep, w_cu=w_cu, w_ids=w_ids)
+        w_gid=w_gid, w_slot=w_slot, w_start=w_start, w_end=w_end, w_keep=w_keep, w_cu=w_cu, w_ids=w_ids,
+        w_row=w_row)
 
 
-def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, new_slots: np.ndarray, tables: BlockTables):
+def _runs(batch: StepBatch, num_slots: int, G: int, occ: np.ndarray, new_slots: np.ndarray, tables: BlockTables):
     """Validated kernel-block write runs: (gid, slot, start, end, cu, ids), int64."""
     if batch.write_gids is None or len(batch.write_gids) == 0:
         return _EMPTY, _EMPTY, _EMPTY, _EMPTY, np.zeros(1, dtype=np.int64), _EMPTY
@@ -293,36 +320,42 @@ def _runs(batch: StepBatch, R: int, G: int, occ: np.ndarray, new_slots: np.ndarr
     cu = _arr("write_cu", batch.write_cu, N + 1)
     ids = _arr("write_ids", batch.write_ids)
     _in_range("write_gids", gid, G, "a group")
-    _in_range("write_slots", slot, R, "a slot")
+    _in_range("write_slots", slot, num_slots, "a slot")
     if not occ[slot].all():
         i = _first(~occ[slot])
         raise ValueError(f"write_slots[{i}] = {int(slot[i])} holds no request after this step")
-    n = cu[1:] - cu[:-1]
-    if cu[0] != 0 or cu[-1] != ids.shape[0] or (n < 0).any():
+    # NOTE: bound cu before differencing it (huge values would wrap the differences)
+    if cu[0] != 0 or cu[-1] != ids.shape[0] or int(cu.view(np.uint64).max()) > ids.shape[0]:
         raise ValueError(f"write_cu must rise from 0 to len(write_ids) = {ids.shape[0]}")
-    key = gid * R + slot
+    n = cu[1:] - cu[:-1]
+    if (n < 0).any():
+        raise ValueError(f"write_cu must rise from 0 to len(write_ids) = {ids.shape[0]}")
+    key = gid * num_slots + slot
     if N > 1:
         k = np.sort(key)
         dup = k[1:] == k[:-1]
         if dup.any():
             kk = int(k[1:][dup][0])
-            raise ValueError(f"two write runs for gid {kk // R}, slot {kk % R} (one run per (group, slot))")
+            raise ValueError(f"two write runs for gid {kk // num_slots}, slot {kk % num_slots} "
+                             f"(one run per (group, slot))")
     have = tables.num_blocks[gid, slot]                  # kernel blocks held now
     if new_slots.size:
-        fresh = np.zeros(R, dtype=bool)
+        fresh = np.zeros(num_slots, dtype=bool)
         fresh[new_slots] = True
         have = np.where(fresh[slot], 0, have)
-    if tables.fmax == 1:
+    # NOTE: the hole check runs in allocation blocks, before any product (start * f could wrap)
+    f = tables.f[gid] if tables.fmax > 1 else None
+    hole = (start < APPEND) | (start > (have if f is None else have // f))
+    if hole.any():
+        i = _first(hole)
+        raise ValueError(f"write_starts[{i}] = {int(start[i])} leaves a hole: gid {int(gid[i])} of slot "
+                         f"{int(slot[i])} holds {int(have[i] // tables.f[gid[i]])} blocks")
+    if f is None:
         start_k = np.where(start == APPEND, have, start)
         end_k = start_k + n
     else:
-        f = tables.f[gid]
         start_k = np.where(start == APPEND, have, start * f)
         end_k = start_k + n * f
-    if (start < APPEND).any() or (start_k > have).any():
-        i = _first((start < APPEND) | (start_k > have))
-        raise ValueError(f"write_starts[{i}] = {int(start[i])} leaves a hole: gid {int(gid[i])} of slot "
-                         f"{int(slot[i])} holds {int(have[i] // tables.f[gid[i]])} blocks")
     over = end_k > tables.logical[gid]
     if over.any():
         i = _first(over)

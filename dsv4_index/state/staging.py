@@ -19,7 +19,10 @@ max_num_reqs)`` (a batch never has more rows than tokens), so that a CUDA graph 
     writes   [N] values, then [N] flat destinations in the block-table buffer
 
 Only ``[0, used)`` is copied. :class:`StageLayout` gives the offsets for one ``T_pad``; the fused
-kernel receives them as runtime arguments, the host fills through the same numbers.
+kernel receives them as runtime arguments (``StageLayout.kernel_args``) and imports the header fields
+and the overlay record (``OVERLAY_STRIDE``, ``OV_LO``, ``OV_HI``, ``OV_PAY``) from here. One writer
+(:meth:`StepStaging.stage`, with :meth:`BlockTables.stage_writes` for the write regions), one reader
+(``fused/kernel.py``).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["StageLayout", "StepStaging", "HEADER"]
+__all__ = ["StageLayout", "StepStaging", "HEADER", "OVERLAY_STRIDE"]
 
 HEADER = 8
 H_NUM_REQS, H_NUM_TOKENS, H_NUM_DECODES, H_NUM_WRITES, H_REPLAY_START, H_REPLAY_END = range(6)
+OVERLAY_STRIDE = 3                     # NOTE: int32 per (group, batch row) overlay record
+OV_LO, OV_HI, OV_PAY = 0, 1, 2         # fields of an overlay record
 
 
 class StageLayout(NamedTuple):
@@ -62,7 +67,7 @@ class StageLayout(NamedTuple):
         tok = re + n
         extra = tok + t_pad + 1
         ov = extra + num_extra * n
-        writes = ov + 3 * num_groups * rows
+        writes = ov + OVERLAY_STRIDE * num_groups * rows
         return cls(t_pad, rows, qsl, seq, slots, rs, re, tok, extra, ov, writes)
 
     def extra_at(self, i: int) -> int:
@@ -108,8 +113,16 @@ class StepStaging:
         # NOTE: one reusable event per host buffer (recorded after that buffer's copy)
         self._events = [torch.cuda.Event() for _ in self.host] if self.async_copy else [None] * len(self.host)
         self._recorded = [False] * len(self.host)
+        self._host_sig = None
         self._cur = 0
         self._layouts = {}
+        self._header = np.zeros(HEADER, dtype=np.int32)
+        # NOTE: per host buffer, the batch signature whose qsl / slots / tok_row it holds
+        self._holds = [None] * len(self.host)
+        self._rows = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
+        self.lay = None            # layout of the last staged step
+        self.host_qsl = None       # int64 [B + 1] host query_start_loc of the last staged step
+        self.pending_writes = 0    # NOTE: ids staged by the last step and not applied on the device yet
 
     def layout(self, t_pad: int) -> StageLayout:
         lay = self._layouts.get(t_pad)
@@ -117,6 +130,67 @@ class StepStaging:
             lay = self._layouts[t_pad] = StageLayout.for_tokens(t_pad, self.num_groups, self.num_extra,
                                                                 self.max_num_reqs)
         return lay
+
+    def stage(self, plan, tables, inputs, signature=None) -> tuple:
+        """Write one checked step into the next host buffer and copy it to the device.
+
+        Parameters
+        ----------
+        plan : StepPlan — the accepted step (batch rows decode first).
+        tables : BlockTables — stages the write regions and the overlay (:meth:`BlockTables.stage_writes`).
+        inputs : sequence of callables ``fn(seq_lens, num_scheduled, out)`` — per-request int32 arrays
+            (``out`` has ``B + 1`` entries), in extra-array order.
+        signature : hashable or None — equal signatures promise equal ``qsl`` / ``slots`` / ``tok_row``
+            (a steady batch): a buffer already holding them is not rewritten.
+
+        Returns ``(bytes copied, ids staged)``.
+        """
+        h = self.begin()
+        lay = self.layout(plan.num_tokens_padded)
+        B, T, q = plan.slots.shape[0], plan.num_tokens, plan.num_scheduled
+        hd = self._header
+        hd[H_NUM_REQS], hd[H_NUM_TOKENS], hd[H_NUM_DECODES] = B, T, plan.num_decodes
+        hd[H_REPLAY_START] = plan.replay_start is not None
+        hd[H_REPLAY_END] = plan.replay_end is not None
+        sig = None if signature is None else (signature, lay.t_pad)
+        qsl = h[lay.qsl:lay.qsl + B + 1]
+        if sig is None or self._holds[self._cur] != sig:
+            qsl[0] = 0
+            np.cumsum(q, out=qsl[1:])
+            h[lay.slots:lay.slots + B] = plan.slots
+            h[lay.tok_row:lay.tok_row + T] = self._rows[:B] if T == B else np.repeat(self._rows[:B], q)
+            self._holds[self._cur] = sig
+        if sig is None or self.host_qsl is None or self.host_qsl.shape[0] != B + 1 or self._host_sig != sig:
+            self.host_qsl = qsl.astype(np.int64)
+        self._host_sig = sig
+        h[lay.seq_lens:lay.seq_lens + B] = plan.seq_lens
+        if plan.replay_start is not None:
+            h[lay.replay_start:lay.replay_start + B] = plan.replay_start
+        if plan.replay_end is not None:
+            h[lay.replay_end:lay.replay_end + B] = plan.replay_end
+        for i, fn in enumerate(inputs):
+            at = lay.extra_at(i)
+            fn(plan.seq_lens, q, h[at:at + B + 1])
+        N = tables.stage_writes(plan, h, lay)
+        hd[H_NUM_WRITES] = N
+        h[:HEADER] = hd
+        used = lay.writes + 2 * N
+        self.copy(used)
+        self.lay, self.pending_writes = lay, N
+        return 4 * used, N
+
+    def apply_pending(self, flat: torch.Tensor) -> None:
+        """Apply the block ids staged by the last step to the device tables ``flat`` (torch ops, no
+        host sync): the unfused path, or a staged step that was never built."""
+        lay, N = self.lay, self.pending_writes
+        if N:
+            w = lay.writes
+            flat[self.dev[w + N:w + 2 * N].long()] = self.dev[w:w + N]
+        self.pending_writes = 0
+
+    def applied(self) -> None:
+        """The fused launch applied the staged writes itself."""
+        self.pending_writes = 0
 
     def begin(self) -> np.ndarray:
         """The host buffer to fill for the next step (waits only while a copy still reads it)."""

@@ -8,6 +8,10 @@ block, ids) and are staged as ``(flat destination, value)`` pairs that the fused
 
 Column of logical (kernel) block ``i`` of group ``g``: ``i`` for plain tables, ``i % ring_cols`` for
 ring tables (sliding groups, DESIGN §4), ``0`` for circular groups (one block per request).
+
+The tables own their writes: :meth:`BlockTables.commit` applies a checked step's block counts,
+:meth:`BlockTables.stage_writes` fills the write regions and the overlay of the staging buffer and
+the host mirror.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import numpy as np
 import torch
 
 from .._common import INT32_MAX
+from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE
 
 __all__ = ["BlockTables"]
+
+_FEW_RUNS = 16  # NOTE: up to this many runs, stage_writes copies slices per run
 
 
 class BlockTables:
@@ -32,6 +39,10 @@ class BlockTables:
     max_num_batched_tokens : int
         Sizes ring tables (:meth:`GroupSpec.columns`).
     device : torch.device
+    max_model_len : int, optional
+        Bound of every token count the host accepts (default: the widest group's tokens).
+    compressed : sequence of (gid, compress_ratio, rows_per_block)
+        Geometry of the compressed channels (their block needs under DCP).
     int32_units : sequence of int
         Per group: the largest number of slots per block that an int32 index list of the group
         addresses (block size for window lists, rows per block for compressed lists; 1 when the
@@ -48,10 +59,14 @@ class BlockTables:
     """
 
     def __init__(self, groups: Sequence, max_num_reqs: int, max_num_batched_tokens: int,
-                 device: torch.device, int32_units: Sequence[int]):
-        G, R = len(groups), max_num_reqs
+                 device: torch.device, int32_units: Sequence[int], max_model_len: int = None,
+                 compressed: Sequence[Tuple[int, int, int]] = ()):
+        G, num_slots = len(groups), max_num_reqs
         self.groups = tuple(groups)
-        self.max_num_reqs = R
+        self.max_num_reqs = num_slots
+        # NOTE: the bound of every token count (num_computed_tokens) the host accepts
+        self.max_model_len = int(max_model_len if max_model_len is not None else
+                                 max((g.table_width * g.block_size for g in groups), default=0))
         cols, ring = zip(*(g.columns(max_num_batched_tokens) for g in groups)) if G else ((), ())
         self.cols = np.asarray(cols, dtype=np.int64)
         self.ring = np.asarray(ring, dtype=np.int64)
@@ -69,14 +84,14 @@ class BlockTables:
         self.sharded = np.asarray([g.sharded for g in groups], dtype=bool)
         self.full = np.asarray([g.kind == "full" for g in groups], dtype=bool)
         self.ring_groups = np.flatnonzero((self.ring > 0) & ~self.circular)
-        self.compressed = ()  # NOTE: (gid, R, S) of the compressed channels, set by the pipeline
+        self.compressed = tuple(compressed)  # NOTE: (gid, compress ratio, rows per block) of compressed channels
         units = np.maximum(np.asarray(int32_units, dtype=np.int64), 1)
         self.id_max = (INT32_MAX - (units - 1)) // units  # NOTE: largest kernel-block id
         self.id_max_min = int(self.id_max.min()) if G else INT32_MAX
         self.base = np.zeros(G, dtype=np.int64)
         if G:
-            self.base[1:] = np.cumsum(self.cols * R)[:-1]
-        total = int((self.cols * R).sum())
+            self.base[1:] = np.cumsum(self.cols * num_slots)[:-1]
+        total = int((self.cols * num_slots).sum())
         if total > INT32_MAX:
             raise ValueError(f"block tables need {total} entries, beyond int32 offsets; lower "
                              f"max_num_reqs or max_model_len")
@@ -86,12 +101,123 @@ class BlockTables:
         self.tables: List[torch.Tensor] = []
         self.mirrors: List[np.ndarray] = []
         for g in range(G):
-            lo, n = int(self.base[g]), int(self.cols[g]) * R
-            self.tables.append(self.flat[lo:lo + n].view(R, int(self.cols[g])))
-            self.mirrors.append(self.mirror[lo:lo + n].reshape(R, int(self.cols[g])))
-        self.num_blocks = np.zeros((G, R), dtype=np.int64)
+            lo, n = int(self.base[g]), int(self.cols[g]) * num_slots
+            self.tables.append(self.flat[lo:lo + n].view(num_slots, int(self.cols[g])))
+            self.mirrors.append(self.mirror[lo:lo + n].reshape(num_slots, int(self.cols[g])))
+        self.num_blocks = np.zeros((G, num_slots), dtype=np.int64)
+        self._num_blocks_flat = self.num_blocks.ravel()  # NOTE: a view (C order), keyed gid * num_slots + slot
+        # NOTE: per (gid, slot) key: flat offset of the row, and the column modulus (ring width; 1 for
+        # circular groups: column 0; huge for plain tables: the logical block)
+        self._ring_list, self._base_list = self.ring.tolist(), self.base.tolist()
+        self._cols_list = self.cols.tolist()
+        self._iota = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int32)
+        self.iota_cols = self._iota.astype(np.int64)  # NOTE: column numbers (the full checks' row masks)
+        self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
+        self._row_base = (self.base[:, None] + np.arange(num_slots)[None, :] * self.cols[:, None]).ravel()
+        self._col_mod = np.repeat(np.where(self.circular, 1, np.where(self.ring > 0, self.ring,
+                                                                      np.iinfo(np.int64).max)), num_slots)
 
     # ------------------------------------------------------------------------------------------
+    def commit(self, plan) -> None:
+        """Block counts after a checked step (freed and new slots start empty)."""
+        nb = self.num_blocks
+        if plan.free_slots.size:
+            nb[:, plan.free_slots] = 0
+        if plan.new_slots.size:
+            nb[:, plan.new_slots] = 0
+        if plan.w_key is not None:
+            self._num_blocks_flat[plan.w_key] = plan.w_end
+        elif plan.w_gid.size:
+            nb[plan.w_gid, plan.w_slot] = plan.w_end
+
+    def stage_writes(self, plan, h: np.ndarray, lay) -> int:
+        """Stage a checked step's block ids into host buffer ``h`` (format of ``state/staging.py``):
+        the values and flat destinations of the kept ids, the overlay of every (group, batch row),
+        and the host mirror. Returns the number of ids staged."""
+        ov = h[lay.overlay:lay.overlay + OVERLAY_STRIDE * len(self.groups) * lay.rows]
+        ov[:] = 0  # NOTE: every row of the layout (one contiguous memset; rows past B are never read)
+        ov = ov.reshape(len(self.groups), lay.rows, OVERLAY_STRIDE)
+        if not plan.w_gid.size:
+            return 0
+        if plan.w_key is not None:  # NOTE: steady path: one kept id per run, every run on a batch row
+            return self._stage_appends(plan, h, lay, ov)
+        w0 = lay.writes
+        N = self._stage_runs(plan, h, w0) if plan.w_gid.shape[0] <= _FEW_RUNS else None
+        keep = False
+        if N is None:
+            keep, dst = self.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
+            vals = plan.w_ids if keep is None else plan.w_ids[keep]
+            N = vals.shape[0]
+            h[w0:w0 + N] = vals
+            h[w0 + N:w0 + 2 * N] = dst
+            self.mirror[dst] = vals
+        if keep is None:
+            # NOTE: every id kept (one per run): run i's id is value i
+            first, pay = plan.w_start, w0 + np.arange(plan.w_gid.shape[0])
+        else:
+            first = np.maximum(plan.w_keep, plan.w_start)
+            kept = np.minimum(plan.w_end - first, np.diff(plan.w_cu)).clip(min=0)
+            pay = w0 + np.cumsum(kept) - kept
+        r, end = plan.w_row, plan.w_end
+        at = lay.overlay + OVERLAY_STRIDE * (plan.w_gid * lay.rows + r)
+        m = r >= 0
+        if not m.all():
+            at, first, end, pay = at[m], first[m], end[m], pay[m]
+        h[at + OV_LO] = first
+        h[at + OV_HI] = end
+        h[at + OV_PAY] = pay
+        return N
+
+    def _stage_runs(self, plan, h: np.ndarray, w0: int):
+        """:meth:`stage_writes` of a few runs (a prefill): each run's kept ids are one slice, or two
+        where a ring wraps (it keeps at most ``ring`` ids); no array over every id. None when a run
+        keeps more ids than its ring (the general path handles it)."""
+        runs, total = [], 0
+        cu = plan.w_cu.tolist()
+        for i, (g, slot, start, end, keep) in enumerate(zip(plan.w_gid.tolist(), plan.w_slot.tolist(),
+                                                            plan.w_start.tolist(), plan.w_end.tolist(),
+                                                            plan.w_keep.tolist())):
+            first = max(keep, start)
+            k = max(min(end - first, cu[i + 1] - cu[i]), 0)
+            ring = self._ring_list[g]
+            if ring and k > ring:
+                return None
+            if k:
+                runs.append((g, slot, first, k, cu[i] + first - start, ring))
+                total += k
+        vals, dsts, ids = h[w0:w0 + total], h[w0 + total:w0 + 2 * total], plan.w_ids
+        pos = 0
+        for g, slot, first, k, src, ring in runs:
+            row = self._base_list[g] + slot * self._cols_list[g]
+            col = first % ring if ring else first
+            a = min(k, ring - col) if ring else k
+            run_ids = ids[src:src + k]
+            vals[pos:pos + k] = run_ids
+            d = dsts[pos:pos + a]
+            np.add(self._iota[:a], row + col, out=d)
+            self.mirror[row + col:row + col + a] = run_ids[:a]
+            if a < k:  # NOTE: the ring wraps once: the rest starts at column 0
+                np.add(self._iota[:k - a], row, out=dsts[pos + a:pos + k])
+                self.mirror[row:row + k - a] = run_ids[a:]
+            pos += k
+        return total
+
+    def _stage_appends(self, plan, h: np.ndarray, lay, ov: np.ndarray) -> int:
+        """:meth:`stage_writes` of runs that append one id each to batch rows (run ``i``'s id is value ``i``)."""
+        key, ids, N, w0 = plan.w_key, plan.w_ids, plan.w_ids.shape[0], lay.writes
+        dst = self._row_base.take(key)
+        dst += plan.w_start % self._col_mod.take(key)
+        h[w0:w0 + N] = ids
+        h[w0 + N:w0 + 2 * N] = dst
+        self.mirror[dst] = ids
+        rec = ov.reshape(-1, OVERLAY_STRIDE)
+        at = plan.w_gid * lay.rows
+        at += plan.w_row
+        rec[at, OV_LO] = plan.w_start
+        rec[at, OV_HI] = plan.w_end
+        rec[at, OV_PAY] = self._payload[:N] + w0
+        return N
+
     def row(self, gid: int, slot: int) -> np.ndarray:
         """Host copy of the valid logical blocks of a slot, in logical order (int32 ``[n]``).
 

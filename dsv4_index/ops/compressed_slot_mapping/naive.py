@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..._common import cp_local, cp_owner, table_slots, token_positions, token_table_rows
@@ -79,3 +80,11 @@ def compact(query_start_loc, seq_lens, block_table, rows_per_block: int, compres
         keep = done & (dst >= 0) & (dst < n_out)
         out[dst[keep]] = slots[keep]
     return out, cu.to(torch.int32)
+
+
+def staged_compact_cu(seq_lens, num_scheduled, out, *, compress_ratio: int) -> None:
+    """Host twin of the compact form's ``cu`` (numpy, staged with the step): rows request ``b``
+    completes this step, ``seq_lens[b] // R - (seq_lens[b] - num_scheduled[b]) // R``, prefix-summed
+    into ``out`` int32 ``[B + 1]`` (every rank lists every row, so it does not depend on the rank)."""
+    out[0] = 0
+    out[1:] = np.add.accumulate(seq_lens // compress_ratio - (seq_lens - num_scheduled) // compress_ratio)

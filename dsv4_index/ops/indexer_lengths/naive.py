@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..._common import cp_owned_count, token_positions
@@ -44,3 +45,17 @@ def indexer_lengths(query_start_loc, seq_lens, compress_ratio: int, cp_world_siz
         dec = dec.to(torch.int32)
     i32 = lambda x: x.to(torch.int32)  # noqa: E731
     return i32(lens), dec, i32(ks), i32(ke), i32(cu)
+
+
+def staged_cu(seq_lens, num_scheduled, out, *, compress_ratio: int, cp_world_size: int = 1, cp_rank: int = 0,
+              cp_interleave: int = 1) -> None:
+    """Host twin of ``cu`` (numpy, staged with the step): ``out[0] = 0``, ``out[b + 1] = out[b] +``
+    owned rows of ``seq_lens[b] // R``. ``seq_lens`` int64 ``[B]``; ``out`` int32 ``[B + 1]``;
+    ``num_scheduled`` is unused (the staged-input signature)."""
+    # NOTE: seq_lens >= 0: a shift is the floor division for a power-of-two ratio (and 3x cheaper)
+    shift = compress_ratio.bit_length() - 1
+    rows = seq_lens >> shift if compress_ratio == 1 << shift else seq_lens // compress_ratio
+    if cp_world_size > 1:
+        rows = cp_owned_count(rows, cp_world_size, cp_rank, cp_interleave)
+    out[0] = 0
+    out[1:] = np.add.accumulate(rows)  # NOTE: int64, then one cast (an int32 out= is 3x slower)

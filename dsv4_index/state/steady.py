@@ -1,0 +1,247 @@
+"""The steady-step path of the checks: a step that repeats the last accepted batch (same slots, same
+scheduled counts, at most a block of tokens per row, ``num_computed_tokens`` equal to the last step's
+``seq_lens``, nothing freed or new, no replay bounds) and whose write runs each append one id to a batch row is checked here in a few
+array comparisons; any other step, or any doubt, goes to the general checks of :mod:`.plan`
+(which also produce every error message). The plan is then identical to the general one.
+
+Why it is sufficient (issue 18, ``host_path.md`` §3): the cache keeps, per (non-circular group,
+batch row), the slack ``x = blocks * block_size - seq_len``. After the step
+``x' = x - q + block_size * [the row appends a block]``. Coverage is exactly ``x' >= 0``; the ring
+bound ``blocks - lowest_read_block <= ring`` is implied by ``x' <= ring * bs - W - bs + 2 - q_max``
+(the lowest block a row reads is ``floor(max(nc - W + 1, 0) / bs)``). One unsigned compare (negative
+slack views as huge) against a per-group bound proves both; on failure the general path runs the
+exact formulas. Ring trimming is a no-op for one-id appends (the id is at or above the lowest block
+read), the circular capacity check depends on ``q`` only (unchanged), and the identical slots, counts
+and order prove slot range, distinctness, occupancy, ``T``, the decode-first order and ``qsl``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ..batch import StepBatch
+from .plan import StepPlan, _full_checks
+
+__all__ = ["SteadyGeometry", "SteadyCache", "plan_steady"]
+
+_I64, _U64, _BOOL = np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.bool_)
+_EMPTY = np.zeros(0, dtype=np.int64)
+_count = np.count_nonzero
+_BIG = np.iinfo(np.int64).max
+_POISON = -(1 << 40)  # NOTE: the poison cell after the slack matrix: a run outside the batch lands there
+
+
+class _Scratch:
+    """Buffers the steady check writes before it knows the answer (not state: overwritten each step)."""
+
+    def __init__(self, shape):
+        self.flat, self.x_next = _slack_buffer(shape)
+        self.over = np.empty(shape, dtype=bool)
+        self.seen = np.zeros(shape[0] * shape[1] + 1, dtype=bool)
+        self.seq = None
+
+
+_CONSTANTS = {}
+
+
+def _constants(n: int):
+    """``arange(n + 1)``, its bytes and the bytes of ``n`` APPEND starts (built once per size)."""
+    got = _CONSTANTS.get(n)
+    if got is None:
+        arange = np.arange(n + 1, dtype=np.int64)
+        got = _CONSTANTS[n] = (arange, arange.tobytes(), np.full(n, -1, dtype=np.int64).tobytes())
+    return got
+
+
+def _slack_buffer(shape):
+    """A flat int64 buffer of ``prod(shape) + 1`` cells (the last: poison) and its ``shape`` view."""
+    flat = np.full(shape[0] * shape[1] + 1, _POISON, dtype=np.int64)
+    return flat, flat[:-1].reshape(shape)
+
+
+class SteadyGeometry:
+    """What the steady path needs of the tables, computed once per pipeline.
+
+    Non-circular groups (``groups``, their block sizes ``bs_x``), the ring bound before ``q_max``
+    (``bound0 = ring * bs - W - bs + 2``, huge for plain tables), the width a steady append may reach
+    (0 for circular groups: their runs take the general path), and the flat (group, slot) keys.
+    """
+
+    def __init__(self, tables):
+        G, num_slots = len(tables.groups), tables.max_num_reqs
+        self.num_groups, self.num_slots, self.num_keys = G, num_slots, G * num_slots
+        self.max_model_len = tables.max_model_len
+        self.groups = np.flatnonzero(~tables.circular)
+        bs = tables.bs[self.groups]
+        self.bs_x = bs[:, None]
+        self.max_q = int(bs.min()) if bs.size else 0
+        ring, win = tables.ring[self.groups], tables.window[self.groups]
+        self.bound0 = np.where(ring > 0, ring * bs - win - bs + 2, _BIG // 2)
+        self.bs = tables.bs.copy()
+        self.width = np.where(tables.circular, 0, tables.logical)
+        self.key_base = (np.arange(G, dtype=np.int64) * num_slots)[:, None]
+        self.nb_flat = tables.num_blocks.ravel()  # NOTE: a view of the live block counts
+        self.arange, self.arange_bytes, self.append_bytes = _constants(G * num_slots)
+
+
+class SteadyCache:
+    """The last accepted batch in device order, for :func:`plan_steady` (built by :meth:`build`).
+
+    Attributes (``G'`` non-circular groups, ``B`` batch rows, ``R`` slots, ``G`` groups)
+    ----------
+    x : int64 ``[G', B]`` — slack ``blocks * block_size - seq_len`` per (group, batch row), a view of
+        a flat buffer whose extra last cell is the poison cell.
+    bound : uint64 ``[G', B]`` — the sufficient bound of ``x`` (module docstring), per group.
+    key_x, key_row : int64 ``[G * num_slots + 1]`` — for the flat (group, slot) key ``gid * num_slots + slot``: its
+        flat cell of ``x`` (the poison cell unless a non-circular group of a batch slot; keys past
+        ``G * num_slots`` clip to the last entry, poison too) and its batch row.
+    """
+
+    @classmethod
+    def build(cls, plan: StepPlan, geo: "SteadyGeometry", generation: int):
+        """The cache after accepting ``plan`` (general path), or None when no steady step can follow
+        (a row without tokens or with more than the smallest block's, a sequence at ``max_model_len``,
+        a ring too small for its window)."""
+        n_rows, B = plan.all_slots.shape[0], plan.slots.shape[0]
+        qmax = int(plan.num_scheduled.max()) if B else 0
+        # NOTE: a row scheduling more tokens than the smallest block appends several ids per run some
+        # step (it is a prefill: never steady); such batches build no cache
+        if B == 0 or n_rows != B or qmax > geo.max_q or int(plan.seq_lens.max()) > geo.max_model_len:
+            return None
+        U = geo.bound0 - qmax
+        if int(U.min()) < 0:
+            return None
+        c = cls()
+        c.generation, c.B, c.shape = generation, B, (B,)
+        c.rows, c.b_slots, c.b_q = plan.rows, plan.slots, plan.num_scheduled
+        c.identity = bool((plan.rows == geo.arange[:B]).all())
+        q_all = np.empty(B, dtype=np.int64)
+        q_all[plan.rows] = plan.num_scheduled
+        c.slots_bytes, c.q_bytes = plan.all_slots.tobytes(), q_all.tobytes()
+        c.nc_bytes = (plan.all_computed + q_all).tobytes()
+        c.num_tokens, c.num_decodes, c.num_decode_tokens = plan.num_tokens, plan.num_decodes, plan.num_decode_tokens
+        c.num_slots, c.geo = geo.num_slots, geo
+        Gx = geo.groups.size
+        # NOTE: flat (group, slot) keys of every group for the batch slots, group-major
+        keys = (geo.key_base + c.b_slots[None, :]).ravel()
+        c.x_flat, c.x = _slack_buffer((Gx, B))
+        kx = keys.reshape(geo.num_groups, B)[geo.groups].ravel()  # NOTE: the non-circular groups' keys
+        np.subtract(geo.nb_flat.take(kx).reshape(Gx, B) * geo.bs_x, plan.seq_lens, out=c.x)
+        c.bound = np.repeat(U.astype(np.uint64), B).reshape(Gx, B)
+        rows = geo.arange[:B]
+        c.key_x = np.full(geo.num_keys + 1, Gx * B, dtype=np.int64)
+        c.key_row = np.full(geo.num_keys + 1, -1, dtype=np.int64)
+        c.key_row[keys] = np.tile(rows, geo.num_groups)
+        c.key_x[kx] = geo.arange[:Gx * B]
+        c.bs_of_gid, c.width, c.max_runs = geo.bs, geo.width, geo.num_groups * B
+        c.arange, c.arange_bytes, c.append_bytes = geo.arange, geo.arange_bytes, geo.append_bytes
+        c.scratch = _Scratch(c.x.shape)
+        return c
+
+    def advance(self, plan: StepPlan, tables) -> bool:
+        """Accept a steady ``plan``; False when no further steady step can follow."""
+        s = self.scratch
+        self.x, s.x_next = s.x_next, self.x
+        self.x_flat, s.flat = s.flat, self.x_flat
+        self.nc_bytes = s.seq.tobytes()
+        return s.seq.item(s.seq.argmax()) <= tables.max_model_len
+
+
+def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_writes: int,
+                level: str) -> Optional[StepPlan]:
+    """The plan of a steady step, or None (not steady, or a bound not proven: the general checks
+    decide). Writes only the cache's scratch buffers."""
+    if type(batch) is not StepBatch:
+        return None
+    slots, nc, q = batch.req_slots, batch.num_computed_tokens, batch.num_scheduled_tokens
+    for x in (slots, nc, q):
+        if type(x) is not np.ndarray or x.dtype is not _I64 or x.shape != c.shape:  # NOTE: identity: fast, and
+            return None                                                               # a miss only costs speed
+    if slots.tobytes() != c.slots_bytes or q.tobytes() != c.q_bytes or nc.tobytes() != c.nc_bytes:
+        return None
+    if batch.replay_start is not None or batch.replay_end is not None:
+        return None
+    free, new = batch.free_slots, batch.is_new
+    if free is not None and (type(free) is not np.ndarray or free.size):
+        return None
+    if new is not None and (type(new) is not np.ndarray or new.dtype != _BOOL or new.shape != c.shape
+                            or np.count_nonzero(new)):
+        return None
+    T = c.num_tokens
+    if pad_to is None:
+        T_pad = T
+    elif isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or not T <= pad_to <= max_num_tokens:
+        return None
+    else:
+        T_pad = int(pad_to)
+    s = c.scratch
+    xn = np.subtract(c.x, c.b_q, out=s.x_next)
+    flat = s.flat
+    gid = batch.write_gids
+    if gid is None or len(gid) == 0:
+        gid = slot = have = end = row = key = _EMPTY
+        cu, ids = c.arange[:1], _EMPTY
+    else:
+        slot, start, cu, ids = batch.write_slots, batch.write_starts, batch.write_cu, batch.write_ids
+        for x in (gid, slot, start, cu, ids):
+            if type(x) is not np.ndarray or x.dtype is not _I64 or x.ndim != 1:
+                return None
+        N = gid.shape[0]
+        if N > c.max_runs or N > max_writes or slot.shape[0] != N or start.shape[0] != N or ids.shape[0] != N:
+            return None
+        if cu.tobytes() != c.arange_bytes[:8 * N + 8] or start.tobytes() != c.append_bytes[:8 * N]:
+            return None  # NOTE: not one APPEND id per run
+        num_slots = c.num_slots
+        # NOTE: gid, slot < num_slots (G <= num_slots is not needed: keys past G * num_slots clip to the poison entry)
+        both, u = np.bitwise_or(gid, slot).view(_U64), ids.view(_U64)
+        if both.item(both.argmax()) >= num_slots or u.item(u.argmax()) > tables.id_max_min:  # NOTE: argmax: no wrapper
+            return None
+        key = gid * num_slots + slot
+        have = tables.num_blocks.take(key, mode="clip")
+        if _count(have >= c.width.take(gid, mode="clip")):  # NOTE: width, and no circular group
+            return None
+        add = c.bs_of_gid.take(gid, mode="clip")
+        flat[-1] = _POISON
+        cells = c.key_x.take(key, mode="clip")
+        flat[cells] += add  # NOTE: a run outside the batch lands on the poison cell
+        seen = s.seen
+        seen[cells] = True
+        distinct = _count(seen)
+        seen[cells] = False
+        if flat[-1] != _POISON or distinct != N:  # NOTE: one run per (group, slot)
+            return None
+        row = c.key_row.take(key, mode="clip")
+        end = have + 1
+    if _count(np.greater(xn.view(_U64), c.bound, out=s.over)):  # NOTE: coverage and every ring bound at once
+        return None
+    if level == "full" and gid.size and not _full_ok(tables, gid, slot, have, ids):
+        _full_checks(tables, gid, slot, have, cu, ids)  # NOTE: raises the general path's message
+    seq = np.add(nc, q)
+    s.seq = seq
+    return StepPlan(
+        rows=c.rows, slots=c.b_slots, num_scheduled=c.b_q, seq_lens=seq if c.identity else seq.take(c.rows),
+        replay_start=None, replay_end=None, num_decodes=c.num_decodes, num_decode_tokens=c.num_decode_tokens,
+        num_tokens=T, num_tokens_padded=T_pad, free_slots=_EMPTY, new_slots=_EMPTY, all_slots=slots,
+        all_computed=nc, w_gid=gid, w_slot=slot, w_start=have, w_end=end, w_keep=have, w_cu=cu, w_ids=ids,
+        w_row=row, w_key=key, steady=True)
+
+
+def _full_ok(tables, gid, slot, have, ids) -> bool:
+    """``checks="full"`` for one-id appends, vectorised per full group: no null id, no id already in
+    the row. False: let :func:`~.plan._full_checks` find the culprit (it raises)."""
+    full = tables.full.take(gid)
+    if not _count(full):
+        return True
+    sel = full.nonzero()[0]
+    g_sel, run_ids = gid.take(sel), ids.take(sel)
+    if not run_ids.all():
+        return False
+    for g in np.unique(g_sel).tolist():
+        m = sel if g_sel.shape[0] == 1 or (g_sel == g).all() else sel[g_sel == g]
+        rows = tables.mirrors[g][slot.take(m)]                       # int32 [k, cols]
+        held = tables.iota_cols[:rows.shape[1]] < have.take(m)[:, None]
+        if _count((rows == ids.take(m)[:, None]) & held):
+            return False
+    return True
