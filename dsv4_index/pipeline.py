@@ -29,6 +29,7 @@ from .fused.tasks import FusedTask
 from .metadata import DSV4Metadata, StepStats
 from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
 from .step import StepInput
+from .step_rules import explain
 
 __all__ = ["MetadataPipeline"]
 
@@ -171,18 +172,25 @@ class MetadataPipeline:
         Raises ValueError naming the culprit; the pipeline is then exactly as it was (tables,
         request state, slot map, staging).
         """
-        delta = None
+        delta, src = None, None
         if type(step) is StepBatch:
             batch = step
         elif isinstance(step, StepInput):
-            batch, delta = batch_from_step(step, self.slot_map, len(self.layout.groups))
+            (batch, delta), src = batch_from_step(step, self.slot_map, len(self.layout.groups)), "step"
         elif hasattr(step, "scheduled_new_reqs"):
-            batch, delta = batch_from_scheduler_output(step, self.slot_map, len(self.layout.groups))
+            (batch, delta), src = (batch_from_scheduler_output(step, self.slot_map, len(self.layout.groups)),
+                                   "scheduler_output")
         elif isinstance(step, StepBatch):
             batch = step
         else:
             raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__}")
-        plan = self.requests.plan(batch, pad_to)
+        try:
+            plan = self.requests.plan(batch, pad_to)
+        except ValueError as e:
+            named = e if delta is None else explain(e, batch, delta, src)  # NOTE: id-keyed: name the request
+            if named is e:
+                raise
+            raise named from e
         # NOTE: every check passed; from here on nothing raises
         applies = int(self.staging.pending_writes > 0)
         if applies:

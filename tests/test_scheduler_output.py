@@ -271,23 +271,12 @@ def readme_block() -> str:
 def test_readme_vllm_section_runs():
     code = readme_block()
     assert code.count("pipe.update(out)") == 2
-    try:
-        ns = {}
-        exec(compile(code, "README.md", "exec"), ns)
-    except ValueError as e:
-        # NOTE: until the pipeline takes a SchedulerOutput itself (the host's dispatch in update()), run
-        # the same steps through the adapter it calls; delete this branch once that has merged
-        if "step must be a StepInput or a StepBatch" not in str(e):
-            raise
-        ns = {"batch_from_scheduler_output": batch_from_scheduler_output}
-        code = code.replace("pipe.update(out)", "_b, _d = batch_from_scheduler_output(out, pipe.slot_map, "
-                                                "len(layout.groups)); pipe.update(_b); pipe.slot_map.commit(_d)")
-        exec(compile(code, "README.md", "exec"), ns)
+    ns = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    assert ns["meta"].req_ids is not None  # the pipeline owns the slot map on this path
     assert ns["meta"].num_tokens == 1
 
 
-@pytest.mark.xfail(strict=True, reason="needs MetadataPipeline.update() to call step_rules.explain on the id-keyed "
-                                       "path (host's update(); hunk in the front report): remove this mark then")
 def test_pipeline_update_names_the_request_of_an_array_level_error():
     p2 = MetadataPipeline(LAYOUT, 4, 40, "cpu", 2, backend="reference")
     p2.update(StepInput([NewRequest("a", _admitted_output().scheduled_new_reqs[0].block_ids, 0)], [], {"a": 40}))
