@@ -45,14 +45,14 @@ def lines(path):
 
 def rewrite(src, dst, step, fn):
     out = lines(src)
-    fn(out[1 + step]["step"])
+    fn(next(d for d in out if d["type"] == "step" and d["index"] == step)["step"])
     dst.write_text("".join(json.dumps(d) + "\n" for d in out))
     return dst
 
 
 def test_trace_format(trace):
     header, steps = read_trace(trace)
-    assert header["type"] == "header" and header["version"] == 1
+    assert header["type"] == "header" and header["version"] == 2 and header["outputs"] == "rowmix64"
     assert header["pipeline"]["max_num_reqs"] == 4 and header["pipeline"]["num_speculative_tokens"] == 1
     assert layout_from_json(header["layout"]) == layout()
     assert layout_from_json(json.loads(json.dumps(layout_to_json(layout())))) == layout()
@@ -157,12 +157,12 @@ def test_rejected_steps_are_recorded_and_replayed_as_rejected(tmp_path):
     assert p is not None and p.kind == "accepted" and p.step == 1
 
 
-def test_bad_trace_files(tmp_path):
+def test_bad_trace_files(trace, tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text('{"type": "step"}\n')
-    with pytest.raises(ValueError, match="first line must be the header"):
+    with pytest.raises(ValueError, match="first line must be the trace header"):
         read_trace(p)
-    p.write_text('{"type": "header", "version": 1}\nnot json\n')
+    p.write_text(json.dumps(lines(trace)[0]) + "\nnot json\n")
     with pytest.raises(ValueError, match=r"x.jsonl:2: not JSON"):
         read_trace(p)
 

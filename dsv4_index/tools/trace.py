@@ -13,9 +13,10 @@ Replaying (``python -m dsv4_index replay steps.jsonl``, or :func:`replay_trace`)
     result = replay_trace("steps.jsonl", device="cuda")
     print(result.report())
 
-Trace format (one JSON object per line, UTF-8):
+Trace format (one JSON object per line, UTF-8), version 2:
 
-* line 1, ``{"type": "header", "version": 1, "dsv4_index": "0.2.0", "layout": {...}, "pipeline": {...}}``
+* line 1, ``{"type": "header", "version": 2, "dsv4_index": "0.2.0", "outputs": "rowmix64" or null,
+  "layout": {...}, "pipeline": {...}}``
   — the layout itself (groups, channels and scalars of :class:`~dsv4_index.geometry.DSV4Layout`, so
   the replay needs no config file) and the pipeline's arguments (``max_num_reqs``,
   ``max_num_batched_tokens``, ``num_speculative_tokens``, ``cp_world_size``, ``cp_rank``,
@@ -24,7 +25,16 @@ Trace format (one JSON object per line, UTF-8):
   StepBatch.to_json(), "req_ids": [...] or null}`` for an accepted step, or ``"type": "rejected"`` with
   ``"error"`` (the ``ValueError`` text) for a rejected one (``"step"`` is null when the id-keyed step
   could not even be converted). A :class:`~dsv4_index.step.StepInput` is recorded as the array-form
-  step the pipeline's own converter made of it (``req_ids``: the request id of each row).
+  step the pipeline's own converter made of it (``req_ids``: the request id of each row);
+* after an accepted step, once its ``build()`` returned: ``{"type": "outputs", "index": i, "digests":
+  {...}}``, the digest of every output the step built (:mod:`dsv4_index.tools.digest`: per channel
+  and field over the valid rows, and the block-table rows the step read). A replay recomputes them
+  and names the first step, channel, field and row that differ from the recording.
+
+Version 1 traces (no ``outputs`` lines) still replay, compared with the reference only. Every file a
+replay cannot use raises :class:`~dsv4_index.tools.trace_schema.TraceError` (a ``ValueError``) naming
+the file, the line and the field; sizes, nesting depth and capacities are bounded before parsing or
+allocating (:data:`~dsv4_index.tools.trace_schema.LIMITS`).
 """
 
 from __future__ import annotations
@@ -39,14 +49,19 @@ from typing import Dict, Iterator, List, Optional, Union
 
 import torch
 
+from .._json import BadJSON, decode_utf8, loads_bounded
 from ..batch import StepBatch, batch_from_step
 from ..geometry import ChannelSpec, DSV4Layout, GroupSpec
 from ..step import StepInput
+from .digest import DIGEST, first_difference, output_digests
+from .trace_schema import TraceError, check_header, check_line
 
-__all__ = ["TRACE_VERSION", "Recorder", "record_steps", "read_trace", "layout_to_json", "layout_from_json",
-           "replay_trace", "ReplayResult", "Problem"]
+__all__ = ["TRACE_VERSION", "READS_VERSIONS", "Recorder", "record_steps", "read_trace", "layout_to_json",
+           "layout_from_json", "replay_trace", "ReplayResult", "Problem", "TraceError"]
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+READS_VERSIONS = (1, 2)
+MAX_LINE_BYTES = 1 << 28
 _META_FIELDS = ("query_start_loc", "seq_lens", "idx_mapping", "positions", "token_to_req", "is_valid_token")
 _CHANNEL_FIELDS = ("slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "compact_cu", "indices",
                    "lens", "ks", "ke", "cu", "decode_lens", "lens_clamped", "decode_lens_clamped")
@@ -85,22 +100,41 @@ def pipeline_args(pipe) -> dict:
 # ----------------------------------------------------------------------------------------------
 class Recorder:
     """Writes a trace: the header at construction, then one line per :meth:`record` /
-    :meth:`record_rejected` call, flushed at once (a crash leaves every step before it readable).
+    :meth:`record_rejected` call and, with ``outputs``, one ``outputs`` line after the first
+    ``build()`` of each accepted step, each flushed at once (a crash leaves every line before it
+    readable: a step whose build crashed is there, without outputs).
 
     Parameters
     ----------
     path : str or Path — the JSONL file (created or truncated).
     pipe : MetadataPipeline — whose layout and arguments go into the header.
+    outputs : bool — record the digests of every step's outputs (wraps ``pipe.build`` on the instance
+        until :meth:`close`); each costs one host copy per output field (see RELIABILITY.md).
+    values_limit : int — fields with at most this many valid entries are recorded as values (the
+        replay then prints the recorded values), larger ones as row hashes only.
     """
 
-    def __init__(self, path: Union[str, Path], pipe):
+    def __init__(self, path: Union[str, Path], pipe, *, outputs: bool = True, values_limit: int = 4096):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "w", encoding="utf-8")
         self.num_steps = self.num_rejected = 0
+        self.values_limit = int(values_limit)
+        self._pipe, self._pending, self._hook = pipe, None, None
         from .. import __version__
         self._write(dict(type="header", version=TRACE_VERSION, dsv4_index=__version__,
-                         layout=layout_to_json(pipe.layout), pipeline=pipeline_args(pipe)))
+                         outputs=DIGEST if outputs else None, layout=layout_to_json(pipe.layout),
+                         pipeline=pipeline_args(pipe)))
+        if outputs:
+            prior, inner = pipe.__dict__.get("build"), pipe.build
+
+            def build():
+                meta = inner()
+                self.record_outputs(meta)
+                return meta
+
+            pipe.build = build
+            self._hook = (prior, build)
 
     def _write(self, d: dict) -> None:
         self._f.write(json.dumps(d, separators=(",", ":")) + "\n")
@@ -108,8 +142,8 @@ class Recorder:
 
     def record(self, batch: StepBatch, pad_to: Optional[int], req_ids: Optional[List[str]] = None) -> None:
         """One accepted step (after ``update()`` returned)."""
-        self._write(dict(type="step", index=self.num_steps + self.num_rejected, pad_to=pad_to,
-                         step=batch.to_json(), req_ids=req_ids))
+        self._pending = self.num_steps + self.num_rejected
+        self._write(dict(type="step", index=self._pending, pad_to=pad_to, step=batch.to_json(), req_ids=req_ids))
         self.num_steps += 1
 
     def record_rejected(self, batch: Optional[StepBatch], pad_to: Optional[int], error: BaseException,
@@ -120,7 +154,24 @@ class Recorder:
                          error=f"{type(error).__name__}: {error}"))
         self.num_rejected += 1
 
+    def record_outputs(self, meta) -> None:
+        """The digests of ``meta``, the first build of the last recorded step (later builds of the
+        same step, and builds of unrecorded steps such as warm-up, write nothing)."""
+        if self._pending is None or self._f.closed:
+            return
+        index, self._pending = self._pending, None
+        self._write(dict(type="outputs", index=index,
+                         digests=output_digests(meta, self._pipe, values_limit=self.values_limit)))
+
     def close(self) -> None:
+        if self._hook is not None:
+            prior, build = self._hook
+            if self._pipe.__dict__.get("build") is build:
+                if prior is None:
+                    del self._pipe.build
+                else:
+                    self._pipe.build = prior
+            self._hook = None
         self._f.close()
 
     def __enter__(self):
@@ -131,13 +182,14 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def record_steps(pipe, path: Union[str, Path]) -> Iterator[Recorder]:
-    """Record every ``pipe.update(step, pad_to=...)`` inside the block into ``path`` (see the module
-    docstring for the format). A :class:`StepInput` is converted with the pipeline's own converter
-    (on its current slot map, exactly as ``update()`` converts it) and recorded once ``update()``
-    accepted it; a rejected step is recorded with its error, and the ``ValueError`` still propagates.
+def record_steps(pipe, path: Union[str, Path], *, outputs: bool = True, values_limit: int = 4096) -> Iterator[Recorder]:
+    """Record every ``pipe.update(step, pad_to=...)`` inside the block into ``path`` and, with
+    ``outputs``, the digests of what the following ``build()`` made (see the module docstring and
+    :class:`Recorder`). A :class:`StepInput` is converted with the pipeline's own converter (on its
+    current slot map, exactly as ``update()`` converts it) and recorded once ``update()`` accepted
+    it; a rejected step is recorded with its error, and the ``ValueError`` still propagates.
     """
-    rec = Recorder(path, pipe)
+    rec = Recorder(path, pipe, outputs=outputs, values_limit=values_limit)
     inner = pipe.update
 
     def update(step, *, pad_to=None):
@@ -165,30 +217,69 @@ def record_steps(pipe, path: Union[str, Path]) -> Iterator[Recorder]:
         rec.close()
 
 
-def read_trace(path: Union[str, Path]):
-    """(header dict, list of step dicts) of a trace; ValueError naming the line on a bad one."""
-    header, steps = None, []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+def _raw_lines(path):
+    """``(line number, bytes)`` of a file, each line bounded by :data:`MAX_LINE_BYTES`."""
+    p = Path(path)
+    if not p.exists():
+        raise TraceError(path, 0, None, "no such file")
+    if p.is_dir():
+        raise TraceError(path, 0, None, "is a directory, not a trace file")
+    try:
+        f = open(p, "rb")
+    except OSError as e:
+        raise TraceError(path, 0, None, f"cannot read: {e.strerror or e}") from None
+    with f:
+        n = 0
+        while True:
             try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            kind = d.get("type") if isinstance(d, dict) else None
-            if n == 1:
-                if kind != "header":
-                    raise ValueError(f"{path}:1: the first line must be the header (type 'header'), got {kind!r}")
-                if d.get("version") != TRACE_VERSION:
-                    raise ValueError(f"{path}:1: trace version {d.get('version')!r}, this library reads {TRACE_VERSION}")
-                header = d
-            elif kind in ("step", "rejected"):
-                steps.append(dict(d, line=n))
-            else:
-                raise ValueError(f"{path}:{n}: unknown line type {kind!r} (expected 'step' or 'rejected')")
+                raw = f.readline(MAX_LINE_BYTES + 1)
+            except OSError as e:
+                raise TraceError(path, n + 1, None, f"cannot read: {e.strerror or e}") from None
+            if not raw:
+                return
+            n += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(path, n, None, f"line longer than {MAX_LINE_BYTES} bytes")
+            yield n, raw
+
+
+def _read(path):
+    """(version, layout, pipeline args, header dict, step dicts) of a checked trace."""
+    version = layout = p = header = None
+    steps: List[dict] = []
+    for n, raw in _raw_lines(path):
+        if not raw.strip():
+            continue
+        try:
+            d = loads_bounded(decode_utf8(raw, str(path), n), str(path), first_line=n)
+        except BadJSON as e:
+            raise TraceError(path, e.line, None, e.msg) from None
+        if header is None:
+            if n != 1:
+                raise TraceError(path, 1, None, "the first line must be the trace header, got an empty line")
+            version, layout, p = check_header(path, d, READS_VERSIONS)
+            header, prev = d, n
+            continue
+        expected = len(steps)
+        d = check_line(path, n, d, expected, version)
+        if d["type"] == "outputs":
+            last = steps[-1] if steps else None
+            if last is None or last["type"] != "step" or last.get("outputs") is not None or last["line"] != prev:
+                raise TraceError(path, n, "type", "an 'outputs' line must follow the accepted step it belongs to")
+            last["outputs"], last["outputs_line"] = d["digests"], n
+        else:
+            steps.append(dict(d, line=n, outputs=None))
+        prev = n
     if header is None:
-        raise ValueError(f"{path}: empty trace (no header line)")
+        raise TraceError(path, 0, None, "empty trace (no header line)")
+    return version, layout, p, header, steps
+
+
+def read_trace(path: Union[str, Path]):
+    """(header dict, list of step dicts) of a trace, every line checked; each step dict gains ``line``
+    and ``outputs`` (its recorded digests, or None). Raises :class:`TraceError` (a ``ValueError``)
+    naming the file, the line and the field on anything a replay cannot use."""
+    _, _, _, header, steps = _read(path)
     return header, steps
 
 
@@ -201,26 +292,29 @@ class Problem:
 
     step: int                      # index of the step in the trace (0-based)
     line: int                      # its line in the file
-    kind: str                      # "rejected" | "accepted" | "invariant" | "divergence"
+    kind: str                      # "rejected" | "accepted" | "invariant" | "divergence" | "recording"
     message: str
     channel: Optional[str] = None
     field: Optional[str] = None
     token: Optional[int] = None
     req_id: Optional[object] = None
-    expected: object = None
-    found: object = None
+    expected: object = None        # the reference's value; for "recording": the recorded one
+    found: object = None           # the checked pipeline's value (this replay)
+    row: Optional[int] = None      # batch row, for per-request fields and block tables
 
     def __str__(self) -> str:
         head = {"rejected": "REJECTED (the recording accepted it)",
                 "accepted": "ACCEPTED (the recording rejected it)",
-                "invariant": "INVARIANT BROKEN", "divergence": "DIVERGES FROM THE REFERENCE"}[self.kind]
+                "invariant": "INVARIANT BROKEN", "divergence": "DIVERGES FROM THE REFERENCE",
+                "recording": "DIFFERS FROM THE RECORDING"}[self.kind]
         lines = [f"step {self.step} (line {self.line}): {head}", f"  {self.message}"]
         where = [f"{k} {v!r}" for k, v in (("channel", self.channel), ("field", self.field), ("token", self.token),
-                                            ("request", self.req_id)) if v is not None]
+                                            ("row", self.row), ("request", self.req_id)) if v is not None]
         if where:
             lines.append("  at " + ", ".join(where))
         if self.expected is not None or self.found is not None:
-            lines += [f"  expected {_short(self.expected)}", f"  found    {_short(self.found)}"]
+            a, b = ("recorded", "replayed") if self.kind == "recording" else ("expected", "found   ")
+            lines += [f"  {a} {_short(self.expected)}", f"  {b} {_short(self.found)}"]
         return "\n".join(lines)
 
 
@@ -235,6 +329,8 @@ class ReplayResult:
     problem: Optional[Problem] = None
     stats: Dict[str, int] = field(default_factory=dict)
     values: Dict[str, int] = field(default_factory=dict)   # channel -> values compared
+    recorded_on: str = "?"                                   # device (backend) of the recording
+    notes: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -242,14 +338,14 @@ class ReplayResult:
 
     def report(self) -> str:
         if self.problem is not None:
-            return str(self.problem)
+            return "\n".join([str(self.problem)] + [f"note: {n}" for n in self.notes])
         rows = [("steps", self.num_steps), *self.stats.items()]
         rows += [(f"values compared: {ch}", n) for ch, n in self.values.items()]
         w = max(len(k) for k, _ in rows)
         lines = [f"replay of {self.path}: OK (checked pipeline on {self.device}, backend {self.backend}, "
-                 f"vs the PyTorch reference)", "-" * (w + 14)]
+                 f"vs the PyTorch reference and the outputs recorded on {self.recorded_on})", "-" * (w + 14)]
         lines += [f"{k:<{w}}  {v:>10}" for k, v in rows]
-        return "\n".join(lines + ["-" * (w + 14)])
+        return "\n".join(lines + ["-" * (w + 14)] + [f"note: {n}" for n in self.notes])
 
 
 def _short(v, n: int = 24) -> str:
@@ -318,24 +414,36 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
     from ..validate import MetadataError, check_topk
 
     log = log or (lambda s: print(s, file=sys.stderr))
-    header, steps = read_trace(path)
-    layout = layout_from_json(header["layout"])
+    version, layout, p, header, steps = _read(path)
     if config is not None:
         new = _rebuild_layout(layout, config)
         if new != layout:
-            log(f"note: the layout of config {config!r} differs from the recorded one; replaying with it")
+            log(f"note: the layout of config {config!r} differs from the recorded one; replaying with it "
+                "(the recorded outputs are compared all the same)")
         layout = new
-    p = dict(header["pipeline"])
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     common = dict(num_speculative_tokens=p["num_speculative_tokens"], cp_world_size=p["cp_world_size"],
                   cp_rank=p["cp_rank"], cp_interleave=p["cp_interleave"], max_staged_blocks=p["max_staged_blocks"])
     args = (layout, p["max_num_reqs"], p["max_num_batched_tokens"])
-    checked = MetadataPipeline(*args, device, validate=True, backend=backend, **common)
-    ref = MetadataPipeline(*args, "cpu", checks="full", backend="reference", **common)
+    try:
+        checked = MetadataPipeline(*args, device, validate=True, backend=backend, **common)
+        ref = MetadataPipeline(*args, "cpu", checks="full", backend="reference", **common)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise TraceError(path, 1, "pipeline", f"the recorded pipeline cannot be built: {e}") from None
     name = "triton" if use_triton(device, backend) else "reference"
     res = ReplayResult(str(path), len(steps), str(device), name)
-    st = res.stats = dict.fromkeys(("accepted steps", "rejected steps (as recorded)", "live tokens", "padded tokens",
-                                    "max batch rows", "top-k conversions"), 0)
+    res.recorded_on = f"{p['device']} ({p['backend'] or 'default backend'})"
+    st = res.stats = dict.fromkeys(("accepted steps", "rejected steps (as recorded)", "steps matching the recording",
+                                    "live tokens", "padded tokens", "max batch rows", "top-k conversions"), 0)
+    n_out = sum(d["outputs"] is not None for d in steps)
+    n_acc = sum(d["type"] == "step" for d in steps)
+    if n_out == 0:
+        why = ("a version-1 trace" if version == 1 else "recorded with outputs=False" if header.get("outputs") is None
+               else "no step was built")
+        res.notes.append(f"no digests recorded ({why}): outputs compared with the reference only")
+    elif n_out < n_acc:
+        res.notes.append(f"{n_acc - n_out} accepted step(s) have no recorded outputs (never built, or the recording "
+                         "stopped first): those are compared with the reference only")
     gen = torch.Generator().manual_seed(topk_seed)
     for i, d in _progress(enumerate(steps), len(steps), progress):
         line = d["line"]
@@ -368,6 +476,9 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
         prob = _compare(meta, mref, slot_id, res.values)
         if prob is None and meta.channels:
             prob = _compare_topk(meta, mref, gen, slot_id, check_topk, st)
+        if prob is None and d["outputs"] is not None:
+            prob = _compare_recording(path, d, meta, checked, slot_id)
+            st["steps matching the recording"] += prob is None
         if prob is not None:
             prob.step, prob.line = i, line
             res.problem = prob
@@ -377,6 +488,34 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
         st["padded tokens"] += meta.num_tokens_padded
         st["max batch rows"] = max(st["max batch rows"], meta.num_reqs)
     return res
+
+
+def _compare_recording(path, d, meta, pipe, slot_id) -> Optional[Problem]:
+    """The first output of ``meta`` whose digest differs from the step's recorded one."""
+    from .digest import PER_TOKEN
+    mine: dict = {}
+    replayed = output_digests(meta, pipe, values_limit=0, keep=mine)
+    try:
+        diff = first_difference(d["outputs"], replayed, mine)
+    except ValueError as e:
+        raise TraceError(path, d["outputs_line"], "digests", str(e)) from None
+    if diff is None:
+        return None
+    ch, f, row = diff["channel"], diff["field"], diff["row"]
+    per_token = f in PER_TOKEN and row is not None
+    others = [x for x in diff["fields"][1:]]
+    where = f"{f}" if ch is None else f"{ch}.{f}"
+    msg = (f"{where}{'' if row is None else f'[{row}]'} differs from the outputs recorded at line {d['outputs_line']}"
+           + (f"; {len(others)} more field(s) differ: {', '.join(others[:8])}{', ...' if len(others) > 8 else ''}"
+              if others else ""))
+    req = None
+    if per_token:
+        req = _where(meta, row, slot_id)
+    elif row is not None and row < meta.num_reqs and f != "query_start_loc":
+        slot = int(meta.req_slots[row])
+        req = slot_id.get(slot, f"slot {slot}")
+    return Problem(-1, -1, "recording", msg, channel=ch, field=f, token=row if per_token else None,
+                   row=None if per_token else row, req_id=req, expected=diff["expected"], found=diff["found"])
 
 
 def _update(pipe, batch, pad) -> Optional[ValueError]:
