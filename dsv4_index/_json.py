@@ -71,7 +71,7 @@ def loads_bounded(text: str, where: str, *, first_line: int = 1, max_depth: int 
         return json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         cut = " (truncated?)" if e.pos >= len(text.rstrip()) else ""
-        raise BadJSON(where, first_line + e.lineno - 1, f"not JSON{cut}: {e.msg} at column {e.colno}") from None
+        raise BadJSON(where, first_line + e.lineno - 1, f"not JSON{cut}: {e.msg} at column {e.colno}") from e
     except (ValueError, RecursionError) as e:   # duplicate keys, NaN, ints beyond the digit limit
         raise BadJSON(where, first_line, f"unusable JSON: {e}") from None
 
