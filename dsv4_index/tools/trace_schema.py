@@ -20,6 +20,7 @@ _STEP_FIELDS = ("req_slots", "num_computed_tokens", "num_scheduled_tokens", "is_
 _OUTPUT_FIELDS = frozenset().union(*CHANNEL_OUTPUTS.values(), {"compact_slot_mapping", "compact_cu", "indices",
                                                                "lens_clamped", "decode_lens_clamped"})
 _HEX16 = re.compile(r"[0-9a-f]{16}\Z")
+_B64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
 
 
 class TraceError(ValueError):
@@ -273,7 +274,11 @@ def _entry(at: _At, e, field):
         at.err(field + ".h", f"must be 16 lower-case hex digits, got {_short(e['h'])}")
     if ("v" in e) == ("r" in e):
         at.err(field, "needs exactly one of 'v' (values) and 'r' (row hashes)")
-    at.str(e.get("v", e.get("r")), field + (".v" if "v" in e else ".r"))
+    k = "v" if "v" in e else "r"
+    if not isinstance(e[k], str) or not _B64.match(e[k]):
+        at.err(f"{field}.{k}", f"must be base64 text, got {_kind(e[k])} {_short(e[k])}")
+    if e["n"] * e["w"] > LIMITS["buffer_entries"]:
+        at.err(field, f"n * w = {e['n'] * e['w']} entries, more than the bound of {LIMITS['buffer_entries']}")
 
 
 def _digests(at: _At, d):
