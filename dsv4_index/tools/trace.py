@@ -504,10 +504,10 @@ def _compare_recording(path, d, meta, pipe, slot_id) -> Optional[Problem]:
     ch, f, row = diff["channel"], diff["field"], diff["row"]
     per_token = f in PER_TOKEN and row is not None
     others = [x for x in diff["fields"][1:]]
-    where = f"{f}" if ch is None else f"{ch}.{f}"
+    where = (f"{f}" if ch is None else f"{ch}.{f}") + ("" if row is None else f"[{row}]")
     if f.startswith("block_table["):
-        where += " (batch row: [number of blocks the step reads, their ids...])"
-    msg = (f"{where}{'' if row is None else f'[{row}]'} differs from the outputs recorded at line {d['outputs_line']}"
+        where += " (values: [blocks the step reads, their ids...])"
+    msg = (f"{where} differs from the outputs recorded at line {d['outputs_line']}"
            + (f"; {len(others)} more field(s) differ: {', '.join(others[:8])}{', ...' if len(others) > 8 else ''}"
               if others else ""))
     req = None
