@@ -186,7 +186,7 @@ def _read_json(path: Path, with_text: bool = False):
         raise ConfigError(f"config: {path} is larger than {MAX_CONFIG_BYTES} bytes; not a config.json", str(path))
     try:
         text = decode_utf8(raw, str(path))
-        data = loads_bounded(text, str(path))
+        data = loads_bounded(text, str(path), raw=raw)
     except BadJSON as e:
         raise ConfigError(f"{where} is not valid JSON: line {e.line}: {e.msg}", str(path), e.line) from e.__cause__
     if not isinstance(data, dict):

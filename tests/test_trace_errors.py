@@ -84,12 +84,24 @@ def test_bad_header(trace, tmp_path, capsys, name, fn, field):
 
 
 def test_capacities_are_checked_before_allocation(trace, tmp_path, capsys):
-    """Each bound alone is sane; together the block tables would need 2**16 * 2**24 / 16 entries."""
+    """Each value alone is within its bound; together the per-token buffers would need ~2**28 entries."""
     def big(ds):
         ds[0]["pipeline"]["max_num_reqs"] = 1 << 16
-        ds[0]["layout"]["groups"][0]["table_width"] = 1 << 24
-    e = fails(capsys, write(tmp_path, edit(trace, big)), r"a replay needs \d+ block tables entries", line=1)
+        ds[0]["pipeline"]["max_num_batched_tokens"] = 1 << 20
+    e = fails(capsys, write(tmp_path, edit(trace, big)), r"a replay needs \d+ per-token buffers entries", line=1)
     assert e.field == "pipeline"
+
+
+def test_hand_edited_layout(trace, tmp_path, capsys):
+    """A channel field deleted (found by the fuzz test: it reached the window builder)."""
+    def edit_(ds):
+        c = next(c for c in ds[0]["layout"]["channels"] if c["name"] == "swa")
+        del c["window"]
+    fails(capsys, write(tmp_path, edit(trace, edit_)), r"is None, but the layout's own fields give 8", line=1,
+          field="layout.channels[3].window")
+    fails(capsys, write(tmp_path, edit(trace, lambda ds: ds[0]["layout"]["groups"][0].__setitem__(
+        "table_width", 1 << 24))), "is 16777216, but the layout's own fields give 8", line=1,
+        field="layout.groups[0].table_width")
 
 
 def test_other_version_names_both(trace, tmp_path, capsys):

@@ -54,7 +54,7 @@ from ..batch import StepBatch, batch_from_step
 from ..geometry import ChannelSpec, DSV4Layout, GroupSpec
 from ..step import StepInput
 from .digest import DIGEST, first_difference, output_digests
-from .trace_schema import TraceError, check_header, check_line
+from .trace_schema import TraceError, check_header, check_line, rebuild_layout as _rebuild_layout
 
 __all__ = ["TRACE_VERSION", "READS_VERSIONS", "Recorder", "record_steps", "read_trace", "layout_to_json",
            "layout_from_json", "replay_trace", "ReplayResult", "Problem", "TraceError"]
@@ -251,7 +251,7 @@ def _read(path):
         if not raw.strip():
             continue
         try:
-            d = loads_bounded(decode_utf8(raw, str(path), n), str(path), first_line=n)
+            d = loads_bounded(decode_utf8(raw, str(path), n), str(path), first_line=n, raw=raw)
         except BadJSON as e:
             raise TraceError(path, e.line, None, e.msg) from None
         if header is None:
@@ -373,20 +373,6 @@ def _progress(items, total: int, enabled: bool):
     print(file=sys.stderr)
 
 
-def _rebuild_layout(recorded: DSV4Layout, config) -> DSV4Layout:
-    """``config`` with the recorded geometry arguments (block sizes, rings, circular groups, DCP)."""
-    g = {x.name: x for x in recorded.groups}
-    circ = {n: x.block_size for n, x in g.items() if x.kind == "circular"}
-    sizes = {f"{n}_block_size": x.alloc_block_size for n, x in g.items() if n not in circ}
-    kbs = {n: x.block_size for n, x in g.items() if x.blocks_per_kv_block > 1}
-    sliding = [x for x in recorded.groups if x.kind == "sliding"]
-    return DSV4Layout.from_config(
-        config, recorded.max_model_len, **sizes, kernel_block_size=kbs or None, circular=circ or None,
-        sliding_tables="ring" if not sliding or any(x.ring for x in sliding) else "full",
-        indexer_causal_indices=recorded.indexer_causal_indices, cp_world_size=recorded.cp_world_size,
-        cp_interleave=recorded.cp_interleave, compact_compressed=any(c.compact for c in recorded.channels.values()))
-
-
 def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: Optional[str] = None,
                  topk_seed: int = 0, progress: bool = False, log=None) -> ReplayResult:
     """Feed a trace through a fresh ``MetadataPipeline(validate=True)`` (the checker after every
@@ -472,6 +458,8 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
             res.problem = Problem(i, line, "invariant", str(e), channel=e.channel, token=e.token,
                                   req_id=_req(slot_id, e.req_id), expected=e.expected, found=e.found)
             return res
+        except ValueError as e:   # NOTE: the header's checks should leave none; name the line if one is left
+            raise TraceError(path, line, None, f"build() of this step failed: {e}") from e
         mref = ref.build()
         prob = _compare(meta, mref, slot_id, res.values)
         if prob is None and meta.channels:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from ..geometry import CHANNEL_OUTPUTS, KINDS, ChannelSpec, DSV4Layout, GroupSpec
+from ..geometry import CHANNEL_OUTPUTS, GROUP_ORDER, KINDS, ChannelSpec, DSV4Layout, GroupSpec
 
-__all__ = ["TraceError", "check_header", "check_line", "check_capacity", "LIMITS"]
+__all__ = ["TraceError", "check_header", "check_line", "check_capacity", "rebuild_layout", "LIMITS"]
 
 LIMITS = dict(max_num_reqs=1 << 16, max_num_batched_tokens=1 << 20, max_model_len=1 << 24, window=1 << 17,
               block_size=1 << 20, ratio=1 << 16, layers=1 << 12, topk=1 << 16, cp=1 << 10, value=1 << 62,
@@ -166,9 +166,66 @@ def _layout(at: _At, d) -> DSV4Layout:
     kw["cp_world_size"] = at.int(d.get("cp_world_size", 1), "layout.cp_world_size", 1, LIMITS["cp"])
     kw["cp_interleave"] = at.int(d.get("cp_interleave", 1), "layout.cp_interleave", 1, LIMITS["block_size"])
     try:
-        return DSV4Layout(groups=groups, channels=channels, **kw)
+        layout = DSV4Layout(groups=groups, channels=channels, **kw)
     except (ValueError, TypeError) as e:
         at.err("layout", str(e))
+    _derivable(at, layout)
+    return layout
+
+
+def rebuild_layout(recorded: DSV4Layout, config) -> DSV4Layout:
+    """``config`` with the recorded geometry arguments (block sizes, rings, circular groups, DCP)."""
+    g = {x.name: x for x in recorded.groups}
+    circ = {n: x.block_size for n, x in g.items() if x.kind == "circular"}
+    sizes = {f"{n}_block_size": x.alloc_block_size for n, x in g.items() if n not in circ}
+    kbs = {n: x.block_size for n, x in g.items() if x.blocks_per_kv_block > 1}
+    sliding = [x for x in recorded.groups if x.kind == "sliding"]
+    return DSV4Layout.from_config(
+        config, recorded.max_model_len, **sizes, kernel_block_size=kbs or None, circular=circ or None,
+        sliding_tables="ring" if not sliding or any(x.ring for x in sliding) else "full",
+        indexer_causal_indices=recorded.indexer_causal_indices, cp_world_size=recorded.cp_world_size,
+        cp_interleave=recorded.cp_interleave, compact_compressed=any(c.compact for c in recorded.channels.values()))
+
+
+def _derivable(at: _At, layout: DSV4Layout) -> None:
+    """A layout of built-in channels must be the one ``from_config`` derives from its own scalars
+    (a hand-edited channel or group would otherwise reach the builders); custom channels skip this."""
+    if not set(layout.channels) <= set(CHANNEL_OUTPUTS) or not set(g.name for g in layout.groups) <= set(GROUP_ORDER):
+        return
+    config = dict(num_hidden_layers=len(layout.compress_ratios), num_nextn_predict_layers=0,
+                  compress_ratios=list(layout.compress_ratios), sliding_window=layout.sliding_window,
+                  index_topk=layout.index_topk)
+    try:
+        derived = rebuild_layout(layout, config)
+    except ValueError as e:
+        at.err("layout", f"inconsistent: {e}")
+    if derived != layout:
+        a, b = layout_diff(layout, derived)
+        at.err(f"layout.{a}", f"is {b[0]!r}, but the layout's own fields give {b[1]!r} (a hand-edited layout?)")
+
+
+def layout_diff(a: DSV4Layout, b: DSV4Layout):
+    """(dotted field, (value in a, value in b)) of the first difference of two layouts."""
+    import dataclasses
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x == y:
+            continue
+        if f.name == "groups" and len(x) == len(y):
+            for i, (g, h) in enumerate(zip(x, y)):
+                for k in dataclasses.fields(g):
+                    if getattr(g, k.name) != getattr(h, k.name):
+                        return f"groups[{i}].{k.name}", (getattr(g, k.name), getattr(h, k.name))
+        if f.name == "channels" and list(x) == list(y):
+            for i, name in enumerate(x):
+                for k in dataclasses.fields(x[name]):
+                    if getattr(x[name], k.name) != getattr(y[name], k.name):
+                        v = (getattr(x[name], k.name), getattr(y[name], k.name))
+                        if k.name == "outputs":
+                            v = tuple(sorted(s) for s in v)
+                        return f"channels[{i}].{k.name}", v
+        return f.name, (x, y)
+    return "", (None, None)
 
 
 _PIPELINE_REQUIRED = ("max_num_reqs", "max_num_batched_tokens", "num_speculative_tokens", "cp_world_size", "cp_rank",
