@@ -40,7 +40,6 @@ and the sizes the layout allocates from are bounded (:data:`BOUNDS`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path

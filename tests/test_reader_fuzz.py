@@ -21,7 +21,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
 
 SECONDS = float(os.environ.get("DSV4_FUZZ_SECONDS", "20"))
 SEED = int(os.environ.get("DSV4_FUZZ_SEED", "0"))
