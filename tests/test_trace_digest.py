@@ -169,6 +169,14 @@ def test_version_1_trace_replays_without_digests(trace, tmp_path, capsys):
     assert "note: no digests recorded" in capsys.readouterr().out
 
 
+def test_recorded_without_outputs(tmp_path):
+    path = record(tmp_path / "plain.jsonl", outputs=False)
+    assert [d["type"] for d in lines(path)] == ["header"] + ["step"] * len(SCRIPT)
+    res = replay_trace(path, device="cpu")
+    assert res.ok and res.notes == ["no digests recorded (recorded with outputs=False): outputs compared with the "
+                                    "reference only"], res.notes
+
+
 def test_other_format_version_is_a_clear_error(trace, tmp_path, capsys):
     ds = lines(trace)
     ds[0]["version"] = 3
@@ -210,3 +218,25 @@ def test_cpu_recording_replays_on_cuda(trace):
     res = replay_trace(trace, device="cuda")
     assert res.ok and res.backend == "triton", res.report()
     assert res.stats["steps matching the recording"] == len(SCRIPT), res.report()
+
+
+def test_digest_is_of_the_values_only():
+    """int32 / int64 / bool of the same values digest alike; one changed entry changes the digest and
+    the hash of its row only."""
+    import numpy as np
+    import torch
+    from dsv4_index.tools.digest import _entry, _matrix, row_hashes
+
+    x = torch.tensor([[3, -1, 7], [0, 1, 1]], dtype=torch.int32)
+    a, b = _entry(_matrix(x, 2), 0), _entry(_matrix(x.long(), 2), 0)
+    assert a == b and a["n"] == 2 and a["w"] == 3
+    assert _entry(_matrix(torch.tensor([True, False]), 2), 0)["h"] == _entry(_matrix(torch.tensor([1, 0]), 2), 0)["h"]
+    assert _entry(_matrix(torch.cat([x, x]), 2), 0) == a                 # rows past n are not digested
+    y = x.clone()
+    y[1, 2] = 2
+    h0, h1 = row_hashes(_matrix(x, 2)), row_hashes(_matrix(y, 2))
+    assert h0[0] == h1[0] and h0[1] != h1[1] and _entry(_matrix(y, 2), 0)["h"] != a["h"]
+    z = x.clone()
+    z[0] = torch.tensor([-1, 3, 7], dtype=torch.int32)                  # same entries, other order
+    assert row_hashes(_matrix(z, 2))[0] != h0[0]
+    assert np.asarray(row_hashes(np.zeros((0, 4), np.int64))).size == 0
