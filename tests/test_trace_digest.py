@@ -26,9 +26,11 @@ def layout():
     return DSV4Layout.from_config("tiny", max_model_len=128, mla_block_size=16, swa_block_size=8)
 
 
-def record(path, *, max_reqs=4, max_tokens=32, pad=lambda i, n: min(32, n + i % 3), **kw):
+def record(path, *, max_reqs=4, max_tokens=32, pad=lambda i, n: min(32, n + i % 3), backend="reference", **kw):
+    """NOTE: the module's trace is recorded with the default backend (the Triton interpreter under
+    TRITON_INTERPRET=1), the others with the reference: replays compare across backends."""
     lay = layout()
-    pipe = MetadataPipeline(lay, max_reqs, max_tokens, "cpu", 1)
+    pipe = MetadataPipeline(lay, max_reqs, max_tokens, "cpu", 1, backend=backend)
     sched = ReferenceScheduler(lay, 64, max_num_batched_tokens=24, max_num_seqs=4, num_speculative_tokens=1)
     with record_steps(pipe, path, **kw):
         for i, (step, _) in enumerate(scripted_trace(sched, SCRIPT)):
@@ -40,7 +42,7 @@ def record(path, *, max_reqs=4, max_tokens=32, pad=lambda i, n: min(32, n + i % 
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
-    return record(tmp_path_factory.mktemp("digest") / "steps.jsonl")
+    return record(tmp_path_factory.mktemp("digest") / "steps.jsonl", backend=None)
 
 
 def lines(path):
@@ -82,7 +84,7 @@ def test_untouched_trace_matches_its_recording(trace, capsys):
     assert "steps matching the recording" in capsys.readouterr().out
 
 
-def _first_accepted(src, tmp_path, name, change):
+def _first_accepted(src, tmp_path, name, change, backend=None):
     """Tamper each row of the step in turn; the first tamper the pipeline accepts (enough blocks,
     pad and capacity) is the one tested. Returns (result, row index, recorded step line)."""
     d0 = next(d for d in lines(src) if d["type"] == "step" and d["index"] == TAMPERED)
@@ -90,7 +92,7 @@ def _first_accepted(src, tmp_path, name, change):
         def fn(d):
             change(d["step"], r)
             d["pad_to"] = None if d["pad_to"] is None else d["pad_to"] + 3
-        res = replay_trace(tampered(src, tmp_path / f"{name}{r}.jsonl", fn), device="cpu")
+        res = replay_trace(tampered(src, tmp_path / f"{name}{r}.jsonl", fn), device="cpu", backend=backend)
         if res.problem is None or res.problem.kind != "rejected":
             return res, r, d0
     raise AssertionError(f"no row of step {TAMPERED} takes the tamper {name}")
@@ -142,7 +144,7 @@ def test_row_hashes_only_still_name_the_row(tmp_path):
     src = record(tmp_path / "hashes.jsonl", values_limit=0)
     assert "v" not in lines(src)[2]["digests"]["common"]["seq_lens"]
     res, r, d0 = _first_accepted(src, tmp_path, "comp", lambda s, r: s["num_computed_tokens"].__setitem__(
-        r, s["num_computed_tokens"][r] + 3))
+        r, s["num_computed_tokens"][r] + 3), backend="reference")
     p = res.problem
     assert p.kind == "recording" and p.field == "seq_lens" and p.req_id == d0["req_ids"][r], res.report()
     assert p.expected.startswith("row hash 0x") and isinstance(p.found, list)
@@ -162,17 +164,17 @@ def test_version_1_trace_replays_without_digests(trace, tmp_path, capsys):
     ds[0]["version"] = 1
     del ds[0]["outputs"]
     old = write(tmp_path / "v1.jsonl", ds)
-    res = replay_trace(old, device="cpu")
+    res = replay_trace(old, device="cpu", backend="reference")
     assert res.ok and res.stats["steps matching the recording"] == 0, res.report()
     assert any("no digests recorded" in n and "version-1" in n for n in res.notes)
-    assert main(["replay", str(old), "--device", "cpu", "--no-progress"]) == 0
+    assert main(["replay", str(old), "--device", "cpu", "--backend", "reference", "--no-progress"]) == 0
     assert "note: no digests recorded" in capsys.readouterr().out
 
 
 def test_recorded_without_outputs(tmp_path):
     path = record(tmp_path / "plain.jsonl", outputs=False)
     assert [d["type"] for d in lines(path)] == ["header"] + ["step"] * len(SCRIPT)
-    res = replay_trace(path, device="cpu")
+    res = replay_trace(path, device="cpu", backend="reference")
     assert res.ok and res.notes == ["no digests recorded (recorded with outputs=False): outputs compared with the "
                                     "reference only"], res.notes
 
@@ -192,21 +194,21 @@ def test_other_format_version_is_a_clear_error(trace, tmp_path, capsys):
 def test_pipeline_record_argument_records_outputs(tmp_path):
     lay = layout()
     path = tmp_path / "rec.jsonl"
-    pipe = MetadataPipeline(lay, 4, 32, "cpu", 1, record=path)
+    pipe = MetadataPipeline(lay, 4, 32, "cpu", 1, record=path, backend="reference")
     pipe.warmup()                                    # NOTE: warm-up is not recorded
     sched = ReferenceScheduler(lay, 64, max_num_batched_tokens=24, max_num_seqs=4, num_speculative_tokens=1)
     for step, _ in scripted_trace(sched, SCRIPT[:3]):
         pipe.update(step)
         pipe.build()
     assert [d["type"] for d in lines(path)] == ["header"] + ["step", "outputs"] * 3
-    res = replay_trace(path, device="cpu")
+    res = replay_trace(path, device="cpu", backend="reference")
     assert res.ok and res.stats["steps matching the recording"] == 3, res.report()
 
 
 def test_a_step_without_outputs_is_noted(trace, tmp_path):
     ds = lines(trace)
     del ds[-1]                                        # the last step's outputs (its build crashed)
-    res = replay_trace(write(tmp_path / "cut.jsonl", ds), device="cpu")
+    res = replay_trace(write(tmp_path / "cut.jsonl", ds), device="cpu", backend="reference")
     assert res.ok and res.stats["steps matching the recording"] == len(SCRIPT) - 1
     assert any("1 accepted step(s) have no recorded outputs" in n for n in res.notes), res.notes
 

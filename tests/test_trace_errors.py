@@ -175,6 +175,9 @@ def test_files(trace, tmp_path, capsys):
     fails(capsys, write(tmp_path, bad, "latin1.jsonl"), r"latin1\.jsonl:2: not UTF-8 text \(byte 0xe9", line=2)
     fails(capsys, write(tmp_path, b"\n" + good, "blank.jsonl"), "first line must be the trace header", line=1)
     fails(capsys, write(tmp_path, b'{"type": "header"}\n', "bare.jsonl"), "version", line=1, field="version")
+    headless = b"".join(x + b"\n" for x in good.splitlines()[1:])
+    fails(capsys, write(tmp_path, headless, "headless.jsonl"), "the first line must be the trace header "
+          r"\(type 'header'\), got 'step'", line=1, field="type")
     fails(capsys, tmp_path / "missing.jsonl", r"missing\.jsonl: no such file", line=0)
     d = tmp_path / "dir.jsonl"
     d.mkdir()
