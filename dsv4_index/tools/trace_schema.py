@@ -3,6 +3,7 @@ file, the line and the field for anything a replay cannot use (types, bounds, ca
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Optional
 
@@ -38,6 +39,7 @@ class _At:
 
     def __init__(self, path, line: int):
         self.path, self.line = path, line
+        self.unchecked = False      # NOTE: a field this module does not know was passed on
 
     def err(self, field, msg):
         raise TraceError(self.path, self.line, field, msg)
@@ -95,9 +97,34 @@ def _short(v) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+def _others(cls, known) -> tuple:
+    """Dataclass fields of ``cls`` this module does not check (added after it was written): passed on
+    as they are (lists as tuples), and the layout is then not re-derived (see :func:`_derivable`)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in known)
+
+
+def _passthrough(d, names, kw) -> bool:
+    for k in names:
+        if k in d:
+            kw[k] = _tuples(d[k])
+    return any(k in d for k in names)
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+_G_REQ = ("gid", "name", "kind", "block_size", "window", "prefix_cacheable", "table_width")
+_G_OPT = ("blocks_per_kv_block", "ring", "sharded")
+_C_REQ = ("name", "gid", "compress_ratio", "rows_per_block")
+_C_OPT = ("window", "index_width", "outputs", "compact")
+_L_REQ = ("groups", "channels", "max_model_len", "sliding_window", "index_topk", "compress_ratios", "num_layers")
+_L_OPT = ("c4_ratio", "c128_ratio", "indexer_causal_indices", "cp_world_size", "cp_interleave")
+
+
 def _group(at: _At, d, f: str, i: int) -> GroupSpec:
-    at.dict(d, f, ("gid", "name", "kind", "block_size", "window", "prefix_cacheable", "table_width"),
-            ("blocks_per_kv_block", "ring", "sharded"))
+    extra = _others(GroupSpec, _G_REQ + _G_OPT)
+    at.dict(d, f, _G_REQ, _G_OPT + extra)
     if at.int(d["gid"], f + ".gid", 0, LIMITS["layers"]) != i:
         at.err(f + ".gid", f"is {d['gid']}, expected {i} (groups are listed by gid)")
     kw = dict(gid=i, name=at.str(d["name"], f + ".name"), kind=at.str(d["kind"], f + ".kind", KINDS),
@@ -110,6 +137,7 @@ def _group(at: _At, d, f: str, i: int) -> GroupSpec:
             kw[k] = at.bool(d[k], f"{f}.{k}")
     if "blocks_per_kv_block" in d:
         kw["blocks_per_kv_block"] = at.int(d["blocks_per_kv_block"], f + ".blocks_per_kv_block", 1, 1 << 10)
+    at.unchecked |= _passthrough(d, extra, kw)
     try:
         return GroupSpec(**kw)
     except ValueError as e:
@@ -117,7 +145,8 @@ def _group(at: _At, d, f: str, i: int) -> GroupSpec:
 
 
 def _channel(at: _At, d, f: str, num_groups: int) -> ChannelSpec:
-    at.dict(d, f, ("name", "gid", "compress_ratio", "rows_per_block"), ("window", "index_width", "outputs", "compact"))
+    extra = _others(ChannelSpec, _C_REQ + _C_OPT)
+    at.dict(d, f, _C_REQ, _C_OPT + extra)
     kw = dict(name=at.str(d["name"], f + ".name"), gid=at.int(d["gid"], f + ".gid", 0, num_groups - 1),
               compress_ratio=at.int(d["compress_ratio"], f + ".compress_ratio", 1, LIMITS["ratio"]),
               rows_per_block=at.int(d["rows_per_block"], f + ".rows_per_block", 1, LIMITS["block_size"]),
@@ -128,6 +157,7 @@ def _channel(at: _At, d, f: str, num_groups: int) -> ChannelSpec:
     for j, o in enumerate(outs):
         at.str(o, f"{f}.outputs[{j}]", sorted(_OUTPUT_FIELDS))
     kw["outputs"] = frozenset(outs)
+    at.unchecked |= _passthrough(d, extra, kw)
     try:
         return ChannelSpec(**kw)
     except ValueError as e:
@@ -135,9 +165,8 @@ def _channel(at: _At, d, f: str, num_groups: int) -> ChannelSpec:
 
 
 def _layout(at: _At, d) -> DSV4Layout:
-    at.dict(d, "layout", ("groups", "channels", "max_model_len", "sliding_window", "index_topk", "compress_ratios",
-                          "num_layers"), ("c4_ratio", "c128_ratio", "indexer_causal_indices", "cp_world_size",
-                                          "cp_interleave"))
+    extra = _others(DSV4Layout, _L_REQ + _L_OPT)
+    at.dict(d, "layout", _L_REQ, _L_OPT + extra)
     groups = at.list(d["groups"], "layout.groups")
     if not groups or len(groups) > 64:
         at.err("layout.groups", f"must hold 1 to 64 groups, got {len(groups)}")
@@ -165,11 +194,13 @@ def _layout(at: _At, d) -> DSV4Layout:
     kw["indexer_causal_indices"] = at.bool(d.get("indexer_causal_indices", False), "layout.indexer_causal_indices")
     kw["cp_world_size"] = at.int(d.get("cp_world_size", 1), "layout.cp_world_size", 1, LIMITS["cp"])
     kw["cp_interleave"] = at.int(d.get("cp_interleave", 1), "layout.cp_interleave", 1, LIMITS["block_size"])
+    at.unchecked |= _passthrough(d, extra, kw)
     try:
         layout = DSV4Layout(groups=groups, channels=channels, **kw)
     except (ValueError, TypeError) as e:
         at.err("layout", str(e))
-    _derivable(at, layout)
+    if not at.unchecked:
+        _derivable(at, layout)
     return layout
 
 
@@ -206,7 +237,6 @@ def _derivable(at: _At, layout: DSV4Layout) -> None:
 
 def layout_diff(a: DSV4Layout, b: DSV4Layout):
     """(dotted field, (value in a, value in b)) of the first difference of two layouts."""
-    import dataclasses
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if x == y:
