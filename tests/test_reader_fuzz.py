@@ -8,7 +8,7 @@ exception.
 Bounded by time: ``DSV4_FUZZ_SECONDS`` (default 20, shared by both readers), ``DSV4_FUZZ_SEED``
 (default 0). A long run with figures::
 
-    nice python tests/test_reader_fuzz.py --seconds 900 --seed 1
+    nice python tests/test_reader_fuzz.py --seconds 900 --seed 1    # --max-memory-gb 8 (default)
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ SEED = int(os.environ.get("DSV4_FUZZ_SEED", "0"))
 SWAPS = [None, True, False, 0, -1, 1, 0.5, 3.0, "x", "", [], {}, [0], {"a": 1}, 2 ** 63, -2 ** 63 - 1]
 HUGE = [2 ** 31, 2 ** 32, 2 ** 53 + 1, 2 ** 62, 2 ** 63, -2 ** 63 - 1, 10 ** 30, -10 ** 30, 10 ** 400, 2 ** 40]
 BYTES = b'{}[]",:-.0123456789eE \n\\\x00\xff\xc3tfn'
+PROGRESS = [0.0]    # NOTE: seconds between progress lines (0: none); set by the command line
+
+
+def _progress(name, out, last):
+    if PROGRESS[0] and time.monotonic() - last[0] > PROGRESS[0]:
+        last[0] = time.monotonic()
+        print(f"  {name}: {sum(out.values())} mutants so far, {dict(out)}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -167,8 +174,9 @@ def run_trace(path: Path, tmp: Path, seconds: float, seed: int) -> Counter:
     assert ref.ok and ref.stats["steps matching the recording"] == 2, ref.report()
     original = [json.loads(x) for x in raw.decode().splitlines()]
     rng, out, stop = random.Random(seed), Counter(), time.monotonic() + seconds
-    mutant = tmp / "mutant.jsonl"
+    mutant, last = tmp / "mutant.jsonl", [time.monotonic()]
     while time.monotonic() < stop:
+        _progress("traces", out, last)
         data, what = mutate_bytes(raw, rng)
         mutant.write_bytes(data)
         try:
@@ -197,7 +205,9 @@ def run_config(path: Path, seconds: float, seed: int) -> Counter:
     ref = DSV4Layout.from_config(good, max_model_len=128)
     original = [json.loads(raw)]
     rng, out, stop = random.Random(seed), Counter(), time.monotonic() + seconds
+    last = [time.monotonic()]
     while time.monotonic() < stop:
+        _progress("configs", out, last)
         kind = rng.random()
         if kind < 0.6:
             text, what = mutate_json(json.loads(raw), rng)
@@ -244,7 +254,14 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=SECONDS, help="total, split 65/35 between traces and configs")
     ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--max-memory-gb", type=float, default=8.0,
+                    help="address-space limit: a runaway allocation becomes a MemoryError (a finding), not the OOM killer")
     a = ap.parse_args()
+    PROGRESS[0] = 60.0
+    if a.max_memory_gb > 0:
+        import resource
+        lim = int(a.max_memory_gb * (1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     with tempfile.TemporaryDirectory() as d:
         t0 = time.monotonic()

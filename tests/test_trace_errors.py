@@ -74,6 +74,8 @@ def edit(trace, fn):
     ("channel gid 9", lambda h: h["layout"]["channels"][0].__setitem__("gid", 9), "layout.channels[0].gid"),
     ("max_num_reqs 10**15", lambda h: h["pipeline"].__setitem__("max_num_reqs", 10 ** 15), "pipeline.max_num_reqs"),
     ("max_num_reqs a float", lambda h: h["pipeline"].__setitem__("max_num_reqs", 4.0), "pipeline.max_num_reqs"),
+    ("max_staged_blocks 2**31", lambda h: h["pipeline"].__setitem__("max_staged_blocks", 2 ** 31),
+     "pipeline.max_staged_blocks"),
     ("a group kind", lambda h: h["layout"]["groups"][1].__setitem__("kind", "ring"), "layout.groups[1].kind"),
     ("sliding_window 2**40", lambda h: h["layout"].__setitem__("sliding_window", 2 ** 40), "layout.sliding_window"),
     ("an unknown field", lambda h: h["pipeline"].__setitem__("max_num_req", 4), "pipeline.max_num_req"),

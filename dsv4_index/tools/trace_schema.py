@@ -13,8 +13,10 @@ __all__ = ["TraceError", "check_header", "check_line", "check_capacity", "rebuil
 
 LIMITS = dict(max_num_reqs=1 << 16, max_num_batched_tokens=1 << 20, max_model_len=1 << 24, window=1 << 17,
               block_size=1 << 20, ratio=1 << 16, layers=1 << 12, topk=1 << 16, cp=1 << 10, value=1 << 62,
-              buffer_entries=1 << 28)
-"""Bounds of the values a trace may carry (a replay allocates from them; see :func:`check_capacity`)."""
+              staged_blocks=1 << 22, buffer_entries=1 << 27)
+"""Bounds of the values a trace may carry (a replay allocates from them; see :func:`check_capacity`).
+``buffer_entries`` bounds the block tables and the per-token buffers of one pipeline each (V4-Flash at
+``max_model_len`` 2**20 with 8192 tokens needs about 2**26 per-token entries)."""
 
 _STEP_FIELDS = ("req_slots", "num_computed_tokens", "num_scheduled_tokens", "is_new", "free_slots", "write_gids",
                 "write_slots", "write_starts", "write_cu", "write_ids", "replay_start", "replay_end")
@@ -287,7 +289,9 @@ def check_header(path, d, versions) -> tuple:
                cp_world_size=at.int(p["cp_world_size"], "pipeline.cp_world_size", 1, LIMITS["cp"]))
     out["cp_rank"] = at.int(p["cp_rank"], "pipeline.cp_rank", 0, out["cp_world_size"] - 1)
     out["cp_interleave"] = at.int(p["cp_interleave"], "pipeline.cp_interleave", 1, LIMITS["block_size"])
-    out["max_staged_blocks"] = at.int(p["max_staged_blocks"], "pipeline.max_staged_blocks", 1, 1 << 31, none=True)
+    # NOTE: the staging buffers hold 2 * max_staged_blocks ids (found by the fuzz test: 2**31 took 32 GB)
+    out["max_staged_blocks"] = at.int(p["max_staged_blocks"], "pipeline.max_staged_blocks", 1,
+                                      LIMITS["staged_blocks"], none=True)
     out["checks"] = at.str(p.get("checks", "safe"), "pipeline.checks", ("safe", "full"))
     out["backend"] = at.str(p.get("backend"), "pipeline.backend", none=True)
     out["device"] = at.str(p.get("device", "?"), "pipeline.device")
