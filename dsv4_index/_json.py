@@ -12,7 +12,14 @@ import re
 
 import numpy as np
 
-__all__ = ["BadJSON", "loads_bounded", "decode_utf8", "line_of_key", "MAX_DEPTH"]
+__all__ = ["BadJSON", "loads_bounded", "decode_utf8", "line_of_key", "one_line", "MAX_DEPTH"]
+
+_ESCAPES = {c: repr(chr(c))[1:-1] for c in [*range(32), 127, 0x85, 0x2028, 0x2029]}
+
+
+def one_line(s: str) -> str:
+    """``s`` with control and line-break characters escaped (a key or a path read from a file may hold them)."""
+    return s.translate(_ESCAPES)
 
 MAX_DEPTH = 32
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)

@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._json import BadJSON, decode_utf8, line_of_key, loads_bounded
+from ._json import BadJSON, decode_utf8, line_of_key, loads_bounded, one_line
 
 __all__ = ["SHIPPED", "CONFIG_DIR", "LAYER_TYPES", "DEFAULT_COMPRESS_RATES", "BOUNDS", "MAX_CONFIG_BYTES",
            "ConfigError", "normalize_config", "shipped_config", "shipped_config_path"]
@@ -77,7 +77,7 @@ class ConfigError(ValueError):
     ``line`` (0 when unknown or not a file) and ``field`` (None when not about one field)."""
 
     def __init__(self, message: str, source: str = "", line: int = 0, field: Optional[str] = None):
-        super().__init__(message)
+        super().__init__(one_line(message))
         self.source, self.line, self.field = source, line, field
 
 

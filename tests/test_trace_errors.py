@@ -205,3 +205,10 @@ def test_cli_subprocess_no_traceback(tmp_path):
 
 def test_good_trace_still_replays(trace):
     assert replay_trace(trace, device="cpu").ok
+
+
+def test_a_key_holding_a_newline_stays_one_line(trace, tmp_path, capsys):
+    """Found by the long fuzz run: a flipped byte made the key "\\ndex_width" (a JSON escape)."""
+    raw = trace.read_bytes().replace(b'"index_width"', b'"\\ndex_width"', 1)
+    e = fails(capsys, write(tmp_path, raw), r"\\ndex_width: unknown field", line=1)
+    assert e.field == "layout.channels[0].\ndex_width"

@@ -7,6 +7,7 @@ import dataclasses
 import re
 from typing import Optional
 
+from .._json import one_line
 from ..geometry import CHANNEL_OUTPUTS, GROUP_ORDER, KINDS, ChannelSpec, DSV4Layout, GroupSpec
 
 __all__ = ["TraceError", "check_header", "check_line", "check_capacity", "rebuild_layout", "LIMITS"]
@@ -33,7 +34,7 @@ class TraceError(ValueError):
     def __init__(self, path, line: int, field: Optional[str], message: str):
         self.path, self.line, self.field = str(path), line, field
         where = f"{self.path}:{line}" if line else self.path
-        super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
+        super().__init__(one_line(f"{where}: {field}: {message}" if field else f"{where}: {message}"))
 
 
 class _At:
