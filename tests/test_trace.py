@@ -45,14 +45,14 @@ def lines(path):
 
 def rewrite(src, dst, step, fn):
     out = lines(src)
-    fn(out[1 + step]["step"])
+    fn(next(d for d in out if d["type"] == "step" and d["index"] == step)["step"])
     dst.write_text("".join(json.dumps(d) + "\n" for d in out))
     return dst
 
 
 def test_trace_format(trace):
     header, steps = read_trace(trace)
-    assert header["type"] == "header" and header["version"] == 1
+    assert header["type"] == "header" and header["version"] == 2 and header["outputs"] == "rowmix64"
     assert header["pipeline"]["max_num_reqs"] == 4 and header["pipeline"]["num_speculative_tokens"] == 1
     assert layout_from_json(header["layout"]) == layout()
     assert layout_from_json(json.loads(json.dumps(layout_to_json(layout())))) == layout()
@@ -158,12 +158,12 @@ def test_rejected_steps_are_recorded_and_replayed_as_rejected(tmp_path):
     assert p is not None and p.kind == "accepted" and p.step == 1
 
 
-def test_bad_trace_files(tmp_path):
+def test_bad_trace_files(trace, tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text('{"type": "step"}\n')
-    with pytest.raises(ValueError, match="first line must be the header"):
+    with pytest.raises(ValueError, match="first line must be the trace header"):
         read_trace(p)
-    p.write_text('{"type": "header", "version": 1}\nnot json\n')
+    p.write_text(json.dumps(lines(trace)[0]) + "\nnot json\n")
     with pytest.raises(ValueError, match=r"x.jsonl:2: not JSON"):
         read_trace(p)
 
@@ -173,3 +173,24 @@ def test_replay_on_cuda(trace):
     """The checked pipeline on CUDA (Triton, fused) against the CPU reference, every step."""
     res = replay_trace(trace, device="cuda")
     assert res.ok and res.backend == "triton" and res.stats["accepted steps"] == len(SCRIPT), res.report()
+
+
+def test_engine_groups_trace_replays(tmp_path):
+    """A trace of a layout with vLLM's own groups (5 groups, two SWA sub-groups) replays clean, and a
+    tampered step of it is named."""
+    lay = DSV4Layout.from_config("flash", max_model_len=1024, groups="vllm")
+    assert [g.name for g in lay.groups] == ["mla", "swa_0", "swa_1", "c4_state", "c128_state"]
+    path = tmp_path / "vllm.jsonl"
+    pipe = MetadataPipeline(lay, 4, 64, "cpu", 1, backend="reference")
+    sched = ReferenceScheduler(lay, 256, max_num_batched_tokens=48, max_num_seqs=4, num_speculative_tokens=1)
+    with record_steps(pipe, path):
+        for step, _ in scripted_trace(sched, SCRIPT):
+            pipe.update(step)
+            pipe.build()
+    assert layout_from_json(read_trace(path)[0]["layout"]) == lay
+    res = replay_trace(str(path), device="cpu", backend="reference")
+    assert res.ok, res.report()
+    bad = rewrite(path, tmp_path / "bad.jsonl", 3, lambda s: s.__setitem__(
+        "num_computed_tokens", [n + 3 for n in s["num_computed_tokens"]]))
+    res = replay_trace(str(bad), device="cpu", backend="reference")
+    assert not res.ok and "step 3" in res.report()

@@ -146,12 +146,33 @@ def inspect_step(args) -> int:
 
 
 def replay(args) -> int:
+    """Exit status: 0 when every step replays clean (and matches its recorded outputs), 1 at the first
+    problem (printed), 2 for a trace or config that cannot be used (one line on stderr, see main)."""
     from .trace import replay_trace
 
     res = replay_trace(args.trace, config=_config_path(args.config) if args.config else None, device=args.device,
                        backend=args.backend, topk_seed=args.seed, progress=not args.no_progress)
     print(res.report())
     return 0 if res.ok else 1
+
+
+def _one_line_errors(fn):
+    """Bad input (a ``ValueError``: TraceError, ConfigError, ...; an unreadable file) -> its message on
+    one stderr line and exit status 2, never a traceback. ``DSV4_INDEX_TRACEBACK=1`` re-raises."""
+    import functools
+    import sys
+
+    @functools.wraps(fn)
+    def run(argv=None) -> int:
+        try:
+            return fn(argv)
+        except (ValueError, OSError) as e:
+            if os.environ.get("DSV4_INDEX_TRACEBACK"):
+                raise
+            msg = " ".join(str(e).split()) or type(e).__name__
+            print(f"python -m dsv4_index: error: {msg}", file=sys.stderr)
+            return 2
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@_one_line_errors
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
