@@ -94,24 +94,25 @@ def is_int(v, *, numpy_ok: bool = False) -> bool:
 
 def check_int(name: str, v, *, lo: Optional[int] = None, hi: Optional[int] = None, numpy_ok: bool = False) -> int:
     """``v`` as an int, or ``ValueError`` naming ``name``: an int (not a bool; numpy integers with
-    ``numpy_ok``) with ``lo <= v <= hi`` (either bound optional).
+    ``numpy_ok``) with ``lo <= v <= hi`` (either bound optional). The one integer-argument check of the
+    package: the message always reads ``"<name> must be an int[ >= lo| <= hi| in [lo, hi]], got <v>"``.
 
     >>> check_int("block_size", 64, lo=1)
     64
     >>> check_int("cp_rank", 2, lo=0, hi=1)
     Traceback (most recent call last):
         ...
-    ValueError: cp_rank must be in [0, 1], got 2
+    ValueError: cp_rank must be an int in [0, 1], got 2
+    >>> check_int("window", True, lo=1)
+    Traceback (most recent call last):
+        ...
+    ValueError: window must be an int >= 1, got True
     """
-    if not is_int(v, numpy_ok=numpy_ok):
-        raise ValueError(f"{name} must be an int, got {type(v).__name__}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        if hi is None:
-            raise ValueError(f"{name} must be >= {lo}, got {v}")
-        if lo is None:
-            raise ValueError(f"{name} must be <= {hi}, got {v}")
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
-    return int(v)
+    if is_int(v, numpy_ok=numpy_ok) and (lo is None or v >= lo) and (hi is None or v <= hi):
+        return int(v)
+    bound = ("" if lo is None and hi is None else f" >= {lo}" if hi is None else f" <= {hi}" if lo is None
+             else f" in [{lo}, {hi}]")
+    raise ValueError(f"{name} must be an int{bound}, got {v!r}")
 
 
 def check_positive_int(name: str, v, *, minimum: int = 1) -> int:
@@ -139,8 +140,7 @@ def check_batch(query_start_loc, seq_lens, block_table=None):
 def check_cp(cp_world_size: int, cp_rank: int, cp_interleave: int, alloc_block: Optional[int] = None):
     check_positive_int("cp_world_size", cp_world_size)
     check_positive_int("cp_interleave", cp_interleave)
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_world_size:
-        raise ValueError(f"cp_rank must be an int in [0, cp_world_size={cp_world_size}), got {cp_rank!r}")
+    check_int("cp_rank", cp_rank, lo=0, hi=cp_world_size - 1)
     if alloc_block is not None and cp_world_size > 1 and alloc_block % cp_interleave != 0:
         raise ValueError(
             f"cp_interleave={cp_interleave} must divide the allocation block size {alloc_block}")

@@ -41,6 +41,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from ._common import is_int
+
 __all__ = ["SHIPPED", "CONFIG_DIR", "LAYER_TYPES", "DEFAULT_COMPRESS_RATES", "normalize_config",
            "shipped_config", "shipped_config_path"]
 
@@ -188,7 +190,7 @@ def _read_source(config) -> Tuple[Dict[str, Any], str]:
 
 
 def _is_int(v, minimum: int) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int) and v >= minimum
+    return is_int(v) and v >= minimum
 
 
 def _normalize_dict(raw: Dict[str, Any], where: str) -> Dict[str, Any]:

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ._common import cdiv
+from ._common import cdiv, check_int, is_int
 
 __all__ = ["PlannedGroup", "ROLES", "plan_groups", "vllm_plan", "layers_of_role"]
 
@@ -114,13 +114,12 @@ def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
         if role not in ROLES:
             raise ValueError(f"groups[{i}].role must be one of {list(ROLES)}, got {role!r}")
         if layers is not None:
-            if isinstance(layers, (str, bytes)) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                          for x in layers):
+            if isinstance(layers, (str, bytes)) or not all(is_int(x) for x in layers):
                 raise ValueError(f"groups[{i}].layers must be a list of layer indices, got {layers!r}")
             layers = tuple(layers)
         bs = g.get("block_size")
-        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
-            raise ValueError(f"groups[{i}].block_size must be an int >= 1, got {bs!r}")
+        if bs is not None:
+            check_int(f"groups[{i}].block_size", bs, lo=1)
         plan.append(PlannedGroup(role, g.get("name") or "", layers, bs))
     # names: the role, or role_<k> when a role has several groups
     per_role: Dict[str, int] = {}

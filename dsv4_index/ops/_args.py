@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .._common import (INT32_MAX, INT32_MIN, check_batch_values, check_tensor, prepare_out,
+from .._common import (INT32_MAX, INT32_MIN, check_batch_values, check_int, check_tensor, prepare_out,
                        resolve_num_tokens)
 
 
@@ -113,9 +113,7 @@ def table_rows(block_table: torch.Tensor, idx_mapping: Optional[torch.Tensor], n
 def check_ring(ring: bool, circular_capacity: Optional[int], block_size: int, cp_world_size: int):
     """Ring / circular table arguments (DESIGN §4 "Sliding tables as rings")."""
     if circular_capacity is not None:
-        if isinstance(circular_capacity, bool) or not isinstance(circular_capacity, int) \
-                or circular_capacity < 1:
-            raise ValueError(f"circular_capacity must be an int >= 1, got {circular_capacity!r}")
+        check_int("circular_capacity", circular_capacity, lo=1)
         if circular_capacity != block_size:
             raise ValueError(f"circular_capacity={circular_capacity} must equal block_size={block_size}")
         if cp_world_size != 1:

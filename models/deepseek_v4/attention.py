@@ -24,11 +24,13 @@ One token ``t`` at position ``pos`` (fp32 throughout):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 from einops import rearrange
 from torch import nn
+
+from dsv4_index._common import check_int
 
 from .config import DSV4Config
 
@@ -379,8 +381,7 @@ class PagedCaches:
 
     def __init__(self, config: DSV4Config, layout, num_blocks: int, *, device=None,
                  dtype: torch.dtype = torch.float32, fill: float = float("nan")):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, lo=1)
         D, d = config.head_dim, config.index_head_dim
 
         def alloc(channel: str, width: int) -> torch.Tensor:
