@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple, Union
 
 from ._common import cdiv, check_int, is_int, round_up
+from .group_plan import plan_groups
 from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, INDEX_ALIGN, ChannelSpec, GroupSpec
 
 __all__ = ["GroupSpec", "ChannelSpec", "DSV4Layout", "GROUP_ORDER", "CHANNEL_OUTPUTS"]
@@ -194,7 +195,6 @@ class DSV4Layout:
             n = cdiv(max_model_len, ratio)
             return cdiv(n, cp_interleave * cp_world_size) * cp_interleave if cp_world_size > 1 else n
 
-        from .group_plan import plan_groups
         plan = plan_groups(groups, ratios, r4, r128)
         known = {p.name for p in plan} | {p.role for p in plan}
         for what, keys in (("kernel_block_size", kbs), ("circular", circular)):

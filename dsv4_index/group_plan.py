@@ -11,8 +11,9 @@ vLLM's plan (its KV-cache planner, ``get_kv_cache_groups`` / ``DeepseekV4KVCache
 sliding-like layers grouped by ``(block_size, window)``; per kind the count of layer tuples (full: the
 larger of the C4 and C128 layer counts, SWA: every layer, states: their layers); ``d`` = the ``d >=
 counts[0]`` with the least round-up padding ``sum(cdiv(n, d) * d - n)`` (searched up to the largest
-count, the smallest ``d`` on ties: our reading, it decides nothing for Flash or Pro); a kind of ``n`` tuples splits into ``k = cdiv(n, d)`` sub-groups, sub-group ``i``
-taking tuples ``i::k``; groups in the order full, SWA sub-groups, C4 state, C128 state. V4-Flash:
+count, the smallest ``d`` on ties: our reading, it decides nothing for Flash or Pro); a kind of ``n``
+tuples splits into ``k = cdiv(n, d)`` sub-groups, sub-group ``i`` taking tuples ``i::k``; groups in the
+order full, SWA sub-groups, C4 state, C128 state. V4-Flash:
 counts ``[21, 44, 21, 20]``, ``d = 22``; V4-Pro ``[31, 62, 30, 31]``, ``d = 31``: 5 groups each. Newer vLLM
 planners infer block sizes and may group differently: pass the engine's actual groups then.
 """

@@ -44,7 +44,7 @@ def causal_compressed_indices(query_start_loc: torch.Tensor, seq_lens: torch.Ten
     cp_world_size, cp_rank, cp_interleave : int
         DCP: list only the rows this rank owns (local slots, ascending, packed).
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     num_tokens : int, optional
         Host-known live token count; rows of the result when ``out=`` is None (read from
         ``query_start_loc[-1]`` otherwise: one host sync on CUDA).

@@ -47,7 +47,7 @@ def compressed_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tenso
         List only the rows completed this step, request by request in position order, with
         offsets ``cu``.
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     replay_end : int32 ``[B]``, optional
         Bounded replay (DESIGN §4): tokens at ``pos < replay_end[b]`` write nothing (``-1``); their
         rows are cached in blocks shared with other requests. In the compact form such rows are

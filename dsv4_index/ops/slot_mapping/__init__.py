@@ -49,7 +49,7 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
         The table's columns form a ring: logical block ``i`` is in column ``i % cols`` (DESIGN §4
         "Sliding tables as rings"); no logical width limit.
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     replay_end : int32 ``[B]``, optional
         Bounded replay of a prefix-cacheable (full) group: tokens at ``pos < replay_end[b]`` write
         nothing (``-1``); their KV is already cached in blocks shared with other requests.

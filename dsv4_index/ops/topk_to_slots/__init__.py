@@ -44,7 +44,7 @@ def topk_to_slots(topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: t
     compact : bool
         Pack the valid entries to the front of each row (original order kept).
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     num_tokens : int, optional
         Host-known live token count; rows of the result when ``out=`` is None.
     out, out_lens : int32 ``[T_out, K]`` and ``[T_out]``, optional (same rows)

@@ -54,7 +54,7 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
         ``-2 - x``); ``-1`` stays padding. Any chunk length is accepted; the ring part of a request's
         reads (positions ``max(s - W + 1, floor) .. s - 1``) must fit the capacity (value check).
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     num_tokens : int, optional
         Host token count; None reads ``qsl[-1]`` (a host sync on CUDA) when ``out`` is None.
     out : int32 ``[T_out, >= window]``, optional
