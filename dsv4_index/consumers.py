@@ -226,6 +226,7 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
     n_c = torch.clamp(vis, max=K)
     c = torch.arange(width, device=dev)[None, :]
     if layer_kind == "c4":
+        assert topk is not None  # NOTE: _kind_params rejected a c4 call without topk
         picks = topk[t0:t1].long()
         picks = torch.where((picks >= 0) & (picks < vis[:, None]), base[:, None] + picks, -1)
         comp = torch.nn.functional.pad(picks, (0, width - K), value=-1)

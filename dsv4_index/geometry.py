@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 from ._common import cdiv, check_int, is_int, round_up
 from .group_plan import plan_groups
@@ -140,11 +140,11 @@ class DSV4Layout:
         if sliding_tables not in ("ring", "full"):
             raise ValueError(f"sliding_tables must be 'ring' or 'full', got {sliding_tables!r}")
         circular = dict(circular or {})
-        for g, cap in circular.items():
+        for g, capacity in circular.items():
             if g in ("mla",) or not isinstance(g, str):
                 raise ValueError(f"circular names {g!r}; only sliding groups (swa, c4_state, c128_state) "
                                  f"can be circular")
-            check_int(f"circular[{g!r}]", cap, lo=1)
+            check_int(f"circular[{g!r}]", capacity, lo=1)
         cp_world_size = check_int("cp_world_size", cp_world_size, lo=1)
         cp_interleave = check_int("cp_interleave", cp_interleave, lo=1)
         alloc = {"mla": check_int("mla_block_size", mla_block_size, lo=1),
@@ -203,7 +203,9 @@ class DSV4Layout:
                 raise ValueError(f"{what} names unknown group(s) {bad}; groups: {sorted(known)}")
         gwin = {"mla": None, "swa": window,
                 "c4_state": None if r4 is None else 2 * r4, "c128_state": r128}
-        specs, channels, mla_gid = [], {}, None
+        specs: List[GroupSpec] = []
+        channels: Dict[str, ChannelSpec] = {}
+        mla_gid: Optional[int] = None
         for p in plan:
             name, role = p.name, p.role
             gid = len(specs)
@@ -214,7 +216,7 @@ class DSV4Layout:
             kind = "full" if role == "mla" else ("circular" if cap is not None else "sliding")
             a = p.block_size or alloc[role]
             kb = kbs.get(name, kbs.get(role))
-            if kind == "circular":
+            if kind == "circular" and cap is not None:  # NOTE: kind is circular exactly when cap is set
                 if kb is not None:
                     raise ValueError(f"kernel_block_size: circular group {name!r} has no kernel blocks")
                 a = cap

@@ -55,12 +55,11 @@ def layers_of_role(role: str, ratios: Sequence[int], r4: Optional[int], r128: Op
 
 
 def _approx_gcd(counts: List[int]) -> int:
-    best = None
-    for d in range(max(counts[0], 1), max(counts) + 1):
-        pad = sum(cdiv(n, d) * d - n for n in counts)
-        if best is None or pad < best[0]:
-            best = (pad, d)
-    return best[1]
+    def padding(d: int) -> int:
+        return sum(cdiv(n, d) * d - n for n in counts)
+
+    # NOTE: min keeps the first minimum: the smallest d on ties
+    return min(range(max(counts[0], 1), max(counts) + 1), key=padding)
 
 
 def vllm_plan(ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> List[PlannedGroup]:

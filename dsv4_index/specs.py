@@ -123,7 +123,7 @@ class GroupSpec:
         """
         if self.kind == "circular":
             return 1, 1
-        if self.ring:
+        if self.ring and self.window is not None:  # NOTE: ring groups are sliding, so windowed
             ring = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + self.blocks_per_kv_block
             if ring < self.table_width:
                 return ring, ring

@@ -280,7 +280,7 @@ def _indexer(query_start_loc: Tensor, seq_lens: Tensor, compress_ratio: int, *, 
              cp_interleave: int = 1, validate: bool = False,
              backend: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     r = ops.indexer_lengths(query_start_loc, seq_lens, compress_ratio, **_kw(locals(), decode=True))
-    dec = r.decode_lens if next_n else query_start_loc.new_empty((num_decodes, 0))
+    dec = r.decode_lens if next_n and r.decode_lens is not None else query_start_loc.new_empty((num_decodes, 0))
     return r.lens, dec, r.ks, r.ke, r.cu
 
 

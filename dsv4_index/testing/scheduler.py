@@ -62,6 +62,9 @@ circular group), so the oldest running request can always progress.
 
 Not modelled: DCP (tables cover global positions), priorities, aborts, caching of generated tokens,
 encoder inputs.
+
+NOTE: over the ~400-line guide on purpose: test harness, not core; one state machine (pool, prefix
+cache, waiting / running queues, preemption) whose policy reads best in one class.
 """
 from __future__ import annotations
 

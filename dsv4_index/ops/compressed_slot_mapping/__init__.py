@@ -122,6 +122,7 @@ def compressed_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tenso
                                                 compress_ratio, rows, replay_end, cp_world_size,
                                                 cp_rank, cp_interleave, T))
         return out
+    assert out_cu is not None  # NOTE: compact: prepare_out gave it above
     listed, cu = naive.compact(query_start_loc, seq_lens, block_table, rows_per_block, compress_ratio,
                                rows, replay_end, cp_world_size, cp_rank, cp_interleave, T,
                                out.shape[0], out_cu.shape[0])

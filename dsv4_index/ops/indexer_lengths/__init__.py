@@ -82,6 +82,7 @@ def indexer_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compr
     if (next_n is None) != (num_decodes is None):
         raise ValueError("next_n and num_decodes must be given together "
                          f"(got next_n={next_n!r}, num_decodes={num_decodes!r})")
+    decodes = num_decodes or 0
     if next_n is None and out_decode is not None:
         raise ValueError("out_decode needs next_n and num_decodes")
     if next_n is not None:
@@ -97,13 +98,13 @@ def indexer_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compr
         raise ValueError(f"out_cu has {cu.shape[0]} entries, expected B + 1 = {B + 1}")
     dec = None
     if next_n is not None:
-        dec = prepare_out("out_decode", out_decode, shape=(num_decodes, next_n), min_rows=num_decodes,
+        dec = prepare_out("out_decode", out_decode, shape=(decodes, next_n), min_rows=decodes,
                           dtype=torch.int32, device=device, exact_cols=True)
     if needs_value_checks(device, validate):
         check_values(query_start_loc, seq_lens, num_tokens, T_out)
         if next_n is not None:
             qsl = query_start_loc.detach().cpu().long()
-            q = qsl[1:num_decodes + 1] - qsl[:num_decodes]
+            q = qsl[1:decodes + 1] - qsl[:decodes]
             bad = torch.nonzero(q > next_n)
             if bad.numel():
                 b = int(bad[0])
@@ -115,10 +116,10 @@ def indexer_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compr
     outs = IndexerLengths(lens, dec, ks, ke, cu)
     if use_triton(device, backend):
         kernel.launch(query_start_loc, seq_lens, compress_ratio, cp_world_size, cp_rank, cp_interleave,
-                      next_n, num_decodes or 0, lens, dec, ks, ke, cu)
+                      next_n, decodes, lens, dec, ks, ke, cu)
         return outs
     res = naive.indexer_lengths(query_start_loc, seq_lens, compress_ratio, cp_world_size, cp_rank,
-                                cp_interleave, T_out, next_n, num_decodes or 0,
+                                cp_interleave, T_out, next_n, decodes,
                                 dec.shape[0] if dec is not None else 0)
     for buf, val in zip(outs, res):
         if buf is not None:
