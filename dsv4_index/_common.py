@@ -24,9 +24,7 @@ INT32_MIN = -(2 ** 31)
 BACKENDS = ("triton", "reference")
 
 
-# ----------------------------------------------------------------------------------------------
 # backend dispatch
-# ----------------------------------------------------------------------------------------------
 def interpreting() -> bool:
     """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -66,9 +64,7 @@ def needs_value_checks(device: torch.device, validate: bool) -> bool:
     return validate or device.type != "cuda"
 
 
-# ----------------------------------------------------------------------------------------------
 # argument checks (ValueError naming the argument)
-# ----------------------------------------------------------------------------------------------
 def check_tensor(name: str, x, *, dtypes: Sequence[torch.dtype], ndim: int,
                  device: Optional[torch.device] = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
@@ -194,9 +190,7 @@ def prepare_out(name: str, out, *, shape: Sequence[int], min_rows: int, dtype: t
     return out
 
 
-# ----------------------------------------------------------------------------------------------
 # DCP ownership (DESIGN §4) — torch versions shared by the reference and the host-side checks
-# ----------------------------------------------------------------------------------------------
 def cp_owner(p: torch.Tensor, world: int, interleave: int) -> torch.Tensor:
     return (p // interleave) % world
 
@@ -226,9 +220,7 @@ def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
-# ----------------------------------------------------------------------------------------------
 # reference helpers: token map and masked table gathers (torch, any device)
-# ----------------------------------------------------------------------------------------------
 def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_rows: int):
     """Token map of ``num_rows`` token slots: (req int64, pos int64, valid bool), each ``[num_rows]``.
 

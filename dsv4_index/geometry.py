@@ -75,7 +75,6 @@ class DSV4Layout:
     cp_world_size: int = 1
     cp_interleave: int = 1
 
-    # ------------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config, max_model_len: int, *, mla_block_size: int = 256,
                     swa_block_size: int = 64, c4_state_block_size: int = 4,
@@ -273,7 +272,6 @@ class DSV4Layout:
                    indexer_causal_indices=bool(indexer_causal_indices),
                    cp_world_size=cp_world_size, cp_interleave=cp_interleave)
 
-    # ------------------------------------------------------------------------------------------
     @property
     def num_groups(self) -> int:
         return len(self.groups)

@@ -40,9 +40,7 @@ __all__ = ["DSV4Attention", "Compressor", "Indexer", "PagedCaches", "LayerCache"
 NEG_INF = float("-inf")
 
 
-# ----------------------------------------------------------------------------------------------
 # math shared by both forms
-# ----------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -148,9 +146,7 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, o
     cache[slots[sel].long()] = values[sel]
 
 
-# ----------------------------------------------------------------------------------------------
 # modules
-# ----------------------------------------------------------------------------------------------
 class Compressor(nn.Module):
     """Gated pooling of a span of ``span`` tokens into one compressed row of ``dim``.
 
@@ -354,9 +350,7 @@ class DSV4Attention(nn.Module):
         return torch.where(ok[:, None], self._out(q, keys, valid), 0.0)
 
 
-# ----------------------------------------------------------------------------------------------
 # caches
-# ----------------------------------------------------------------------------------------------
 @dataclass
 class LayerCache:
     """One layer's caches (rows = slots of its channel). ``None`` where the kind has no such cache.
