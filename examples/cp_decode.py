@@ -264,12 +264,13 @@ def check_fit(meta, views: dict, layouts: CPLayouts) -> None:
     if not L.rank.has_group("mla"):
         return
     g = L.rank.group("mla")
-    tab, slots, seq = meta.block_tables[g.gid].cpu(), meta.idx_mapping.cpu(), meta.seq_lens.cpu().long()
+    tab, req_slots, seq = meta.block_tables[g.gid].cpu(), meta.idx_mapping.cpu(), meta.seq_lens.cpu().long()
     _, r, inter = meta.cp
     for b, rid in enumerate(meta.req_ids):
         ids = list(views[rid].block_ids[g.gid])
-        if tab[int(slots[b]), :len(ids)].tolist() != ids:
-            raise ValueError(f"request {rid!r}: mla row {tab[int(slots[b]), :len(ids)].tolist()} != scheduler's {ids}")
+        row = tab[int(req_slots[b]), :len(ids)].tolist()
+        if row != ids:
+            raise ValueError(f"request {rid!r}: mla row {row} != scheduler's {ids}")
         for c in L.rank.channels_of(g.gid):
             if c.compress_ratio > 1:
                 need = int(cp_owned_count(seq[b] // c.compress_ratio, L.world, r, inter))

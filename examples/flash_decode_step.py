@@ -264,9 +264,9 @@ class Values:
 
 
 class Workload:
-    """``B`` decoding requests, ``next_n = 2`` tokens per step (one speculative), in slots ``0..B-1``. One
-    pool of block ids ``[trash + 1, top)``: the mla group's at the top, the sliding groups' below; id
-    ``trash`` is never handed out (the storage's scratch block), id 0 is the null block."""
+    """``B`` decoding requests, ``next_n = 2`` tokens per step (one speculative), in request slots
+    ``0..B-1``. One pool of block ids ``[trash + 1, top)``: the mla group's at the top, the sliding groups'
+    below; id ``trash`` is never handed out (the storage's scratch block), id 0 is the null block."""
 
     def __init__(self, layout, B, ctx, max_model_len, steps, seed, virtual, next_n=2):
         self.B, self.next_n, self.L, self.ctx, self.steps = B, next_n, max_model_len, ctx, steps
