@@ -111,10 +111,6 @@ def check_int(name: str, v, *, lo: Optional[int] = None, hi: Optional[int] = Non
     raise ValueError(f"{name} must be an int{bound}, got {v!r}")
 
 
-def check_positive_int(name: str, v, *, minimum: int = 1) -> int:
-    return check_int(name, v, lo=minimum)
-
-
 def check_batch(query_start_loc, seq_lens, block_table=None):
     """Shape / dtype / device checks of the batch description; returns (B, device)."""
     check_tensor("query_start_loc", query_start_loc, dtypes=(torch.int32,), ndim=1)
@@ -134,8 +130,8 @@ def check_batch(query_start_loc, seq_lens, block_table=None):
 
 
 def check_cp(cp_world_size: int, cp_rank: int, cp_interleave: int, alloc_block: Optional[int] = None):
-    check_positive_int("cp_world_size", cp_world_size)
-    check_positive_int("cp_interleave", cp_interleave)
+    check_int("cp_world_size", cp_world_size, lo=1)
+    check_int("cp_interleave", cp_interleave, lo=1)
     check_int("cp_rank", cp_rank, lo=0, hi=cp_world_size - 1)
     if alloc_block is not None and cp_world_size > 1 and alloc_block % cp_interleave != 0:
         raise ValueError(
@@ -165,7 +161,7 @@ def check_batch_values(query_start_loc, seq_lens, *, num_tokens: Optional[int] =
 def resolve_num_tokens(query_start_loc: torch.Tensor, num_tokens: Optional[int], out=None) -> int:
     """Live token count: ``num_tokens`` if given, else read ``query_start_loc[-1]`` (a host sync on CUDA)."""
     if num_tokens is not None:
-        check_positive_int("num_tokens", num_tokens, minimum=0)
+        check_int("num_tokens", num_tokens, lo=0)
         return num_tokens
     return int(query_start_loc[-1].item())
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..._common import (check_batch, check_cp, check_positive_int, needs_value_checks, prepare_out,
+from ..._common import (check_batch, check_cp, check_int, needs_value_checks, prepare_out,
                         resolve_num_tokens, use_triton)
 from .._args import (check_block_table, check_per_request, check_table_width, check_values,
                      prepare_rows, table_rows)
@@ -84,8 +84,8 @@ def compressed_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tenso
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)
-    check_positive_int("rows_per_block", rows_per_block)
-    check_positive_int("compress_ratio", compress_ratio)
+    check_int("rows_per_block", rows_per_block, lo=1)
+    check_int("compress_ratio", compress_ratio, lo=1)
     check_cp(cp_world_size, cp_rank, cp_interleave)
     idx_mapping = check_per_request("idx_mapping", idx_mapping, B, device)
     replay_end = check_per_request("replay_end", replay_end, B, device)

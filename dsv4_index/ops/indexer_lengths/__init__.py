@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..._common import (check_batch, check_cp, check_positive_int, cp_owned_count, needs_value_checks,
+from ..._common import (check_batch, check_cp, check_int, cp_owned_count, needs_value_checks,
                         prepare_out, use_triton)
 from .._args import check_int32_total, check_values, resolve_rows, token_out
 from . import kernel, naive
@@ -77,7 +77,7 @@ def indexer_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compr
     ([5, 0, 1, 1, 0], [0, 5, 5, 5, 0], [5, 5, 6, 6, 0], [0, 5, 6], [[5]])
     """
     B, device = check_batch(query_start_loc, seq_lens)
-    check_positive_int("compress_ratio", compress_ratio)
+    check_int("compress_ratio", compress_ratio, lo=1)
     check_cp(cp_world_size, cp_rank, cp_interleave)
     if (next_n is None) != (num_decodes is None):
         raise ValueError("next_n and num_decodes must be given together "
@@ -86,8 +86,8 @@ def indexer_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compr
     if next_n is None and out_decode is not None:
         raise ValueError("out_decode needs next_n and num_decodes")
     if next_n is not None:
-        check_positive_int("next_n", next_n)
-        check_positive_int("num_decodes", num_decodes, minimum=0)
+        check_int("next_n", next_n, lo=1)
+        check_int("num_decodes", num_decodes, lo=0)
         if num_decodes > B:
             raise ValueError(f"num_decodes = {num_decodes} exceeds the batch size B = {B}")
     T_out = resolve_rows(query_start_loc, num_tokens, {"out": out, "out_ks": out_ks, "out_ke": out_ke})
