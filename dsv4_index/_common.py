@@ -24,9 +24,7 @@ INT32_MIN = -(2 ** 31)
 BACKENDS = ("triton", "reference")
 
 
-# ----------------------------------------------------------------------------------------------
 # backend dispatch
-# ----------------------------------------------------------------------------------------------
 def interpreting() -> bool:
     """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -66,9 +64,7 @@ def needs_value_checks(device: torch.device, validate: bool) -> bool:
     return validate or device.type != "cuda"
 
 
-# ----------------------------------------------------------------------------------------------
 # argument checks (ValueError naming the argument)
-# ----------------------------------------------------------------------------------------------
 def check_tensor(name: str, x, *, dtypes: Sequence[torch.dtype], ndim: int,
                  device: Optional[torch.device] = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
@@ -94,28 +90,25 @@ def is_int(v, *, numpy_ok: bool = False) -> bool:
 
 def check_int(name: str, v, *, lo: Optional[int] = None, hi: Optional[int] = None, numpy_ok: bool = False) -> int:
     """``v`` as an int, or ``ValueError`` naming ``name``: an int (not a bool; numpy integers with
-    ``numpy_ok``) with ``lo <= v <= hi`` (either bound optional).
+    ``numpy_ok``) with ``lo <= v <= hi`` (either bound optional). The one integer-argument check of the
+    package: the message always reads ``"<name> must be an int[ >= lo| <= hi| in [lo, hi]], got <v>"``.
 
     >>> check_int("block_size", 64, lo=1)
     64
     >>> check_int("cp_rank", 2, lo=0, hi=1)
     Traceback (most recent call last):
         ...
-    ValueError: cp_rank must be in [0, 1], got 2
+    ValueError: cp_rank must be an int in [0, 1], got 2
+    >>> check_int("window", True, lo=1)
+    Traceback (most recent call last):
+        ...
+    ValueError: window must be an int >= 1, got True
     """
-    if not is_int(v, numpy_ok=numpy_ok):
-        raise ValueError(f"{name} must be an int, got {type(v).__name__}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        if hi is None:
-            raise ValueError(f"{name} must be >= {lo}, got {v}")
-        if lo is None:
-            raise ValueError(f"{name} must be <= {hi}, got {v}")
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
-    return int(v)
-
-
-def check_positive_int(name: str, v, *, minimum: int = 1) -> int:
-    return check_int(name, v, lo=minimum)
+    if is_int(v, numpy_ok=numpy_ok) and (lo is None or v >= lo) and (hi is None or v <= hi):
+        return int(v)
+    bound = ("" if lo is None and hi is None else f" >= {lo}" if hi is None else f" <= {hi}" if lo is None
+             else f" in [{lo}, {hi}]")
+    raise ValueError(f"{name} must be an int{bound}, got {v!r}")
 
 
 def check_batch(query_start_loc, seq_lens, block_table=None):
@@ -137,10 +130,9 @@ def check_batch(query_start_loc, seq_lens, block_table=None):
 
 
 def check_cp(cp_world_size: int, cp_rank: int, cp_interleave: int, alloc_block: Optional[int] = None):
-    check_positive_int("cp_world_size", cp_world_size)
-    check_positive_int("cp_interleave", cp_interleave)
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_world_size:
-        raise ValueError(f"cp_rank must be an int in [0, cp_world_size={cp_world_size}), got {cp_rank!r}")
+    check_int("cp_world_size", cp_world_size, lo=1)
+    check_int("cp_interleave", cp_interleave, lo=1)
+    check_int("cp_rank", cp_rank, lo=0, hi=cp_world_size - 1)
     if alloc_block is not None and cp_world_size > 1 and alloc_block % cp_interleave != 0:
         raise ValueError(
             f"cp_interleave={cp_interleave} must divide the allocation block size {alloc_block}")
@@ -169,7 +161,7 @@ def check_batch_values(query_start_loc, seq_lens, *, num_tokens: Optional[int] =
 def resolve_num_tokens(query_start_loc: torch.Tensor, num_tokens: Optional[int], out=None) -> int:
     """Live token count: ``num_tokens`` if given, else read ``query_start_loc[-1]`` (a host sync on CUDA)."""
     if num_tokens is not None:
-        check_positive_int("num_tokens", num_tokens, minimum=0)
+        check_int("num_tokens", num_tokens, lo=0)
         return num_tokens
     return int(query_start_loc[-1].item())
 
@@ -194,9 +186,7 @@ def prepare_out(name: str, out, *, shape: Sequence[int], min_rows: int, dtype: t
     return out
 
 
-# ----------------------------------------------------------------------------------------------
 # DCP ownership (DESIGN §4) — torch versions shared by the reference and the host-side checks
-# ----------------------------------------------------------------------------------------------
 def cp_owner(p: torch.Tensor, world: int, interleave: int) -> torch.Tensor:
     return (p // interleave) % world
 
@@ -226,9 +216,7 @@ def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
-# ----------------------------------------------------------------------------------------------
 # reference helpers: token map and masked table gathers (torch, any device)
-# ----------------------------------------------------------------------------------------------
 def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_rows: int):
     """Token map of ``num_rows`` token slots: (req int64, pos int64, valid bool), each ``[num_rows]``.
 

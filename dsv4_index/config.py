@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._common import is_int
 from ._json import BadJSON, decode_utf8, line_of_key, loads_bounded, one_line
 
 __all__ = ["SHIPPED", "CONFIG_DIR", "LAYER_TYPES", "DEFAULT_COMPRESS_RATES", "BOUNDS", "MAX_CONFIG_BYTES",
@@ -226,8 +227,7 @@ def _read_source(config) -> Tuple[Dict[str, Any], str, Optional[str]]:
 
 
 def _is_int(v, minimum: int, maximum: Optional[int] = None) -> bool:
-    return (not isinstance(v, bool) and isinstance(v, int) and v >= minimum
-            and (maximum is None or v <= maximum))
+    return is_int(v) and v >= minimum and (maximum is None or v <= maximum)
 
 
 def _short(v) -> str:

@@ -41,7 +41,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from ._common import round_up
+from ._common import check_int, round_up
 
 __all__ = ["PrefillChunk", "prefill_chunk", "prefill_chunks", "prefill_workspace_size", "gather_workspace",
            "PREFILL_INDEX_ALIGN", "swa_channel"]
@@ -169,9 +169,8 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
     """
     R, K = _kind_params(meta, layer_kind, topk)
     swa_name = swa_channel(meta.layout, layer_kind, layer)
-    for name, v in (("req_start", req_start), ("req_end", req_end)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{name} must be an int, got {v!r}")
+    check_int("req_start", req_start)
+    check_int("req_end", req_end)
     if not meta.num_decodes <= req_start < req_end <= meta.num_reqs:
         raise ValueError(f"req_start, req_end = {req_start}, {req_end}: need prefill rows, num_decodes = "
                          f"{meta.num_decodes} <= req_start < req_end <= num_reqs = {meta.num_reqs}")
@@ -227,6 +226,7 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
     n_c = torch.clamp(vis, max=K)
     c = torch.arange(width, device=dev)[None, :]
     if layer_kind == "c4":
+        assert topk is not None  # NOTE: _kind_params rejected a c4 call without topk
         picks = topk[t0:t1].long()
         picks = torch.where((picks >= 0) & (picks < vis[:, None]), base[:, None] + picks, -1)
         comp = torch.nn.functional.pad(picks, (0, width - K), value=-1)
@@ -253,8 +253,7 @@ def prefill_chunks(meta, layer_kind: str, topk: Optional[torch.Tensor] = None, *
     -------
     list of PrefillChunk — in batch order; empty when the step has no prefill.
     """
-    if isinstance(chunk_reqs, bool) or not isinstance(chunk_reqs, int) or chunk_reqs < 1:
-        raise ValueError(f"chunk_reqs must be an int >= 1, got {chunk_reqs!r}")
+    check_int("chunk_reqs", chunk_reqs, lo=1)
     _kind_params(meta, layer_kind, topk)
     N = M = None
     if same_shape:

@@ -1,5 +1,6 @@
-"""DSV4 cache geometry: kv-cache groups, the channels that read their block tables, and the layout
-derived from a model config (DESIGN §3, INTERFACES.md "Layout").
+"""DSV4 cache geometry: the layout (kv-cache groups and the channels that read their block tables)
+derived from a model config (DESIGN §3). The spec records live in :mod:`dsv4_index.specs`, the choice of
+groups in :mod:`dsv4_index.group_plan`; this module sizes them (block sizes, table widths, index widths).
 
 Group order is part of the contract: ``mla``, ``swa``, ``c4_state``, ``c128_state``; groups the config
 has no layer for are omitted and the remaining ones numbered ``0..G-1`` in that order.
@@ -13,192 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
-from ._common import cdiv, round_up
+from ._common import cdiv, check_int, is_int, round_up
+from .group_plan import plan_groups
+from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, INDEX_ALIGN, ChannelSpec, GroupSpec
 
 __all__ = ["GroupSpec", "ChannelSpec", "DSV4Layout", "GROUP_ORDER", "CHANNEL_OUTPUTS"]
-
-GROUP_ORDER = ("mla", "swa", "c4_state", "c128_state")
-KINDS = ("full", "sliding", "circular")
-INDEX_ALIGN = 128  # NOTE: causal compressed widths are rounded up to this (DESIGN §4)
-
-# outputs each built-in channel produces (names of ChannelMetadata fields)
-CHANNEL_OUTPUTS: Dict[str, FrozenSet[str]] = {
-    "swa": frozenset({"slot_mapping", "indices", "lens"}),
-    "c4_state": frozenset({"slot_mapping", "indices", "lens"}),
-    "c128_state": frozenset({"slot_mapping", "indices", "lens"}),
-    "c4a": frozenset({"compressed_slot_mapping"}),
-    "c4i": frozenset({"compressed_slot_mapping", "lens", "ks", "ke", "cu", "decode_lens"}),
-    "c128a": frozenset({"compressed_slot_mapping", "indices", "lens"}),
-}
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """One kv-cache group: its own block ids per request, from the shared block pool.
-
-    Attributes
-    ----------
-    gid : int
-        Group id (index into ``DSV4Layout.groups`` and into per-gid block-id lists).
-    name : str
-        ``"mla"``, ``"swa"``, ``"c4_state"``, ``"c128_state"`` (or a user name).
-    kind : str
-        ``"full"`` (every block kept), ``"sliding"`` (only the last ``window`` tokens are read) or
-        ``"circular"`` (one block of ``block_size`` = capacity rows per request, written as a ring:
-        ``slot(pos) = bt[0] * capacity + pos % capacity``; vLLM's ``CircularBufferSpec``).
-    block_size : int
-        Tokens per block *as stored in the table*: the kernel block size. With
-        ``blocks_per_kv_block = f > 1`` (hybrid) the scheduler allocates blocks of
-        ``alloc_block_size = block_size * f`` tokens and the table holds kernel-block ids ``b*f + j``.
-    window : int or None
-        Sliding window in tokens (None for full groups).
-    prefix_cacheable : bool
-        Whether blocks of this group can be shared through prefix caching.
-    table_width : int
-        Logical blocks (kernel blocks) per request: enough for ``max_model_len`` tokens (per rank
-        under DCP). The stored table has this many columns unless it is a ring (:meth:`columns`).
-    blocks_per_kv_block : int
-        Kernel blocks per allocation block ``f``.
-    ring : bool
-        Sliding groups: store a ring of the newest blocks (``ring_cols = cdiv(window - 1 +
-        max_num_batched_tokens, block_size) + blocks_per_kv_block`` columns; logical block ``i`` in
-        column ``i % ring_cols``) instead of ``table_width`` columns (DESIGN §4). Default for sliding
-        groups.
-    sharded : bool
-        DCP: the group's positions are sharded over ranks (ownership rule); False for groups
-        replicated on every rank (the compressor-state groups: a row's pooling span straddles ranks).
-    role : str or None
-        The cache the group holds: ``"mla"``, ``"swa"``, ``"c4_state"``, ``"c128_state"`` (None: a
-        user group; :mod:`dsv4_index.group_plan`). Several groups may share a role (vLLM's SWA
-        sub-groups).
-    layers : tuple of int or None
-        The layers whose ``role`` cache lives in this group; None: every layer that has one.
-    """
-
-    gid: int
-    name: str
-    kind: str
-    block_size: int
-    window: Optional[int]
-    prefix_cacheable: bool
-    table_width: int
-    blocks_per_kv_block: int = 1
-    ring: bool = False
-    sharded: bool = True
-    role: Optional[str] = None
-    layers: Optional[Tuple[int, ...]] = None
-
-    def __post_init__(self):
-        if self.layers is not None:  # NOTE: JSON round trips hand lists
-            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.ring and self.kind != "sliding":
-            raise ValueError(f"ring tables are for sliding groups (group {self.name!r} is {self.kind})")
-        if self.kind == "circular" and self.window is not None and self.block_size < self.window:
-            raise ValueError(f"circular group {self.name!r}: capacity (block_size) {self.block_size} "
-                             f"is below its window {self.window}")
-        if (self.window is None) != (self.kind == "full"):
-            raise ValueError(f"window must be None exactly for full groups (group {self.name!r}, "
-                             f"kind {self.kind!r}, window {self.window!r})")
-        for name in ("block_size", "table_width", "blocks_per_kv_block"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} of group {self.name!r} must be an int >= 1, got {v!r}")
-
-    @property
-    def kernel_block_size(self) -> int:
-        """Tokens per stored (kernel) block; same as ``block_size``."""
-        return self.block_size
-
-    @property
-    def alloc_block_size(self) -> int:
-        """Tokens per block the scheduler allocates: ``block_size * blocks_per_kv_block``."""
-        return self.block_size * self.blocks_per_kv_block
-
-    def columns(self, max_num_batched_tokens: int) -> Tuple[int, int]:
-        """(columns of the stored table, ring width or 0) for a pipeline of that token capacity.
-
-        A sliding ring keeps ``cdiv(window - 1 + max_num_batched_tokens, block_size) + f`` columns,
-        ``f = blocks_per_kv_block``: the blocks one step can read or write, plus one for a window
-        that starts inside a block, plus ``f - 1`` because the scheduler hands out whole allocation
-        blocks (a row may hold up to ``f - 1`` kernel blocks past the step's last token), unless that
-        is not smaller than the full width; a circular group keeps one column (a ring of width 1).
-        """
-        if self.kind == "circular":
-            return 1, 1
-        if self.ring:
-            ring = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + self.blocks_per_kv_block
-            if ring < self.table_width:
-                return ring, ring
-        return self.table_width, 0
-
-
-@dataclass(frozen=True)
-class ChannelSpec:
-    """One cache that reads a group's block table.
-
-    Attributes
-    ----------
-    name : str
-        Channel name (``c4a``, ``c4i``, ``c128a``, ``swa``, ``c4_state``, ``c128_state`` or user's).
-    gid : int
-        Group whose block table the channel reads.
-    compress_ratio : int
-        Tokens per cache row ``R`` (1 for raw tokens).
-    rows_per_block : int
-        Cache rows per (kernel) block ``S = block_size // R``.
-    window : int or None
-        Sliding window in tokens for windowed channels, else None.
-    index_width : int or None
-        Columns of the channel's per-token index list (capacity, never from the batch), or None when
-        the channel has no index list of fixed width.
-    outputs : frozenset of str
-        Names of the ChannelMetadata fields the channel produces.
-    compact : bool
-        Compressed channels: also emit the compact compressed slot mapping (``compact_slot_mapping``
-        ``[T_pad]`` with ``compact_cu [B + 1]``: the rows the step completes, request by request).
-    builder : str or None
-        Registry name of the builder class (:func:`dsv4_index.channels.register_channel`) when it
-        differs from ``name`` (e.g. ``"swa"`` for the window channel ``"swa_1"`` of an SWA sub-group);
-        also the channel's role for :meth:`DSV4Layout.layer_channels`.
-    """
-
-    name: str
-    gid: int
-    compress_ratio: int
-    rows_per_block: int
-    window: Optional[int] = None
-    index_width: Optional[int] = None
-    outputs: FrozenSet[str] = frozenset()
-    compact: bool = False
-    builder: Optional[str] = None
-
-    @property
-    def role(self) -> str:
-        """Built-in role (``c4a``, ``c4i``, ``c128a``, ``swa``, ``c4_state``, ``c128_state``) or the name."""
-        return self.builder or self.name
-
-    def __post_init__(self):
-        object.__setattr__(self, "outputs", frozenset(self.outputs))
-        for name in ("compress_ratio", "rows_per_block"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} of channel {self.name!r} must be an int >= 1, got {v!r}")
 
 
 def _load_config(config) -> dict:
     from .config import normalize_config
 
     return normalize_config(config)
-
-
-def _int_arg(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-    return v
 
 
 def _rows_per_block(channel: str, block_size: int, ratio: int) -> int:
@@ -247,7 +75,6 @@ class DSV4Layout:
     cp_world_size: int = 1
     cp_interleave: int = 1
 
-    # ------------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config, max_model_len: int, *, mla_block_size: int = 256,
                     swa_block_size: int = 64, c4_state_block_size: int = 4,
@@ -308,36 +135,35 @@ class DSV4Layout:
         DSV4Layout
         """
         cfg = _load_config(config)
-        max_model_len = _int_arg("max_model_len", max_model_len)
+        max_model_len = check_int("max_model_len", max_model_len, lo=1)
         if sliding_tables not in ("ring", "full"):
             raise ValueError(f"sliding_tables must be 'ring' or 'full', got {sliding_tables!r}")
         circular = dict(circular or {})
-        for g, cap in circular.items():
+        for g, capacity in circular.items():
             if g in ("mla",) or not isinstance(g, str):
                 raise ValueError(f"circular names {g!r}; only sliding groups (swa, c4_state, c128_state) "
                                  f"can be circular")
-            _int_arg(f"circular[{g!r}]", cap)
-        cp_world_size = _int_arg("cp_world_size", cp_world_size)
-        cp_interleave = _int_arg("cp_interleave", cp_interleave)
-        alloc = {"mla": _int_arg("mla_block_size", mla_block_size),
-                 "swa": _int_arg("swa_block_size", swa_block_size),
-                 "c4_state": _int_arg("c4_state_block_size", c4_state_block_size),
-                 "c128_state": _int_arg("c128_state_block_size", c128_state_block_size)}
+            check_int(f"circular[{g!r}]", capacity, lo=1)
+        cp_world_size = check_int("cp_world_size", cp_world_size, lo=1)
+        cp_interleave = check_int("cp_interleave", cp_interleave, lo=1)
+        alloc = {"mla": check_int("mla_block_size", mla_block_size, lo=1),
+                 "swa": check_int("swa_block_size", swa_block_size, lo=1),
+                 "c4_state": check_int("c4_state_block_size", c4_state_block_size, lo=1),
+                 "c128_state": check_int("c128_state_block_size", c128_state_block_size, lo=1)}
 
         missing = [k for k in ("num_hidden_layers", "compress_ratios", "sliding_window") if k not in cfg]
         if missing:
             raise ValueError(f"config is missing key(s) {missing}")
-        n_hidden = _int_arg("config['num_hidden_layers']", cfg["num_hidden_layers"])
-        n_mtp = _int_arg("config['num_nextn_predict_layers']", cfg.get("num_nextn_predict_layers", 0), 0)
+        n_hidden = check_int("config['num_hidden_layers']", cfg["num_hidden_layers"], lo=1)
+        n_mtp = check_int("config['num_nextn_predict_layers']", cfg.get("num_nextn_predict_layers", 0), lo=0)
         ratios = cfg["compress_ratios"]
-        if not isinstance(ratios, (list, tuple)) or any(
-                isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ratios):
+        if not isinstance(ratios, (list, tuple)) or any(not is_int(r) or r < 0 for r in ratios):
             raise ValueError(f"config['compress_ratios'] must be a list of ints >= 0, got {ratios!r}")
         ratios = tuple(ratios)
         if len(ratios) != n_hidden + n_mtp:
             raise ValueError(f"config['compress_ratios'] has {len(ratios)} entries, expected "
                              f"num_hidden_layers + num_nextn_predict_layers = {n_hidden + n_mtp}")
-        window = _int_arg("config['sliding_window']", cfg["sliding_window"])
+        window = check_int("config['sliding_window']", cfg["sliding_window"], lo=1)
         distinct = sorted(set(r for r in ratios if r > 0))
         if len(distinct) > 2:
             raise ValueError(f"config['compress_ratios'] has {len(distinct)} distinct non-zero ratios "
@@ -350,7 +176,7 @@ class DSV4Layout:
             r4 = r128 = None
         index_topk = cfg.get("index_topk")
         if r4 is not None:
-            index_topk = _int_arg("config['index_topk']", index_topk) if "index_topk" in cfg else None
+            index_topk = check_int("config['index_topk']", index_topk, lo=1) if "index_topk" in cfg else None
             if index_topk is None:
                 raise ValueError("config is missing key(s) ['index_topk'] (needed by c4 layers)")
 
@@ -359,7 +185,7 @@ class DSV4Layout:
             kbs = dict(kernel_block_size) if isinstance(kernel_block_size, Mapping) else \
                 {"mla": kernel_block_size}
             for g, k in kbs.items():
-                _int_arg(f"kernel_block_size[{g!r}]", k)
+                check_int(f"kernel_block_size[{g!r}]", k, lo=1)
 
         # NOTE: tokens one rank stores; equals max_model_len without DCP.
         per_rank = round_up(cdiv(max_model_len, cp_world_size), cp_interleave)
@@ -368,7 +194,6 @@ class DSV4Layout:
             n = cdiv(max_model_len, ratio)
             return cdiv(n, cp_interleave * cp_world_size) * cp_interleave if cp_world_size > 1 else n
 
-        from .group_plan import plan_groups
         plan = plan_groups(groups, ratios, r4, r128)
         known = {p.name for p in plan} | {p.role for p in plan}
         for what, keys in (("kernel_block_size", kbs), ("circular", circular)):
@@ -377,7 +202,9 @@ class DSV4Layout:
                 raise ValueError(f"{what} names unknown group(s) {bad}; groups: {sorted(known)}")
         gwin = {"mla": None, "swa": window,
                 "c4_state": None if r4 is None else 2 * r4, "c128_state": r128}
-        specs, channels, mla_gid = [], {}, None
+        specs: List[GroupSpec] = []
+        channels: Dict[str, ChannelSpec] = {}
+        mla_gid: Optional[int] = None
         for p in plan:
             name, role = p.name, p.role
             gid = len(specs)
@@ -388,7 +215,7 @@ class DSV4Layout:
             kind = "full" if role == "mla" else ("circular" if cap is not None else "sliding")
             a = p.block_size or alloc[role]
             kb = kbs.get(name, kbs.get(role))
-            if kind == "circular":
+            if kind == "circular" and cap is not None:  # NOTE: kind is circular exactly when cap is set
                 if kb is not None:
                     raise ValueError(f"kernel_block_size: circular group {name!r} has no kernel blocks")
                 a = cap
@@ -445,7 +272,6 @@ class DSV4Layout:
                    indexer_causal_indices=bool(indexer_causal_indices),
                    cp_world_size=cp_world_size, cp_interleave=cp_interleave)
 
-    # ------------------------------------------------------------------------------------------
     @property
     def num_groups(self) -> int:
         return len(self.groups)
@@ -477,8 +303,7 @@ class DSV4Layout:
         "c4_state": ...}`` for a c4 layer, ``{"swa", "c128a", "c128_state"}`` for a c128 layer,
         ``{"swa"}`` for an SWA-only layer; values are channel names (``"swa_1"`` for a layer of
         vLLM's second SWA sub-group). User-registered channels are not listed."""
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        check_int("layer", layer, lo=0, hi=self.num_layers - 1)
         kind = self.layer_kind(layer)
         wants = {"swa": {"swa"}, "c4": {"swa", "c4a", "c4i", "c4_state"},
                  "c128": {"swa", "c128a", "c128_state"}}[kind]

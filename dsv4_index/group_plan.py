@@ -11,8 +11,9 @@ vLLM's plan (its KV-cache planner, ``get_kv_cache_groups`` / ``DeepseekV4KVCache
 sliding-like layers grouped by ``(block_size, window)``; per kind the count of layer tuples (full: the
 larger of the C4 and C128 layer counts, SWA: every layer, states: their layers); ``d`` = the ``d >=
 counts[0]`` with the least round-up padding ``sum(cdiv(n, d) * d - n)`` (searched up to the largest
-count, the smallest ``d`` on ties: our reading, it decides nothing for Flash or Pro); a kind of ``n`` tuples splits into ``k = cdiv(n, d)`` sub-groups, sub-group ``i``
-taking tuples ``i::k``; groups in the order full, SWA sub-groups, C4 state, C128 state. V4-Flash:
+count, the smallest ``d`` on ties: our reading, it decides nothing for Flash or Pro); a kind of ``n``
+tuples splits into ``k = cdiv(n, d)`` sub-groups, sub-group ``i`` taking tuples ``i::k``; groups in the
+order full, SWA sub-groups, C4 state, C128 state. V4-Flash:
 counts ``[21, 44, 21, 20]``, ``d = 22``; V4-Pro ``[31, 62, 30, 31]``, ``d = 31``: 5 groups each. Newer vLLM
 planners infer block sizes and may group differently: pass the engine's actual groups then.
 """
@@ -23,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ._common import cdiv
+from ._common import cdiv, check_int, is_int
 
 __all__ = ["PlannedGroup", "ROLES", "plan_groups", "vllm_plan", "layers_of_role"]
 
@@ -54,12 +55,11 @@ def layers_of_role(role: str, ratios: Sequence[int], r4: Optional[int], r128: Op
 
 
 def _approx_gcd(counts: List[int]) -> int:
-    best = None
-    for d in range(max(counts[0], 1), max(counts) + 1):
-        pad = sum(cdiv(n, d) * d - n for n in counts)
-        if best is None or pad < best[0]:
-            best = (pad, d)
-    return best[1]
+    def padding(d: int) -> int:
+        return sum(cdiv(n, d) * d - n for n in counts)
+
+    # NOTE: min keeps the first minimum: the smallest d on ties
+    return min(range(max(counts[0], 1), max(counts) + 1), key=padding)
 
 
 def vllm_plan(ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> List[PlannedGroup]:
@@ -114,13 +114,12 @@ def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
         if role not in ROLES:
             raise ValueError(f"groups[{i}].role must be one of {list(ROLES)}, got {role!r}")
         if layers is not None:
-            if isinstance(layers, (str, bytes)) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                          for x in layers):
+            if isinstance(layers, (str, bytes)) or not all(is_int(x) for x in layers):
                 raise ValueError(f"groups[{i}].layers must be a list of layer indices, got {layers!r}")
             layers = tuple(layers)
         bs = g.get("block_size")
-        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
-            raise ValueError(f"groups[{i}].block_size must be an int >= 1, got {bs!r}")
+        if bs is not None:
+            check_int(f"groups[{i}].block_size", bs, lo=1)
         plan.append(PlannedGroup(role, g.get("name") or "", layers, bs))
     # names: the role, or role_<k> when a role has several groups
     per_role: Dict[str, int] = {}

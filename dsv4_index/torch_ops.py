@@ -63,9 +63,7 @@ def _empty(like: Tensor, shape, dtype) -> Tensor:
     return like.new_empty(shape, dtype=dtype)
 
 
-# ----------------------------------------------------------------------------------------------
 # token_to_req
-# ----------------------------------------------------------------------------------------------
 @_register("token_to_req")
 def _token_to_req(query_start_loc: Tensor, *, num_tokens: int, validate: bool = False,
                   backend: Optional[str] = None) -> Tensor:
@@ -83,9 +81,7 @@ def _token_to_req_out(query_start_loc: Tensor, out: Tensor, *, num_tokens: Optio
     ops.token_to_req(query_start_loc, num_tokens, out=out, validate=validate, backend=backend)
 
 
-# ----------------------------------------------------------------------------------------------
 # slot_mapping
-# ----------------------------------------------------------------------------------------------
 @_register("slot_mapping")
 def _slot_mapping(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, block_size: int,
                   idx_mapping: Optional[Tensor] = None, replay_end: Optional[Tensor] = None, *,
@@ -109,9 +105,7 @@ def _slot_mapping_out(query_start_loc: Tensor, seq_lens: Tensor, block_table: Te
     ops.slot_mapping(query_start_loc, seq_lens, block_table, block_size, **_kw(locals()))
 
 
-# ----------------------------------------------------------------------------------------------
 # compressed_slot_mapping (token-aligned) and its compact form
-# ----------------------------------------------------------------------------------------------
 @_register("compressed_slot_mapping")
 def _compressed(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, rows_per_block: int,
                 compress_ratio: int, idx_mapping: Optional[Tensor] = None, replay_end: Optional[Tensor] = None, *,
@@ -163,9 +157,7 @@ def _compact_out(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
                                 compact=True, **_kw(locals()))
 
 
-# ----------------------------------------------------------------------------------------------
 # window_indices
-# ----------------------------------------------------------------------------------------------
 @_register("window_indices")
 def _window(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, block_size: int, window: int,
             idx_mapping: Optional[Tensor] = None, replay_start: Optional[Tensor] = None, *, num_tokens: int,
@@ -191,9 +183,7 @@ def _window_out(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, 
     ops.window_indices(query_start_loc, seq_lens, block_table, block_size, window, **_kw(locals()))
 
 
-# ----------------------------------------------------------------------------------------------
 # causal_compressed_indices
-# ----------------------------------------------------------------------------------------------
 @_register("causal_compressed_indices")
 def _causal(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, rows_per_block: int,
             compress_ratio: int, width: int, idx_mapping: Optional[Tensor] = None, *, num_tokens: int,
@@ -219,9 +209,7 @@ def _causal_out(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, 
                                   width, **_kw(locals()))
 
 
-# ----------------------------------------------------------------------------------------------
 # topk_to_slots (batch form) and topk_to_slots_rows (pipeline form)
-# ----------------------------------------------------------------------------------------------
 @_register("topk_to_slots")
 def _topk(topk: Tensor, query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, rows_per_block: int,
           compress_ratio: int, idx_mapping: Optional[Tensor] = None, *, num_tokens: int,
@@ -271,16 +259,14 @@ def _topk_rows_out(topk: Tensor, token_rows: Tensor, token_nc: Tensor, block_tab
                        **_kw(locals()))
 
 
-# ----------------------------------------------------------------------------------------------
 # indexer_lengths
-# ----------------------------------------------------------------------------------------------
 @_register("indexer_lengths")
 def _indexer(query_start_loc: Tensor, seq_lens: Tensor, compress_ratio: int, *, num_tokens: int,
              next_n: int = 0, num_decodes: int = 0, cp_world_size: int = 1, cp_rank: int = 0,
              cp_interleave: int = 1, validate: bool = False,
              backend: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     r = ops.indexer_lengths(query_start_loc, seq_lens, compress_ratio, **_kw(locals(), decode=True))
-    dec = r.decode_lens if next_n else query_start_loc.new_empty((num_decodes, 0))
+    dec = r.decode_lens if next_n and r.decode_lens is not None else query_start_loc.new_empty((num_decodes, 0))
     return r.lens, dec, r.ks, r.ke, r.cu
 
 
@@ -311,9 +297,7 @@ def _kw(loc: dict, decode: bool = False) -> dict:
     return kw
 
 
-# ----------------------------------------------------------------------------------------------
 # DSV4Metadata front end
-# ----------------------------------------------------------------------------------------------
 def topk_args(meta, channel: str) -> dict:
     """Everything :func:`topk_to_slots` passes to ``torch.ops.dsv4_index.topk_to_slots_rows`` besides
     ``topk``: per-token table rows and ``n_c`` of the step (int32 ``[T_max]`` builder buffers, filled

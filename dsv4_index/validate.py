@@ -285,7 +285,8 @@ def check_cp_partition(metas_per_rank: Sequence) -> None:
     ctx0 = host_context(metas[0])
     s0 = _Step(metas[0], ctx0)
     for r, m in enumerate(metas[1:], 1):
-        if m.num_tokens != metas[0].num_tokens or not torch.equal(_cpu(m.query_start_loc), _cpu(metas[0].query_start_loc)) \
+        if m.num_tokens != metas[0].num_tokens \
+                or not torch.equal(_cpu(m.query_start_loc), _cpu(metas[0].query_start_loc)) \
                 or not torch.equal(_cpu(m.seq_lens), _cpu(metas[0].seq_lens)):
             s0.fail("batch", f"rank {r} sees another batch than rank 0", expected=metas[0].num_tokens,
                     found=m.num_tokens)

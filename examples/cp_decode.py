@@ -264,12 +264,13 @@ def check_fit(meta, views: dict, layouts: CPLayouts) -> None:
     if not L.rank.has_group("mla"):
         return
     g = L.rank.group("mla")
-    tab, slots, seq = meta.block_tables[g.gid].cpu(), meta.idx_mapping.cpu(), meta.seq_lens.cpu().long()
+    tab, req_slots, seq = meta.block_tables[g.gid].cpu(), meta.idx_mapping.cpu(), meta.seq_lens.cpu().long()
     _, r, inter = meta.cp
     for b, rid in enumerate(meta.req_ids):
         ids = list(views[rid].block_ids[g.gid])
-        if tab[int(slots[b]), :len(ids)].tolist() != ids:
-            raise ValueError(f"request {rid!r}: mla row {tab[int(slots[b]), :len(ids)].tolist()} != scheduler's {ids}")
+        row = tab[int(req_slots[b]), :len(ids)].tolist()
+        if row != ids:
+            raise ValueError(f"request {rid!r}: mla row {row} != scheduler's {ids}")
         for c in L.rank.channels_of(g.gid):
             if c.compress_ratio > 1:
                 need = int(cp_owned_count(seq[b] // c.compress_ratio, L.world, r, inter))
@@ -317,25 +318,25 @@ def run_rank(comm, *, interleave: int = 1, steps: int = 30, seed: int = 0, devic
     the interleave allows (``max ratio * interleave``: virtual blocks small enough for prefix hits).
     Returns a summary dict (every rank; errors and checks are filled on rank 0).
     """
-    W, r, dev = comm.world, comm.rank, torch.device(device)
+    cpw, r, dev = comm.world, comm.rank, torch.device(device)
     reference = r == 0 if reference is None else reference
     mla_block = mla_block or max(CFG.ratios) * interleave
-    L = cp_layouts(CFG.to_dict(), max_len, W, interleave, mla_block_size=mla_block,
+    L = cp_layouts(CFG.to_dict(), max_len, cpw, interleave, mla_block_size=mla_block,
                    swa_block_size=swa_block, indexer_causal_indices=True)
     sched = ReferenceScheduler(L.sched, num_blocks, max_num_batched_tokens=budget, max_num_seqs=5,
                                num_speculative_tokens=spec, long_prefill_threshold=chunk,
                                enable_prefix_caching=True, seed=seed)
     cap = budget + pad
-    pipe = MetadataPipeline(L.rank, 8, cap, dev, spec, cp_world_size=W, cp_rank=r, cp_interleave=interleave)
+    pipe = MetadataPipeline(L.rank, 8, cap, dev, spec, cp_world_size=cpw, cp_rank=r, cp_interleave=interleave)
     layers = [CFG.layer_ids(k)[0] for k in ("swa", "c4", "c128")]
     models = {layer: init_weights(DSV4Attention(CFG, layer), 10 + layer).to(dev).eval() for layer in layers}
     caches = PagedCaches(CFG, L.rank, num_blocks, device=dev)
     if reference:
         single = MetadataPipeline(L.sched, 8, cap, dev, spec)
         single_caches = PagedCaches(CFG, L.sched, num_blocks, device=dev)
-    topk_fn = global_topk_fn(comm, W, r, interleave)
+    topk_fn = global_topk_fn(comm, cpw, r, interleave)
     inputs = Inputs(L.sched.group("mla").alloc_block_size, max_len)
-    res = dict(world=W, interleave=interleave, steps=0, tokens=0, decode_tokens=0, prefill_tokens=0,
+    res = dict(world=cpw, interleave=interleave, steps=0, tokens=0, decode_tokens=0, prefill_tokens=0,
                spec_rejected=0, preempted=0, prefix_hits=0, replayed=0, compared=0,
                err_single=0.0, err_dense=0.0, build_ms=[], failures=[])
     worst = lambda d: float(torch.nan_to_num(d.abs(), nan=float("inf")).max()) if d.numel() else 0.0  # noqa: E731

@@ -264,19 +264,19 @@ class Values:
 
 
 class Workload:
-    """``B`` decoding requests, ``Q = 2`` tokens per step (one speculative), in slots ``0..B-1``. One
-    pool of block ids ``[trash + 1, top)``: the mla group's at the top, the sliding groups' below; id
-    ``trash`` is never handed out (the storage's scratch block), id 0 is the null block."""
+    """``B`` decoding requests, ``next_n = 2`` tokens per step (one speculative), in request slots
+    ``0..B-1``. One pool of block ids ``[trash + 1, top)``: the mla group's at the top, the sliding groups'
+    below; id ``trash`` is never handed out (the storage's scratch block), id 0 is the null block."""
 
-    def __init__(self, layout, B, ctx, max_model_len, steps, seed, virtual, Q=2):
-        self.B, self.Q, self.L, self.ctx, self.steps = B, Q, max_model_len, ctx, steps
+    def __init__(self, layout, B, ctx, max_model_len, steps, seed, virtual, next_n=2):
+        self.B, self.next_n, self.L, self.ctx, self.steps = B, next_n, max_model_len, ctx, steps
         self.rng = np.random.default_rng(seed)
         self.bs = [g.block_size for g in layout.groups]
         self.win = [g.window for g in layout.groups]
         self.mla = layout.group("mla").gid
         unit = max(c.rows_per_block if c.compress_ratio > 1 else self.bs[c.gid] for c in layout.channels.values())
         n_mla = B * -(-max_model_len // self.bs[self.mla])
-        n_small = B * sum(-(-(w - 1 + Q) // b) + 1 for b, w in zip(self.bs, self.win) if w)
+        n_small = B * sum(-(-(w - 1 + next_n) // b) + 1 for b, w in zip(self.bs, self.win) if w)
         self.top = VROWS // unit if virtual else 2 + n_small + n_mla
         self.mla_lo = self.top - n_mla
         self.trash = self.mla_lo - n_small - 1
@@ -290,8 +290,8 @@ class Workload:
 
     def _context(self, s):
         if s < max(1, self.B // 32):  # NOTE: these reach max_model_len during the run
-            return int(max(self.ctx[0], self.L - self.Q - self.rng.integers(0, self.steps)))
-        return int(self.rng.integers(self.ctx[0], self.ctx[1] - self.Q + 1))
+            return int(max(self.ctx[0], self.L - self.next_n - self.rng.integers(0, self.steps)))
+        return int(self.rng.integers(self.ctx[0], self.ctx[1] - self.next_n + 1))
 
     def next_step(self):
         """(StepBatch, per-row (c, q, draft version) host arrays, admitted slots). A request keeps, per
@@ -311,7 +311,7 @@ class Workload:
                 r = self.reqs[s] = dict(uid=self.uid, c=self._context(s), blocks=[(0, [])] * len(self.bs))
                 new[s] = True
             c = r["c"]
-            r["q"] = min(self.Q, self.L - c)  # NOTE: the last step before max_model_len has 1 token
+            r["q"] = min(self.next_n, self.L - c)  # NOTE: the last step before max_model_len has 1 token
             for g, (b, w) in enumerate(zip(self.bs, self.win)):
                 first, ids = r["blocks"][g]
                 need = -(-(c + r["q"]) // b)
@@ -336,11 +336,11 @@ class Workload:
                           is_new=new, free_slots=np.asarray(free, np.int64), write_gids=col(0), write_slots=col(1),
                           write_starts=col(2), write_cu=np.cumsum([0] + [len(x[3]) for x in runs]).astype(np.int64),
                           write_ids=np.concatenate([np.zeros(0, np.int64)] + [x[3] for x in runs]))
-        return batch, c, q, ((q == self.Q) & ~self.acc).astype(np.int64), np.flatnonzero(new)
+        return batch, c, q, ((q == self.next_n) & ~self.acc).astype(np.int64), np.flatnonzero(new)
 
     def advance(self):
         for r, a in zip(self.reqs, self.acc):
-            r["c"] += 1 + int(a) if r["q"] == self.Q else r["q"]
+            r["c"] += 1 + int(a) if r["q"] == self.next_n else r["q"]
 
     def slots(self, s, g, pos, S):
         """Host slots of positions (or compressed rows) ``pos`` of slot ``s`` in group ``g``."""
@@ -455,8 +455,8 @@ def main(argv=None) -> int:
     H, D, rope = (4, 64, 16) if args.small else (cfg["num_attention_heads"], cfg["head_dim"], cfg["qk_rope_head_dim"])
     layout = DSV4Layout.from_config(cfg, args.max_model_len)
     W, K, R = layout.sliding_window, layout.index_topk, {"c4": layout.c4_ratio, "c128": layout.c128_ratio}
-    L, B, Q = args.max_model_len, args.batch, 2
-    Tp, scale = B * Q, D ** -0.5
+    L, B, next_n = args.max_model_len, args.batch, 2
+    Tp, scale = B * next_n, D ** -0.5
     g_swa, g_mla = layout.group("swa").gid, layout.group("mla").gid
     S = {"swa": layout.groups[g_swa].block_size, "c4": layout.channels["c4a"].rows_per_block,
          "c128": layout.channels["c128a"].rows_per_block}
@@ -480,15 +480,16 @@ def main(argv=None) -> int:
                 raise
             storage, note = "dense", f"2**31-row caches failed ({e!r}); fell back to --storage dense"
             print("WARNING: " + note)
-    print(f"V4-Flash decode: H={H} D={D} (rope {rope}) W={W} top-k={K} R={R['c4']}/{R['c128']}; B={B} x {Q} tokens "
-          f"(1 speculative), max_model_len={L}, contexts from {args.ctx[0]}..{args.ctx[1]}, {args.steps} steps")
+    print(f"V4-Flash decode: H={H} D={D} (rope {rope}) W={W} top-k={K} R={R['c4']}/{R['c128']}; "
+          f"B={B} x {next_n} tokens (1 speculative), max_model_len={L}, contexts from {args.ctx[0]}..{args.ctx[1]}, "
+          f"{args.steps} steps")
     print(f"device {dev}; metadata {md_backend}; attention {attn_backend}; layers from the config: "
           f"{counts['main']} (+ MTP {counts['mtp']})")
     print(f"storage {storage}: block ids [{wl.trash + 1}, {wl.top}), mla from {wl.mla_lo}; " + (
         "each cache is a [2**31, D] tensor whose address space is reserved and backed only at the pool's rows; "
         "the kernel reads the metadata's slots unchanged" if storage == "virtual" else "plain tensors, low block ids"))
     cols = sum(g.columns(max(8192, Tp))[0] for g in layout.groups)
-    pipe = MetadataPipeline(layout, max(256, B), max(8192, Tp), dev, num_speculative_tokens=Q - 1,
+    pipe = MetadataPipeline(layout, max(256, B), max(8192, Tp), dev, num_speculative_tokens=next_n - 1,
                             cuda_graphs=args.cuda_graphs, max_staged_blocks=max(1 << 20, B * cols + 1024))
     pipe.warmup(pad_sizes=(Tp,))
     vals = Values(D, rope, dev, args.seed)
@@ -519,7 +520,7 @@ def main(argv=None) -> int:
         T, qsl = int(q_h.sum()), np.concatenate([[0], np.cumsum(q_h)])
         row = np.repeat(np.arange(B), q_h)
         tok = {"uid": np.array([r["uid"] for r in wl.reqs])[row], "pos": c_h[row] + np.arange(T) - qsl[row],
-               "ver": np.where(np.arange(T) == qsl[row] + Q - 1, vd_h[row], 0)}
+               "ver": np.where(np.arange(T) == qsl[row] + next_n - 1, vd_h[row], 0)}
         tok = {k: torch.from_numpy(np.concatenate([v, np.full(Tp - T, -1 if k == "pos" else 0)])).to(dev)
                for k, v in tok.items()}  # NOTE: padded tokens: position -1
         uid, pos, ver = tok["uid"], tok["pos"], tok["ver"]
@@ -547,7 +548,7 @@ def main(argv=None) -> int:
             q = q_all[kind] = vals.rotate(q, pos)[:, None].bfloat16()
             topk = None
             if kind == "c4":
-                picks = make_picks(pos, R["c4"], K, int(c_h.max() + Q) // R["c4"], gen)
+                picks = make_picks(pos, R["c4"], K, int(c_h.max() + next_n) // R["c4"], gen)
                 n = counts["main"]["c4"] if dev.type == "cuda" else 1  # NOTE: one conversion per C4A layer
                 topk, t = timer(lambda: [meta.topk_to_slots("c4a", picks, compact=True) for _ in range(n)][-1], 8000)
                 times["topk_gpu_us"].append(t if step else None)
@@ -581,7 +582,7 @@ def main(argv=None) -> int:
         picks_h = picks.cpu().numpy()
         for s in sample:
             c, u = int(c_h[s]), wl.reqs[s]["uid"]
-            last = c + Q - 1 if vd_h[s] else -1  # NOTE: the rejected draft's position (its KV differs)
+            last = c + next_n - 1 if vd_h[s] else -1  # NOTE: the rejected draft's position (its KV differs)
             for t in range(qsl[s], qsl[s + 1]):
                 p = c + t - qsl[s]
                 wp = np.arange(max(0, p - W + 1), p + 1)

@@ -470,8 +470,8 @@ def test_topk_garbage(kind, dtype):
             b = 0 if t < 3 else 1
             pos = int(sl[b]) - (3 if b == 0 else 2) + (t if b == 0 else t - 3)
             n_c = (pos + 1) // 4
-            want = [int(bt[b, int(l) // 8]) * 8 + int(l) % 8 if 0 <= int(l) < n_c and int(l) // 8 < 4 else -1
-                    for l in topk[t]]
+            want = [int(bt[b, int(p) // 8]) * 8 + int(p) % 8 if 0 <= int(p) < n_c and int(p) // 8 < 4 else -1
+                    for p in topk[t]]
             if compact:
                 want = [w for w in want if w != -1] + [w for w in want if w == -1]
             assert slots[t].tolist() == want and int(lens[t]) == sum(w != -1 for w in want)

@@ -146,7 +146,7 @@ def test_vllm_ascend_long_requests_on_small_rings(backend, cap):
     # block per request, beside a decode and a short chunk; plain-Python formulas (window 8: C4 state)
     chunks, blocks, w = [(0, 512), (40, 600), (700, 1), (90, 7)], [7, 3, 11, 5], 8
     addr, tail, idx, lens = _ops(chunks, blocks, cap, backend, validate=True, window=w)
-    want_a, want_t, t = [], [], 0
+    want_a, want_t = [], []
     for (s, q), b in zip(chunks, blocks):
         for p in range(s, s + q):
             want_a.append(b * cap + p % cap)

@@ -1,14 +1,13 @@
 """``DSV4Layout.from_config`` gives one layout from every config source (dsv4_index.config)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from dsv4_index.config import (CONFIG_DIR, SHIPPED, normalize_config, shipped_config,
                                shipped_config_path)
 from dsv4_index.geometry import DSV4Layout
-from models.deepseek_v4 import DSV4Config, load_config
+from models.deepseek_v4 import load_config
 
 L = 131072
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"

@@ -56,12 +56,12 @@ def test_merge_partials_equals_full_softmax(world):
     owner = torch.randint(0, world, (N,), generator=g)
     owner[:3] = 0  # rank world-1 may own nothing: its lse is -inf
     parts = [sink_attention_lse(q, keys, valid & (owner == r), sink if r == 0 else None) for r in range(world)]
-    merged = merge_partials(torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts]))
+    merged = merge_partials(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
     assert not merged.isnan().any()
     assert (merged - full).abs().max() <= 1e-5
     if world > 1:  # the sink counted on every rank is wrong: the check can fail
         twice = [sink_attention_lse(q, keys, valid & (owner == r), sink) for r in range(world)]
-        bad = merge_partials(torch.stack([o for o, _ in twice]), torch.stack([l for _, l in twice]))
+        bad = merge_partials(torch.stack([o for o, _ in twice]), torch.stack([lse for _, lse in twice]))
         assert (bad - full).abs().max() > 1e-3
 
 

@@ -29,4 +29,4 @@ def test_check_int_examples():
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     (test,) = [t for t in finder.find(common.check_int, "check_int", globs=vars(common)) if t.examples]
     r = runner.run(test)
-    assert r.attempted == 2 and r.failed == 0, r
+    assert r.attempted == 3 and r.failed == 0, r

@@ -37,7 +37,7 @@ def example():
 def counts_from_json(cfg: dict) -> dict:
     """Independent count: ratio 0 -> swa, the smaller non-zero ratio -> c4, the larger -> c128."""
     n, ratios = cfg["num_hidden_layers"], cfg["compress_ratios"]
-    lo, hi = min(r for r in ratios if r), max(ratios)
+    lo = min(r for r in ratios if r)
     kind = lambda r: "swa" if r == 0 else ("c4" if r == lo else "c128")
     return ({k: sum(kind(r) == k for r in ratios[:n]) for k in KINDS},
             {k: sum(kind(r) == k for r in ratios[n:]) for k in KINDS})

@@ -62,7 +62,7 @@ def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False
                                num_speculative_tokens=SPEC, long_prefill_threshold=chunk,
                                enable_prefix_caching=prefix, seed=seed)
     pipe = MetadataPipeline(layout, 8, 2 * budget + pad, "cpu", num_speculative_tokens=SPEC)
-    models = {l: init_weights(DSV4Attention(CFG, l), 10 + l).eval() for l in LAYERS}
+    models = {layer: init_weights(DSV4Attention(CFG, layer), 10 + layer).eval() for layer in LAYERS}
     caches = PagedCaches(CFG, layout, num_blocks)
     rng = random.Random(seed)
     seen = dict(preempted=0, finished=0, rejected=0, split_group=0, replayed=0, hits=0, steps=0, writes=0)
@@ -112,17 +112,17 @@ def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False
             dense_in[rid] = seq
         x[T:] = float("nan")  # padded tokens: must give zeros and write nothing
         with torch.no_grad():
-            for l, m in models.items():
-                y = m.forward_paged(x, meta, caches[l])
-                assert torch.equal(y[T:], torch.zeros_like(y[T:])), (l, "padded token output")
+            for layer, m in models.items():
+                y = m.forward_paged(x, meta, caches[layer])
+                assert torch.equal(y[T:], torch.zeros_like(y[T:])), (layer, "padded token output")
                 for b, rid in enumerate(meta.req_ids):
                     v = views[rid]
                     # every token, replayed ones included: window lists start at replay_start
                     ref = m.forward_dense(dense_in[rid], window_floor=v.replay_start)[v.num_computed_tokens:]
-                    if l == LAYERS[0]:
+                    if layer == LAYERS[0]:
                         seen["replayed"] += max(0, min(v.seq_len, v.replay_end) - v.num_computed_tokens)
                     err = (y[qsl[b]:qsl[b + 1]] - ref).abs().amax(-1)
-                    assert (err <= TOL).all(), (seen["steps"], l, m.kind, rid, v, err.tolist())
+                    assert (err <= TOL).all(), (seen["steps"], layer, m.kind, rid, v, err.tolist())
         seen["steps"] += 1
         sched.update_after_step(accepted)
     return seen

@@ -42,7 +42,8 @@ def cases(device="cpu", backend="reference"):
         "token_to_req": (OPS.token_to_req, (qsl,), kw),
         "token_to_req_out": (OPS.token_to_req_out, (qsl, e(12)), dict(backend=backend)),
         "slot_mapping": (OPS.slot_mapping, (qsl, seq, bt, 4, idx, re), kw),
-        "slot_mapping_out": (OPS.slot_mapping_out, (qsl, seq, bt, 4, e(12, dtype=torch.int64), idx), dict(backend=backend)),
+        "slot_mapping_out": (OPS.slot_mapping_out, (qsl, seq, bt, 4, e(12, dtype=torch.int64), idx),
+                             dict(backend=backend)),
         "compressed_slot_mapping": (OPS.compressed_slot_mapping, (qsl, seq, bt, 2, 2, idx, re), kw),
         "compressed_slot_mapping_out": (OPS.compressed_slot_mapping_out,
                                         (qsl, seq, bt, 2, 2, e(12, dtype=torch.int64), idx), dict(backend=backend)),
@@ -50,7 +51,8 @@ def cases(device="cpu", backend="reference"):
         "compact_compressed_slot_mapping_out": (OPS.compact_compressed_slot_mapping_out,
                                                 (qsl, seq, bt, 2, 2, e(9, dtype=torch.int64), e(4), idx), kw),
         "window_indices": (OPS.window_indices, (qsl, seq, bt, 4, 6, idx, rs), kw),
-        "window_indices_out": (OPS.window_indices_out, (qsl, seq, bt, 4, 6, e(12, 6), e(12), idx), dict(backend=backend)),
+        "window_indices_out": (OPS.window_indices_out, (qsl, seq, bt, 4, 6, e(12, 6), e(12), idx),
+                               dict(backend=backend)),
         "causal_compressed_indices": (OPS.causal_compressed_indices, (qsl, seq, bt, 2, 2, 16, idx), kw),
         "causal_compressed_indices_out": (OPS.causal_compressed_indices_out,
                                           (qsl, seq, bt, 2, 2, 16, e(12, 16), e(12), idx), dict(backend=backend)),
@@ -86,9 +88,9 @@ def test_ops_equal_the_public_ops():
     every row of their poisoned buffers)."""
     qsl, seq, bt, idx = batch()
     c = cases()
-    i, l = OPS.window_indices(qsl, seq, bt, 4, 6, idx, num_tokens=12)
+    i, wl = OPS.window_indices(qsl, seq, bt, 4, 6, idx, num_tokens=12)
     ri, rl = reference.window_indices(qsl, seq, bt, 4, 6, idx_mapping=idx, num_tokens=12)
-    assert torch.equal(i, ri) and torch.equal(l, rl)
+    assert torch.equal(i, ri) and torch.equal(wl, rl)
     op, args, kw = c["window_indices_out"]
     assert op(*args, **kw) is None
     assert torch.equal(args[5], ri) and torch.equal(args[6], rl)
@@ -107,7 +109,7 @@ def test_ops_equal_the_public_ops():
 def forward(x, qsl, seq, bt, idx, topk):
     """A toy attention-side consumer of every functional op (T_pad = x.shape[0], a host int)."""
     T_pad = x.shape[0]
-    i, l = OPS.window_indices(qsl, seq, bt, 4, 6, idx, num_tokens=T_pad)
+    i, wl = OPS.window_indices(qsl, seq, bt, 4, 6, idx, num_tokens=T_pad)
     c, cl = OPS.causal_compressed_indices(qsl, seq, bt, 2, 2, 16, idx, num_tokens=T_pad)
     s = OPS.slot_mapping(qsl, seq, bt, 4, idx, num_tokens=T_pad)
     cs = OPS.compressed_slot_mapping(qsl, seq, bt, 2, 2, idx, num_tokens=T_pad)
@@ -116,7 +118,7 @@ def forward(x, qsl, seq, bt, idx, topk):
     r = OPS.token_to_req(qsl, num_tokens=T_pad)
     keys = x[i.clamp(min=0).long() % T_pad] * (i >= 0)[..., None]
     comp = x[c.clamp(min=0).long() % T_pad] * (c >= 0)[..., None]
-    return (keys.sum(1) + comp.sum(1) + (s + cs + ks.sum(1) + kl + l + cl + lens + ke + r)[:, None]
+    return (keys.sum(1) + comp.sum(1) + (s + cs + ks.sum(1) + kl + wl + cl + lens + ke + r)[:, None]
             + cu.sum() + kss.sum())
 
 

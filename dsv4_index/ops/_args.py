@@ -12,13 +12,11 @@ from typing import Mapping, Optional
 
 import torch
 
-from .._common import (INT32_MAX, INT32_MIN, check_batch_values, check_tensor, prepare_out,
+from .._common import (INT32_MAX, INT32_MIN, check_batch_values, check_int, check_tensor, prepare_out,
                        resolve_num_tokens)
 
 
-# ----------------------------------------------------------------------------------------------
 # out= buffers
-# ----------------------------------------------------------------------------------------------
 def resolve_rows(query_start_loc: torch.Tensor, num_tokens: Optional[int],
                  outs: Mapping[str, Optional[torch.Tensor]]) -> int:
     """Rows ``T_out`` of an op's per-token outputs (the one resolver of every op).
@@ -59,9 +57,7 @@ def prepare_rows(name: str, out, query_start_loc: torch.Tensor, num_tokens: Opti
     return token_out(name, out, rows, num_tokens, dtype, query_start_loc.device, cols)
 
 
-# ----------------------------------------------------------------------------------------------
 # batch and per-request arguments
-# ----------------------------------------------------------------------------------------------
 def check_values(query_start_loc, seq_lens, num_tokens: Optional[int], rows: int) -> None:
     """Batch value checks, and that the live tokens fit the ``rows`` of the output."""
     check_batch_values(query_start_loc, seq_lens, num_tokens=num_tokens)
@@ -107,15 +103,11 @@ def table_rows(block_table: torch.Tensor, idx_mapping: Optional[torch.Tensor], n
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
 # ring / circular tables
-# ----------------------------------------------------------------------------------------------
 def check_ring(ring: bool, circular_capacity: Optional[int], block_size: int, cp_world_size: int):
     """Ring / circular table arguments (DESIGN §4 "Sliding tables as rings")."""
     if circular_capacity is not None:
-        if isinstance(circular_capacity, bool) or not isinstance(circular_capacity, int) \
-                or circular_capacity < 1:
-            raise ValueError(f"circular_capacity must be an int >= 1, got {circular_capacity!r}")
+        check_int("circular_capacity", circular_capacity, lo=1)
         if circular_capacity != block_size:
             raise ValueError(f"circular_capacity={circular_capacity} must equal block_size={block_size}")
         if cp_world_size != 1:
@@ -183,9 +175,7 @@ def ring_columns_used(width: int, ring_width: int, blk_lo: torch.Tensor, blk_hi:
     return used & any_[:, None]
 
 
-# ----------------------------------------------------------------------------------------------
 # table contents
-# ----------------------------------------------------------------------------------------------
 def check_table_width(name: str, width: int, req: torch.Tensor, blk: torch.Tensor,
                       need: torch.Tensor) -> None:
     """ValueError when an entry that must be read (``need``) has its block outside ``[0, width)``."""

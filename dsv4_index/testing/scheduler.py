@@ -62,6 +62,9 @@ circular group), so the oldest running request can always progress.
 
 Not modelled: DCP (tables cover global positions), priorities, aborts, caching of generated tokens,
 encoder inputs.
+
+NOTE: over the ~400-line guide on purpose: test harness, not core; one state machine (pool, prefix
+cache, waiting / running queues, preemption) whose policy reads best in one class.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ import random
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-from .._common import cdiv
+from .._common import cdiv, check_int, is_int
 from ..step import NewRequest, RunningRequest, StepInput
 
 __all__ = ["ReferenceScheduler", "ReqState", "ScheduledView", "CacheWrite", "random_trace", "scripted_trace",
@@ -145,9 +148,7 @@ class _Req:
 
 
 def _int(name, v, minimum):
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-    return v
+    return check_int(name, v, lo=minimum)
 
 
 class ReferenceScheduler:
@@ -493,8 +494,7 @@ class ReferenceScheduler:
         views = {v.req_id: v for v in self._last[1]}
         for rid, a in accepted.items():
             v = views.get(rid)
-            if v is None or not v.is_decode or isinstance(a, bool) or not isinstance(a, int) \
-                    or not 0 <= a < v.num_scheduled_tokens:
+            if v is None or not v.is_decode or not is_int(a) or not 0 <= a < v.num_scheduled_tokens:
                 raise ValueError(f"accepted[{rid!r}] = {a!r}: not a decode of the last step, or not in "
                                  f"[0, num_scheduled_tokens - 1]")
         self._pending = False

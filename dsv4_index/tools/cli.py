@@ -9,7 +9,6 @@ rows a step adds after its live tokens to reach the padded size ``T_pad`` (a CUD
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -40,13 +39,13 @@ def max_model_len_of(args) -> int:
     """``--max-model-len`` or the default: the config's ``max_position_embeddings``, at most 32768."""
     if args.max_model_len is not None:
         return args.max_model_len
-    path = Path(_config_path(args.config))
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        longest = int(json.loads(path.read_text()).get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)
-    except (OSError, ValueError, TypeError, AttributeError):
-        longest = DEFAULT_MAX_MODEL_LEN   # NOTE: from_config reports an unreadable config itself
+    from ..config import normalize_config
+
+    try:  # NOTE: the config reader bounds size and depth; from_config reports an unreadable config itself
+        longest = int(normalize_config(_config_path(args.config)).get("max_position_embeddings")
+                      or DEFAULT_MAX_MODEL_LEN)
+    except (OSError, ValueError, TypeError):
+        longest = DEFAULT_MAX_MODEL_LEN
     return min(longest, DEFAULT_MAX_MODEL_LEN)
 
 

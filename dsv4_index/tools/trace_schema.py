@@ -9,7 +9,8 @@ from typing import Optional
 
 from .._json import one_line
 from ..group_plan import ROLES
-from ..geometry import CHANNEL_OUTPUTS, GROUP_ORDER, KINDS, ChannelSpec, DSV4Layout, GroupSpec
+from ..geometry import DSV4Layout
+from ..specs import CHANNEL_OUTPUTS, GROUP_KINDS as KINDS, GROUP_ORDER, ChannelSpec, GroupSpec
 
 __all__ = ["TraceError", "check_header", "check_line", "check_capacity", "rebuild_layout", "LIMITS"]
 

@@ -24,11 +24,13 @@ One token ``t`` at position ``pos`` (fp32 throughout):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 from einops import rearrange
 from torch import nn
+
+from dsv4_index._common import check_int
 
 from .config import DSV4Config
 
@@ -38,9 +40,7 @@ __all__ = ["DSV4Attention", "Compressor", "Indexer", "PagedCaches", "LayerCache"
 NEG_INF = float("-inf")
 
 
-# ----------------------------------------------------------------------------------------------
 # math shared by both forms
-# ----------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -146,9 +146,7 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, o
     cache[slots[sel].long()] = values[sel]
 
 
-# ----------------------------------------------------------------------------------------------
 # modules
-# ----------------------------------------------------------------------------------------------
 class Compressor(nn.Module):
     """Gated pooling of a span of ``span`` tokens into one compressed row of ``dim``.
 
@@ -352,9 +350,7 @@ class DSV4Attention(nn.Module):
         return torch.where(ok[:, None], self._out(q, keys, valid), 0.0)
 
 
-# ----------------------------------------------------------------------------------------------
 # caches
-# ----------------------------------------------------------------------------------------------
 @dataclass
 class LayerCache:
     """One layer's caches (rows = slots of its channel). ``None`` where the kind has no such cache.
@@ -379,8 +375,7 @@ class PagedCaches:
 
     def __init__(self, config: DSV4Config, layout, num_blocks: int, *, device=None,
                  dtype: torch.dtype = torch.float32, fill: float = float("nan")):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, lo=1)
         D, d = config.head_dim, config.index_head_dim
 
         def alloc(channel: str, width: int) -> torch.Tensor:

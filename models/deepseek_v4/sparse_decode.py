@@ -33,9 +33,7 @@ LOG2E = 1.4426950408889634
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# ----------------------------------------------------------------------------------------------
 # kernel
-# ----------------------------------------------------------------------------------------------
 @triton.jit
 def _attend_list(acc, m_i, l_i, q, cache_ptr, idx_ptr, length, width, num_slots, stride_cache,
                  offs_d, d_mask, qk_scale,
@@ -131,9 +129,7 @@ def _sparse_decode_kernel(
     tl.store(lse_ptr + t * stride_lse_t + offs_h, lse, mask=h_mask)
 
 
-# ----------------------------------------------------------------------------------------------
 # argument checks and dispatch
-# ----------------------------------------------------------------------------------------------
 def _check_tensor(name, x, dtypes, ndim, device):
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -225,9 +221,7 @@ def default_config(T: int, H: int, D: int) -> dict:
     return dict(BLOCK_H=16, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
-# ----------------------------------------------------------------------------------------------
 # public functions
-# ----------------------------------------------------------------------------------------------
 def sparse_decode_attention(q, swa_cache, indices, topk_length, extra_cache=None, extra_indices=None,
                             extra_topk_length=None, attn_sink=None, *, sm_scale=None, out=None,
                             backend: Optional[str] = None, config: Optional[dict] = None):
@@ -323,9 +317,7 @@ def sparse_decode_attention_reference(q, swa_cache, indices, topk_length, extra_
     return out, lse[:, None]
 
 
-# ----------------------------------------------------------------------------------------------
 # timing (CUDA only)
-# ----------------------------------------------------------------------------------------------
 def bench_sparse_decode(T: int = 64, H: int = 64, D: int = 512, W: int = 128, K: int = 512,
                         num_slots: int = 1 << 18, dtype: torch.dtype = torch.bfloat16,
                         device="cuda", *, invalid_frac: float = 0.05, seed: int = 0,

@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dsv4_index._common import check_int
+
 __all__ = ["init_weights", "save", "load"]
 
 
@@ -17,8 +19,7 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
     """Fill every parameter from ``seed`` (CPU generator, name order, so any device gives the same
     values): linear weights ``N(0, 1/fan_in)``, norm weights ``1 + N(0, 0.1)``, sinks ``N(0, 1)``,
     compressor position biases ``N(0, 0.5)``. Returns ``model``."""
-    if not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {type(seed).__name__}")
+    check_int("seed", seed)
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         r = torch.randn(p.shape, generator=g, dtype=torch.float32)

@@ -39,12 +39,12 @@ def python_topk(topk, qsl, sl, bt, S, R, T, world=1, rank=0, inter=1, compact=Fa
     for t in range(T):
         b = next((b for b in range(len(sl)) if qsl[b] <= t < qsl[b + 1]), None)
         row = []
-        for l in topk[t] if b is not None else [-1] * len(topk[0]):
+        for pick in topk[t] if b is not None else [-1] * len(topk[0]):
             slot = -1
             if b is not None:
                 n_c = (sl[b] - (qsl[b + 1] - qsl[b]) + (t - qsl[b]) + 1) // R
-                lc = (l // (inter * world)) * inter + l % inter
-                if 0 <= l < n_c and (l // inter) % world == rank and lc // S < len(bt[b]):
+                lc = (pick // (inter * world)) * inter + pick % inter
+                if 0 <= pick < n_c and (pick // inter) % world == rank and lc // S < len(bt[b]):
                     slot = bt[b][lc // S] * S + lc % S
             row.append(slot)
         valid = [s for s in row if s != -1]

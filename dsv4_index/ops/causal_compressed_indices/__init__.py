@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..._common import check_batch, check_cp, check_positive_int, needs_value_checks, use_triton
+from ..._common import check_batch, check_cp, check_int, needs_value_checks, use_triton
 from .._args import (check_block_table, check_per_request, check_slots_fit_int32, check_values,
                      prefix_blocks_used, resolve_rows, table_rows, token_out)
 from . import kernel, naive
@@ -44,7 +44,7 @@ def causal_compressed_indices(query_start_loc: torch.Tensor, seq_lens: torch.Ten
     cp_world_size, cp_rank, cp_interleave : int
         DCP: list only the rows this rank owns (local slots, ascending, packed).
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     num_tokens : int, optional
         Host-known live token count; rows of the result when ``out=`` is None (read from
         ``query_start_loc[-1]`` otherwise: one host sync on CUDA).
@@ -76,9 +76,9 @@ def causal_compressed_indices(query_start_loc: torch.Tensor, seq_lens: torch.Ten
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)
-    check_positive_int("rows_per_block", rows_per_block)
-    check_positive_int("compress_ratio", compress_ratio)
-    check_positive_int("width", width)
+    check_int("rows_per_block", rows_per_block, lo=1)
+    check_int("compress_ratio", compress_ratio, lo=1)
+    check_int("width", width, lo=1)
     check_cp(cp_world_size, cp_rank, cp_interleave)
     idx_mapping = check_per_request("idx_mapping", idx_mapping, B, device)
     T_out = resolve_rows(query_start_loc, num_tokens, {"out": out, "out_lens": out_lens})

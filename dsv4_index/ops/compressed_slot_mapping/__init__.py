@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..._common import (check_batch, check_cp, check_positive_int, needs_value_checks, prepare_out,
+from ..._common import (check_batch, check_cp, check_int, needs_value_checks, prepare_out,
                         resolve_num_tokens, use_triton)
 from .._args import (check_block_table, check_per_request, check_table_width, check_values,
                      prepare_rows, table_rows)
@@ -47,7 +47,7 @@ def compressed_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tenso
         List only the rows completed this step, request by request in position order, with
         offsets ``cu``.
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     replay_end : int32 ``[B]``, optional
         Bounded replay (DESIGN §4): tokens at ``pos < replay_end[b]`` write nothing (``-1``); their
         rows are cached in blocks shared with other requests. In the compact form such rows are
@@ -84,8 +84,8 @@ def compressed_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tenso
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)
-    check_positive_int("rows_per_block", rows_per_block)
-    check_positive_int("compress_ratio", compress_ratio)
+    check_int("rows_per_block", rows_per_block, lo=1)
+    check_int("compress_ratio", compress_ratio, lo=1)
     check_cp(cp_world_size, cp_rank, cp_interleave)
     idx_mapping = check_per_request("idx_mapping", idx_mapping, B, device)
     replay_end = check_per_request("replay_end", replay_end, B, device)
@@ -122,6 +122,7 @@ def compressed_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tenso
                                                 compress_ratio, rows, replay_end, cp_world_size,
                                                 cp_rank, cp_interleave, T))
         return out
+    assert out_cu is not None  # NOTE: compact: prepare_out gave it above
     listed, cu = naive.compact(query_start_loc, seq_lens, block_table, rows_per_block, compress_ratio,
                                rows, replay_end, cp_world_size, cp_rank, cp_interleave, T,
                                out.shape[0], out_cu.shape[0])

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..._common import (check_batch, check_cp, check_positive_int, cp_owned_count, needs_value_checks,
+from ..._common import (check_batch, check_cp, check_int, cp_owned_count, needs_value_checks,
                         prepare_out, use_triton)
 from .._args import check_int32_total, check_values, resolve_rows, token_out
 from . import kernel, naive
@@ -77,16 +77,17 @@ def indexer_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compr
     ([5, 0, 1, 1, 0], [0, 5, 5, 5, 0], [5, 5, 6, 6, 0], [0, 5, 6], [[5]])
     """
     B, device = check_batch(query_start_loc, seq_lens)
-    check_positive_int("compress_ratio", compress_ratio)
+    check_int("compress_ratio", compress_ratio, lo=1)
     check_cp(cp_world_size, cp_rank, cp_interleave)
     if (next_n is None) != (num_decodes is None):
         raise ValueError("next_n and num_decodes must be given together "
                          f"(got next_n={next_n!r}, num_decodes={num_decodes!r})")
+    decodes = num_decodes or 0
     if next_n is None and out_decode is not None:
         raise ValueError("out_decode needs next_n and num_decodes")
     if next_n is not None:
-        check_positive_int("next_n", next_n)
-        check_positive_int("num_decodes", num_decodes, minimum=0)
+        check_int("next_n", next_n, lo=1)
+        check_int("num_decodes", num_decodes, lo=0)
         if num_decodes > B:
             raise ValueError(f"num_decodes = {num_decodes} exceeds the batch size B = {B}")
     T_out = resolve_rows(query_start_loc, num_tokens, {"out": out, "out_ks": out_ks, "out_ke": out_ke})
@@ -97,13 +98,13 @@ def indexer_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compr
         raise ValueError(f"out_cu has {cu.shape[0]} entries, expected B + 1 = {B + 1}")
     dec = None
     if next_n is not None:
-        dec = prepare_out("out_decode", out_decode, shape=(num_decodes, next_n), min_rows=num_decodes,
+        dec = prepare_out("out_decode", out_decode, shape=(decodes, next_n), min_rows=decodes,
                           dtype=torch.int32, device=device, exact_cols=True)
     if needs_value_checks(device, validate):
         check_values(query_start_loc, seq_lens, num_tokens, T_out)
         if next_n is not None:
             qsl = query_start_loc.detach().cpu().long()
-            q = qsl[1:num_decodes + 1] - qsl[:num_decodes]
+            q = qsl[1:decodes + 1] - qsl[:decodes]
             bad = torch.nonzero(q > next_n)
             if bad.numel():
                 b = int(bad[0])
@@ -115,10 +116,10 @@ def indexer_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, compr
     outs = IndexerLengths(lens, dec, ks, ke, cu)
     if use_triton(device, backend):
         kernel.launch(query_start_loc, seq_lens, compress_ratio, cp_world_size, cp_rank, cp_interleave,
-                      next_n, num_decodes or 0, lens, dec, ks, ke, cu)
+                      next_n, decodes, lens, dec, ks, ke, cu)
         return outs
     res = naive.indexer_lengths(query_start_loc, seq_lens, compress_ratio, cp_world_size, cp_rank,
-                                cp_interleave, T_out, next_n, num_decodes or 0,
+                                cp_interleave, T_out, next_n, decodes,
                                 dec.shape[0] if dec is not None else 0)
     for buf, val in zip(outs, res):
         if buf is not None:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..._common import INT32_MAX, check_batch, check_cp, check_positive_int, needs_value_checks, use_triton
+from ..._common import INT32_MAX, check_batch, check_cp, check_int, needs_value_checks, use_triton
 from .._args import (check_block_table, check_per_request, check_ring, check_ring_span, check_table_width, check_values,
                      check_write_plan, prepare_rows, ring_cols, table_rows)
 from . import kernel, naive
@@ -49,7 +49,7 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
         The table's columns form a ring: logical block ``i`` is in column ``i % cols`` (DESIGN §4
         "Sliding tables as rings"); no logical width limit.
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     replay_end : int32 ``[B]``, optional
         Bounded replay of a prefix-cacheable (full) group: tokens at ``pos < replay_end[b]`` write
         nothing (``-1``); their KV is already cached in blocks shared with other requests.
@@ -83,8 +83,8 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)
-    check_positive_int("block_size", block_size)
-    check_positive_int("blocks_per_kv_block", blocks_per_kv_block)
+    check_int("block_size", block_size, lo=1)
+    check_int("blocks_per_kv_block", blocks_per_kv_block, lo=1)
     check_cp(cp_world_size, cp_rank, cp_interleave, alloc_block=block_size * blocks_per_kv_block)
     check_ring(ring, circular_capacity, block_size, cp_world_size)
     idx_mapping = check_per_request("idx_mapping", idx_mapping, B, device)

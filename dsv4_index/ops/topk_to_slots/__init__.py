@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..._common import (check_batch, check_cp, check_positive_int, check_tensor, cp_owned_count,
+from ..._common import (check_batch, check_cp, check_int, check_tensor, cp_owned_count,
                         needs_value_checks, token_positions, use_triton)
 from .._args import (check_block_table, check_per_request, check_slots_fit_int32, check_values,
                      prefix_blocks_used, resolve_rows, table_rows, token_out)
@@ -44,7 +44,7 @@ def topk_to_slots(topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: t
     compact : bool
         Pack the valid entries to the front of each row (original order kept).
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     num_tokens : int, optional
         Host-known live token count; rows of the result when ``out=`` is None.
     out, out_lens : int32 ``[T_out, K]`` and ``[T_out]``, optional (same rows)
@@ -78,8 +78,8 @@ def topk_to_slots(topk: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: t
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)
     check_tensor("topk", topk, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
-    check_positive_int("rows_per_block", rows_per_block)
-    check_positive_int("compress_ratio", compress_ratio)
+    check_int("rows_per_block", rows_per_block, lo=1)
+    check_int("compress_ratio", compress_ratio, lo=1)
     check_cp(cp_world_size, cp_rank, cp_interleave)
     idx_mapping = check_per_request("idx_mapping", idx_mapping, B, device)
     T_out = resolve_rows(query_start_loc, num_tokens, {"out": out, "out_lens": out_lens})
@@ -152,16 +152,16 @@ def topk_to_slots_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: t
     check_tensor("token_nc", token_nc, dtypes=(torch.int32,), ndim=1, device=device)
     check_tensor("topk", topk, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
     check_block_table(block_table, device)
-    check_positive_int("rows_per_block", rows_per_block)
-    check_positive_int("compress_ratio", compress_ratio)
-    check_positive_int("num_rows", num_rows, minimum=0)
+    check_int("rows_per_block", rows_per_block, lo=1)
+    check_int("compress_ratio", compress_ratio, lo=1)
+    check_int("num_rows", num_rows, lo=0)
     check_cp(cp_world_size, cp_rank, cp_interleave)
     for name, x in (("token_rows", token_rows), ("token_nc", token_nc)):
         if x.numel() < num_rows:
             raise ValueError(f"{name} has {x.numel()} entries, needs num_rows = {num_rows}")
     if table_width is None:
         table_width = block_table.shape[1]
-    check_positive_int("table_width", table_width, minimum=0)
+    check_int("table_width", table_width, lo=0)
     if table_width > block_table.shape[1]:
         raise ValueError(f"table_width = {table_width} exceeds block_table's {block_table.shape[1]} columns")
     K = topk.shape[1]

@@ -37,13 +37,13 @@ def topk_to_slots_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: t
     device = topk.device
     r = token_rows[:num_rows].long()
     valid = (r >= 0) & (r < block_table.shape[0])
-    l = torch.full((num_rows, K), -1, dtype=torch.long, device=device)
+    pick = torch.full((num_rows, K), -1, dtype=torch.long, device=device)
     m = min(num_rows, topk.shape[0])
-    l[:m] = topk[:m].long()
-    ok = valid[:, None] & (l >= 0) & (l < token_nc[:num_rows].long()[:, None])
-    l = torch.where(ok, l, 0)
-    ok &= cp_owner(l, cp_world_size, cp_interleave) == cp_rank
-    lc = cp_local(l, cp_world_size, cp_interleave)
+    pick[:m] = topk[:m].long()
+    ok = valid[:, None] & (pick >= 0) & (pick < token_nc[:num_rows].long()[:, None])
+    pick = torch.where(ok, pick, 0)
+    ok &= cp_owner(pick, cp_world_size, cp_interleave) == cp_rank
+    lc = cp_local(pick, cp_world_size, cp_interleave)
     blk = lc // rows_per_block
     ok &= blk < min(table_width, block_table.shape[1])
     slots = torch.full((num_rows, K), -1, dtype=torch.long, device=device)

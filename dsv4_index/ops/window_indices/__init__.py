@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..._common import INT32_MAX, check_batch, check_cp, check_positive_int, needs_value_checks, prepare_out, use_triton
+from ..._common import INT32_MAX, check_batch, check_cp, check_int, needs_value_checks, prepare_out, use_triton
 from .._args import (check_block_table, check_per_request, check_ring, check_ring_span,
                      check_slots_fit_int32, check_table_width, check_values, prepare_rows,
                      ring_cols, ring_columns_used, table_rows)
@@ -54,7 +54,7 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
         ``-2 - x``); ``-1`` stays padding. Any chunk length is accepted; the ring part of a request's
         reads (positions ``max(s - W + 1, floor) .. s - 1``) must fit the capacity (value check).
     idx_mapping : int32 ``[B]``, optional
-        Table row of each request (slot-indexed tables, e.g. the pipeline's).
+        Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     num_tokens : int, optional
         Host token count; None reads ``qsl[-1]`` (a host sync on CUDA) when ``out`` is None.
     out : int32 ``[T_out, >= window]``, optional
@@ -89,8 +89,8 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
     """
     B, device = check_batch(query_start_loc, seq_lens)
     check_block_table(block_table, device)
-    check_positive_int("block_size", block_size)
-    check_positive_int("window", window)
+    check_int("block_size", block_size, lo=1)
+    check_int("window", window, lo=1)
     check_cp(cp_world_size, cp_rank, cp_interleave)
     check_ring(ring, circular_capacity, block_size, cp_world_size)
     idx_mapping = check_per_request("idx_mapping", idx_mapping, B, device)

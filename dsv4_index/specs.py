@@ -1,0 +1,183 @@
+"""The two spec records of a layout: a kv-cache group (:class:`GroupSpec`) and a channel that reads its
+block table (:class:`ChannelSpec`), with the constants they are checked against. :mod:`dsv4_index.geometry`
+derives them from a model config (:meth:`DSV4Layout.from_config`); :mod:`dsv4_index.group_plan` says which
+groups an engine uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, Optional, Tuple
+
+from ._common import cdiv, is_int
+
+__all__ = ["GroupSpec", "ChannelSpec", "GROUP_ORDER", "GROUP_KINDS", "CHANNEL_OUTPUTS", "INDEX_ALIGN"]
+
+GROUP_ORDER = ("mla", "swa", "c4_state", "c128_state")
+GROUP_KINDS = ("full", "sliding", "circular")
+INDEX_ALIGN = 128  # NOTE: causal compressed widths are rounded up to this (DESIGN §4)
+
+# outputs each built-in channel produces (names of ChannelMetadata fields)
+CHANNEL_OUTPUTS: Dict[str, FrozenSet[str]] = {
+    "swa": frozenset({"slot_mapping", "indices", "lens"}),
+    "c4_state": frozenset({"slot_mapping", "indices", "lens"}),
+    "c128_state": frozenset({"slot_mapping", "indices", "lens"}),
+    "c4a": frozenset({"compressed_slot_mapping"}),
+    "c4i": frozenset({"compressed_slot_mapping", "lens", "ks", "ke", "cu", "decode_lens"}),
+    "c128a": frozenset({"compressed_slot_mapping", "indices", "lens"}),
+}
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One kv-cache group: its own block ids per request, from the shared block pool.
+
+    Attributes
+    ----------
+    gid : int
+        Group id (index into ``DSV4Layout.groups`` and into per-gid block-id lists).
+    name : str
+        ``"mla"``, ``"swa"``, ``"c4_state"``, ``"c128_state"`` (or a user name).
+    kind : str
+        ``"full"`` (every block kept), ``"sliding"`` (only the last ``window`` tokens are read) or
+        ``"circular"`` (one block of ``block_size`` = capacity rows per request, written as a ring:
+        ``slot(pos) = bt[0] * capacity + pos % capacity``; vLLM's ``CircularBufferSpec``).
+    block_size : int
+        Tokens per block *as stored in the table*: the kernel block size. With
+        ``blocks_per_kv_block = f > 1`` (hybrid) the scheduler allocates blocks of
+        ``alloc_block_size = block_size * f`` tokens and the table holds kernel-block ids ``b*f + j``.
+    window : int or None
+        Sliding window in tokens (None for full groups).
+    prefix_cacheable : bool
+        Whether blocks of this group can be shared through prefix caching.
+    table_width : int
+        Logical blocks (kernel blocks) per request: enough for ``max_model_len`` tokens (per rank
+        under DCP). The stored table has this many columns unless it is a ring (:meth:`columns`).
+    blocks_per_kv_block : int
+        Kernel blocks per allocation block ``f``.
+    ring : bool
+        Sliding groups: store a ring of the newest blocks (``ring_cols = cdiv(window - 1 +
+        max_num_batched_tokens, block_size) + blocks_per_kv_block`` columns; logical block ``i`` in
+        column ``i % ring_cols``) instead of ``table_width`` columns (DESIGN §4). Default for sliding
+        groups.
+    sharded : bool
+        DCP: the group's positions are sharded over ranks (ownership rule); False for groups
+        replicated on every rank (the compressor-state groups: a row's pooling span straddles ranks).
+    role : str or None
+        The cache the group holds: ``"mla"``, ``"swa"``, ``"c4_state"``, ``"c128_state"`` (None: a
+        user group; :mod:`dsv4_index.group_plan`). Several groups may share a role (vLLM's SWA
+        sub-groups).
+    layers : tuple of int or None
+        The layers whose ``role`` cache lives in this group; None: every layer that has one.
+    """
+
+    gid: int
+    name: str
+    kind: str
+    block_size: int
+    window: Optional[int]
+    prefix_cacheable: bool
+    table_width: int
+    blocks_per_kv_block: int = 1
+    ring: bool = False
+    sharded: bool = True
+    role: Optional[str] = None
+    layers: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if self.layers is not None:  # NOTE: JSON round trips hand lists
+            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"kind must be one of {GROUP_KINDS}, got {self.kind!r}")
+        if self.ring and self.kind != "sliding":
+            raise ValueError(f"ring tables are for sliding groups (group {self.name!r} is {self.kind})")
+        if self.kind == "circular" and self.window is not None and self.block_size < self.window:
+            raise ValueError(f"circular group {self.name!r}: capacity (block_size) {self.block_size} "
+                             f"is below its window {self.window}")
+        if (self.window is None) != (self.kind == "full"):
+            raise ValueError(f"window must be None exactly for full groups (group {self.name!r}, "
+                             f"kind {self.kind!r}, window {self.window!r})")
+        for name in ("block_size", "table_width", "blocks_per_kv_block"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name} of group {self.name!r} must be an int >= 1, got {v!r}")
+
+    @property
+    def kernel_block_size(self) -> int:
+        """Tokens per stored (kernel) block; same as ``block_size``."""
+        return self.block_size
+
+    @property
+    def alloc_block_size(self) -> int:
+        """Tokens per block the scheduler allocates: ``block_size * blocks_per_kv_block``."""
+        return self.block_size * self.blocks_per_kv_block
+
+    def columns(self, max_num_batched_tokens: int) -> Tuple[int, int]:
+        """(columns of the stored table, ring width or 0) for a pipeline of that token capacity.
+
+        A sliding ring keeps ``cdiv(window - 1 + max_num_batched_tokens, block_size) + f`` columns,
+        ``f = blocks_per_kv_block``: the blocks one step can read or write, plus one for a window
+        that starts inside a block, plus ``f - 1`` because the scheduler hands out whole allocation
+        blocks (a row may hold up to ``f - 1`` kernel blocks past the step's last token), unless that
+        is not smaller than the full width; a circular group keeps one column (a ring of width 1).
+        """
+        if self.kind == "circular":
+            return 1, 1
+        if self.ring and self.window is not None:  # NOTE: ring groups are sliding, so windowed
+            ring = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + self.blocks_per_kv_block
+            if ring < self.table_width:
+                return ring, ring
+        return self.table_width, 0
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """One cache that reads a group's block table.
+
+    Attributes
+    ----------
+    name : str
+        Channel name (``c4a``, ``c4i``, ``c128a``, ``swa``, ``c4_state``, ``c128_state`` or user's).
+    gid : int
+        Group whose block table the channel reads.
+    compress_ratio : int
+        Tokens per cache row ``R`` (1 for raw tokens).
+    rows_per_block : int
+        Cache rows per (kernel) block ``S = block_size // R``.
+    window : int or None
+        Sliding window in tokens for windowed channels, else None.
+    index_width : int or None
+        Columns of the channel's per-token index list (capacity, never from the batch), or None when
+        the channel has no index list of fixed width.
+    outputs : frozenset of str
+        Names of the ChannelMetadata fields the channel produces.
+    compact : bool
+        Compressed channels: also emit the compact compressed slot mapping (``compact_slot_mapping``
+        ``[T_pad]`` with ``compact_cu [B + 1]``: the rows the step completes, request by request).
+    builder : str or None
+        Registry name of the builder class (:func:`dsv4_index.channels.register_channel`) when it
+        differs from ``name`` (e.g. ``"swa"`` for the window channel ``"swa_1"`` of an SWA sub-group);
+        also the channel's role for :meth:`DSV4Layout.layer_channels`.
+    """
+
+    name: str
+    gid: int
+    compress_ratio: int
+    rows_per_block: int
+    window: Optional[int] = None
+    index_width: Optional[int] = None
+    outputs: FrozenSet[str] = frozenset()
+    compact: bool = False
+    builder: Optional[str] = None
+
+    @property
+    def role(self) -> str:
+        """Built-in role (``c4a``, ``c4i``, ``c128a``, ``swa``, ``c4_state``, ``c128_state``) or the name."""
+        return self.builder or self.name
+
+    def __post_init__(self):
+        object.__setattr__(self, "outputs", frozenset(self.outputs))
+        for name in ("compress_ratio", "rows_per_block"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name} of channel {self.name!r} must be an int >= 1, got {v!r}")
