@@ -190,15 +190,16 @@ def _appended(G: Optional[int], lists: list, trusted: bool):
         sel = list(compress(range(S), lists))
         if len(sel) + n_none != S:
             return None  # NOTE: a falsy entry that is not None (e.g. "" or ())
-        chosen = list(filter(None, lists))
+        chosen = itemgetter(*sel)(lists) if len(sel) > 1 else (lists[sel[0]],)
     else:
         sel, chosen = [], lists
     if not trusted and countOf(map(type, chosen), tuple) != len(chosen) and not set(map(type, chosen)) <= _LISTS:
         return None
-    widths = set(map(len, chosen))
-    if len(widths) != 1 or (G is not None and G not in widths):
-        return None
-    G = widths.pop()
+    if G is None or countOf(map(len, chosen), G) != len(chosen):
+        widths = set(map(len, chosen))
+        if len(widths) != 1 or (G is not None and G not in widths):
+            return None
+        G = widths.pop()
     if trusted:
         # NOTE: entries are lists / tuples (fixed at construction): any() finds the requests with ids
         has = list(compress(range(len(chosen)), map(any, chosen)))
