@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from itertools import compress
-from operator import attrgetter
+from operator import attrgetter, countOf
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -100,9 +100,6 @@ _REQ_ID, _NEW_BLOCKS, _COMPUTED, _RESUMED = (attrgetter(a) for a in ("req_id", "
                                                                       "num_computed_tokens", "resumed"))
 
 
-_RUNNING, _NEW = {RunningRequest}, {NewRequest}
-
-
 def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] = None
                     ) -> Tuple[StepBatch, SlotMapDelta]:
     """Convert a :class:`StepInput` (pure: ``slots`` is not changed; commit the delta after the
@@ -116,7 +113,8 @@ def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] =
     run = step.running_requests
     if not step.replay_start and not step.replay_end and not any(map(_RESUMED, run)):
         # NOTE: the block tuples' shape is trusted only from the library's own (frozen) request types
-        trusted = set(map(type, run)) <= _RUNNING and set(map(type, step.new_requests)) <= _NEW
+        trusted = countOf(map(type, run), RunningRequest) == len(run) and \
+            countOf(map(type, step.new_requests), NewRequest) == len(step.new_requests)
         done = _fast(slots, num_groups, _new_of(step), list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
                      list(map(_COMPUTED, run)), step.num_scheduled_tokens, step.finished_req_ids,
                      step.preempted_req_ids, trusted)

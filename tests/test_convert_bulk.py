@@ -108,7 +108,8 @@ def test_fast_with_new_finished_preempted_equals_general(data, bad, finished, pr
     request, new_request = strategies(bad, n_held)
     unique = (lambda r: r[0]) if not bad else None
     reqs = data.draw(st.lists(request, max_size=5, unique_by=unique) if unique else st.lists(request, max_size=5))
-    new = data.draw(st.lists(new_request, max_size=3, unique_by=unique) if unique else st.lists(new_request, max_size=3))
+    new = data.draw(st.lists(new_request, max_size=3, unique_by=unique) if unique else
+                    st.lists(new_request, max_size=3))
     sm = _slot_map(n_held, cached)
     sm.preempted = {"r9"} if n_held < 9 else set()
     nst = {r[0]: r[3] for r in reqs}
