@@ -1,4 +1,4 @@
-"""The steady-step conversion (``frontend._fast``) accepts only what the row-by-row conversion
+"""The steady-step conversion (``steady_step._fast``) accepts only what the row-by-row conversion
 (``frontend._convert``) accepts, and gives the same StepBatch (values and dtypes), with and without
 the slot map's cached rows."""
 
