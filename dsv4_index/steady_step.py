@@ -75,7 +75,8 @@ def _held_slots(sm: SlotMap, ids: list, freed: List[str]) -> Optional[np.ndarray
             for a, b in zip(pos, pos[1:] + [len(order)]):
                 kept += order[a + 1:b]
             if ids == kept:
-                return _frozen(np.delete(sm._order_slots, pos))
+                o = sm._order_slots
+                return _frozen(np.concatenate([o[:pos[0]], o[pos[0] + 1:]]) if len(pos) == 1 else np.delete(o, pos))
     sl = list(map(sm.slot_of.get, ids))
     if None in sl or len(set(ids)) != len(ids) or (freed and not set(freed).isdisjoint(ids)):
         return None
