@@ -28,7 +28,7 @@ import numpy as np
 
 from .batch import APPEND, StepBatch
 from .slot_map import _EMPTY, SlotMap, SlotMapDelta, _frozen, gone, lowest_free
-from .step_rules import _LISTS, _id_set, _ints
+from .step_rules import _LISTS, _id_set, _ints, _pack
 
 __all__ = ["_fast"]
 
@@ -83,11 +83,12 @@ def _held_slots(sm: SlotMap, ids: list, freed: List[str]) -> Optional[np.ndarray
     return _frozen(np.array(sl, dtype=np.int64))
 
 
-def _scheduled(nst: dict, ids: list, new_ids: list, all_ids: list) -> list:
-    """``num_scheduled_tokens`` in row order (KeyError when a row has no entry)."""
+def _scheduled(nst: dict, ids: list, new_ids: list, all_ids: list):
+    """``num_scheduled_tokens`` in row order, a list or the dict's values (KeyError when a row has no
+    entry)."""
     keys = list(nst)
     if keys == all_ids:
-        return list(nst.values())
+        return nst.values()
     S = len(ids)
     if new_ids and keys[:S] == ids and keys[S:] == new_ids:  # NOTE: vLLM fills it running first
         v = list(nst.values())
@@ -132,12 +133,11 @@ def _fast(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: list, ncs:
         return None
     G, sel, nz, runs, ids_ = appended
     n = S + K
-    vals = [r[2] for r in new] + ncs + qs if K else ncs + qs
+    head = [r[2] for r in new]
     if nz:
         M, N = len(ids_), len(nz)
-        vals += ids_
         # NOTE: one conversion for the counts, the ids and (unchecked: ours) the runs' positions
-        a = _ints(vals, nz + sel + (list(map(len, runs)) if M != N else []))
+        a = _pack(head, ncs, qs, ids_, nz, sel, list(map(len, runs)) if M != N else ())
         if a is None:
             return None
         row, w_g = np.divmod(a[2 * n + M:2 * n + M + N], G)
@@ -150,7 +150,7 @@ def _fast(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: list, ncs:
             np.cumsum(a[2 * n + M + N + len(sel):], out=w_cu[1:])
         runs = (w_g, slots[row], _sized(_APPENDS, N), w_cu, a[2 * n:2 * n + M])
     else:
-        a = _ints(vals)
+        a = _pack(head, ncs, qs, ())
         if a is None:
             return None
         runs = _NO_RUNS

@@ -88,6 +88,23 @@ def _ints(vals: list, tail: Sequence[int] = ()) -> Optional[np.ndarray]:
     return a
 
 
+def _pack(a, b, c, d, t1: Sequence[int] = (), t2: Sequence[int] = (), t3: Sequence[int] = ()
+          ) -> Optional[np.ndarray]:
+    """:func:`_ints` of the concatenation of ``a`` .. ``d`` (sized iterables, checked) and ``t1`` ..
+    ``t3`` (ints in ``[0, LIMIT]`` the caller made, unchecked), without building the concatenation."""
+    if countOf(map(type, a), int) != len(a) or countOf(map(type, b), int) != len(b) \
+            or countOf(map(type, c), int) != len(c) or countOf(map(type, d), int) != len(d):
+        return None
+    n = len(a) + len(b) + len(c) + len(d) + len(t1) + len(t2) + len(t3)
+    try:
+        out = np.frombuffer(struct.pack(f"{n}q", *a, *b, *c, *d, *t1, *t2, *t3), dtype=np.int64)
+    except struct.error:
+        return None
+    if n and out.view(np.uint64).max() > LIMIT:
+        return None
+    return out
+
+
 def _id_set(name: str, ids) -> Sequence[str]:
     if ids is None or (not ids and type(ids) in _ID_SETS):
         return ()
