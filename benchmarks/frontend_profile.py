@@ -14,9 +14,9 @@ appends at most one block per group; ``workload.py``):
 * building the ``StepInput`` itself (its ``RunningRequest`` objects), for scale.
 
 Each conversion runs against a slot map committed from the previous step (the steady state an engine
-sees). ``--baseline OLD_BATCH_PY`` (e.g. ``git show aea0708:dsv4_index/batch.py > /tmp/old_batch.py``)
-adds the same conversions by that older converter, interleaved, and checks every batch against it
-(values and dtypes). Prints one table; ``benchmarks/FRONTEND.md`` keeps the figures.
+sees). ``--baseline REV`` (a git revision from ``1cc7a01`` on, e.g. ``1cc7a01``, round 1) adds the same
+conversions by that revision's converter (its ``frontend.py`` and ``step_rules.py``), interleaved, and
+checks every batch against it (values and dtypes). Prints one table; ``benchmarks/FRONTEND.md`` keeps the figures.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import gc
 import statistics
 import sys
 import time
+from operator import attrgetter
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -48,7 +49,8 @@ def scheduler_output(step: StepInput):
                 num_computed_tokens=[r.num_computed_tokens for r in run], num_output_tokens=[1] * len(run))
     new = [NS(req_id=r.req_id, prompt_token_ids=None, block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens)
            for r in step.new_requests]
-    return NS(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=dict(step.num_scheduled_tokens),
+    return NS(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+              num_scheduled_tokens=dict(step.num_scheduled_tokens),
               total_num_scheduled_tokens=step.total_tokens, scheduled_spec_decode_tokens={},
               finished_req_ids=set(step.finished_req_ids), preempted_req_ids=set())
 
@@ -69,15 +71,23 @@ def committed(sm: SlotMap, step: StepInput) -> SlotMap:
     return sm
 
 
-def load_baseline(path: str):
-    """An older ``dsv4_index/batch.py`` as the module ``dsv4_index._baseline_batch``."""
+def load_baseline(rev: str):
+    """The front end of git revision ``rev`` (its ``frontend.py`` with its own ``step_rules.py``) as
+    the module ``dsv4_index._baseline_frontend``."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("dsv4_index._baseline_batch", path)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "dsv4_index"
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    import subprocess
+    mods = {}
+    for name in ("step_rules", "frontend"):
+        src = subprocess.run(["git", "show", f"{rev}:dsv4_index/{name}.py"], cwd=ROOT.parent, check=True,
+                             capture_output=True, text=True).stdout
+        src = src.replace("from .step_rules import", "from ._baseline_step_rules import")
+        spec = importlib.util.spec_from_loader(f"dsv4_index._baseline_{name}", loader=None)
+        mod = importlib.util.module_from_spec(spec)
+        mod.__package__ = "dsv4_index"
+        sys.modules[spec.name] = mod
+        exec(compile(src, f"{rev}:dsv4_index/{name}.py", "exec"), mod.__dict__)
+        mods[name] = mod
+    return mods["frontend"]
 
 
 def same(a, b) -> None:
@@ -85,6 +95,14 @@ def same(a, b) -> None:
         x, y = getattr(a, k), getattr(b, k)
         assert (x is None) == (y is None), k
         assert x is None or (x.dtype == y.dtype and np.array_equal(x, y)), k
+
+
+_FIELDS = [attrgetter(f) for f in ("resumed", "req_id", "new_block_ids", "num_computed_tokens")]
+
+
+def read_columns(run) -> list:
+    """The four attribute passes over the running requests that ``batch_from_step`` cannot avoid."""
+    return [list(map(f, run)) for f in _FIELDS]
 
 
 def timed(fn, *a):
@@ -97,7 +115,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--baseline", help="an older dsv4_index/batch.py to compare with (timing and outputs)")
+    ap.add_argument("--baseline", help="a git revision whose front end (frontend.py + step_rules.py) to compare "
+                                       "with (timing and outputs), e.g. 1cc7a01 (round 1)")
     ap.add_argument("--prefill", action="store_true", help="also time batch_from_step on the prefill and mixed "
                                                           "cases of workload.py (against --baseline if given)")
     args = ap.parse_args()
@@ -111,7 +130,7 @@ def main():
     pipe.update(batch)
     pipe._staged_writes = 0
     a, b = np.arange(256), np.arange(256)
-    t = {k: [] for k in ("unit", "update", "step", "sched", "step_changed", "sched_changed", "construct")}
+    t = {k: [] for k in ("unit", "update", "step", "sched", "step_changed", "sched_changed", "read", "construct")}
     checked = 0
     sm = SlotMap(1024)
     sm.commit(batch_from_step(step, sm, G)[1])
@@ -132,17 +151,25 @@ def main():
         unit = (time.perf_counter() - t0) / 32
         t_upd = timed(pipe.update, batch)
         pipe._staged_writes = 0  # NOTE: nothing is built here; do not make update() apply it
-        t_step = timed(batch_from_step, step, sm, G)
-        t_sched = timed(batch_from_scheduler_output, out, sm, G)
-        t_ch = timed(batch_from_step, ch, sm, G)
-        t_ch_out = timed(batch_from_scheduler_output, ch_out, sm, G)
+
+        def ours():
+            return [timed(batch_from_step, step, sm, G), timed(batch_from_scheduler_output, out, sm, G),
+                    timed(batch_from_step, ch, sm, G), timed(batch_from_scheduler_output, ch_out, sm, G)]
+
+        def theirs():
+            return [timed(old.batch_from_step, step, osm, G), timed(old.batch_from_scheduler_output, out, osm, G),
+                    timed(old.batch_from_step, ch, osm, G), timed(old.batch_from_scheduler_output, ch_out, osm, G)]
+        # NOTE: with a baseline, the two converters take turns going first (the first touches the step cold)
+        if old is not None and i % 2:
+            t_old, (t_step, t_sched, t_ch, t_ch_out) = theirs(), ours()
+        else:
+            (t_step, t_sched, t_ch, t_ch_out), t_old = ours(), (theirs() if old is not None else ())
         run = step.running_requests
+        t_read = timed(read_columns, run)
         t0 = time.perf_counter()
         [RunningRequest(r.req_id, r.new_block_ids, r.num_computed_tokens) for r in run]
         t_con = time.perf_counter() - t0
         if old is not None:
-            t_old = [timed(old.batch_from_step, step, osm, G), timed(old.batch_from_scheduler_output, out, osm, G),
-                     timed(old.batch_from_step, ch, osm, G), timed(old.batch_from_scheduler_output, ch_out, osm, G)]
             for fn, ofn, x in ((batch_from_step, old.batch_from_step, step), (batch_from_step, old.batch_from_step, ch),
                                (batch_from_scheduler_output, old.batch_from_scheduler_output, out),
                                (batch_from_scheduler_output, old.batch_from_scheduler_output, ch_out)):
@@ -152,7 +179,7 @@ def main():
         _, d = batch_from_step(step, sm, G)
         sm.commit(d)
         if i >= 5:
-            for k, v in zip(t, (unit, t_upd, t_step, t_sched, t_ch, t_ch_out, t_con, *(t_old if old else ()))):
+            for k, v in zip(t, (unit, t_upd, t_step, t_sched, t_ch, t_ch_out, t_read, t_con, *t_old)):
                 t[k].append(v)
     gc.enable()
     med = {k: statistics.median(v) * 1e6 for k, v in t.items()}
@@ -165,9 +192,11 @@ def main():
              "sched": "batch_from_scheduler_output, steady",
              "step_changed": "batch_from_step, first after a change (1 finished, 1 new)",
              "sched_changed": "batch_from_scheduler_output, first after a change",
+             "read": "reading the RunningRequests' 4 fields (not conversion)",
              "construct": "building the StepInput's RunningRequests (not conversion)"}
     if old is not None:
-        names.update(old_step="baseline batch_from_step, steady", old_sched="baseline batch_from_scheduler_output, steady",
+        names.update(old_step="baseline batch_from_step, steady",
+                     old_sched="baseline batch_from_scheduler_output, steady",
                      old_step_changed="baseline batch_from_step, first after a change",
                      old_sched_changed="baseline batch_from_scheduler_output, first after a change")
     for k, name in names.items():

@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["StepBatch", "SlotMap", "SlotMapDelta", "batch_from_step", "batch_from_scheduler_output",
+__all__ = ["StepBatch", "SlotMap", "SlotMapDelta", "batch_from_step", "batch_from_scheduler_output",  # noqa: F822
            "APPEND"]
 
 APPEND = -1  # NOTE: a write run starting at APPEND continues the row where it ends (the slot's block count)

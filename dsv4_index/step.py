@@ -88,8 +88,8 @@ class RunningRequest:
         Engine-wide request id.
     new_block_ids : tuple[list[int], ...] or None
         One list per gid: block ids appended to the request's row in that group since the last step
-        (empty lists, or None as vLLM sends it, when none). With ``resumed=True`` (the request comes back after preemption)
-        these are the request's *whole* block lists, replacing the old rows.
+        (empty lists, or None as vLLM sends it, when none). With ``resumed=True`` (the request comes
+        back after preemption) these are the request's *whole* block lists, replacing the old rows.
     num_computed_tokens : int
         Tokens whose KV is cached before this step; may go backwards after rejected speculative
         tokens (the scheduler rewinds it).

@@ -21,8 +21,10 @@ array-level errors (``write_ids[j]``, ``slot s``) the same way.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from itertools import chain
+from operator import countOf
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional
 
 import numpy as np
@@ -66,21 +68,41 @@ def _ok(v) -> bool:
     return type(v) is int and 0 <= v <= LIMIT
 
 
-def _ints(vals) -> Optional[np.ndarray]:
-    """Python ints in ``[0, LIMIT]`` -> int64 array; None when any is not (the caller names it).
+def _ints(vals: list, tail: Sequence[int] = ()) -> Optional[np.ndarray]:
+    """Python ints in ``[0, LIMIT]`` -> a read-only int64 array; None when any is not (the caller
+    names it). ``tail``: ints in ``[0, LIMIT]`` the caller made, appended unchecked (one conversion).
 
-    NOTE: the types first (``np.array`` would truncate floats and take bools), then an overflow-safe
-    conversion (OverflowError beyond int64), then one unsigned max (negatives are huge as uint64).
+    NOTE: the types first (``np.array`` would truncate floats and take bools; ``struct`` takes bools
+    and numpy integers), then an overflow-safe conversion (``struct.pack`` raises past int64; it is
+    2x faster than ``np.array`` on a list of ints), then one unsigned max (negatives are huge as
+    uint64).
     """
-    if not set(map(type, vals)) <= _INT:
+    if countOf(map(type, vals), int) != len(vals):
         return None
     try:
-        a = np.array(vals, dtype=np.int64)
-    except OverflowError:
+        a = np.frombuffer(struct.pack(f"{len(vals) + len(tail)}q", *vals, *tail), dtype=np.int64)
+    except struct.error:
         return None
     if a.shape[0] and a.view(np.uint64).max() > LIMIT:
         return None
     return a
+
+
+def _pack(a, b, c, d, t1: Sequence[int] = (), t2: Sequence[int] = (), t3: Sequence[int] = ()
+          ) -> Optional[np.ndarray]:
+    """:func:`_ints` of the concatenation of ``a`` .. ``d`` (sized iterables, checked) and ``t1`` ..
+    ``t3`` (ints in ``[0, LIMIT]`` the caller made, unchecked), without building the concatenation."""
+    if countOf(map(type, a), int) != len(a) or countOf(map(type, b), int) != len(b) \
+            or countOf(map(type, c), int) != len(c) or countOf(map(type, d), int) != len(d):
+        return None
+    n = len(a) + len(b) + len(c) + len(d) + len(t1) + len(t2) + len(t3)
+    try:
+        out = np.frombuffer(struct.pack(f"{n}q", *a, *b, *c, *d, *t1, *t2, *t3), dtype=np.int64)
+    except struct.error:
+        return None
+    if n and out.view(np.uint64).max() > LIMIT:
+        return None
+    return out
 
 
 def _id_set(name: str, ids) -> Sequence[str]:

@@ -1,4 +1,4 @@
-"""The steady-step conversion (``frontend._fast``) accepts only what the row-by-row conversion
+"""The steady-step conversion (``steady_step._fast``) accepts only what the row-by-row conversion
 (``frontend._convert``) accepts, and gives the same StepBatch (values and dtypes), with and without
 the slot map's cached rows."""
 
@@ -108,7 +108,8 @@ def test_fast_with_new_finished_preempted_equals_general(data, bad, finished, pr
     request, new_request = strategies(bad, n_held)
     unique = (lambda r: r[0]) if not bad else None
     reqs = data.draw(st.lists(request, max_size=5, unique_by=unique) if unique else st.lists(request, max_size=5))
-    new = data.draw(st.lists(new_request, max_size=3, unique_by=unique) if unique else st.lists(new_request, max_size=3))
+    new = data.draw(st.lists(new_request, max_size=3, unique_by=unique) if unique else
+                    st.lists(new_request, max_size=3))
     sm = _slot_map(n_held, cached)
     sm.preempted = {"r9"} if n_held < 9 else set()
     nst = {r[0]: r[3] for r in reqs}
@@ -131,3 +132,68 @@ def test_fast_with_new_finished_preempted_equals_general(data, bad, finished, pr
         _equal(fast[0], slow[0])
         assert fast[1] == slow[1]
         assert np.array_equal(fast[1].slots, slow[1].slots)
+
+
+class _CountingDict(dict):
+    """A slot map's ``slot_of`` that counts per-request lookups (the cached rows need none)."""
+
+    gets = 0
+
+    def get(self, *a):
+        _CountingDict.gets += 1
+        return super().get(*a)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n_held=st.integers(1, 10), bad=st.booleans(), running_first=st.booleans())
+def test_last_rows_less_finished_equals_general(data, n_held, bad, running_first):
+    """The first step after a change: the last batch's rows less finished / preempted ones (the
+    cached slots, less theirs), plus new requests, ``num_scheduled_tokens`` new-first or (vLLM)
+    running-first; sometimes a row dropped or swapped (then the per-request lookups)."""
+    sm = _slot_map(n_held, True)
+    sm.slot_of = _CountingDict(sm.slot_of)
+    order = [f"r{i}" for i in range(n_held)]
+    away = data.draw(st.lists(st.sampled_from(order), unique=True, max_size=min(3, n_held)))
+    fin = [r for r in away if data.draw(st.booleans())]
+    pre = [r for r in away if r not in fin]
+    ids = [r for r in order if r not in away]
+    perturbed = bool(ids) and data.draw(st.booleans())
+    if perturbed:
+        ids = ids[1:] if data.draw(st.booleans()) else ids[::-1]
+    request, new_request = strategies(bad, n_held)
+    lists = [data.draw(request)[1] for _ in ids]
+    ncs = [data.draw(st.integers(0, 100)) for _ in ids]
+    new = data.draw(st.lists(new_request, max_size=2, unique_by=lambda r: r[0]))
+    new = [r for r in new if r[0] not in ids]
+    nst = {r: 1 for r in ids} if running_first else {}
+    nst.update({r[0]: 2 for r in new})
+    nst.update({r: 1 for r in ids})
+    if not ids and not new:
+        return
+    try:
+        slow = _convert(sm, G, SCHED, list(new), [(rid, x, nc, False) for rid, x, nc in zip(ids, lists, ncs)],
+                        dict(nst), fin, pre, {}, {})
+    except ValueError:
+        slow = None
+    _CountingDict.gets = 0
+    fast = _fast(sm, G, list(new), ids, lists, ncs, dict(nst), fin, pre, False)
+    if slow is None:
+        assert fast is None
+        return
+    if not perturbed and ids:
+        assert fast is not None and _CountingDict.gets == 0  # NOTE: no lookup per request
+    if fast is not None:
+        _equal(fast[0], slow[0])
+        assert fast[1] == slow[1] and np.array_equal(fast[1].slots, slow[1].slots)
+
+
+def test_counts_and_ids_convert_once_read_only():
+    """Counts, ids and run positions share one conversion; the arrays are read-only views."""
+    sm = _slot_map(3, True)
+    b, _ = _fast(sm, G, [], ["r0", "r1", "r2"], [None, ([], [4, 5], [6]), None], [7, 8, 9],
+                 {"r0": 1, "r1": 2, "r2": 3}, (), (), False)
+    assert b.num_computed_tokens.tolist() == [7, 8, 9] and b.num_scheduled_tokens.tolist() == [1, 2, 3]
+    assert b.write_ids.tolist() == [4, 5, 6] and b.write_cu.tolist() == [0, 2, 3]
+    assert b.write_gids.tolist() == [1, 2] and b.write_slots.tolist() == [14, 14]
+    assert b.write_starts.tolist() == [-1, -1]
+    assert not b.num_computed_tokens.flags.writeable and not b.write_ids.flags.writeable
