@@ -124,7 +124,8 @@ class FusedPlan:
         units, t_super, p_super = token_units(self._tok_specs, self._tok_tasks, cfg)
         consts = dict(REQ=self._req, TOK=units, NUM_REQ=self._num_req, NUM_TOK=len(units) // NF, T_SUPER=t_super,
                       P_SUPER=p_super, NUM_WRITERS=self.num_writers, BLOCK_W=self.block_w, BLOCK_R=self.block_r,
-                      NEXT_N_PAD=self.next_n_pad)
+                      NEXT_N_PAD=self.next_n_pad, BLOCK_LOADS=bool(cfg.block_loads),
+                      OV_SKIP=bool(cfg.overlay_skip and cfg.whole_row))  # NOTE: whole rows only
         return dict(cfg=cfg, t_super=t_super, p_super=p_super, consts=consts, kernel=None)
 
     def variant(self, t_pad: int) -> int:
