@@ -81,7 +81,6 @@ class TileConfig:
     every token's length stored as ``-1`` with no table work) instead of one chunk per program.
     block_loads : causal lists read one table entry per block (``S`` columns) and expand it,
         instead of one per column.
-    overlay_skip : whole-row causal chunks that no token of the program staged skip the overlay loads.
     """
 
     bt1: int = 8
@@ -89,8 +88,7 @@ class TileConfig:
     bc: int = 128
     whole_row: bool = False
     num_warps: int = 4
-    block_loads: bool = True
-    overlay_skip: bool = True
+    block_loads: bool = False
 
     def __post_init__(self):
         for name in ("bt1", "bt2", "bc"):
