@@ -23,6 +23,7 @@ Usage::
     python benchmarks/bench_step.py --sweep --out sweep.json         # tile configs of both variants, every case
     python benchmarks/bench_step.py --floors                         # empty-kernel launch floors, write bandwidth
     python benchmarks/bench_step.py --topk-sweep                     # top-k rows-per-program x warps
+    python benchmarks/bench_step.py --ab --out ab.json               # this round's kernel options vs round 1
 """
 
 from __future__ import annotations
@@ -120,6 +121,102 @@ def sweep(args):
               + "  ".join(line), flush=True)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
+
+
+def _arms(t_pad: int):
+    """(name, tiny, small, large) of the same-run comparison: round 1's kernel (``r1``: one table read
+    per causal column everywhere) against per-block causal reads (``blocks``) and, for small-variant
+    steps, two other small tiles; only arms that change the variant the step runs on.
+
+    NOTE: run h200_2026-12-01_kernel3 also timed a per-chunk overlay skip in the whole-row variant (a
+    union of the program's staged ranges, the overlay loads skipped for chunks outside it): 0.2-2.4 us
+    slower on every large-variant case, so it is gone from the kernel."""
+    from dataclasses import replace
+    from dsv4_index.fused.plan import LARGE, LARGE_FROM, SMALL, SMALL_FROM, TINY
+    off = lambda c: replace(c, block_loads=False)  # noqa: E731
+    bl = lambda c: replace(c, block_loads=True)  # noqa: E731
+    arms = [("r1", off(TINY), off(SMALL), off(LARGE)), ("blocks", bl(TINY), bl(SMALL), bl(LARGE))]
+    if SMALL_FROM <= t_pad < LARGE_FROM:
+        arms += [("blocks S32", bl(TINY), replace(bl(SMALL), bt1=32), bl(LARGE)),
+                 ("blocks S8/4", bl(TINY), replace(bl(SMALL), bt1=8, bt2=4), bl(LARGE))]
+    return arms
+
+
+def ab(args):
+    """Same-run comparison of kernel options (``_arms``), arms interleaved over ``--rounds`` rounds
+    (graph-amortized and single replay medians per round, the median of the rounds reported), every
+    Flash case, server-sized and exact; each arm's outputs must equal the pipeline's own build; the
+    pipeline's top-k conversion timed in the same rounds."""
+    from dsv4_index.fused.plan import FusedPlan
+    layout = DSV4Layout.from_config("flash", max_model_len=131072)
+    res, rows = [], []
+    floor0 = empty_floor(args)
+    for name in CASES:
+        case = CASES[name]
+        r = dict(case=name)
+        for server in (True, False):
+            tag = "server" if server else "exact"
+            pipe = make_pipe(layout, case, server)
+            wl, _ = steady(layout, case, pipe, 3)
+            batch, _ = wl.next_step()
+            pipe.update(batch)
+            meta = pipe.build()
+            lay = pipe._lay
+            outs = list({o.data_ptr(): o for t in pipe._fused.tasks for o in t.outputs if o is not None}.values())
+            poison = lambda: [o.fill_(True if o.dtype == torch.bool else -7) for o in outs]  # noqa: E731
+            poison()
+            pipe._fused.launch(lay)
+            torch.cuda.synchronize()
+            want = [o.clone() for o in outs]
+            plans = {}
+            for arm, tiny, small, large in _arms(lay.t_pad):
+                plan = FusedPlan(pipe._fused.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev,
+                                 pipe.ctx.next_n, tiny=tiny, small=small, large=large)
+                poison()
+                plan.launch(lay)
+                torch.cuda.synchronize()
+                bad = sum(not torch.equal(a, b) for a, b in zip(outs, want))
+                assert bad == 0, f"{name} {tag} arm {arm}: {bad} outputs differ from the pipeline's build"
+                plans[arm] = plan
+            topk = None
+            if "c4a" in meta:
+                n_c = meta["c4i"].lens[:meta.num_tokens_padded].clamp(min=1).long()
+                topk = (torch.rand(meta.num_tokens_padded, layout.index_topk, device="cuda") * n_c[:, None]).long() \
+                    .to(torch.int32)
+                topk[:, -8:] = -1
+            times = {a: [] for a in plans}
+            tk = []
+            for _ in range(args.rounds):
+                for a, plan in plans.items():
+                    times[a].append(graph_time(lambda: plan.launch(lay), args.k, args.replays))
+                if topk is not None:
+                    tk.append(graph_time(lambda: meta.topk_to_slots("c4a", topk), args.k, args.replays))
+            for a, ts in times.items():
+                r[f"{tag}_{a}"] = (statistics.median(g for g, _ in ts), statistics.median(s for _, s in ts))
+            if tk:
+                r[f"{tag}_topk"] = (statistics.median(g for g, _ in tk), statistics.median(s for _, s in tk))
+            r[f"{tag}_T_pad"] = lay.t_pad
+            r[f"{tag}_programs"] = {a: p.num_programs(lay.t_pad) for a, p in plans.items()}
+            if server:
+                r[f"{tag}_written_bytes"] = written_bytes(pipe._fused, lay.t_pad)
+            del pipe, plans
+        r.update(counts_case(layout, case))
+        res.append(r)
+        print(json.dumps(r), flush=True)
+    floor1 = empty_floor(args)
+    print(f"\nempty-kernel floor (graph / single, µs): before {floor0[0]:.2f} / {floor0[1]:.2f}, after "
+          f"{floor1[0]:.2f} / {floor1[1]:.2f}")
+    print("\n| case | arm | graph server / exact | single server / exact |\n|---|---|---|---|")
+    for r in res:
+        arms = [k[len("server_"):] for k in r if k.startswith("server_") and isinstance(r[k], tuple)]
+        for a in arms:
+            sv, ex = r[f"server_{a}"], r.get(f"exact_{a}", (float("nan"),) * 2)
+            print(f"| {r['case']} | {a} | {sv[0]:.2f} / {ex[0]:.2f} | {sv[1]:.2f} / {ex[1]:.2f} |")
+    print("\n| case | launches | H2D | syncs | allocs |\n|---|---|---|---|---|")
+    for r in res:
+        print(f"| {r['case']} | {r['kernels']} | {r['h2d_copies']} | {r['syncs']} | {r['new_allocations']} |")
+    if args.out:
+        args.out.write_text(json.dumps(dict(cases=res, floor=dict(before=floor0, after=floor1)), indent=1))
 
 
 def empty_floor(args):
@@ -345,6 +442,8 @@ def main():
     ap.add_argument("--no-host", action="store_true", help="skip the host-time phases")
     ap.add_argument("--floors", action="store_true", help="launch floors (empty kernels) and the write bandwidth")
     ap.add_argument("--topk-sweep", action="store_true", help="top-k conversion tiles (rows x warps)")
+    ap.add_argument("--ab", action="store_true", help="same-run comparison of kernel options, every Flash case")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --ab")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench_step.py needs CUDA"
     if args.sweep:
@@ -355,6 +454,9 @@ def main():
         return
     if args.topk_sweep:
         topk_sweep(args)
+        return
+    if args.ab:
+        ab(args)
         return
     if args.profile_one:
         layout = DSV4Layout.from_config("flash", max_model_len=131072)

@@ -10,7 +10,10 @@
 #   topk-sweep top-k conversion tiles (rows per program x warps)
 #   check      benchmarks/gpu_check.py: compiled fused launch + top-k == the PyTorch reference (traces)
 #   bench      benchmarks/bench_step.py (JSON + markdown table)
-#   ncu        Nsight Compute on one server-sized decode B=256 and one prefill 8K step (fused kernel + top-k)
+#   ab         bench_step.py --ab: this round's kernel options against round 1's, interleaved in one run,
+#              every Flash case, server + exact, graph + single, top-k, counts (the figures of BENCHMARKS.md)
+#   bench-pro  bench_step.py on the V4-Pro layout only
+#   ncu        Nsight Compute on one server-sized decode B=256 and one prefill 8K + 32K cached step (fused + top-k)
 #   cp         examples/cp_decode.py with NCCL on 2 GPUs (when present)
 #   flash      examples/flash_decode_step.py (V4-Flash-shaped sparse decode fed by the metadata)
 #   gpu-tests  pytest -m gpu (CUDA-only tests)
@@ -43,7 +46,9 @@ for s in "$@"; do
     topk-sweep) TAIL=4 stage topk_sweep 60 $PY benchmarks/bench_step.py --topk-sweep --replays 30 ;;
     check)     TAIL=12 stage check 120 $PY benchmarks/gpu_check.py --steps 30 ;;
     bench)     TAIL=34 stage bench 150 $PY benchmarks/bench_step.py --out "$OUT/bench.json" --replays 30 --host-steps 40 --no-host ;;
-    ncu)       for c in "decode B=256" "prefill 8K"; do
+    ab)        TAIL=60 stage ab 220 $PY benchmarks/bench_step.py --ab --rounds 3 --replays 30 --out "$OUT/ab.json" ;;
+    bench-pro) TAIL=12 stage bench_pro 60 $PY benchmarks/bench_step.py --layouts pro --out "$OUT/bench_pro.json" --replays 30 --no-host ;;
+    ncu)       for c in "decode B=256" "prefill 8K + 32K cached"; do
                  TAIL=2 stage "ncu_${c//[^a-zA-Z0-9]/_}" 45 ncu --clock-control none -k "regex:fused_step_kernel|_topk_rows" \
                    --launch-skip 5 -c 2 --section SpeedOfLight --section LaunchStats --section Occupancy \
                    --section WarpStateStats --section MemoryWorkloadAnalysis $PY benchmarks/bench_step.py --profile-one "$c"

@@ -442,3 +442,37 @@ def test_every_variant_compiled_at_construction_none_while_serving():
         pipe.update(StepInput([], [], {}, {r.req_id for r in step.new_requests}, set()))
     torch.cuda.synchronize()
     assert len(cache) == n
+
+
+@pytest.mark.parametrize("block_loads", [True, False])
+def test_long_causal_rows_block_loads(block_loads, monkeypatch):
+    """Causal rows longer than a chunk, on the whole-row variant: chunks of cached blocks and chunks
+    holding this step's staged blocks, with one table read per block (``block_loads``, the default of
+    that variant) or per column: the same outputs as the unfused and reference paths.
+
+    NOTE: the interpreter runs the writer programs first, so a missing overlay read cannot fail here
+    (``benchmarks/gpu_check.py`` covers that on a GPU)."""
+    import dataclasses
+
+    from dsv4_index.fused import plan as plan_mod
+    monkeypatch.setenv("DSV4_INDEX_LARGE_FROM", "1")
+    monkeypatch.setattr(plan_mod, "INTERP_LARGE", dataclasses.replace(plan_mod.INTERP_LARGE, block_loads=block_loads))
+    layout = flash_layout(max_model_len=24576)
+    rng = random.Random(21)
+    pipes = three_pipelines(layout, 3, 384)
+    blocks = Blocks(layout, rng)
+    ctx = {"a": 9000, "b": 16380, "c": 700}
+    step = StepInput([NewRequest(r, blocks.lists(c + 2), c) for r, c in ctx.items()], [], {r: 2 for r in ctx},
+                     set(), set(), {})
+    step_all(pipes, step, pad_to=8)
+    have = {r.req_id: [len(b) for b in r.block_ids] for r in step.new_requests}
+    ctx = {r: c + 2 for r, c in ctx.items()}
+    for q in (40, 1):  # NOTE: "b" crosses C128A block boundaries (256 tokens a block) in the first
+        sched = {r: q + 256 if r == "b" and q == 40 else q for r in ctx}
+        running = []
+        for rid, c in sorted(ctx.items()):
+            new = blocks.lists(c + sched[rid], have[rid])
+            have[rid] = [h + len(n) for h, n in zip(have[rid], new)]
+            running.append(RunningRequest(rid, new, c))
+            ctx[rid] = c + sched[rid]
+        step_all(pipes, StepInput([], running, sched, set(), set(), {}), pad_to=sum(sched.values()) + 3)

@@ -7,7 +7,8 @@ request programs, then ``cdiv(T_pad, T_SUPER) x P_SUPER`` token programs: each s
 and its column chunks, ``tasks.token_units``). What never changes for a layout (kinds, parameters,
 widths, DCP, flags, tiles) is ``constexpr`` (flat ``REQ`` / ``TOK`` tuples, ``NF`` ints per task): a
 program finds its task by arithmetic on its id, and its chain of dependent loads is header + token
-map -> the row's values -> the table entry -> store. Output addresses and the table geometry
+map -> the row's values -> the table entry -> store. Causal lists read one table entry per block
+(``S`` columns) in the whole-row variant (``TileConfig.block_loads``). Output addresses and the table geometry
 (capacity-dependent) come from ``outs`` (loads off the chain); outputs are element offsets from the
 ``base*`` pointers (16-byte aligned), so that row stores of index lists are 16-byte vector stores.
 A new token kind is one more ``elif KIND == ...`` branch of :func:`_token_task`.
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 from .._triton import triton, tl
 
-from ..ops._device import (causal_row, circular_split, compressed_slot, decode_row_lens, raw_slot, visible_rows,
-                           window_len, window_row)
+from ..ops._device import (causal_row, causal_row_blocks, circular_split, compressed_slot, decode_row_lens, raw_slot,
+                           visible_rows, window_len, window_row)
 from ..state.staging import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START,
                              OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE)
 from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, INDEXER, NF, REPLAYS, REQUESTS, S_A, S_B, S_BC, S_CPI,
@@ -119,8 +120,19 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
 
 
 @triton.jit
+def _causal_chunk(bt, row, n, j0, j, PB: tl.constexpr, stride, stage_ptr, lo, hi, pay, HAS_OV: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr, BLOCK_LOADS: tl.constexpr):
+    """Causal columns ``j = j0 + [0, BC)``: one table read per block where the block divides the chunk
+    (``BLOCK_LOADS``), else one per column."""
+    if BLOCK_LOADS and PB > 1 and BC % PB == 0:
+        return causal_row_blocks(bt, row, n, j0, PB, stride, stage_ptr, lo, hi, pay, HAS_OV, BT, BC)
+    else:
+        return causal_row(bt, row, n, j, PB, stride, stage_ptr, lo, hi, pay, HAS_OV)
+
+
+@triton.jit
 def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride,
-                TAB: tl.constexpr, I: tl.constexpr):
+                TAB: tl.constexpr, I: tl.constexpr, BLOCK_LOADS: tl.constexpr):
     """Columns ``[col0, col0 + NCHUNK * BC)`` of index-list rows ``t`` (window or causal): chunks that
     reach a token's entries read the table, chunks past every token's length are plain ``-1`` stores.
     A circular group's window entries inside the step's chunk (from ``q_start``) become in-step rows."""
@@ -149,7 +161,8 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, 
                     if CIRCULAR:
                         idx = circular_split(idx, t, pos, first, n, j, q_start)
                 else:
-                    idx = causal_row(bt, row, n, j, PB, stride, stage_ptr, lo, hi, pay, True)
+                    idx = _causal_chunk(bt, row, n, col0 + c * BC, j, PB, stride, stage_ptr, lo, hi, pay, True,
+                                        BT, BC, BLOCK_LOADS)
                 tl.store(rowp + j, idx, mask=m)
             else:
                 tl.store(rowp + j, tl.full([BT, BC], -1, tl.int32), mask=m)
@@ -160,13 +173,15 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, 
                 if CIRCULAR:
                     idx = circular_split(idx, t, pos, first, n, j, q_start)
             else:
-                idx = causal_row(bt, row, n, j, PB, stride, stage_ptr, lo, hi, pay, True)
+                idx = _causal_chunk(bt, row, n, col0 + c * BC, j, PB, stride, stage_ptr, lo, hi, pay, True,
+                                    BT, BC, BLOCK_LOADS)
             tl.store(rowp + j, idx, mask=m)
 
 
 @triton.jit
 def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0, T_pad, rows, off_qsl, off_seq,
-                off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, I: tl.constexpr):
+                off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, I: tl.constexpr,
+                BLOCK_LOADS: tl.constexpr):
     KIND: tl.constexpr = TAB[I * _NF + _KIND]
     HAS: tl.constexpr = TAB[I * _NF + _HAS]
     FLAGS: tl.constexpr = TAB[I * _NF + _FLAGS]
@@ -222,7 +237,7 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
             else:
                 q_start = tl.zeros_like(pos)
             _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
-                        pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride, TAB, I)
+                        pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride, TAB, I, BLOCK_LOADS)
             if col0 == 0:
                 tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
                 if (HAS & 4) != 0:
@@ -238,7 +253,7 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
             n = visible_rows(pos, valid, A, CPW, CPR, CPI)
             n = tl.minimum(tl.minimum(n, TAB[I * _NF + _WIDTH]), twidth * PB)
             _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
-                        pos, n, n, pos, lo, hi, pay, col0, twidth, ring, stride, TAB, I)
+                        pos, n, n, pos, lo, hi, pay, col0, twidth, ring, stride, TAB, I, BLOCK_LOADS)
             if col0 == 0:
                 tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
         elif KIND == COMPRESSED:
@@ -277,7 +292,7 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
 @triton.jit
 def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_pad, rows, off_qsl, off_seq,
                 off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, I: tl.constexpr,
-                T_SUPER: tl.constexpr):
+                T_SUPER: tl.constexpr, BLOCK_LOADS: tl.constexpr):
     """Program ``r`` of super tile ``s``, if it belongs to unit ``I``: its token rows and first column."""
     START: tl.constexpr = TAB[I * _NF + _START]
     NPROG: tl.constexpr = TAB[I * _NF + _NPROG]
@@ -288,7 +303,7 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
         q = r - START
         _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s * T_SUPER + (q % PER) * BT,
                     (q // PER) * COLS, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra,
-                    off_ov, TAB, I)
+                    off_ov, TAB, I, BLOCK_LOADS)
 
 
 @triton.jit(do_not_specialize=["T_pad", "req_tiles", "rows", "off_qsl", "off_seq", "off_slots", "off_rs", "off_re",
@@ -301,7 +316,8 @@ def fused_step_kernel(stage_ptr,   # int32 [*] staging buffer (state/staging.py 
                       off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, off_w,
                       REQ: tl.constexpr, TOK: tl.constexpr, NUM_REQ: tl.constexpr, NUM_TOK: tl.constexpr,
                       T_SUPER: tl.constexpr, P_SUPER: tl.constexpr, NUM_WRITERS: tl.constexpr,
-                      BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, NEXT_N_PAD: tl.constexpr):
+                      BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, NEXT_N_PAD: tl.constexpr,
+                      BLOCK_LOADS: tl.constexpr):
     pid = tl.program_id(0)
     if pid < NUM_WRITERS:
         _write_blocks(stage_ptr, tables_ptr, pid, off_w, NUM_WRITERS, BLOCK_W)
@@ -320,4 +336,5 @@ def fused_step_kernel(stage_ptr,   # int32 [*] staging buffer (state/staging.py 
             r = p % P_SUPER
             for i in tl.static_range(NUM_TOK):
                 _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_pad, rows, off_qsl,
-                            off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TOK, i, T_SUPER)
+                            off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TOK, i, T_SUPER,
+                            BLOCK_LOADS)

@@ -25,13 +25,15 @@ __all__ = ["FusedPlan", "TileConfig"]
 # NOTE: H200 sweep (BENCHMARKS.md, run h200_2026-12-01_kernel1): decode-sized steps want many small
 # programs (8 token rows x one 128-column chunk; 8 warps while the step is a handful of tokens, 16-row
 # 1-D tiles and 4 warps from 64 tokens on); prefill-sized steps want fewer, larger programs that write
-# whole index-list rows (8 token rows, chunks past every token's length stored as -1)
+# whole index-list rows (8 token rows, chunks past every token's length stored as -1). Causal lists
+# read one table entry per block only in the whole-row variant (run h200_2026-12-01_kernel3, same-run
+# arms: prefill 8K + 32K cached 17.90 -> 16.65 us; the small tiles lost 2-5 % with it)
 TINY = TileConfig(bt1=8, bt2=8, bc=128, whole_row=False, num_warps=8)
 SMALL = TileConfig(bt1=16, bt2=8, bc=128, whole_row=False, num_warps=4)
-LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4)
+LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4, block_loads=True)
 SMALL_FROM, LARGE_FROM = 64, 2048
 INTERP = TileConfig(bt1=64, bt2=16, bc=128, whole_row=False, num_warps=4)
-INTERP_LARGE = TileConfig(bt1=64, bt2=16, bc=64, whole_row=True, num_warps=4)
+INTERP_LARGE = TileConfig(bt1=64, bt2=16, bc=64, whole_row=True, num_warps=4, block_loads=True)
 
 
 class FusedPlan:
@@ -124,7 +126,7 @@ class FusedPlan:
         units, t_super, p_super = token_units(self._tok_specs, self._tok_tasks, cfg)
         consts = dict(REQ=self._req, TOK=units, NUM_REQ=self._num_req, NUM_TOK=len(units) // NF, T_SUPER=t_super,
                       P_SUPER=p_super, NUM_WRITERS=self.num_writers, BLOCK_W=self.block_w, BLOCK_R=self.block_r,
-                      NEXT_N_PAD=self.next_n_pad)
+                      NEXT_N_PAD=self.next_n_pad, BLOCK_LOADS=bool(cfg.block_loads))
         return dict(cfg=cfg, t_super=t_super, p_super=p_super, consts=consts, kernel=None)
 
     def variant(self, t_pad: int) -> int:

@@ -79,6 +79,8 @@ class TileConfig:
     columns per chunk;
     whole_row : one program writes whole index-list rows (a loop over chunks, the chunks past
     every token's length stored as ``-1`` with no table work) instead of one chunk per program.
+    block_loads : causal lists read one table entry per block (``S`` columns) and expand it,
+        instead of one per column.
     """
 
     bt1: int = 8
@@ -86,6 +88,7 @@ class TileConfig:
     bc: int = 128
     whole_row: bool = False
     num_warps: int = 4
+    block_loads: bool = False
 
     def __post_init__(self):
         for name in ("bt1", "bt2", "bc"):

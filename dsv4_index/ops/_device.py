@@ -233,6 +233,30 @@ def causal_row(bt_ptr, row, n, j, rows_per_block, row_stride, stage_ptr, ov_lo, 
 
 
 @triton.jit
+def causal_row_blocks(bt_ptr, row, n, j0, rows_per_block: tl.constexpr, row_stride, stage_ptr, ov_lo, ov_hi,
+                      ov_pay, HAS_OVERLAY: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """:func:`causal_row` of the ``BC`` columns ``j0 + [0, BC)`` with one table read per block instead
+    of one per column: blocks ``j0 // S + [0, BC // S)`` are read (and their overlay), then each block
+    id ``bid`` expands to the ``S`` slots ``bid * S + [0, S)``. int32 ``[BT, BC]``.
+
+    NOTE: ``j0 % S == 0`` and ``BC % S == 0`` (callers: ``S`` a power of two dividing the chunk); int32
+    arithmetic wraps exactly like the int64 product truncated to int32 in :func:`causal_row`.
+    """
+    NB: tl.constexpr = BC // rows_per_block
+    blk = j0 // rows_per_block + tl.arange(0, NB)[None, :]
+    ok = blk * rows_per_block < n[:, None]
+    bid = table_entry(bt_ptr, row[:, None], blk, ok, row_stride, 0, stage_ptr,
+                      ov_lo[:, None], ov_hi[:, None], ov_pay[:, None], HAS_OVERLAY)
+    base = bid * rows_per_block
+    if rows_per_block == 2:
+        slot = tl.interleave(base, base + 1)
+    else:
+        slot = tl.reshape(base[:, :, None] + tl.arange(0, rows_per_block)[None, None, :], [BT, BC])
+    j = j0 + tl.arange(0, BC)[None, :]
+    return tl.where(j < n[:, None], slot, -1)
+
+
+@triton.jit
 def completed_rows(qsl_ptr,       # [B + 1] int32
                    seq_lens_ptr,  # [B] int32
                    j, mask, compress_ratio):
