@@ -81,6 +81,7 @@ class SteadyGeometry:
         self.bound0 = np.where(ring > 0, ring * bs - win - bs + 2, _BIG // 2)
         self.bs = tables.bs.copy()
         self.width = np.where(tables.circular, 0, tables.logical)
+        self.logical_x = tables.logical[self.groups]
         self.key_base = (np.arange(G, dtype=np.int64) * num_slots)[:, None]
         self.nb_flat = tables.num_blocks.ravel()  # NOTE: a view of the live block counts
         self.arange, self.arange_bytes, self.append_bytes = _constants(G * num_slots)
@@ -130,6 +131,10 @@ class SteadyCache:
         kx = keys.reshape(geo.num_groups, B)[geo.groups].ravel()  # NOTE: the non-circular groups' keys
         np.subtract(geo.nb_flat.take(kx).reshape(Gx, B) * geo.bs_x, plan.seq_lens, out=c.x)
         c.bound = np.repeat(U.astype(np.uint64), B).reshape(Gx, B)
+        # NOTE: one scalar for the common case: x' <= min(U) proves coverage and every ring bound, and
+        # x' <= min(logical * bs) - max(seq') proves the table width of every appended row
+        c.bound_min = int(U.min())
+        c.covered_min = int((geo.logical_x * geo.bs_x[:, 0]).min())
         rows = geo.arange[:B]
         c.key_x = np.full(geo.num_keys + 1, Gx * B, dtype=np.int64)
         c.key_row = np.full(geo.num_keys + 1, -1, dtype=np.int64)
@@ -138,6 +143,9 @@ class SteadyCache:
         c.bs_of_gid, c.width, c.max_runs = geo.bs, geo.width, geo.num_groups * B
         c.arange, c.arange_bytes, c.append_bytes = geo.arange, geo.arange_bytes, geo.append_bytes
         c.scratch = _Scratch(c.x.shape)
+        c.plan_fields = dict(rows=c.rows, slots=c.b_slots, num_scheduled=c.b_q, replay_start=None, replay_end=None,
+                             num_decodes=c.num_decodes, num_decode_tokens=c.num_decode_tokens,
+                             num_tokens=c.num_tokens, free_slots=_EMPTY, new_slots=_EMPTY, steady=True)
         return c
 
     def advance(self, plan: StepPlan, tables) -> bool:
@@ -146,7 +154,7 @@ class SteadyCache:
         self.x, s.x_next = s.x_next, self.x
         self.x_flat, s.flat = s.flat, self.x_flat
         self.nc_bytes = s.seq.tobytes()
-        return s.seq.item(s.seq.argmax()) <= tables.max_model_len
+        return s.seq_max <= tables.max_model_len
 
 
 def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_writes: int,
@@ -200,8 +208,6 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
             return None
         key = gid * num_slots + slot
         have = tables.num_blocks.take(key, mode="clip")
-        if _count(have >= c.width.take(gid, mode="clip")):  # NOTE: width, and no circular group
-            return None
         add = c.bs_of_gid.take(gid, mode="clip")
         flat[-1] = _POISON
         cells = c.key_x.take(key, mode="clip")
@@ -214,18 +220,30 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
             return None
         row = c.key_row.take(key, mode="clip")
         end = have + 1
-    if _count(np.greater(xn.view(_U64), c.bound, out=s.over)):  # NOTE: coverage and every ring bound at once
-        return None
+    seq = np.add(nc, q)
+    seq_max = seq.item(seq.argmax())
+    u = xn.view(_U64)  # NOTE: negative slack (not covered) views as huge
+    if u.item(u.argmax()) > min(c.bound_min, c.covered_min - seq_max):
+        # NOTE: the scalar bound failed: the exact per-group bounds and the width of each appended row
+        if gid.size and _count(have >= c.width.take(gid, mode="clip")):  # NOTE: width, and no circular group
+            return None
+        if _count(np.greater(u, c.bound, out=s.over)):  # NOTE: coverage and every ring bound at once
+            return None
     if level == "full" and gid.size and not _full_ok(tables, gid, slot, have, ids):
         _full_checks(tables, gid, slot, have, cu, ids)  # NOTE: raises the general path's message
-    seq = np.add(nc, q)
-    s.seq = seq
-    return StepPlan(
-        rows=c.rows, slots=c.b_slots, num_scheduled=c.b_q, seq_lens=seq if c.identity else seq.take(c.rows),
-        replay_start=None, replay_end=None, num_decodes=c.num_decodes, num_decode_tokens=c.num_decode_tokens,
-        num_tokens=T, num_tokens_padded=T_pad, free_slots=_EMPTY, new_slots=_EMPTY, all_slots=slots,
-        all_computed=nc, w_gid=gid, w_slot=slot, w_start=have, w_end=end, w_keep=have, w_cu=cu, w_ids=ids,
-        w_row=row, w_key=key, steady=True)
+    s.seq, s.seq_max = seq, seq_max
+    plan = _new_plan()
+    plan.__dict__.update(c.plan_fields)  # NOTE: the fields a steady batch repeats (a dict update, not 25 kwargs)
+    d = plan.__dict__
+    d["seq_lens"] = seq if c.identity else seq.take(c.rows)
+    d["num_tokens_padded"], d["all_slots"], d["all_computed"] = T_pad, slots, nc
+    d["w_gid"], d["w_slot"], d["w_start"], d["w_end"], d["w_keep"] = gid, slot, have, end, have
+    d["w_cu"], d["w_ids"], d["w_row"], d["w_key"] = cu, ids, row, key
+    return plan
+
+
+def _new_plan() -> StepPlan:
+    return object.__new__(StepPlan)
 
 
 def _full_ok(tables, gid, slot, have, ids) -> bool:

@@ -27,6 +27,7 @@ from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE
 __all__ = ["BlockTables"]
 
 _FEW_RUNS = 16  # NOTE: up to this many runs, stage_writes copies slices per run
+_RECORD = np.dtype((np.void, 4 * OVERLAY_STRIDE))  # NOTE: one overlay record as a scalar (a single scatter)
 
 
 class BlockTables:
@@ -113,6 +114,7 @@ class BlockTables:
         self._iota = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int32)
         self.iota_cols = self._iota.astype(np.int64)  # NOTE: column numbers (the full checks' row masks)
         self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
+        self._trips = {}  # NOTE: lay.writes -> preset overlay records (the steady path's one scatter)
         self._row_base = (self.base[:, None] + np.arange(num_slots)[None, :] * self.cols[:, None]).ravel()
         self._col_mod = np.repeat(np.where(self.circular, 1, np.where(self.ring > 0, self.ring,
                                                                       np.iinfo(np.int64).max)), num_slots)
@@ -210,13 +212,24 @@ class BlockTables:
         h[w0:w0 + N] = ids
         h[w0 + N:w0 + 2 * N] = dst
         self.mirror[dst] = ids
-        rec = ov.reshape(-1, OVERLAY_STRIDE)
+        # NOTE: one scatter of whole 12-byte records from a buffer whose payload column is preset
+        trip = self._records(lay)
+        trip[:N, OV_LO] = plan.w_start
+        trip[:N, OV_HI] = plan.w_end
         at = plan.w_gid * lay.rows
         at += plan.w_row
-        rec[at, OV_LO] = plan.w_start
-        rec[at, OV_HI] = plan.w_end
-        rec[at, OV_PAY] = self._payload[:N] + w0
+        ov.reshape(-1).view(_RECORD)[at] = trip[:N].reshape(-1).view(_RECORD)
         return N
+
+    def _records(self, lay) -> np.ndarray:
+        """int32 ``[G * max_num_reqs, OVERLAY_STRIDE]`` overlay records for :meth:`_stage_appends`,
+        payload column ``lay.writes + i`` (built once per layout)."""
+        trip = self._trips.get(lay.writes)
+        if trip is None:
+            n = len(self.groups) * self.max_num_reqs
+            trip = self._trips[lay.writes] = np.zeros((n, OVERLAY_STRIDE), dtype=np.int32)
+            trip[:, OV_PAY] = lay.writes + np.arange(n)
+        return trip
 
     def row(self, gid: int, slot: int) -> np.ndarray:
         """Host copy of the valid logical blocks of a slot, in logical order (int32 ``[n]``).
