@@ -270,3 +270,31 @@ def test_per_run_slices_stage_what_the_id_arrays_stage(monkeypatch, variant):
         a.build(), b.build()
         assert all((x == y).all() for x, y in zip(a.tables.tables, b.tables.tables))
     assert sliced >= 5
+
+
+@pytest.mark.parametrize("variant", ["ring", "circular"])
+def test_rows_growing_to_the_table_width_get_the_general_verdict(variant):
+    """Rows grow until a table is full (``max_model_len``): the steady path's scalar bound (coverage,
+    rings and table width at once) gives way to the exact checks near the end, and the step that
+    no longer fits is rejected with the general path's message on both pipelines, state untouched."""
+    a, b = _pipes(variant)
+    work, steady, err = Steady(layout(variant), seed=7), 0, None
+    for i in range(120):
+        step = work.step()
+        errs = []
+        for p in (a, b):
+            before = state(p)
+            try:
+                p.update(step)
+                errs.append(None)
+            except ValueError as e:
+                errs.append(str(e))
+                assert not _diff(before, state(p)), "a rejected step changed the state"
+        assert errs[0] == errs[1], f"step {i}: steady {errs[0]!r} vs general {errs[1]!r}"
+        if errs[0] is not None:
+            err = errs[0]
+            break
+        steady += a.last_plan.steady
+        _same(a, b)
+    assert err is not None and "the table holds" in err, err
+    assert steady >= 20, f"the steady path was taken only {steady} times"
