@@ -29,6 +29,7 @@ __all__ = ["SteadyGeometry", "SteadyCache", "plan_steady"]
 _I64, _U64, _BOOL = np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.bool_)
 _EMPTY = np.zeros(0, dtype=np.int64)
 _count = np.count_nonzero
+_ONE = np.array(1, dtype=np.int64)
 _BIG = np.iinfo(np.int64).max
 _POISON = -(1 << 40)  # NOTE: the poison cell after the slack matrix: a run outside the batch lands there
 
@@ -124,6 +125,7 @@ class SteadyCache:
         c.nc_bytes = (plan.all_computed + q_all).tobytes()
         c.num_tokens, c.num_decodes, c.num_decode_tokens = plan.num_tokens, plan.num_decodes, plan.num_decode_tokens
         c.num_slots, c.geo = geo.num_slots, geo
+        c.num_slots_0d = np.array(geo.num_slots, dtype=np.int64)
         Gx = geo.groups.size
         # NOTE: flat (group, slot) keys of every group for the batch slots, group-major
         keys = (geo.key_base + c.b_slots[None, :]).ravel()
@@ -206,7 +208,8 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
         both, u = np.bitwise_or(gid, slot).view(_U64), ids.view(_U64)
         if both.item(both.argmax()) >= num_slots or u.item(u.argmax()) > tables.id_max_min:  # NOTE: argmax: no wrapper
             return None
-        key = gid * num_slots + slot
+        key = np.multiply(gid, c.num_slots_0d)  # NOTE: 0-d operands: a Python int costs a conversion per call
+        key += slot
         have = tables.num_blocks.take(key, mode="clip")
         add = c.bs_of_gid.take(gid, mode="clip")
         flat[-1] = _POISON
@@ -219,7 +222,7 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
         if flat[-1] != _POISON or distinct != N:  # NOTE: one run per (group, slot)
             return None
         row = c.key_row.take(key, mode="clip")
-        end = have + 1
+        end = np.add(have, _ONE)
     seq = np.add(nc, q)
     seq_max = seq.item(seq.argmax())
     u = xn.view(_U64)  # NOTE: negative slack (not covered) views as huge
