@@ -102,10 +102,16 @@ class SteadyCache:
     """
 
     @classmethod
-    def build(cls, plan: StepPlan, geo: "SteadyGeometry", generation: int):
+    def build(cls, plan: StepPlan, geo: "SteadyGeometry", generation: int, prev: "SteadyCache" = None):
         """The cache after accepting ``plan`` (general path), or None when no steady step can follow
         (a row without tokens or with more than the smallest block's, a sequence at ``max_model_len``,
-        a ring too small for its window)."""
+        a ring too small for its window).
+
+        ``prev``: the cache of the last batch, if any. When the new batch has as many rows (a request
+        finished, another took its place; rows traded places), ``prev`` is patched in place for the
+        rows whose slot changed (its key tables and buffers are kept) instead of rebuilt; the result
+        is the same cache.
+        """
         n_rows, B = plan.all_slots.shape[0], plan.slots.shape[0]
         qmax = int(plan.num_scheduled.max()) if B else 0
         # NOTE: a row scheduling more tokens than the smallest block appends several ids per run some
@@ -115,40 +121,61 @@ class SteadyCache:
         U = geo.bound0 - qmax
         if int(U.min()) < 0:
             return None
-        c = cls()
-        c.generation, c.B, c.shape = generation, B, (B,)
+        Gx = geo.groups.size
+        changed = None
+        if prev is not None and prev.B == B and prev.geo is geo:
+            changed = np.flatnonzero(plan.slots != prev.held_slots)  # NOTE: the cost grows with these only
+        if changed is None:
+            c = cls()
+            c.B, c.shape, c.geo, c.num_slots = B, (B,), geo, geo.num_slots
+            c.num_slots_0d = np.array(geo.num_slots, dtype=np.int64)
+            c.x_flat, c.x = _slack_buffer((Gx, B))
+            c.scratch = _Scratch(c.x.shape)
+            c.key_x = np.full(geo.num_keys + 1, Gx * B, dtype=np.int64)
+            c.key_row = np.full(geo.num_keys + 1, -1, dtype=np.int64)
+            c._set_keys(geo.arange[:B], plan.slots)
+            c.bs_of_gid, c.width, c.max_runs = geo.bs, geo.width, geo.num_groups * B
+            c.arange, c.arange_bytes, c.append_bytes = geo.arange, geo.arange_bytes, geo.append_bytes
+            c.covered_min = int((geo.logical_x * geo.bs_x[:, 0]).min())
+            c.bound_min = None
+        else:
+            c = prev
+            if changed.shape[0]:
+                # NOTE: first every leaving key back to poison, then the arriving ones (a slot may move rows)
+                old = (geo.key_base + prev.held_slots.take(changed)[None, :]).ravel()
+                c.key_x[old], c.key_row[old] = Gx * B, -1
+                c._set_keys(changed, plan.slots.take(changed))
+        c.generation = generation
         c.rows, c.b_slots, c.b_q = plan.rows, plan.slots, plan.num_scheduled
+        c.held_slots = plan.slots.copy()  # NOTE: what the key tables hold (the caller may reuse its arrays)
         c.identity = bool((plan.rows == geo.arange[:B]).all())
         q_all = np.empty(B, dtype=np.int64)
         q_all[plan.rows] = plan.num_scheduled
         c.slots_bytes, c.q_bytes = plan.all_slots.tobytes(), q_all.tobytes()
         c.nc_bytes = (plan.all_computed + q_all).tobytes()
         c.num_tokens, c.num_decodes, c.num_decode_tokens = plan.num_tokens, plan.num_decodes, plan.num_decode_tokens
-        c.num_slots, c.geo = geo.num_slots, geo
-        c.num_slots_0d = np.array(geo.num_slots, dtype=np.int64)
-        Gx = geo.groups.size
-        # NOTE: flat (group, slot) keys of every group for the batch slots, group-major
-        keys = (geo.key_base + c.b_slots[None, :]).ravel()
-        c.x_flat, c.x = _slack_buffer((Gx, B))
-        kx = keys.reshape(geo.num_groups, B)[geo.groups].ravel()  # NOTE: the non-circular groups' keys
+        # NOTE: flat (group, slot) keys of the non-circular groups for the batch slots, group-major
+        kx = (geo.key_base[geo.groups] + c.b_slots[None, :]).ravel()
         np.subtract(geo.nb_flat.take(kx).reshape(Gx, B) * geo.bs_x, plan.seq_lens, out=c.x)
-        c.bound = np.repeat(U.astype(np.uint64), B).reshape(Gx, B)
-        # NOTE: one scalar for the common case: x' <= min(U) proves coverage and every ring bound, and
-        # x' <= min(logical * bs) - max(seq') proves the table width of every appended row
-        c.bound_min = int(U.min())
-        c.covered_min = int((geo.logical_x * geo.bs_x[:, 0]).min())
-        rows = geo.arange[:B]
-        c.key_x = np.full(geo.num_keys + 1, Gx * B, dtype=np.int64)
-        c.key_row = np.full(geo.num_keys + 1, -1, dtype=np.int64)
-        c.key_row[keys] = np.tile(rows, geo.num_groups)
-        c.key_x[kx] = geo.arange[:Gx * B]
-        c.bs_of_gid, c.width, c.max_runs = geo.bs, geo.width, geo.num_groups * B
-        c.arange, c.arange_bytes, c.append_bytes = geo.arange, geo.arange_bytes, geo.append_bytes
-        c.scratch = _Scratch(c.x.shape)
+        c.x_flat[-1] = _POISON
+        if c.bound_min != int(U.min()) or changed is None or not np.array_equal(c.bound_u, U):
+            c.bound_u = U
+            c.bound = np.repeat(U.astype(np.uint64), B).reshape(Gx, B)
+            # NOTE: one scalar for the common case: x' <= min(U) proves coverage and every ring bound, and
+            # x' <= min(logical * bs) - max(seq') proves the table width of every appended row
+            c.bound_min = int(U.min())
         c.plan_fields = dict(rows=c.rows, slots=c.b_slots, num_scheduled=c.b_q, replay_start=None, replay_end=None,
                              num_decodes=c.num_decodes, num_decode_tokens=c.num_decode_tokens,
                              num_tokens=c.num_tokens, free_slots=_EMPTY, new_slots=_EMPTY, steady=True)
         return c
+
+    def _set_keys(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Point the keys of ``slots`` (every group) at batch ``rows`` and their cells of ``x``."""
+        geo, B = self.geo, self.B
+        keys = geo.key_base + slots[None, :]                        # [G, k]
+        self.key_row[keys.ravel()] = np.tile(rows, geo.num_groups)
+        cells = (geo.arange[:geo.groups.size, None] * B + rows[None, :]).ravel()
+        self.key_x[keys[geo.groups].ravel()] = cells
 
     def advance(self, plan: StepPlan, tables) -> bool:
         """Accept a steady ``plan``; False when no further steady step can follow."""
