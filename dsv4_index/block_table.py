@@ -20,6 +20,9 @@ Segment export (for an engine with its own transfer; the commit does not use it)
 :meth:`BlockTable.pack_segments` writes ``k`` descriptors of ``SEGMENT_INTS = 4`` int32 ``(row, col_lo,
 n, payload_offset)`` then the payloads, ``n`` int32 entries each, contiguous in descriptor order
 (``payload_offset`` absolute in the buffer); :func:`apply_segments` applies them with torch ops.
+
+NOTE: over 400 lines because of the public row API (seven operations, each with its checks and
+dirty ranges) and the segment export; the storage and the transfer are ``state/``'s.
 """
 
 from __future__ import annotations
