@@ -103,13 +103,13 @@ def sweep(args):
         batch, _ = wl.next_step()
         pipe.update(batch)
         pipe.build()
-        lay = pipe._lay
+        lay = pipe.stage_layout
         line = []
         for v, cfgs in ((0, SWEEP_SMALL), (1, SWEEP_LARGE)):
             if name.startswith("prefill") and v == 0 and cfgs is SWEEP_SMALL:
                 cfgs = cfgs[:2]
             for cfg in cfgs:
-                plan = FusedPlan(pipe._fused.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, pipe.ctx.next_n,
+                plan = FusedPlan(pipe.fused_plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, pipe.ctx.next_n,
                                  tiny=cfg, small=cfg, large=cfg, large_from=0 if v else 1 << 30)
                 plan.launch(lay)
                 g, s1 = graph_time(lambda: plan.launch(lay), args.k, args.replays)
@@ -117,7 +117,7 @@ def sweep(args):
                 line.append(f"{tag} {g:.2f}/{s1:.2f}")
                 out.append(dict(case=name, variant=v, cfg=tag, graph_us=g, single_us=s1,
                                 programs=plan.num_programs(lay.t_pad)))
-        print(f"sweep {name} (T_pad {lay.t_pad}, {written_bytes(pipe._fused, lay.t_pad) / 2**20:.1f} MiB): "
+        print(f"sweep {name} (T_pad {lay.t_pad}, {written_bytes(pipe.fused_plan, lay.t_pad) / 2**20:.1f} MiB): "
               + "  ".join(line), flush=True)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
@@ -327,11 +327,11 @@ def gpu_case(layout, case, server, args):
     batch, _ = wl.next_step()
     pipe.update(batch)
     meta = pipe.build()
-    lay = pipe._lay
-    graph, single = graph_time(lambda: pipe._fused.launch(lay), args.k, args.replays)
-    wb = written_bytes(pipe._fused, lay.t_pad)
+    lay = pipe.stage_layout
+    graph, single = graph_time(lambda: pipe.fused_plan.launch(lay), args.k, args.replays)
+    wb = written_bytes(pipe.fused_plan, lay.t_pad)
     res = dict(build_graph_us=graph, build_single_us=single, T=meta.num_tokens, B=meta.num_reqs,
-               programs=pipe._fused.num_programs(lay.t_pad), variant=pipe._fused.variant(lay.t_pad),
+               programs=pipe.fused_plan.num_programs(lay.t_pad), variant=pipe.fused_plan.variant(lay.t_pad),
                written_bytes=wb, write_tb_s=wb / graph / 1e6, h2d_bytes=pipe.last_step_stats.h2d_bytes,
                launches=pipe.num_launches)
     if "c4a" in meta:

@@ -1,6 +1,6 @@
 """Host cost of ``MetadataPipeline.update(StepBatch)``, in numpy-op units, on any machine.
 
-    python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"] [--build]
+    python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"] [--build | --build-only | --lines]
 
 Unit: one numpy op, ``a + b`` on two int64 arrays of 256 entries (timed in the same run, interleaved
 with the arms, so that a noisy or slow host moves the unit with the arms). For each case of
@@ -156,11 +156,82 @@ def build_replay_host(layout, case, steps: int = 50, per_wait: int = 8) -> float
     return statistics.median(ts[5:]) * 1e6
 
 
+def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
+    """Per-statement median µs of the steady path (``plan_steady``, ``stage``, ``_stage_appends``),
+    ``pipes`` pipelines of one case interleaved; a timer after every statement (≈ 0.15 µs each)."""
+    import ast
+    import collections
+    import inspect
+    import textwrap
+    from dsv4_index.state import requests as req_mod, staging as stage_mod, steady as steady_mod, tables as tab_mod
+    acc, last = collections.defaultdict(list), [0.0]
+    pc = time.perf_counter
+
+    def tick(key):
+        acc[key].append(pc() - last[0])
+        last[0] = pc()
+
+    def start():
+        last[0] = pc()
+
+    sources = {}
+
+    def instrument(mod, owner, name):
+        src = textwrap.dedent(inspect.getsource(getattr(owner, name)))
+        sources[name] = src.splitlines()
+        tree = ast.parse(src)
+
+        def timed(body):
+            out = []
+            for st in body:
+                for field in ("body", "orelse"):
+                    sub = getattr(st, field, None)
+                    if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+                        setattr(st, field, timed(sub))
+                out.append(st)
+                if not isinstance(st, (ast.Return, ast.Raise, ast.Continue, ast.Break)):
+                    out.append(ast.parse(f"_tick(({name!r}, {st.lineno}))").body[0])
+            return out
+
+        fn = tree.body[0]
+        fn.body = [ast.parse("_start()").body[0]] + timed(fn.body)
+        ast.fix_missing_locations(tree)
+        env = dict(vars(mod), _tick=tick, _start=start)
+        exec(compile(tree, mod.__file__, "exec"), env)
+        setattr(owner, name, env[name])
+        return env[name]
+
+    if getattr(line_profile, "sources", None) is None:  # NOTE: instrument once per process
+        req_mod.plan_steady = instrument(steady_mod, steady_mod, "plan_steady")
+        instrument(tab_mod, tab_mod.BlockTables, "_stage_appends")
+        instrument(stage_mod, stage_mod.StepStaging, "stage")
+        line_profile.sources, line_profile.acc, line_profile.last = sources, acc, last
+    sources, acc = line_profile.sources, line_profile.acc
+    acc.clear()
+    ps = [MetadataPipeline(layout, 1024, 8192, "cpu", case.q_decode - 1, backend="reference", fused=False)
+          for _ in range(pipes)]
+    loads = [Workload(layout, case, 0) for _ in ps]
+    work = [[w.next_step()[0] for _ in range(steps)] for w in loads]
+    for i in range(steps):
+        for p, w in zip(ps, work):
+            if i == steps // 3 and p is ps[0]:
+                acc.clear()
+            p.update(w[i])
+            p.staging.applied()
+    print("| function | median µs | statement |\n|---|---|---|")
+    for (name, line), v in sorted(acc.items()):
+        m = statistics.median(v) * 1e6
+        if m >= 0.25:
+            print(f"| {name} | {m:.2f} | `{sources[name][line - 1].strip()[:90]}` |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--cases", default="decode B=256,decode B=1024,MTP 256x2,prefill 8K + 32K cached")
     ap.add_argument("--build", action="store_true", help="also time build() graph replay on CUDA")
+    ap.add_argument("--build-only", action="store_true", help="only the build() graph replay figure (CUDA)")
+    ap.add_argument("--lines", action="store_true", help="per-statement profile of the steady path (CPU)")
     ap.add_argument("--device", default="cpu", help="device of the update() arms' pipelines (pinned staging "
                                                    "and a real H2D copy on cuda)")
     args = ap.parse_args()
@@ -172,6 +243,14 @@ def main():
           "next after change (safe) | StepInput | steady hits safe/full |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.cases.split(","):
+        if args.lines:
+            print(f"steady path of {name}, 5 pipelines interleaved:")
+            line_profile(layout, CASES[name])
+            continue
+        if args.build_only:
+            print(f"| {name} | build() graph replay host µs at 8 calls per busy wait | "
+                  f"{build_replay_host(layout, CASES[name]):.1f} |", flush=True)
+            continue
         r = profile(layout, CASES[name], args.rounds, args.device)
         u = r["unit"]
         h = r["steady_hits"]

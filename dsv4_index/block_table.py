@@ -1,22 +1,28 @@
-"""Block tables: a host mirror (numpy over pinned memory) edited row by row, and a device table
-updated by ``commit()`` with one H2D copy of the column ranges changed since the last commit.
+"""Row-editing block tables (add / append / move / swap / clear rows, incremental commits) for engines
+that keep their own rows: a thin facade over the pipeline's tables, :mod:`dsv4_index.state`.
 
-NOTE: a standalone utility for engines that keep their own rows (add / append / move / swap / clear,
-segment-packed commits). :class:`~dsv4_index.MetadataPipeline` does not use it: its tables are
-:class:`dsv4_index.state.BlockTables` (slot-indexed rows that never move, written through the
-step's staging buffer). Issue 18 asks for one implementation; making these names a facade over
-``state/`` (or retiring them) is still open.
+One implementation (issue 18): the storage is a :class:`dsv4_index.state.BlockTables` (host mirror,
+device table, block counts, one flat device buffer for every group of a
+:class:`MultiGroupBlockTable`) and a commit goes through the pipeline's staging buffer,
+:class:`dsv4_index.state.StepStaging` (``stage_writes_only``: the changed entries as ``(value, flat
+destination)`` pairs, ONE host-to-device copy, applied on the device by ``apply_pending``). This module
+adds only what the pipeline does not need: the row operations, whose rows may move, and their dirty
+ranges. :class:`~dsv4_index.MetadataPipeline` keeps rows in place (slots) and stages its writes itself.
 
 Dirty tracking is per row: one column range ``[lo, hi)`` (empty when ``lo >= hi``) covering every
-entry of the row's valid prefix ``[0, num_blocks)`` that changed since the last pack. ``append_row``
+entry of the row's valid prefix ``[0, num_blocks)`` that changed since the last commit. ``append_row``
 marks only the new columns; ``add_row`` / ``move_row`` / ``swap_row`` mark the new valid prefix of the
-rows they rewrite (stale columns past ``num_blocks`` are never read, so they are never sent).
+rows they rewrite (stale columns past ``num_blocks`` are never read, so they are never sent). A commit
+sends ``4 * (W + 2 * n)`` bytes for ``n`` changed entries (``W``: the staging format's fixed part,
+``state/staging.py``).
 
-Segment format (shared with the pipeline's staging buffer, see :meth:`BlockTable.pack_segments`):
-``k`` descriptors of ``SEGMENT_INTS = 4`` int32 ``(row, col_lo, n, payload_offset)`` then the
-payloads, ``n`` int32 entries each, contiguous in descriptor order; ``payload_offset`` is absolute
-in the buffer. A row's range longer than ``max_piece`` columns is split into several descriptors.
-``4 * (4 * k + sum(n))`` bytes.
+Segment export (for an engine with its own transfer; the commit does not use it):
+:meth:`BlockTable.pack_segments` writes ``k`` descriptors of ``SEGMENT_INTS = 4`` int32 ``(row, col_lo,
+n, payload_offset)`` then the payloads, ``n`` int32 entries each, contiguous in descriptor order
+(``payload_offset`` absolute in the buffer); :func:`apply_segments` applies them with torch ops.
+
+NOTE: over 400 lines because of the public row API (seven operations, each with its checks and
+dirty ranges) and the segment export; the storage and the transfer are ``state/``'s.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from .geometry import GroupSpec
+from .state import BlockTables, StepStaging
 
 __all__ = ["BlockTable", "MultiGroupBlockTable", "SEGMENT_INTS", "apply_segments"]
 
@@ -38,35 +47,39 @@ def _check_int(name: str, v, minimum: int = 1) -> int:
     return int(v)
 
 
-def _default_pin(pin_memory: Optional[bool]) -> bool:
-    return torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+def _store(params, max_num_reqs: int, device: torch.device) -> BlockTables:
+    """State tables of plain groups ``(width, block_size, f)`` (no ring, no window: rows of ``width``)."""
+    groups = [GroupSpec(gid=g, name=f"table{g}", kind="full", block_size=bs, window=None, prefix_cacheable=False,
+                        table_width=w, blocks_per_kv_block=f, sharded=False) for g, (w, bs, f) in enumerate(params)]
+    return BlockTables(groups, max_num_reqs, 1, device, [1] * len(groups))
 
 
-class _Staging:
-    """An int32 host buffer (pinned when asked) + a device twin, allocated once, reused per commit.
+class _Commit:
+    """The shared store and its staging buffer (allocated at the first commit, at capacity)."""
 
-    NOTE: a non-blocking copy from pinned memory may still be reading the host buffer when the next
-    commit packs into it; :meth:`wait` blocks on the event recorded after the previous copy.
-    """
+    def __init__(self, store: BlockTables):
+        self.store, self.staging = store, None
 
-    def __init__(self, numel: int, device: torch.device, pin: bool):
-        self.host = torch.empty(numel, dtype=torch.int32, pin_memory=pin)
-        self.np = self.host.numpy()
-        self.dev = torch.empty(numel, dtype=torch.int32, device=device)
-        self.async_copy = pin and device.type == "cuda"
-        self._event = None
-
-    def wait(self):
-        if self._event is not None:
-            if not self._event.query():  # NOTE: block only while the previous copy still reads the buffer
-                self._event.synchronize()
-            self._event = None
-
-    def copy(self, n: int):
-        self.dev[:n].copy_(self.host[:n], non_blocking=self.async_copy)
-        if self.async_copy:
-            self._event = torch.cuda.Event()
-            self._event.record()
+    def send(self, tables) -> int:
+        """Stage the dirty entries of ``tables`` (facades over ``store``) and apply them: one copy."""
+        vals, dsts = [], []
+        for t in tables:
+            d = t._dirty_offsets()
+            if d is not None:
+                dsts.append(d)
+                vals.append(self.store.mirror[d])
+        if not dsts:
+            return 0
+        if self.staging is None:
+            st = self.store
+            self.staging = StepStaging(st.flat.device, 0, len(st.groups), 0, st.total, st.max_num_reqs)
+        dst = dsts[0] if len(dsts) == 1 else np.concatenate(dsts)
+        val = vals[0] if len(vals) == 1 else np.concatenate(vals)
+        nbytes = self.staging.stage_writes_only(val, dst)
+        self.staging.apply_pending(self.store.flat)
+        for t in tables:
+            t._clean()
+        return nbytes
 
 
 def apply_segments(table: torch.Tensor, dev_buf: torch.Tensor, offset: int, num_segments: int,
@@ -117,41 +130,46 @@ class BlockTable:
     blocks_per_kv_block : int
         ``f``: an allocation block id ``b`` is stored as the kernel-block ids ``b*f + j``, ``j < f``.
     pin_memory : bool, optional
-        Pin the host mirror and the staging buffer (default: ``torch.cuda.is_available()``).
+        Accepted for compatibility: the transfer buffers (the staging's) are pinned whenever the
+        device is CUDA; the host mirror is the state tables' (not pinned).
 
     Attributes
     ----------
     host : torch.Tensor
-        int32 ``[max_num_reqs, width]`` host mirror (pinned when ``pin_memory``).
+        int32 ``[max_num_reqs, width]`` host mirror (a view of :attr:`BlockTables.mirror`).
     np : numpy.ndarray
         int32 ``[max_num_reqs, width]`` view of ``host``.
     num_blocks : numpy.ndarray
-        int32 ``[max_num_reqs]``: valid kernel blocks per row. Entries past a row's length are stale.
+        int64 ``[max_num_reqs]``: valid kernel blocks per row (a view of the state tables' block
+        counts). Entries past a row's length are stale.
     dirty_lo, dirty_hi : numpy.ndarray
         int32 ``[max_num_reqs]``: the changed column range ``[lo, hi)`` of each row (empty: ``lo >= hi``).
         NOTE: ``0 <= lo`` and ``hi <= num_blocks`` always; rows never read past ``num_blocks``.
     device_table : torch.Tensor
-        int32 ``[max_num_reqs, width]`` on ``device``, allocated once; its valid prefix
-        ``[r, :num_blocks[r]]`` equals the host's after ``commit()``.
+        int32 ``[max_num_reqs, width]`` on ``device`` (a view of the state tables' flat buffer),
+        allocated once; its valid prefix ``[r, :num_blocks[r]]`` equals the host's after ``commit()``.
     """
 
     def __init__(self, max_num_reqs: int, width: int, *, device, block_size: int,
-                 blocks_per_kv_block: int = 1, pin_memory: Optional[bool] = None):
+                 blocks_per_kv_block: int = 1, pin_memory: Optional[bool] = None, _shared=None):
         self.max_num_reqs = _check_int("max_num_reqs", max_num_reqs)
         self.width = _check_int("width", width)
         self.block_size = _check_int("block_size", block_size)
         self.blocks_per_kv_block = _check_int("blocks_per_kv_block", blocks_per_kv_block)
         self.device = torch.device(device)
-        self.pin_memory = _default_pin(pin_memory)
-        self.host = torch.zeros((self.max_num_reqs, self.width), dtype=torch.int32,
-                                pin_memory=self.pin_memory)
-        self.np = self.host.numpy()
-        self.num_blocks = np.zeros(self.max_num_reqs, dtype=np.int32)
-        self._device_table = torch.zeros((self.max_num_reqs, self.width), dtype=torch.int32,
-                                         device=self.device)
+        self.pin_memory = pin_memory
+        if _shared is None:
+            _shared = (_Commit(_store([(self.width, self.block_size, self.blocks_per_kv_block)],
+                                      self.max_num_reqs, self.device)), 0)
+        self._commit, gid = _shared
+        store = self._commit.store
+        self._base = int(store.base[gid])
+        self.np = store.mirrors[gid]
+        self.host = torch.from_numpy(self.np)
+        self.num_blocks = store.num_blocks[gid]
+        self._device_table = store.tables[gid]
         self.dirty_lo = np.zeros(self.max_num_reqs, dtype=np.int32)
         self.dirty_hi = np.zeros(self.max_num_reqs, dtype=np.int32)
-        self._staging: Optional[_Staging] = None  # allocated at first commit(), at capacity
         if self.blocks_per_kv_block > 1:
             self._kernel_offsets = np.arange(self.blocks_per_kv_block, dtype=np.int64)
 
@@ -160,6 +178,12 @@ class BlockTable:
     def device_table(self) -> torch.Tensor:
         """int32 ``[max_num_reqs, width]`` device table (same object for the table's lifetime)."""
         return self._device_table
+
+    @property
+    def staging(self) -> Optional[StepStaging]:
+        """The state staging buffer commits go through (shared by the groups of a
+        :class:`MultiGroupBlockTable`; None before the first commit)."""
+        return self._commit.staging
 
     @property
     def num_dirty(self) -> int:
@@ -394,21 +418,21 @@ class BlockTable:
         hi[rows] = 0
         return k, end, rows, r_lo, r_n
 
+    def _dirty_offsets(self) -> Optional[np.ndarray]:
+        """int64 flat offsets (in the state tables' buffer) of every dirty entry, or None."""
+        lo, hi = self.dirty_lo, self.dirty_hi
+        rows = np.flatnonzero(hi > lo)
+        if rows.size == 0:
+            return None
+        r_lo = lo[rows].astype(np.int64)
+        n = hi[rows] - r_lo
+        first = np.cumsum(n) - n
+        return np.repeat(self._base + rows * self.width + r_lo - first, n) + np.arange(int(n.sum()))
+
     def commit(self) -> int:
-        """Send the column ranges changed since the last commit with one H2D copy; returns the bytes
-        copied (``4 * (4 * k + sum(n))`` for ``k`` changed rows of ``n`` columns, 0 when nothing changed)."""
-        k, total = self.segments_numel()
-        if k == 0:
-            return 0
-        if self._staging is None:
-            self._staging = _Staging(self.max_num_reqs * (self.width + SEGMENT_INTS), self.device,
-                                     self.pin_memory)
-        st = self._staging
-        st.wait()
-        k, end = self.pack_segments(st.np, 0)
-        st.copy(end)
-        apply_segments(self._device_table, st.dev, 0, k, end - SEGMENT_INTS * k)
-        return 4 * end
+        """Send the entries changed since the last commit with one H2D copy through the state staging
+        buffer (applied on the device, no host sync); returns the bytes copied (0 when nothing changed)."""
+        return self._commit.send([self])
 
 
 def _group_params(g) -> Tuple[int, int, int]:
@@ -439,12 +463,15 @@ class MultiGroupBlockTable:
         if not params:
             raise ValueError("groups must not be empty")
         self.device = torch.device(device)
-        self.pin_memory = _default_pin(pin_memory)
+        self.pin_memory = pin_memory
+        params = [(_check_int("width", w), _check_int("block_size", bs), _check_int("blocks_per_kv_block", f))
+                  for (w, bs, f) in params]
+        # NOTE: one state store (one flat device buffer) for every group: one copy per commit
+        self._commit = _Commit(_store(params, _check_int("max_num_reqs", max_num_reqs), self.device))
         self.tables: List[BlockTable] = [
             BlockTable(max_num_reqs, w, device=self.device, block_size=bs, blocks_per_kv_block=f,
-                       pin_memory=self.pin_memory) for (w, bs, f) in params]
+                       pin_memory=pin_memory, _shared=(self._commit, g)) for g, (w, bs, f) in enumerate(params)]
         self.max_num_reqs = self.tables[0].max_num_reqs
-        self._staging: Optional[_Staging] = None
 
     def __getitem__(self, gid: int) -> BlockTable:
         return self.tables[gid]
@@ -491,19 +518,5 @@ class MultiGroupBlockTable:
         return cap
 
     def commit(self) -> int:
-        """Send the changed column ranges of every group with ONE H2D copy; returns the bytes copied."""
-        if not any(t.segments_numel()[0] for t in self.tables):
-            return 0
-        if self._staging is None:
-            self._staging = _Staging(self.capacity_numel(), self.device, self.pin_memory)
-        st = self._staging
-        st.wait()
-        offset, packed = 0, []
-        for t in self.tables:
-            k, end = t.pack_segments(st.np, offset)
-            packed.append((offset, k, end - offset - SEGMENT_INTS * k))
-            offset = end
-        st.copy(offset)
-        for t, (off, k, p) in zip(self.tables, packed):
-            apply_segments(t.device_table, st.dev, off, k, p)
-        return 4 * offset
+        """Send the changed entries of every group with ONE H2D copy; returns the bytes copied."""
+        return self._commit.send(self.tables)

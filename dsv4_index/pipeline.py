@@ -342,11 +342,6 @@ class MetadataPipeline:
         """True when the last accepted step was checked on the steady path (``state/steady.py``)."""
         return self._plan is not None and self._plan.steady
 
-    @property
-    def _lay(self):
-        # NOTE: old private name kept for benchmarks/bench_step.py until it reads stage_layout
-        return self.staging.lay
-
     def close_recording(self) -> None:
         """Stop recording (``record=``) and close the trace file."""
         if self.recording is not None:

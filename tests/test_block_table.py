@@ -6,6 +6,14 @@ from hypothesis import given, strategies as st
 from dsv4_index import block_table as bt_mod
 from dsv4_index.block_table import BlockTable, MultiGroupBlockTable
 from dsv4_index.geometry import DSV4Layout
+from dsv4_index.state import StepStaging
+
+
+def sent(n: int, groups: int = 1) -> int:
+    """Bytes a commit of ``n`` changed entries copies: the staging format of ``state/staging.py`` for
+    ``T_pad = 0`` (header 8, five per-row regions of 2 and ``tok_row`` of 1, the overlay of 3 per
+    group), then ``n`` values and ``n`` destinations; nothing when nothing changed."""
+    return 4 * (8 + 5 * 2 + 1 + 3 * groups + 2 * n) if n else 0
 
 
 class Model:
@@ -63,8 +71,8 @@ class Model:
             self._prefix(b)
 
     def commit_bytes(self):
-        """Segment format: 4 int32 per descriptor + the changed entries."""
-        return 4 * sum(4 + hi - lo for lo, hi in self.ranges.values())
+        """The changed entries only (as (value, destination) pairs in the staging format)."""
+        return sent(sum(hi - lo for lo, hi in self.ranges.values()))
 
 
 def check_host(t, model):
@@ -125,7 +133,7 @@ def test_commit_moves_only_changed_rows():
     t = BlockTable(6, 4, device="cpu", block_size=64)
     for r in range(6):
         t.add_row([r + 1, r + 10], r)
-    assert t.commit() == 4 * 6 * (4 + 2)  # 6 descriptors + 2 entries each
+    assert t.commit() == sent(6 * 2)  # 6 rows of 2 entries
     assert torch.equal(t.device_table[:, :2], t.host[:, :2])
     assert t.commit() == 0
     t.device_table.fill_(-3)
@@ -134,7 +142,7 @@ def test_commit_moves_only_changed_rows():
     t.clear_row(1)  # length only; nothing to send
     t.append_row([], 0)  # no-op
     # row 2: only the appended column; rows 4, 5: their 2-entry prefixes
-    assert t.commit() == 4 * ((4 + 1) + 2 * (4 + 2))
+    assert t.commit() == sent(1 + 2 * 2)
     for r in range(6):
         if r in (4, 5):
             assert torch.equal(t.device_table[r, :2], t.host[r, :2])
@@ -191,8 +199,8 @@ def test_multi_group_one_copy(monkeypatch):
     assert len(m) == 4 and [t.width for t in m.tables] == [g.table_width for g in lay.groups]
     assert m[0].blocks_per_kv_block == 2 and m[1].blocks_per_kv_block == 1
     copies = []
-    orig = bt_mod._Staging.copy
-    monkeypatch.setattr(bt_mod._Staging, "copy", lambda self, n: (copies.append(n), orig(self, n)))
+    orig = StepStaging.copy
+    monkeypatch.setattr(StepStaging, "copy", lambda self, n: (copies.append(n), orig(self, n)))
     m.add_row([[1, 2], [3], [4, 5], [6]], 0)
     m.add_row([[7], [], [8], []], 2)
     for t in m.tables:
@@ -200,7 +208,7 @@ def test_multi_group_one_copy(monkeypatch):
     nbytes = m.commit()
     assert copies == [nbytes // 4]
     # kernel-block entries per gid (f = 2 on gid 0): rows 0 / 2 = [4, 1, 2, 1] / [2, 0, 1, 0]
-    assert nbytes == 4 * (4 * 6 + (4 + 1 + 2 + 1) + (2 + 1))  # 6 non-empty rows over the 4 gids
+    assert nbytes == sent((4 + 1 + 2 + 1) + (2 + 1), groups=4)  # 6 non-empty rows over the 4 gids
     assert m[0].row(0).tolist() == [2, 3, 4, 5] and m[2].row(2).tolist() == [8]
     for t in m.tables:
         for r in (0, 2):
@@ -213,7 +221,7 @@ def test_multi_group_one_copy(monkeypatch):
     m.clear_row(2)
     m.move_row(1, 2)
     # row 0 is empty after the swap; rows 1 and 2 send their whole valid prefixes (6 + 1 + 2 + 1)
-    assert m.commit() == 4 * 2 * (4 * 4 + 6 + 1 + 2 + 1)
+    assert m.commit() == sent(2 * (6 + 1 + 2 + 1), groups=4)
     assert len(copies) == 2 and m.commit() == 0
     for t in m.tables:
         for r in range(3):
@@ -237,13 +245,14 @@ def test_multi_group_from_tuples():
 @pytest.mark.gpu
 def test_cuda_pinned_commit():
     t = BlockTable(64, 32, device="cuda", block_size=64, blocks_per_kv_block=2)
-    assert t.host.is_pinned() and t.device_table.is_cuda
+    assert t.device_table.is_cuda
     rng = np.random.default_rng(0)
     for step in range(20):
         for r in rng.choice(64, size=5, replace=False):
             t.add_row(rng.integers(1, 10_000, size=rng.integers(0, 17)).tolist(), int(r))
         t.swap_row(int(rng.integers(64)), int(rng.integers(64)))
         t.commit()
+    assert t.staging.async_copy and t.staging.host[0].is_pinned()  # NOTE: the transfer buffers are pinned
     torch.cuda.synchronize()
     dev = t.device_table.cpu()
     for r in range(64):
@@ -256,11 +265,11 @@ def test_commit_sends_only_new_columns_of_wide_rows():
     t = BlockTable(8, 32768, device="cpu", block_size=4)
     for r in range(8):
         t.add_row(list(range(1 + r, 1 + r + 100)), r)
-    assert t.commit() == 4 * 8 * (4 + 100)
+    assert t.commit() == sent(8 * 100)
     for r in (1, 5, 6):
         t.append_row([7000 + r], r)
     t.append_row([8000], 5)  # two appends to one row: one segment of 2 entries
-    assert t.commit() == 4 * ((4 + 1) * 2 + (4 + 2))
+    assert t.commit() == sent(1 * 2 + 2)
     for r in range(8):
         n = int(t.num_blocks[r])
         assert torch.equal(t.device_table[r, :n], t.host[r, :n])
@@ -293,7 +302,7 @@ def test_swap_and_clear_send_valid_prefixes_only():
     t.commit()
     t.swap_row(0, 1)
     t.clear_row(2)
-    assert t.commit() == 4 * ((4 + 2) + (4 + 500))
+    assert t.commit() == sent(2 + 500)
     assert t.device_table[0, :2].tolist() == [7, 8] and t.device_table[1, :500].tolist() == list(range(1, 501))
 
 
@@ -333,3 +342,16 @@ def test_append_rows_errors_write_nothing():
         with pytest.raises(ValueError, match=match):
             t.append_rows(*args)
         assert all(np.array_equal(x, y) for x, y in zip(before, (t.np, t.num_blocks, t.dirty_hi)))
+
+
+def test_the_facade_stores_in_the_state_tables():
+    """One implementation: every group's device table is a view of one flat buffer, and a commit is
+    one staged copy of (value, destination) pairs applied on the device by the state staging."""
+    m = MultiGroupBlockTable([(4, 16, 1), (3, 8, 2)], 3, "cpu")
+    ptrs = {t.device_table.untyped_storage().data_ptr() for t in m.tables}
+    assert len(ptrs) == 1
+    m.add_row([[1, 2], [5]], 1)
+    assert m.commit() == sent(2 + 2, groups=2)
+    assert isinstance(m[0].staging, StepStaging) and m[0].staging is m[1].staging
+    assert m[0].device_table[1, :2].tolist() == [1, 2] and m[1].device_table[1, :2].tolist() == [10, 11]
+    assert m[0].staging.pending_writes == 0  # NOTE: applied by the commit itself

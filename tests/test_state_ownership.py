@@ -270,3 +270,130 @@ def test_per_run_slices_stage_what_the_id_arrays_stage(monkeypatch, variant):
         a.build(), b.build()
         assert all((x == y).all() for x, y in zip(a.tables.tables, b.tables.tables))
     assert sliced >= 5
+
+
+@pytest.mark.parametrize("variant", ["ring", "circular"])
+def test_rows_growing_to_the_table_width_get_the_general_verdict(variant):
+    """Rows grow until a table is full (``max_model_len``): the steady path's scalar bound (coverage,
+    rings and table width at once) gives way to the exact checks near the end, and the step that
+    no longer fits is rejected with the general path's message on both pipelines, state untouched."""
+    a, b = _pipes(variant)
+    work, steady, err = Steady(layout(variant), seed=7), 0, None
+    for i in range(120):
+        step = work.step()
+        errs = []
+        for p in (a, b):
+            before = state(p)
+            try:
+                p.update(step)
+                errs.append(None)
+            except ValueError as e:
+                errs.append(str(e))
+                assert not _diff(before, state(p)), "a rejected step changed the state"
+        assert errs[0] == errs[1], f"step {i}: steady {errs[0]!r} vs general {errs[1]!r}"
+        if errs[0] is not None:
+            err = errs[0]
+            break
+        steady += a.last_plan.steady
+        _same(a, b)
+    assert err is not None and "the table holds" in err, err
+    assert steady >= 20, f"the steady path was taken only {steady} times"
+
+
+class Churn(Steady):
+    """:class:`Steady` whose batch changes now and then: a row's request finishes and a new one takes
+    its place in another slot (``replace``), or two rows trade places (``swap``)."""
+
+    def __init__(self, lay, seed: int):
+        super().__init__(lay, seed)
+        self.slots, self.q = list(self.SLOTS), list(self.Q)
+        self.fresh, self.freed = set(), []
+        self.rng = np.random.default_rng(seed + 1)
+
+    def replace(self, i: int, slot: int):
+        self.freed.append(self.slots[i])
+        self.gone = self.slots[i]
+        self.slots[i] = slot
+        self.nc[i] = int(self.rng.integers(0, 9))
+        self.have[i] = 0
+        self.fresh.add(i)
+
+    def swap(self, i: int, j: int):
+        for a in (self.slots, self.q):
+            a[i], a[j] = a[j], a[i]
+        self.nc[[i, j]] = self.nc[[j, i]]
+        self.have[[i, j]] = self.have[[j, i]]
+
+    def step(self) -> StepBatch:
+        q = np.array(self.q)
+        g_, s_, st_, cu, ids = [], [], [], [0], []
+        for i, slot in enumerate(self.slots):
+            new = self.first or i in self.fresh
+            need = -(-(self.nc[i] + q[i]) // self.alloc)
+            for g, n in enumerate(np.maximum(need - self.have[i], 0).tolist()):
+                if n > 0 or new:
+                    g_.append(g), s_.append(slot), st_.append(0 if new else APPEND)
+                    ids += self._ids(n)
+                    cu.append(len(ids))
+                    self.have[i, g] += n
+        is_new = np.array([self.first or i in self.fresh for i in range(len(q))])
+        b = StepBatch(req_slots=np.array(self.slots), num_computed_tokens=self.nc.copy(), num_scheduled_tokens=q,
+                      is_new=is_new, free_slots=np.array(self.freed, dtype=np.int64),
+                      write_gids=np.array(g_, dtype=np.int64), write_slots=np.array(s_, dtype=np.int64),
+                      write_starts=np.array(st_, dtype=np.int64), write_cu=np.array(cu, dtype=np.int64),
+                      write_ids=np.array(ids, dtype=np.int64))
+        self.nc = self.nc + q
+        self.first, self.fresh, self.freed = False, set(), []
+        return b
+
+
+@pytest.mark.parametrize("variant", ["ring", "circular"])
+def test_a_changed_batch_patches_the_steady_cache(variant):
+    """After a batch change (a request replaced in another slot, two rows trading places, a slot
+    coming back) the cache is patched for the changed rows, not rebuilt: the next steps take the
+    steady path again and give the same plans, staging, tables and outputs as the general checks;
+    bad steady steps after a patch are still rejected with the general path's message."""
+    a, b = _pipes(variant)
+    work, hits, patched = Churn(layout(variant), seed=11), 0, 0
+    events = {3: ("replace", 0, 2), 7: ("swap", 0, 3), 11: ("replace", 2, 4), 15: ("replace", 4, 3),
+              19: ("swap", 1, 2), 23: ("replace", 3, 5)}  # NOTE: slot 3 (freed at 3) and 5 (at 11) come back
+    for i in range(28):
+        if i in events:
+            kind, x, y = events[i]
+            getattr(work, kind)(x, y)
+        step = work.step()
+        if i >= 2 and i - 1 in events:
+            bads = _bad_steps(work, step, a)
+            if events[i - 1][0] == "replace" and work.gone not in work.slots:
+                # NOTE: one more append, for the slot that just left the batch, in a group where its old
+                # row appends nothing this step (a stale cache would take it for that row's)
+                took = work.slots[events[i - 1][1]]
+                busy = set(step.write_gids[step.write_slots == took].tolist())
+                g = next(g for g in range(len(a.tables.groups)) if g not in busy)
+                bads.append((dataclasses.replace(
+                    step, write_gids=np.append(step.write_gids, g), write_slots=np.append(step.write_slots, work.gone),
+                    write_starts=np.append(step.write_starts, APPEND),
+                    write_cu=np.append(step.write_cu, step.write_cu[-1] + 1),
+                    write_ids=np.append(step.write_ids, 9999)), None))
+            for bad, pad_to in bads:
+                before = state(a)
+                with pytest.raises(ValueError) as ea:
+                    a.update(bad, pad_to=pad_to)
+                with pytest.raises(ValueError) as eb:
+                    b.update(bad, pad_to=pad_to)
+                assert str(ea.value) == str(eb.value)
+                assert not _diff(before, state(a)), "a rejected steady step changed the state"
+        cache = a.requests.cache
+        a.update(step)
+        b.update(step)
+        patched += i in events and cache is not None and a.requests.cache is cache
+        hits += a.last_plan.steady
+        if i - 1 in events:
+            assert a.last_plan.steady, f"step {i}: the step after a change is not steady"
+        _same(a, b)
+        if i % 4 == 1:
+            assert not _diff(outputs(a.build()), outputs(b.build()))
+        else:
+            a.build(), b.build()
+    assert patched == len(events), f"{patched} of {len(events)} changes patched the cache"
+    assert hits >= 18

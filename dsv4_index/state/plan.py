@@ -248,12 +248,19 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
             for g, ratio, S in tables.compressed:
                 if sharded[g]:
                     need[g] = np.maximum(need[g], -(-_owned(seq // ratio, cp) // S))
+            if tables.circular.any():
+                need[tables.circular] = seq > 0
+            short = nb < need
         else:
-            need = (seq[None, :] + bs - 1) // bs
-        if tables.circular.any():
-            need[tables.circular] = seq > 0
-        short = nb < need
+            # NOTE: nb < cdiv(seq, bs) <=> nb * bs < seq (no division over G x B; `need` only for the message)
+            need = None
+            short = nb * bs < seq[None, :]
+            if tables.circular.any():
+                short[tables.circular] = nb[tables.circular] < (seq > 0)
         if short.any():
+            if need is None:
+                need = (seq[None, :] + bs - 1) // bs
+                need[tables.circular] = seq > 0
             g, i = (int(x) for x in np.argwhere(short)[0])
             raise ValueError(f"block ids missing for gid {g} ({tables.groups[g].name}) of slot "
                              f"{int(b_slots[i])}: {int(seq[i])} tokens need {int(need[g, i])} blocks, "

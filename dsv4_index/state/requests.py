@@ -74,7 +74,8 @@ class RequestState:
         if plan.new_slots.size:
             occ[plan.new_slots] = True
         self._generation += 1
-        self.cache = SteadyCache.build(plan, self._geometry, self._generation) if self.use_steady else None
+        self.cache = (SteadyCache.build(plan, self._geometry, self._generation, prev=self.cache)
+                      if self.use_steady else None)
 
     @property
     def signature(self) -> Optional[int]:

@@ -179,6 +179,27 @@ class StepStaging:
         self.lay, self.pending_writes = lay, N
         return 4 * used, N
 
+    def stage_writes_only(self, vals: np.ndarray, dst: np.ndarray) -> int:
+        """Stage block-id writes without a step (tables edited row by row outside a pipeline,
+        :mod:`dsv4_index.block_table`): the header (``N`` only), the values and flat destinations in
+        the writes region of the ``T_pad = 0`` layout; one H2D copy. :meth:`apply_pending` applies
+        them. Returns the bytes copied."""
+        N = vals.shape[0]
+        if N > self.max_writes:
+            raise ValueError(f"{N} block ids to stage, more than the staging holds ({self.max_writes})")
+        h = self.begin()
+        lay = self.layout(0)
+        h[:HEADER] = 0
+        h[H_NUM_WRITES] = N
+        w = lay.writes
+        h[w:w + N] = vals
+        h[w + N:w + 2 * N] = dst
+        self._holds[self._cur] = None  # NOTE: the step regions of this buffer were not written
+        used = w + 2 * N
+        self.copy(used)
+        self.lay, self.pending_writes = lay, N
+        return 4 * used
+
     def apply_pending(self, flat: torch.Tensor) -> None:
         """Apply the block ids staged by the last step to the device tables ``flat`` (torch ops, no
         host sync): the unfused path, or a staged step that was never built."""

@@ -29,6 +29,7 @@ __all__ = ["SteadyGeometry", "SteadyCache", "plan_steady"]
 _I64, _U64, _BOOL = np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.bool_)
 _EMPTY = np.zeros(0, dtype=np.int64)
 _count = np.count_nonzero
+_ONE = np.array(1, dtype=np.int64)
 _BIG = np.iinfo(np.int64).max
 _POISON = -(1 << 40)  # NOTE: the poison cell after the slack matrix: a run outside the batch lands there
 
@@ -81,6 +82,7 @@ class SteadyGeometry:
         self.bound0 = np.where(ring > 0, ring * bs - win - bs + 2, _BIG // 2)
         self.bs = tables.bs.copy()
         self.width = np.where(tables.circular, 0, tables.logical)
+        self.logical_x = tables.logical[self.groups]
         self.key_base = (np.arange(G, dtype=np.int64) * num_slots)[:, None]
         self.nb_flat = tables.num_blocks.ravel()  # NOTE: a view of the live block counts
         self.arange, self.arange_bytes, self.append_bytes = _constants(G * num_slots)
@@ -100,10 +102,16 @@ class SteadyCache:
     """
 
     @classmethod
-    def build(cls, plan: StepPlan, geo: "SteadyGeometry", generation: int):
+    def build(cls, plan: StepPlan, geo: "SteadyGeometry", generation: int, prev: "SteadyCache" = None):
         """The cache after accepting ``plan`` (general path), or None when no steady step can follow
         (a row without tokens or with more than the smallest block's, a sequence at ``max_model_len``,
-        a ring too small for its window)."""
+        a ring too small for its window).
+
+        ``prev``: the cache of the last batch, if any. When the new batch has as many rows (a request
+        finished, another took its place; rows traded places), ``prev`` is patched in place for the
+        rows whose slot changed (its key tables and buffers are kept) instead of rebuilt; the result
+        is the same cache.
+        """
         n_rows, B = plan.all_slots.shape[0], plan.slots.shape[0]
         qmax = int(plan.num_scheduled.max()) if B else 0
         # NOTE: a row scheduling more tokens than the smallest block appends several ids per run some
@@ -113,32 +121,61 @@ class SteadyCache:
         U = geo.bound0 - qmax
         if int(U.min()) < 0:
             return None
-        c = cls()
-        c.generation, c.B, c.shape = generation, B, (B,)
+        Gx = geo.groups.size
+        changed = None
+        if prev is not None and prev.B == B and prev.geo is geo:
+            changed = np.flatnonzero(plan.slots != prev.held_slots)  # NOTE: the cost grows with these only
+        if changed is None:
+            c = cls()
+            c.B, c.shape, c.geo, c.num_slots = B, (B,), geo, geo.num_slots
+            c.num_slots_0d = np.array(geo.num_slots, dtype=np.int64)
+            c.x_flat, c.x = _slack_buffer((Gx, B))
+            c.scratch = _Scratch(c.x.shape)
+            c.key_x = np.full(geo.num_keys + 1, Gx * B, dtype=np.int64)
+            c.key_row = np.full(geo.num_keys + 1, -1, dtype=np.int64)
+            c._set_keys(geo.arange[:B], plan.slots)
+            c.bs_of_gid, c.width, c.max_runs = geo.bs, geo.width, geo.num_groups * B
+            c.arange, c.arange_bytes, c.append_bytes = geo.arange, geo.arange_bytes, geo.append_bytes
+            c.covered_min = int((geo.logical_x * geo.bs_x[:, 0]).min())
+            c.bound_min = None
+        else:
+            c = prev
+            if changed.shape[0]:
+                # NOTE: first every leaving key back to poison, then the arriving ones (a slot may move rows)
+                old = (geo.key_base + prev.held_slots.take(changed)[None, :]).ravel()
+                c.key_x[old], c.key_row[old] = Gx * B, -1
+                c._set_keys(changed, plan.slots.take(changed))
+        c.generation = generation
         c.rows, c.b_slots, c.b_q = plan.rows, plan.slots, plan.num_scheduled
+        c.held_slots = plan.slots.copy()  # NOTE: what the key tables hold (the caller may reuse its arrays)
         c.identity = bool((plan.rows == geo.arange[:B]).all())
         q_all = np.empty(B, dtype=np.int64)
         q_all[plan.rows] = plan.num_scheduled
         c.slots_bytes, c.q_bytes = plan.all_slots.tobytes(), q_all.tobytes()
         c.nc_bytes = (plan.all_computed + q_all).tobytes()
         c.num_tokens, c.num_decodes, c.num_decode_tokens = plan.num_tokens, plan.num_decodes, plan.num_decode_tokens
-        c.num_slots, c.geo = geo.num_slots, geo
-        Gx = geo.groups.size
-        # NOTE: flat (group, slot) keys of every group for the batch slots, group-major
-        keys = (geo.key_base + c.b_slots[None, :]).ravel()
-        c.x_flat, c.x = _slack_buffer((Gx, B))
-        kx = keys.reshape(geo.num_groups, B)[geo.groups].ravel()  # NOTE: the non-circular groups' keys
+        # NOTE: flat (group, slot) keys of the non-circular groups for the batch slots, group-major
+        kx = (geo.key_base[geo.groups] + c.b_slots[None, :]).ravel()
         np.subtract(geo.nb_flat.take(kx).reshape(Gx, B) * geo.bs_x, plan.seq_lens, out=c.x)
-        c.bound = np.repeat(U.astype(np.uint64), B).reshape(Gx, B)
-        rows = geo.arange[:B]
-        c.key_x = np.full(geo.num_keys + 1, Gx * B, dtype=np.int64)
-        c.key_row = np.full(geo.num_keys + 1, -1, dtype=np.int64)
-        c.key_row[keys] = np.tile(rows, geo.num_groups)
-        c.key_x[kx] = geo.arange[:Gx * B]
-        c.bs_of_gid, c.width, c.max_runs = geo.bs, geo.width, geo.num_groups * B
-        c.arange, c.arange_bytes, c.append_bytes = geo.arange, geo.arange_bytes, geo.append_bytes
-        c.scratch = _Scratch(c.x.shape)
+        c.x_flat[-1] = _POISON
+        if c.bound_min != int(U.min()) or changed is None or not np.array_equal(c.bound_u, U):
+            c.bound_u = U
+            c.bound = np.repeat(U.astype(np.uint64), B).reshape(Gx, B)
+            # NOTE: one scalar for the common case: x' <= min(U) proves coverage and every ring bound, and
+            # x' <= min(logical * bs) - max(seq') proves the table width of every appended row
+            c.bound_min = int(U.min())
+        c.plan_fields = dict(rows=c.rows, slots=c.b_slots, num_scheduled=c.b_q, replay_start=None, replay_end=None,
+                             num_decodes=c.num_decodes, num_decode_tokens=c.num_decode_tokens,
+                             num_tokens=c.num_tokens, free_slots=_EMPTY, new_slots=_EMPTY, steady=True)
         return c
+
+    def _set_keys(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Point the keys of ``slots`` (every group) at batch ``rows`` and their cells of ``x``."""
+        geo, B = self.geo, self.B
+        keys = geo.key_base + slots[None, :]                        # [G, k]
+        self.key_row[keys.ravel()] = np.tile(rows, geo.num_groups)
+        cells = (geo.arange[:geo.groups.size, None] * B + rows[None, :]).ravel()
+        self.key_x[keys[geo.groups].ravel()] = cells
 
     def advance(self, plan: StepPlan, tables) -> bool:
         """Accept a steady ``plan``; False when no further steady step can follow."""
@@ -146,7 +183,7 @@ class SteadyCache:
         self.x, s.x_next = s.x_next, self.x
         self.x_flat, s.flat = s.flat, self.x_flat
         self.nc_bytes = s.seq.tobytes()
-        return s.seq.item(s.seq.argmax()) <= tables.max_model_len
+        return s.seq_max <= tables.max_model_len
 
 
 def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_writes: int,
@@ -198,10 +235,9 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
         both, u = np.bitwise_or(gid, slot).view(_U64), ids.view(_U64)
         if both.item(both.argmax()) >= num_slots or u.item(u.argmax()) > tables.id_max_min:  # NOTE: argmax: no wrapper
             return None
-        key = gid * num_slots + slot
+        key = np.multiply(gid, c.num_slots_0d)  # NOTE: 0-d operands: a Python int costs a conversion per call
+        key += slot
         have = tables.num_blocks.take(key, mode="clip")
-        if _count(have >= c.width.take(gid, mode="clip")):  # NOTE: width, and no circular group
-            return None
         add = c.bs_of_gid.take(gid, mode="clip")
         flat[-1] = _POISON
         cells = c.key_x.take(key, mode="clip")
@@ -213,19 +249,31 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
         if flat[-1] != _POISON or distinct != N:  # NOTE: one run per (group, slot)
             return None
         row = c.key_row.take(key, mode="clip")
-        end = have + 1
-    if _count(np.greater(xn.view(_U64), c.bound, out=s.over)):  # NOTE: coverage and every ring bound at once
-        return None
+        end = np.add(have, _ONE)
+    seq = np.add(nc, q)
+    seq_max = seq.item(seq.argmax())
+    u = xn.view(_U64)  # NOTE: negative slack (not covered) views as huge
+    if u.item(u.argmax()) > min(c.bound_min, c.covered_min - seq_max):
+        # NOTE: the scalar bound failed: the exact per-group bounds and the width of each appended row
+        if gid.size and _count(have >= c.width.take(gid, mode="clip")):  # NOTE: width, and no circular group
+            return None
+        if _count(np.greater(u, c.bound, out=s.over)):  # NOTE: coverage and every ring bound at once
+            return None
     if level == "full" and gid.size and not _full_ok(tables, gid, slot, have, ids):
         _full_checks(tables, gid, slot, have, cu, ids)  # NOTE: raises the general path's message
-    seq = np.add(nc, q)
-    s.seq = seq
-    return StepPlan(
-        rows=c.rows, slots=c.b_slots, num_scheduled=c.b_q, seq_lens=seq if c.identity else seq.take(c.rows),
-        replay_start=None, replay_end=None, num_decodes=c.num_decodes, num_decode_tokens=c.num_decode_tokens,
-        num_tokens=T, num_tokens_padded=T_pad, free_slots=_EMPTY, new_slots=_EMPTY, all_slots=slots,
-        all_computed=nc, w_gid=gid, w_slot=slot, w_start=have, w_end=end, w_keep=have, w_cu=cu, w_ids=ids,
-        w_row=row, w_key=key, steady=True)
+    s.seq, s.seq_max = seq, seq_max
+    plan = _new_plan()
+    plan.__dict__.update(c.plan_fields)  # NOTE: the fields a steady batch repeats (a dict update, not 25 kwargs)
+    d = plan.__dict__
+    d["seq_lens"] = seq if c.identity else seq.take(c.rows)
+    d["num_tokens_padded"], d["all_slots"], d["all_computed"] = T_pad, slots, nc
+    d["w_gid"], d["w_slot"], d["w_start"], d["w_end"], d["w_keep"] = gid, slot, have, end, have
+    d["w_cu"], d["w_ids"], d["w_row"], d["w_key"] = cu, ids, row, key
+    return plan
+
+
+def _new_plan() -> StepPlan:
+    return object.__new__(StepPlan)
 
 
 def _full_ok(tables, gid, slot, have, ids) -> bool:
