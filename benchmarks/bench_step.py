@@ -37,7 +37,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent
@@ -109,7 +108,8 @@ def sweep(args):
             if name.startswith("prefill") and v == 0 and cfgs is SWEEP_SMALL:
                 cfgs = cfgs[:2]
             for cfg in cfgs:
-                plan = FusedPlan(pipe.fused_plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, pipe.ctx.next_n,
+                plan = FusedPlan(pipe.fused_plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev,
+                                 pipe.ctx.next_n,
                                  tiny=cfg, small=cfg, large=cfg, large_from=0 if v else 1 << 30)
                 plan.launch(lay)
                 g, s1 = graph_time(lambda: plan.launch(lay), args.k, args.replays)
@@ -149,7 +149,7 @@ def ab(args):
     pipeline's top-k conversion timed in the same rounds."""
     from dsv4_index.fused.plan import FusedPlan
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
-    res, rows = [], []
+    res = []
     floor0 = empty_floor(args)
     for name in CASES:
         case = CASES[name]
@@ -498,7 +498,8 @@ def main():
     f = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
     for r in rows:
         print(f"| {r['layout']} | {r['case']} | {f(r['server_build_graph_us'])} / {f(r['exact_build_graph_us'])} | "
-              f"{f(r['server_build_single_us'])} / {f(r['exact_build_single_us'])} | {f(r.get('server_topk_graph_us'))} | "
+              f"{f(r['server_build_single_us'])} / {f(r['exact_build_single_us'])} | "
+              f"{f(r.get('server_topk_graph_us'))} | "
               f"{f(r.get('server_topk_single_us'))} | {f(r.get('kernels'))} | {f(r.get('h2d_copies'))} | "
               f"{f(r.get('syncs'))} | {f(r.get('new_allocations'))} | {f(r.get('update_safe_us'))} / "
               f"{f(r.get('update_full_us'))} | {f(r.get('step_input_conversion_us'))} | "

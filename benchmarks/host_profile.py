@@ -1,6 +1,7 @@
 """Host cost of ``MetadataPipeline.update(StepBatch)``, in numpy-op units, on any machine.
 
-    python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"] [--build | --build-only | --lines]
+    python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"]
+                                      [--build | --build-only | --lines]
 
 Unit: one numpy op, ``a + b`` on two int64 arrays of 256 entries (timed in the same run, interleaved
 with the arms, so that a noisy or slow host moves the unit with the arms). For each case of

@@ -109,8 +109,10 @@ class MetadataPipeline:
             next_n=1 + num_speculative_tokens, cp_world_size=cp_world_size, cp_rank=cp_rank,
             cp_interleave=cp_interleave, tables=tuple(self.tables.tables),
             ring_cols=tuple(int(r) for r in self.tables.ring),
-            query_start_loc=torch.zeros(T + 1, dtype=i32, device=dev), seq_lens=torch.zeros(T + 1, dtype=i32, device=dev),
-            idx_mapping=torch.zeros(T + 1, dtype=i32, device=dev), replay_start=torch.zeros(T + 1, dtype=i32, device=dev),
+            query_start_loc=torch.zeros(T + 1, dtype=i32, device=dev),
+            seq_lens=torch.zeros(T + 1, dtype=i32, device=dev),
+            idx_mapping=torch.zeros(T + 1, dtype=i32, device=dev),
+            replay_start=torch.zeros(T + 1, dtype=i32, device=dev),
             replay_end=torch.zeros(T + 1, dtype=i32, device=dev), token_to_req=torch.zeros(T, dtype=i32, device=dev),
             positions=torch.zeros(T, dtype=torch.int64, device=dev),
             is_valid_token=torch.zeros(T, dtype=torch.bool, device=dev), backend=backend)

@@ -19,7 +19,8 @@ from dsv4_index.validate import check_metadata, check_topk
 TINY = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs" / "tiny.json"
 
 # every per-channel output of ChannelMetadata, and the common step tensors of DSV4Metadata
-CHANNEL_FIELDS = ("slot_mapping", "tail_slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "compact_cu", "indices",
+CHANNEL_FIELDS = ("slot_mapping", "tail_slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "compact_cu",
+                  "indices",
                   "lens", "ks", "ke", "cu", "decode_lens", "lens_clamped", "decode_lens_clamped")
 COMMON_FIELDS = ("query_start_loc", "seq_lens", "idx_mapping", "positions", "token_to_req", "is_valid_token")
 HOST_FIELDS = ("num_reqs", "num_tokens", "num_tokens_padded", "num_decodes", "num_prefills", "num_decode_tokens",

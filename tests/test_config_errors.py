@@ -83,7 +83,8 @@ def test_huge_compress_ratio(tmp_path):
 
 @pytest.mark.parametrize("content,match", [
     (b"", r"not valid JSON: line 1: not JSON \(truncated\?\): Expecting value"),
-    (b"\x89PNG\r\n\x1a\n\x00\x00", r"not valid JSON: line 1: not UTF-8 text \(byte 0x89 at column 1; a binary file\?\)"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00",
+     r"not valid JSON: line 1: not UTF-8 text \(byte 0x89 at column 1; a binary file\?\)"),
     (b'{\n "a": 1,\n "b": "\xff"}', r"not valid JSON: line 3: not UTF-8 text \(byte 0xff"),
     (b'{"sliding_window": 8, "sliding_window": 9}', r"not valid JSON: line 1: unusable JSON: duplicate key "
                                                      r"'sliding_window'"),

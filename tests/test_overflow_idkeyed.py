@@ -54,7 +54,8 @@ def bad_steps(v):
         r"new_block_ids of 'a' gid 1 .*at new_block_ids\[1\]\[0\]": next_step(running_requests=[
             RunningRequest("a", ([], [v], [], []), 11), RunningRequest("b", None, 11)]),
         r"block_ids of 'n' gid 0 .*at block_ids\[0\]\[1\]": next_step(
-            new_requests=[NewRequest("n", ([5, v],) + lists(600, 3)[1:], 0)], num_scheduled_tokens={"a": 1, "b": 1, "n": 3}),
+            new_requests=[NewRequest("n", ([5, v],) + lists(600, 3)[1:], 0)],
+            num_scheduled_tokens={"a": 1, "b": 1, "n": 3}),
         r"replay_end\['a'\]": next_step(replay_end={"a": v}),
     }
 

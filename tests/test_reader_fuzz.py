@@ -255,7 +255,8 @@ if __name__ == "__main__":
     ap.add_argument("--seconds", type=float, default=SECONDS, help="total, split 65/35 between traces and configs")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--max-memory-gb", type=float, default=8.0,
-                    help="address-space limit: a runaway allocation becomes a MemoryError (a finding), not the OOM killer")
+                    help="address-space limit: a runaway allocation becomes a MemoryError (a finding), "
+                    "not the OOM killer")
     a = ap.parse_args()
     PROGRESS[0] = 60.0
     if a.max_memory_gb > 0:

@@ -46,7 +46,8 @@ def _running(sm, rid="a", nc=40, new=None, q=1):
 def _admitted():
     """A pipeline and its slot map holding request "a" (40 tokens)."""
     p, sm = pipe(), SlotMap(4)
-    lists = tuple([1 + 10 * g + i for i in range(-(-41 // grp.alloc_block_size))] for g, grp in enumerate(LAYOUT.groups))
+    lists = tuple([1 + 10 * g + i for i in range(-(-41 // grp.alloc_block_size))]
+                  for g, grp in enumerate(LAYOUT.groups))
     out = SchedulerOutput([NewRequestData("a", [], [], None, None, lists, 0, None)],
                           CachedRequestData([], set(), [], {}, [], [], []), {"a": 40}, 40, {}, {}, [], set(), [])
     b, d = batch_from_scheduler_output(out, sm, G)
@@ -254,7 +255,8 @@ def test_pipeline_errors_name_the_request_and_field():
 
 
 def _admitted_output():
-    lists = tuple([1 + 10 * g + i for i in range(-(-41 // grp.alloc_block_size))] for g, grp in enumerate(LAYOUT.groups))
+    lists = tuple([1 + 10 * g + i for i in range(-(-41 // grp.alloc_block_size))]
+                  for g, grp in enumerate(LAYOUT.groups))
     return SchedulerOutput([NewRequestData("a", [], [], None, None, lists, 0, None)],
                            CachedRequestData([], set(), [], {}, [], [], []), {"a": 40}, 40, {}, {}, [], set(), [])
 

@@ -35,7 +35,8 @@ _H_NUM_DECODES: tl.constexpr = tl.constexpr(H_NUM_DECODES)
 _H_NUM_WRITES: tl.constexpr = tl.constexpr(H_NUM_WRITES)
 _H_REPLAY_START: tl.constexpr = tl.constexpr(H_REPLAY_START)
 _H_REPLAY_END: tl.constexpr = tl.constexpr(H_REPLAY_END)
-# spec fields (tasks.S_*): task I's field F is TAB[I * NF + F] (flat constexpr tuples)
+# spec fields (tasks.S_*): field F of the task at index TI (a constexpr) is TAB[TI * NF + F]
+# (flat constexpr tuples)
 (_KIND, _TASK, _A, _B, _WIDTH, _TOFF, _STRIDE, _TWIDTH, _RING, _CPW, _CPR, _CPI, _GID, _FLAGS, _EXTRA, _HAS, _MUL,
  _BT, _BC, _NCHUNK, _NCU, _START, _NPROG) = [tl.constexpr(v) for v in (
     S_KIND, S_TASK, S_A, S_B, S_WIDTH, S_TOFF, S_STRIDE, S_TWIDTH, S_RING, S_CPW, S_CPR, S_CPI, S_GID, S_FLAGS, S_EXTRA,
@@ -48,11 +49,11 @@ _OV_PAY: tl.constexpr = tl.constexpr(OV_PAY)
 
 
 @triton.jit
-def _out(base32, base64, base8, outs_ptr, TAB: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+def _out(base32, base64, base8, outs_ptr, TAB: tl.constexpr, TI: tl.constexpr, K: tl.constexpr,
          ESIZE: tl.constexpr):
-    """Pointer to output ``K`` of spec ``I`` (``outs`` holds element offsets / the output's unit)."""
-    TASK: tl.constexpr = TAB[I * _NF + _TASK]
-    MUL: tl.constexpr = TAB[I * _NF + _MUL + K]
+    """Pointer to output ``K`` of spec ``TI`` (``outs`` holds element offsets / the output's unit)."""
+    TASK: tl.constexpr = TAB[TI * _NF + _TASK]
+    MUL: tl.constexpr = TAB[TI * _NF + _MUL + K]
     off = tl.load(outs_ptr + TASK * 8 + K) * MUL
     if ESIZE == 8:
         return base64 + off
@@ -76,9 +77,9 @@ def _write_blocks(stage_ptr, tables_ptr, w, off_w, NUM_WRITERS: tl.constexpr, BL
 
 @triton.jit
 def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows, off_qsl, off_seq, off_slots,
-                  off_rs, off_re, off_extra, TAB: tl.constexpr, I: tl.constexpr, BLOCK_R: tl.constexpr,
+                  off_rs, off_re, off_extra, TAB: tl.constexpr, TI: tl.constexpr, BLOCK_R: tl.constexpr,
                   NEXT_N_PAD: tl.constexpr):
-    KIND: tl.constexpr = TAB[I * _NF + _KIND]
+    KIND: tl.constexpr = TAB[TI * _NF + _KIND]
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     B = tl.load(stage_ptr + _H_NUM_REQS)
     T = tl.load(stage_ptr + _H_NUM_TOKENS)
@@ -86,36 +87,36 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
         qsl = tl.load(stage_ptr + off_qsl + r, mask=r <= B, other=0)
         seq = tl.load(stage_ptr + off_seq + r, mask=r < B, other=0)
         slot = tl.load(stage_ptr + off_slots + r, mask=r < B, other=0)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + r, tl.where(r <= B, qsl, T),
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + r, tl.where(r <= B, qsl, T),
                  mask=r <= T_pad)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + r, seq, mask=r <= T_pad)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 4) + r, slot, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + r, seq, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 2, 4) + r, slot, mask=r <= T_pad)
     elif KIND == REPLAYS:
         rs = tl.load(stage_ptr + off_rs + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_START) != 0), other=0)
         re = tl.load(stage_ptr + off_re + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + r, rs, mask=r <= T_pad)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + r, re, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + r, rs, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + r, re, mask=r <= T_pad)
     elif KIND == DECODE_LENS:
-        NEXT_N: tl.constexpr = TAB[I * _NF + _B]
+        NEXT_N: tl.constexpr = TAB[TI * _NF + _B]
         nd = tl.load(stage_ptr + _H_NUM_DECODES)
         dec = r < nd
         seq = tl.load(stage_ptr + off_seq + r, mask=dec, other=0)
         q = tl.load(stage_ptr + off_qsl + r + 1, mask=dec, other=0) - tl.load(stage_ptr + off_qsl + r, mask=dec,
                                                                                 other=0)
         j = tl.arange(0, NEXT_N_PAD)[None, :]
-        n = decode_row_lens(seq, q, j, NEXT_N, TAB[I * _NF + _A], TAB[I * _NF + _CPW], TAB[I * _NF + _CPR],
-                            TAB[I * _NF + _CPI])
+        n = decode_row_lens(seq, q, j, NEXT_N, TAB[TI * _NF + _A], TAB[TI * _NF + _CPW], TAB[TI * _NF + _CPR],
+                            TAB[TI * _NF + _CPI])
         n = tl.where(dec[:, None], n, 0)
         m = (r < T_pad)[:, None] & (j < NEXT_N)
         off = r.to(tl.int64)[:, None] * NEXT_N + j
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + off, n, mask=m)
-        if (TAB[I * _NF + _HAS] & 2) != 0:
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + off, tl.maximum(n, 1), mask=m)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + off, n, mask=m)
+        if (TAB[TI * _NF + _HAS] & 2) != 0:
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + off, tl.maximum(n, 1), mask=m)
     elif KIND == STAGED_COPY:
-        src = stage_ptr + off_extra + TAB[I * _NF + _EXTRA] * (rows + 1)
+        src = stage_ptr + off_extra + TAB[TI * _NF + _EXTRA] * (rows + 1)
         last = tl.load(src + B)
         v = tl.load(src + r, mask=r <= B, other=0)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + r, tl.where(r <= B, v, last),
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + r, tl.where(r <= B, v, last),
                  mask=r <= T_pad)
 
 
@@ -132,18 +133,18 @@ def _causal_chunk(bt, row, n, j0, j, PB: tl.constexpr, stride, stage_ptr, lo, hi
 
 @triton.jit
 def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride,
-                TAB: tl.constexpr, I: tl.constexpr, BLOCK_LOADS: tl.constexpr):
+                TAB: tl.constexpr, TI: tl.constexpr, BLOCK_LOADS: tl.constexpr):
     """Columns ``[col0, col0 + NCHUNK * BC)`` of index-list rows ``t`` (window or causal): chunks that
     reach a token's entries read the table, chunks past every token's length are plain ``-1`` stores.
     A circular group's window entries inside the step's chunk (from ``q_start``) become in-step rows."""
-    KIND: tl.constexpr = TAB[I * _NF + _KIND]
-    CIRCULAR: tl.constexpr = (TAB[I * _NF + _FLAGS] & 4) != 0  # FLAG_CIRCULAR
-    WIDTH: tl.constexpr = TAB[I * _NF + _WIDTH]
-    BC: tl.constexpr = TAB[I * _NF + _BC]
-    NCHUNK: tl.constexpr = TAB[I * _NF + _NCHUNK]
-    BT: tl.constexpr = TAB[I * _NF + _BT]
-    A: tl.constexpr = TAB[I * _NF + _A]
-    PB: tl.constexpr = TAB[I * _NF + _B]
+    KIND: tl.constexpr = TAB[TI * _NF + _KIND]
+    CIRCULAR: tl.constexpr = (TAB[TI * _NF + _FLAGS] & 4) != 0  # FLAG_CIRCULAR
+    WIDTH: tl.constexpr = TAB[TI * _NF + _WIDTH]
+    BC: tl.constexpr = TAB[TI * _NF + _BC]
+    NCHUNK: tl.constexpr = TAB[TI * _NF + _NCHUNK]
+    BT: tl.constexpr = TAB[TI * _NF + _BT]
+    A: tl.constexpr = TAB[TI * _NF + _A]
+    PB: tl.constexpr = TAB[TI * _NF + _B]
     rowp = out + t.to(tl.int64)[:, None] * WIDTH
     if NCHUNK > 1:
         nmax = tl.max(n, axis=0)
@@ -180,17 +181,17 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, 
 
 @triton.jit
 def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0, T_pad, rows, off_qsl, off_seq,
-                off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, I: tl.constexpr,
+                off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, TI: tl.constexpr,
                 BLOCK_LOADS: tl.constexpr):
-    KIND: tl.constexpr = TAB[I * _NF + _KIND]
-    HAS: tl.constexpr = TAB[I * _NF + _HAS]
-    FLAGS: tl.constexpr = TAB[I * _NF + _FLAGS]
-    A: tl.constexpr = TAB[I * _NF + _A]
-    PB: tl.constexpr = TAB[I * _NF + _B]
-    CPW: tl.constexpr = TAB[I * _NF + _CPW]
-    CPR: tl.constexpr = TAB[I * _NF + _CPR]
-    CPI: tl.constexpr = TAB[I * _NF + _CPI]
-    t = t0 + tl.arange(0, TAB[I * _NF + _BT])
+    KIND: tl.constexpr = TAB[TI * _NF + _KIND]
+    HAS: tl.constexpr = TAB[TI * _NF + _HAS]
+    FLAGS: tl.constexpr = TAB[TI * _NF + _FLAGS]
+    A: tl.constexpr = TAB[TI * _NF + _A]
+    PB: tl.constexpr = TAB[TI * _NF + _B]
+    CPW: tl.constexpr = TAB[TI * _NF + _CPW]
+    CPR: tl.constexpr = TAB[TI * _NF + _CPR]
+    CPI: tl.constexpr = TAB[TI * _NF + _CPI]
+    t = t0 + tl.arange(0, TAB[TI * _NF + _BT])
     in_out = t < T_pad
     # NOTE: the token map is read under in_out (entries [T, T_pad] hold stale values, dropped by
     # valid), so it loads beside the header instead of after it
@@ -202,22 +203,22 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
     end = tl.load(stage_ptr + off_qsl + b + 1, mask=valid, other=0)
     pos = tl.where(valid, seq - end + t, 0)
     if KIND == COMMON:
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + t, b, mask=in_out)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 8) + t, pos.to(tl.int64), mask=in_out)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 1) + t, valid.to(tl.int8), mask=in_out)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + t, b, mask=in_out)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 8) + t, pos.to(tl.int64), mask=in_out)
+        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 2, 1) + t, valid.to(tl.int8), mask=in_out)
     else:
         row = tl.load(stage_ptr + off_slots + b, mask=valid, other=0)
         # NOTE: table geometry words: loaded beside the token map, used two loads later
-        geo = outs_ptr + TAB[I * _NF + _TASK] * 8 + 4
+        geo = outs_ptr + TAB[TI * _NF + _TASK] * 8 + 4
         bt = tables_ptr + tl.load(geo)
         stride = tl.load(geo + 1)
         twidth = tl.load(geo + 2).to(tl.int32)
-        if TAB[I * _NF + _RING] != 0:
+        if TAB[TI * _NF + _RING] != 0:
             ring = tl.load(geo + 3).to(tl.int32)
         else:
             ring = 0
         if KIND == WINDOW or KIND == CAUSAL or KIND == COMPRESSED:
-            ov = off_ov + (TAB[I * _NF + _GID] * rows + b) * _OVERLAY_STRIDE
+            ov = off_ov + (TAB[TI * _NF + _GID] * rows + b) * _OVERLAY_STRIDE
             lo = tl.load(stage_ptr + ov + _OV_LO, mask=valid, other=0)
             hi = tl.load(stage_ptr + ov + _OV_HI, mask=valid, other=0)
             pay = tl.load(stage_ptr + ov + _OV_PAY, mask=valid, other=0)
@@ -236,74 +237,74 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
                 q_start = tl.load(stage_ptr + off_qsl + b, mask=valid, other=0)
             else:
                 q_start = tl.zeros_like(pos)
-            _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
-                        pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride, TAB, I, BLOCK_LOADS)
+            _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4), t, in_out, row,
+                        pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
             if col0 == 0:
-                tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
+                tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + t, n, mask=in_out)
                 if (HAS & 4) != 0:
                     slot = raw_slot(bt, row, pos, valid, wfloor, A, twidth, ring, stride, CPW,
                                     CPR, CPI, stage_ptr, lo, hi, pay, True)
-                    tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 8) + t, slot, mask=in_out)
+                    tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 2, 8) + t, slot, mask=in_out)
                 if (HAS & 8) != 0:
                     # NOTE: circular write plan: the last `capacity` (= A) tokens of the request's chunk
                     slot = raw_slot(bt, row, pos, valid, seq - A, A, twidth, ring, stride, CPW,
                                     CPR, CPI, stage_ptr, lo, hi, pay, True)
-                    tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 3, 8) + t, slot, mask=in_out)
+                    tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 3, 8) + t, slot, mask=in_out)
         elif KIND == CAUSAL:
             n = visible_rows(pos, valid, A, CPW, CPR, CPI)
-            n = tl.minimum(tl.minimum(n, TAB[I * _NF + _WIDTH]), twidth * PB)
-            _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, I, 0, 4), t, in_out, row,
-                        pos, n, n, pos, lo, hi, pay, col0, twidth, ring, stride, TAB, I, BLOCK_LOADS)
+            n = tl.minimum(tl.minimum(n, TAB[TI * _NF + _WIDTH]), twidth * PB)
+            _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4), t, in_out, row,
+                        pos, n, n, pos, lo, hi, pay, col0, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
             if col0 == 0:
-                tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, n, mask=in_out)
+                tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + t, n, mask=in_out)
         elif KIND == COMPRESSED:
             slot = compressed_slot(bt, row, pos, valid, wfloor, A, PB, twidth, stride, CPW, CPR, CPI,
                                    stage_ptr, lo, hi, pay, True)
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 8) + t, slot, mask=in_out)
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 8) + t, slot, mask=in_out)
             if (HAS & 2) != 0:
                 # NOTE: compact form: the k-th row the request completes this step goes to cu[b] + k;
                 # entries from cu[B] on are -1 (written by the token with that index: disjoint stores)
-                cu = stage_ptr + off_extra + TAB[I * _NF + _EXTRA] * (rows + 1)
+                cu = stage_ptr + off_extra + TAB[TI * _NF + _EXTRA] * (rows + 1)
                 start = tl.load(stage_ptr + off_qsl + b, mask=valid, other=0)
                 ctx = seq - (end - start)
                 done = valid & ((pos + 1) % A == 0)
                 e = tl.load(cu + b, mask=valid, other=0) + pos // A - ctx // A
-                compact = _out(base32, base64, base8, outs_ptr, TAB, I, 1, 8)
+                compact = _out(base32, base64, base8, outs_ptr, TAB, TI, 1, 8)
                 tl.store(compact + e, slot, mask=done & (e < T_pad))
                 total = tl.load(cu + tl.load(stage_ptr + _H_NUM_REQS))
-                tl.store(compact + t, tl.full([TAB[I * _NF + _BT]], -1, tl.int64), mask=in_out & (t >= total))
+                tl.store(compact + t, tl.full([TAB[TI * _NF + _BT]], -1, tl.int64), mask=in_out & (t >= total))
         elif KIND == INDEXER:
             n = visible_rows(pos, valid, A, CPW, CPR, CPI)
-            ks = tl.load(stage_ptr + off_extra + TAB[I * _NF + _EXTRA] * (rows + 1) + b, mask=valid, other=0)
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + t, n, mask=in_out)
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, ks, mask=in_out)
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 2, 4) + t, tl.where(valid, ks + n, 0),
+            ks = tl.load(stage_ptr + off_extra + TAB[TI * _NF + _EXTRA] * (rows + 1) + b, mask=valid, other=0)
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + t, n, mask=in_out)
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + t, ks, mask=in_out)
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 2, 4) + t, tl.where(valid, ks + n, 0),
                      mask=in_out)
             if (HAS & 8) != 0:
-                tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 3, 4) + t, tl.maximum(n, 1), mask=in_out)
+                tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 3, 4) + t, tl.maximum(n, 1), mask=in_out)
         elif KIND == TOKEN_ROWS:
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 0, 4) + t, tl.where(valid, row, -1),
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + t, tl.where(valid, row, -1),
                      mask=in_out)
             # NOTE: n_c of every row, owned or not: top-k picks are global row ids
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, I, 1, 4) + t, visible_rows(pos, valid, A, 1, 0, 1),
+            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + t, visible_rows(pos, valid, A, 1, 0, 1),
                      mask=in_out)
 
 
 @triton.jit
 def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_pad, rows, off_qsl, off_seq,
-                off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, I: tl.constexpr,
+                off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, TI: tl.constexpr,
                 T_SUPER: tl.constexpr, BLOCK_LOADS: tl.constexpr):
-    """Program ``r`` of super tile ``s``, if it belongs to unit ``I``: its token rows and first column."""
-    START: tl.constexpr = TAB[I * _NF + _START]
-    NPROG: tl.constexpr = TAB[I * _NF + _NPROG]
-    BT: tl.constexpr = TAB[I * _NF + _BT]
+    """Program ``r`` of super tile ``s``, if it belongs to unit ``TI``: its token rows and first column."""
+    START: tl.constexpr = TAB[TI * _NF + _START]
+    NPROG: tl.constexpr = TAB[TI * _NF + _NPROG]
+    BT: tl.constexpr = TAB[TI * _NF + _BT]
     PER: tl.constexpr = T_SUPER // BT
-    COLS: tl.constexpr = TAB[I * _NF + _NCHUNK] * TAB[I * _NF + _BC]
+    COLS: tl.constexpr = TAB[TI * _NF + _NCHUNK] * TAB[TI * _NF + _BC]
     if (r >= START) & (r < START + NPROG):
         q = r - START
         _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s * T_SUPER + (q % PER) * BT,
                     (q // PER) * COLS, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra,
-                    off_ov, TAB, I, BLOCK_LOADS)
+                    off_ov, TAB, TI, BLOCK_LOADS)
 
 
 @triton.jit(do_not_specialize=["T_pad", "req_tiles", "rows", "off_qsl", "off_seq", "off_slots", "off_rs", "off_re",

@@ -1,7 +1,7 @@
 """The steady-step path of the checks: a step that repeats the last accepted batch (same slots, same
 scheduled counts, at most a block of tokens per row, ``num_computed_tokens`` equal to the last step's
-``seq_lens``, nothing freed or new, no replay bounds) and whose write runs each append one id to a batch row is checked here in a few
-array comparisons; any other step, or any doubt, goes to the general checks of :mod:`.plan`
+``seq_lens``, nothing freed or new, no replay bounds) and whose write runs each append one id to a batch
+row is checked here in a few array comparisons; any other step, or any doubt, goes to the general checks of :mod:`.plan`
 (which also produce every error message). The plan is then identical to the general one.
 
 Why it is sufficient (issue 18, ``host_path.md`` §3): the cache keeps, per (non-circular group,

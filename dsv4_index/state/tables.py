@@ -158,7 +158,8 @@ class BlockTables:
             first, pay = plan.w_start, w0 + np.arange(plan.w_gid.shape[0])
         else:
             first = np.maximum(plan.w_keep, plan.w_start)
-            kept = np.maximum(np.minimum(plan.w_end - first, plan.w_cu[1:] - plan.w_cu[:-1]), 0)  # NOTE: not .clip (a Python wrapper)
+            # NOTE: np.maximum, not .clip (a Python wrapper)
+            kept = np.maximum(np.minimum(plan.w_end - first, plan.w_cu[1:] - plan.w_cu[:-1]), 0)
             pay = w0 + np.cumsum(kept) - kept
         r, end = plan.w_row, plan.w_end
         at = lay.overlay + OVERLAY_STRIDE * (plan.w_gid * lay.rows + r)

@@ -292,7 +292,8 @@ def check_header(path, d, versions) -> tuple:
     v = d.get("version")
     if v not in versions:
         by = d.get("dsv4_index")
-        at.err("version", f"trace format version {_short(v)}{f' (written by dsv4_index {by})' if isinstance(by, str) else ''}"
+        by_whom = f" (written by dsv4_index {by})" if isinstance(by, str) else ""
+        at.err("version", f"trace format version {_short(v)}{by_whom}"
                f"; this dsv4_index reads version{'s' if len(versions) > 1 else ''} "
                f"{', '.join(map(str, versions))}: replay it with the dsv4_index that wrote it")
     at.dict(d, "", ("type", "version", "layout", "pipeline"), ("dsv4_index", "outputs"))
@@ -303,7 +304,8 @@ def check_header(path, d, versions) -> tuple:
     out = dict(max_num_reqs=at.int(p["max_num_reqs"], "pipeline.max_num_reqs", 1, LIMITS["max_num_reqs"]),
                max_num_batched_tokens=at.int(p["max_num_batched_tokens"], "pipeline.max_num_batched_tokens", 1,
                                              LIMITS["max_num_batched_tokens"]),
-               num_speculative_tokens=at.int(p["num_speculative_tokens"], "pipeline.num_speculative_tokens", 0, 1 << 10),
+               num_speculative_tokens=at.int(p["num_speculative_tokens"], "pipeline.num_speculative_tokens", 0,
+                                             1 << 10),
                cp_world_size=at.int(p["cp_world_size"], "pipeline.cp_world_size", 1, LIMITS["cp"]))
     out["cp_rank"] = at.int(p["cp_rank"], "pipeline.cp_rank", 0, out["cp_world_size"] - 1)
     out["cp_interleave"] = at.int(p["cp_interleave"], "pipeline.cp_interleave", 1, LIMITS["block_size"])
@@ -393,9 +395,11 @@ def _entry(at: _At, e, field):
 def _digests(at: _At, d):
     at.dict(d, "digests", ("common", "block_tables", "channels"))
     for part in ("common", "block_tables"):
-        for k, e in at.dict(d[part], f"digests.{part}", (), tuple(d[part]) if isinstance(d[part], dict) else ()).items():
+        keys = tuple(d[part]) if isinstance(d[part], dict) else ()
+        for k, e in at.dict(d[part], f"digests.{part}", (), keys).items():
             _entry(at, e, f"digests.{part}.{k}")
-    chans = at.dict(d["channels"], "digests.channels", (), tuple(d["channels"]) if isinstance(d["channels"], dict) else ())
+    keys = tuple(d["channels"]) if isinstance(d["channels"], dict) else ()
+    chans = at.dict(d["channels"], "digests.channels", (), keys)
     for ch, fields in chans.items():
         at.dict(fields, f"digests.channels.{ch}", (), tuple(fields) if isinstance(fields, dict) else ())
         for k, e in fields.items():
