@@ -116,9 +116,15 @@ def table_entry(bt_ptr,     # [rows, >= cols] int32
     if ring_cols > 0:
         col = blk % ring_cols
     if HAS_OVERLAY:
-        staged = ok & (blk >= ov_lo) & (blk < ov_hi)
+        k = blk - ov_lo  # NOTE: the staged run's entry for this logical block, if it holds one
+        if ring_cols > 0:
+            # NOTE: a ring column holds the newest block written to it, and a staged run keeps at most
+            # ring_cols ids (one per column): match by column, so every block of a circular group (one
+            # column, any position) and a wrapped ring read what the table holds after this step
+            k = (col - ov_lo % ring_cols + ring_cols) % ring_cols
+        staged = ok & (k >= 0) & (k < ov_hi - ov_lo)
         v = tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok & (staged == 0), other=0)
-        w = tl.load(stage_ptr + ov_pay + (blk - ov_lo), mask=staged, other=0)
+        w = tl.load(stage_ptr + ov_pay + k, mask=staged, other=0)
         return tl.where(staged, w, v)
     else:
         return tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok, other=0)
