@@ -108,6 +108,7 @@ def _host_state(pipe):
             dict(pipe.slot_map.slot_of), set(pipe.slot_map.preempted), pipe.last_step_stats)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_rejected_steps_leave_the_pipeline_unchanged():
     layout = tiny_layout()
     # NOTE: the reference pipeline and every bad step draw ids from separate pools

@@ -95,6 +95,7 @@ def test_vllm_ring_case_chunk_longer_than_capacity(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.slow  # ./dev quick skips it
 def test_drafts_at_all_128_phases(backend):
     # capacity = 128 * cdiv(128 + k, 128) (vLLM): a verify step's writes never reach the rows the next
     # step reads after a rejection; 128 requests, one per phase of the open 128-row group
@@ -197,6 +198,7 @@ def _steps(layout, plan):
         yield StepInput([NewRequest(*x) for x in new], [RunningRequest(*x) for x in run], dict(nst))
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_pipeline_long_chunks_on_a_ring():
     lay = DSV4Layout.from_config("flash", max_model_len=2048, circular={"c128_state": 256})
     cg = lay.group("c128_state")

@@ -68,6 +68,7 @@ def test_layout_explains_its_columns(capsys):
     assert "f = kernel blocks per allocation block" in out and "width = logical blocks per request" in out, out
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_inspect_without_matplotlib_says_what_to_install(tmp_path):
     code = ("import sys\n"
             "class _No:\n"
@@ -84,6 +85,7 @@ def test_inspect_without_matplotlib_says_what_to_install(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_replay_progress_off_when_stderr_is_not_a_terminal():
     code = ("from dsv4_index.tools.cli import build_parser\n"
             "print(build_parser().parse_args(['replay', 'x']).no_progress)")

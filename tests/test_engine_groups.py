@@ -128,6 +128,7 @@ def _slot(row, p, bs):
 
 
 @pytest.mark.parametrize("model,n_groups,n_swa", [("tiny", 6, 3), ("flash", 5, 2)])
+@pytest.mark.slow  # ./dev quick skips it
 def test_trace_with_one_block_list_per_engine_group(model, n_groups, n_swa):
     """Random trace (chunks, spec decode, preemption, prefix hits) with one block list per engine group
     (5 for V4-Flash): fused == unfused == reference; every SWA channel reads its own group's table

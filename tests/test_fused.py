@@ -106,6 +106,7 @@ def test_dcp_rank0_and_the_partition_of_writes():
 # build() is idempotent; a staged step that is never built is applied by the next update()
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["fused", "unfused"])
+@pytest.mark.slow  # ./dev quick skips it
 def test_build_twice_is_idempotent(kind):
     layout = tiny_layout()
     trace = eventful_trace(layout, 5, need=("finished", "spec"), num_blocks=NUM_BLOCKS)
@@ -170,6 +171,7 @@ def test_no_fused_plan_without_triton(monkeypatch):
     assert pipe.fused_plan is None and pipe.num_launches == len(layout.channels)  # the reference path
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_multi_step_running_and_finish():
     """Running requests append blocks, one finishes, the others keep their slots."""
     layout = tiny_layout(mla_block_size=16, swa_block_size=8)
@@ -222,6 +224,7 @@ def test_dcp_rank1_interleave_hand_written(make):
     step_all(pipes, step, pad_to=step.total_tokens + 3)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_warmup_then_empty_and_padded_only_steps():
     layout = tiny_layout()
     pipes = three_pipelines(layout, 6, 160)
@@ -270,6 +273,7 @@ def test_plan_grid_is_host_sized_and_shares_identical_geometry():
 
 @pytest.mark.parametrize("case", ["tiny_ring_indexer_causal", "compact_compressed", "circular_state_groups",
                                   "dcp_rank1"])
+@pytest.mark.slow  # ./dev quick skips it
 def test_large_tile_variant_equals_reference(case, monkeypatch):
     """The whole-row variant (chunks past every token's length stored as -1 without table work)
     computes the same outputs: every step of the trace runs on it."""
@@ -278,6 +282,7 @@ def test_large_tile_variant_equals_reference(case, monkeypatch):
     _trace_case(case)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_multi_step_rows_appended_cleared_readded():
     """Requests append blocks, switch between prefill and decode, finish, get preempted and come back
     (as resumed or as new), new ones reuse freed slots: all three paths agree, one H2D and one
@@ -297,6 +302,7 @@ def test_multi_step_rows_appended_cleared_readded():
     assert events["resumed"] and events["renewed"] and events["done"]
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_step_stats_count_staged_ids():
     """Steady decode: only the appended ids travel; a step with no new block stages none, and its
     copy is smaller by exactly those (value, destination) pairs."""
@@ -445,6 +451,7 @@ def test_every_variant_compiled_at_construction_none_while_serving():
 
 
 @pytest.mark.parametrize("block_loads", [True, False])
+@pytest.mark.slow  # ./dev quick skips it
 def test_long_causal_rows_block_loads(block_loads, monkeypatch):
     """Causal rows longer than a chunk, on the whole-row variant: chunks of cached blocks and chunks
     holding this step's staged blocks, with one table read per block (``block_loads``, the default of

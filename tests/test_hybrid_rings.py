@@ -32,6 +32,7 @@ def _steps(layout, chunks):
         done += q
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_issue_repro_is_accepted_and_matches_reference():
     lay = DSV4Layout.from_config("flash", max_model_len=2048, kernel_block_size=KBS)
     swa = lay.group("swa")

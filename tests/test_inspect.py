@@ -17,6 +17,7 @@ def png_size(path):
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"), len(data)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_tiny_step_picture(tmp_path):
     pipe, meta = sample_step("tiny")
     assert meta.num_reqs == 6 and meta.num_decodes >= 3 and meta.num_prefills >= 1

@@ -73,6 +73,7 @@ def test_circular_groups_read_the_overlay(device):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
 @pytest.mark.parametrize("sliding_tables", ["ring", "full"])
+@pytest.mark.slow  # ./dev quick skips it
 def test_ring_and_full_tables_read_the_overlay(device, sliding_tables):
     layout = tiny_layout(sliding_tables=sliding_tables)
     steps = [s for s, _ in random_trace(layout, 25, seed=3, max_num_batched_tokens=40, max_num_seqs=4)]

@@ -179,11 +179,13 @@ def _run_without_triton(extra_env=None):
                           capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_runs_without_triton():
     p = _run_without_triton()
     assert p.returncode == 0 and "OK without triton" in p.stdout, p.stdout + p.stderr
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_interpreter_asked_without_triton_says_what_to_install():
     code = NO_TRITON + ("import torch, dsv4_index as d\n"
                         "q = torch.tensor([0, 1], dtype=torch.int32)\n"
@@ -196,6 +198,7 @@ def test_interpreter_asked_without_triton_says_what_to_install():
     assert "TritonUnavailable" in p.stderr and "pip install triton" in p.stderr, p.stderr
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_cli_demo_without_triton():
     code = NO_TRITON + ("import runpy\n"
                         "sys.argv = ['dsv4_index', 'demo', '--config', 'tiny']\n"

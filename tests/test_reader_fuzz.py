@@ -21,6 +21,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 
 SECONDS = float(os.environ.get("DSV4_FUZZ_SECONDS", "20"))
 SEED = int(os.environ.get("DSV4_FUZZ_SEED", "0"))
@@ -235,12 +237,14 @@ def run_config(path: Path, seconds: float, seed: int) -> Counter:
 
 
 # ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.slow  # ./dev quick skips it
 def test_trace_reader_fuzz(tmp_path):
     out = run_trace(tmp_path / "good.jsonl", tmp_path, 0.65 * SECONDS, SEED)
     print(dict(out))
     assert out["clean error"] > 0 and sum(out.values()) > 10
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_config_reader_fuzz(tmp_path):
     out = run_config(tmp_path / "config.json", 0.35 * SECONDS, SEED)
     print(dict(out))

@@ -61,6 +61,7 @@ def tampered(src, dst, fn, step=TAMPERED):
     return write(dst, ds)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_outputs_lines_follow_their_steps(trace):
     ds = lines(trace)
     kinds = [d["type"] for d in ds]
@@ -76,6 +77,7 @@ def test_outputs_lines_follow_their_steps(trace):
     assert all(s["outputs"] is not None for s in steps)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_untouched_trace_matches_its_recording(trace, capsys):
     res = replay_trace(trace, device="cpu")
     assert res.ok, res.report()

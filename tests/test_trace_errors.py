@@ -195,6 +195,7 @@ def test_duplicate_key_and_nan(trace, tmp_path, capsys):
     fails(capsys, write(tmp_path, ds), r":2: unusable JSON: NaN is not a JSON number", line=2)
 
 
+@pytest.mark.slow  # ./dev quick skips it
 def test_cli_subprocess_no_traceback(tmp_path):
     p = write(tmp_path, b"\x00\x01\x02", "nul.jsonl")
     r = subprocess.run([sys.executable, "-m", "dsv4_index", "replay", str(p), "--no-progress"],
