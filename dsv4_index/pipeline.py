@@ -21,7 +21,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from ._common import check_cp, use_triton
+from ._common import check_cp, check_int, use_triton
 from .batch import SlotMap, StepBatch, batch_from_scheduler_output, batch_from_step
 from .channels import BuildContext, ChannelBuilder, builder_for
 from .fused.plan import FusedPlan
@@ -30,6 +30,8 @@ from .metadata import DSV4Metadata, StepStats
 from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
 from .step import StepInput
 from .step_rules import explain
+
+MAX_STAGED_BLOCKS = 1 << 26  # NOTE: 2 pinned buffers x (ids + destinations) x 4 B: 1 GiB at most
 
 __all__ = ["MetadataPipeline"]
 
@@ -54,7 +56,8 @@ class MetadataPipeline:
     validate : bool — debug: full checks, and :func:`dsv4_index.validate.check_metadata` after every
         ``build()`` (host copies; never in serving).
     max_staged_blocks : int, optional — block ids one step may stage (default: every table entry,
-        capped at 2**20); a step staging more is rejected.
+        capped at 2**20; at most 2**26, and never more than the tables hold); a step staging more is
+        rejected.
     backend : {None, "triton", "reference"} — functional-op backend (default: Triton on CUDA or under
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
@@ -74,8 +77,9 @@ class MetadataPipeline:
                  cuda_graphs: bool = False, record=None, steady: bool = True):
         for name, v, lo in (("max_num_reqs", max_num_reqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("num_speculative_tokens", num_speculative_tokens, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+            check_int(name, v, lo=lo)
+        if max_staged_blocks is not None:  # NOTE: bounded before any staging buffer is allocated
+            check_int("max_staged_blocks", max_staged_blocks, lo=1, hi=MAX_STAGED_BLOCKS)
         if checks not in CHECK_LEVELS:
             raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
         check_cp(cp_world_size, cp_rank, cp_interleave)
@@ -118,7 +122,8 @@ class MetadataPipeline:
             is_valid_token=torch.zeros(T, dtype=torch.bool, device=dev), backend=backend)
         for b in self._builders.values():
             b.allocate(self.ctx)  # NOTE: builders declare their staged per-request inputs here
-        cap = min(self.tables.total, 1 << 20) if max_staged_blocks is None else max_staged_blocks
+        # NOTE: a step never stages more ids than the tables hold
+        cap = min(self.tables.total, 1 << 20 if max_staged_blocks is None else max_staged_blocks)
         self.max_staged_blocks = max(int(cap), 1)
         self.staging = StepStaging(dev, T, len(layout.groups), len(self.ctx.staged_inputs), self.max_staged_blocks,
                                    max_num_reqs)

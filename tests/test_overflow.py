@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from dsv4_index.batch import StepBatch, batch_from_step
+from dsv4_index.pipeline import MetadataPipeline
 from dsv4_index.step import StepInput
+from _meta_helpers import tiny_layout
 from test_rejections import T_MAX, _diff, clean_run, make_pipe, outputs, state, trace
 
 I64 = np.iinfo(np.int64).max
@@ -146,3 +148,16 @@ def test_huge_counts_are_rejected_and_change_nothing():
     missing = set(BATCH_CASES) - hit
     assert not missing, f"the trace offered no point for {sorted(missing)}"
     assert {"id_q_int64_max", "id_q_two_int64_max", "id_nc_int64_max"} <= hit
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2**31, 10**15, 1.5, True, "8"])
+def test_max_staged_blocks_is_bounded_before_allocation(bad):
+    """A capacity the pipeline would allocate pinned buffers for is checked first (10**15 ids would be
+    16 PB of staging)."""
+    with pytest.raises(ValueError, match="max_staged_blocks must be an int"):
+        MetadataPipeline(tiny_layout(), 4, 16, "cpu", max_staged_blocks=bad)
+
+
+def test_max_staged_blocks_never_exceeds_the_tables():
+    pipe = MetadataPipeline(tiny_layout(), 4, 16, "cpu", max_staged_blocks=1 << 26)
+    assert pipe.max_staged_blocks == pipe.tables.total
