@@ -247,15 +247,23 @@ def token_table_rows(rows: torch.Tensor, req: torch.Tensor, valid: torch.Tensor,
     return torch.where(ok, r, 0), ok
 
 
+def no_block(slot: torch.Tensor) -> torch.Tensor:
+    """``-1`` for the slots of a negative block id (vLLM's ``-1`` placeholder: no block), the slot
+    otherwise (int64 in, int64 out). NOTE: ``slot = bid * S + off`` with ``0 <= off < S`` is negative iff
+    ``bid`` is, so one clamp masks it (the device twin is :func:`dsv4_index.ops._device.no_block`)."""
+    return slot.clamp(min=-1)
+
+
 def table_slots(block_table: torch.Tensor, req: torch.Tensor, local: torch.Tensor, unit: int,
                 mask: torch.Tensor) -> torch.Tensor:
     """``bt[req, local // unit] * unit + local % unit`` (int64) where ``mask`` and the block lies
-    inside the table (``0 <= local // unit < width``), else ``-1``. Shapes broadcast."""
+    inside the table (``0 <= local // unit < width``), else ``-1`` (also for a negative block id,
+    :func:`no_block`). Shapes broadcast."""
     blk = torch.div(local, unit, rounding_mode="floor")
     ok = mask & (local >= 0) & (blk < block_table.shape[1])
     if block_table.numel() == 0 or not bool(ok.any()):
         return torch.full(ok.shape, INDEX_SENTINEL, dtype=torch.long, device=ok.device)
     r = torch.where(ok, req, 0).expand(ok.shape)
     k = torch.where(ok, blk, 0).expand(ok.shape)
-    slot = block_table[r, k].long() * unit + local % unit
+    slot = no_block(block_table[r, k].long() * unit + local % unit)
     return torch.where(ok, slot, INDEX_SENTINEL)

@@ -41,7 +41,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from ._common import check_int, round_up
+from ._common import check_int, no_block, round_up
 
 __all__ = ["PrefillChunk", "prefill_chunk", "prefill_chunks", "prefill_workspace_size", "gather_workspace",
            "PREFILL_INDEX_ALIGN", "swa_channel"]
@@ -205,7 +205,7 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
         col = blk % ch.ring_cols if ch.ring_cols else blk
         ok = ok & (local >= 0) & (col < bt.shape[1])
         bid = bt[rows[:, None].expand(ok.shape), torch.where(ok, col, 0)].long()
-        return torch.where(ok, bid * unit + local % unit, -1).to(torch.int32)
+        return torch.where(ok, no_block(bid * unit + local % unit), -1).to(torch.int32)
 
     j = torch.arange(N, device=dev)[None, :]
     if R:

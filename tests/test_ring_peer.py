@@ -62,12 +62,6 @@ class Case:
     marks: tuple = field(default_factory=tuple)
 
 
-MULTI_BLOCK = pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "multi-block circular rings (capacity = k * block_size, as vLLM's Triton path and vllm-ascend's "
-    "cache_mode=2 use) are not supported: circular_capacity must equal block_size"))
-NULL_BLOCK = pytest.mark.xfail(strict=True, reason=(
-    "a null block (-1 in the table, vLLM's convention) gives slots -1 * cap + pos % cap instead of -1; "
-    "in window lists these negatives read as in-step rows"))
 
 CASES = {
     # [V1] test_c128_ring_mapping_and_tail_for_nonuniform_batch: 280- and 140-token chunks on 256-row
@@ -76,7 +70,7 @@ CASES = {
     # [V1] test_c128_ring_mapping_masks_padded_actual_tokens: 4 rows, the last is padding
     "vllm-masks-padded": Case(128, [(10, 3)], [2], pad=1, window=128),
     # [V1] test_c128_null_block_keeps_all_slots_invalid
-    "vllm-null-block": Case(256, [(120, 20)], [-1], pad=4, marks=(NULL_BLOCK,)),
+    "vllm-null-block": Case(256, [(120, 20)], [-1], pad=4),
     # [V1] test_c128_reads_the_batch_before_saving_the_wrapped_tail: its inputs (block 0), formulas only
     # (the consumer emulation is test_circular.py::test_vllm_ring_case_chunk_longer_than_capacity)
     "vllm-wrapped-tail": Case(256, [(250, 271)], [0], window=128),
@@ -84,13 +78,12 @@ CASES = {
     # each reads its window - 1 positions before the chunk from the ring
     "vllm-stage-history": Case(vllm_capacity(5), [(300, 200), (0, 7), (1000, 6)], [4, 9, 6], pad=3, window=128),
     # [V1, later] test_multi_block_ring_mapping: a 16-row ring in blocks of 4
-    "vllm-multi-block": Case(16, [(0, 21), (37, 3)], [[5, 9, 2, 7], [1, 3, 4, 8]], pad=3, block_size=4,
-                             marks=(MULTI_BLOCK,)),
+    "vllm-multi-block": Case(16, [(0, 21), (37, 3)], [[5, 9, 2, 7], [1, 3, 4, 8]], pad=3, block_size=4),
     # [A1] test_absolute_position_maps_to_tail_ring[c4]: an 8-row ring (positions 0, 7, 8, 15)
     "ascend-tail-ring-c4": Case(8, [(0, 16)], [5], window=8),
     # [A1] test_absolute_position_maps_to_tail_ring[c128]: 128 rows in 4 blocks of 32
     "ascend-tail-ring-c128": Case(128, [(p, 1) for p in (0, 31, 32, 127, 128, 159)], [[3, 8, 1, 6]] * 6,
-                                  block_size=32, marks=(MULTI_BLOCK,)),
+                                  block_size=32),
     # [A2] TestFusedSlotMapping.test_fused_matches_sequential_multi_group / test_padding_uses_pad_slot_id
     # (plain groups, block 128): two requests x 4 tokens per group,
     # and a one-block request with 4 padded rows (PAD_SLOT_ID = -1)
@@ -175,9 +168,12 @@ def test_peer_case(name, device):
     addr, tail, idx, lens = run_ops(case, device)
     assert addr == want_addr, name
     assert tail == want_tail, name
-    if case.cap:
-        live = [x for x in tail if x >= 0]
-        assert len(set(live)) == len(live), name           # the write plan: distinct rows per request
+    if case.cap:                                           # the write plan: distinct rows per request
+        start = 0
+        for _, q in case.chunks:
+            live = [x for x in tail[start:start + q] if x >= 0]
+            assert len(set(live)) == len(live), name
+            start += q
     if case.window:
         assert lens == want_lens and idx == want_idx, name
     if name.startswith("vllm-spec-phase-"):                # the upstream property, besides the formula

@@ -137,14 +137,10 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, 
     """Columns ``[col0, col0 + NCHUNK * BC)`` of index-list rows ``t`` (window or causal): chunks that
     reach a token's entries read the table, chunks past every token's length are plain ``-1`` stores.
     A circular group's window entries inside the step's chunk (from ``q_start``) become in-step rows."""
-    KIND: tl.constexpr = TAB[TI * _NF + _KIND]
-    CIRCULAR: tl.constexpr = (TAB[TI * _NF + _FLAGS] & 4) != 0  # FLAG_CIRCULAR
     WIDTH: tl.constexpr = TAB[TI * _NF + _WIDTH]
     BC: tl.constexpr = TAB[TI * _NF + _BC]
     NCHUNK: tl.constexpr = TAB[TI * _NF + _NCHUNK]
     BT: tl.constexpr = TAB[TI * _NF + _BT]
-    A: tl.constexpr = TAB[TI * _NF + _A]
-    PB: tl.constexpr = TAB[TI * _NF + _B]
     rowp = out + t.to(tl.int64)[:, None] * WIDTH
     if NCHUNK > 1:
         nmax = tl.max(n, axis=0)
@@ -155,28 +151,35 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, 
         else:
             m = in_out[:, None] & (j < WIDTH)
         if NCHUNK > 1:
+            # NOTE: a chunk past every token's length holds only -1: no table read
             if col0 + c * BC < nmax:
-                if KIND == WINDOW:
-                    idx = window_row(bt, row, first, n, j, A, twidth, ring, stride,
-                                     stage_ptr, lo, hi, pay, True)
-                    if CIRCULAR:
-                        idx = circular_split(idx, t, pos, first, n, j, q_start)
-                else:
-                    idx = _causal_chunk(bt, row, n, col0 + c * BC, j, PB, stride, stage_ptr, lo, hi, pay, True,
-                                        BT, BC, BLOCK_LOADS)
-                tl.store(rowp + j, idx, mask=m)
+                tl.store(rowp + j, _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j,
+                                                col0 + c * BC, twidth, ring, stride, TAB, TI, BLOCK_LOADS), mask=m)
             else:
                 tl.store(rowp + j, tl.full([BT, BC], -1, tl.int32), mask=m)
         else:
-            if KIND == WINDOW:
-                idx = window_row(bt, row, first, n, j, A, twidth, ring, stride,
-                                 stage_ptr, lo, hi, pay, True)
-                if CIRCULAR:
-                    idx = circular_split(idx, t, pos, first, n, j, q_start)
-            else:
-                idx = _causal_chunk(bt, row, n, col0 + c * BC, j, PB, stride, stage_ptr, lo, hi, pay, True,
-                                    BT, BC, BLOCK_LOADS)
-            tl.store(rowp + j, idx, mask=m)
+            tl.store(rowp + j, _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j,
+                                            col0 + c * BC, twidth, ring, stride, TAB, TI, BLOCK_LOADS), mask=m)
+
+
+@triton.jit
+def _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j, j0, twidth, ring, stride,
+                 TAB: tl.constexpr, TI: tl.constexpr, BLOCK_LOADS: tl.constexpr):
+    """Entries ``j`` (columns ``j0 + [0, BC)``) of index-list rows: window slots (circular groups: in-step
+    rows inside the step's chunk) or causal compressed slots. int32 ``[BT, BC]``."""
+    KIND: tl.constexpr = TAB[TI * _NF + _KIND]
+    CIRCULAR: tl.constexpr = (TAB[TI * _NF + _FLAGS] & 4) != 0  # FLAG_CIRCULAR
+    BC: tl.constexpr = TAB[TI * _NF + _BC]
+    BT: tl.constexpr = TAB[TI * _NF + _BT]
+    A: tl.constexpr = TAB[TI * _NF + _A]
+    PB: tl.constexpr = TAB[TI * _NF + _B]
+    if KIND == WINDOW:
+        idx = window_row(bt, row, first, n, j, A, twidth, ring, stride, stage_ptr, lo, hi, pay, True)
+        if CIRCULAR:
+            idx = circular_split(idx, t, pos, first, n, j, q_start)
+    else:
+        idx = _causal_chunk(bt, row, n, j0, j, PB, stride, stage_ptr, lo, hi, pay, True, BT, BC, BLOCK_LOADS)
+    return idx
 
 
 @triton.jit

@@ -108,20 +108,29 @@ def check_ring(ring: bool, circular_capacity: Optional[int], block_size: int, cp
     """Ring / circular table arguments (DESIGN §4 "Sliding tables as rings")."""
     if circular_capacity is not None:
         check_int("circular_capacity", circular_capacity, lo=1)
-        if circular_capacity != block_size:
-            raise ValueError(f"circular_capacity={circular_capacity} must equal block_size={block_size}")
+        if circular_capacity % block_size:
+            raise ValueError(f"circular_capacity={circular_capacity} must be a multiple of "
+                             f"block_size={block_size} (a ring of capacity // block_size blocks)")
         if cp_world_size != 1:
             raise ValueError("circular_capacity needs cp_world_size == 1")
         if ring:
-            raise ValueError("ring and circular_capacity are exclusive (a circular group is a ring of one column)")
+            raise ValueError("ring and circular_capacity are exclusive (a circular group is a ring of "
+                             "capacity // block_size columns)")
     if not isinstance(ring, bool):
         raise ValueError(f"ring must be a bool, got {ring!r}")
 
 
-def ring_cols(block_table: torch.Tensor, ring: bool, circular_capacity: Optional[int]) -> int:
-    """Columns of the ring (0: a plain table); a circular group is a ring of one column."""
+def ring_cols(block_table: torch.Tensor, ring: bool, circular_capacity: Optional[int],
+              block_size: int) -> int:
+    """Columns of the ring (0: a plain table). A circular group is a ring of ``capacity // block_size``
+    columns (one block of ``capacity`` rows in the pipeline's layouts; vLLM's Triton ring and
+    vllm-ascend also use several blocks); its table needs at least that many columns."""
     if circular_capacity is not None:
-        return 1
+        cols = circular_capacity // block_size
+        if block_table.shape[1] < cols:
+            raise ValueError(f"block_table has {block_table.shape[1]} columns, but a circular group of "
+                             f"capacity {circular_capacity} in blocks of {block_size} needs {cols}")
+        return cols
     return block_table.shape[1] if ring else 0
 
 
@@ -130,16 +139,17 @@ def check_ring_span(name: str, ring_width: int, block_size: int, first: torch.Te
                     circular: bool = False) -> None:
     """A ring holds the (local) positions ``first .. last`` of a request at once only if they span
     at most ``ring_width`` blocks (older blocks are overwritten by newer ones); a circular group
-    (one block of ``block_size`` = capacity rows) holds at most ``capacity`` consecutive positions.
+    (``ring_width`` blocks of ``block_size`` rows, ``capacity`` in all) holds at most ``capacity``
+    consecutive positions.
     Tensors are per entry (``need`` marks the entries to check, ``req`` names their request)."""
     if circular:
-        span, limit, unit = last - first + 1, block_size, "positions"
+        span, limit, unit = last - first + 1, block_size * ring_width, "positions"
     else:
         span, limit, unit = last // block_size - first // block_size + 1, ring_width, f"blocks of {block_size}"
     bad = need & (span > limit)
     if bool(bad.any()):
         t = int(torch.nonzero(bad)[0])
-        what = (f"a circular group of capacity {block_size}" if circular
+        what = (f"a circular group of capacity {block_size * ring_width}" if circular
                 else f"a ring of {ring_width} columns")
         raise ValueError(f"{name} is {what}, but request {int(req[t])} needs positions "
                          f"{int(first[t])}..{int(last[t])} at once ({int(span[t])} {unit})")

@@ -130,6 +130,14 @@ def table_entry(bt_ptr,     # [rows, >= cols] int32
         return tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok, other=0)
 
 
+@triton.jit
+def no_block(slot):
+    """``-1`` for the slots of a negative block id (vLLM's ``-1`` placeholder: no block), the slot
+    otherwise. NOTE: ``slot = bid * S + off`` with ``0 <= off < S`` is negative iff ``bid`` is, so one
+    clamp masks it; the reference is :func:`dsv4_index._common.no_block`."""
+    return tl.maximum(slot, -1)
+
+
 # ----------------------------------------------------------------------------------------------
 # one body per index
 # ----------------------------------------------------------------------------------------------
@@ -149,7 +157,7 @@ def raw_slot(bt_ptr, row, pos, valid, write_floor, block_size, table_width, ring
     ok = valid & (pos >= 0) & (pos >= write_floor) & own & (blk < table_width)
     bid = table_entry(bt_ptr, row, blk, ok, row_stride, ring_cols, stage_ptr, ov_lo, ov_hi, ov_pay,
                       HAS_OVERLAY)
-    return tl.where(ok, bid.to(tl.int64) * block_size + lp % block_size, -1)
+    return no_block(tl.where(ok, bid.to(tl.int64) * block_size + lp % block_size, -1))
 
 
 @triton.jit
@@ -168,7 +176,7 @@ def compressed_slot(bt_ptr, row, pos, valid, write_floor, compress_ratio, rows_p
         & (blk < table_width)
     bid = table_entry(bt_ptr, row, blk, ok, row_stride, 0, stage_ptr, ov_lo, ov_hi, ov_pay,
                       HAS_OVERLAY)
-    return tl.where(ok, bid.to(tl.int64) * rows_per_block + lc % rows_per_block, -1)
+    return no_block(tl.where(ok, bid.to(tl.int64) * rows_per_block + lc % rows_per_block, -1))
 
 
 @triton.jit
@@ -194,7 +202,7 @@ def window_row(bt_ptr, row, first, n, j, block_size, table_width, ring_cols, row
     ok = (j < n[:, None]) & (blk < table_width)
     bid = table_entry(bt_ptr, row[:, None], blk, ok, row_stride, ring_cols, stage_ptr,
                       ov_lo[:, None], ov_hi[:, None], ov_pay[:, None], HAS_OVERLAY)
-    slot = (bid.to(tl.int64) * block_size + lp % block_size).to(tl.int32)
+    slot = no_block(bid.to(tl.int64) * block_size + lp % block_size).to(tl.int32)
     return tl.where(ok, slot, -1)
 
 
@@ -234,7 +242,7 @@ def causal_row(bt_ptr, row, n, j, rows_per_block, row_stride, stage_ptr, ov_lo, 
     ok = j < n[:, None]
     bid = table_entry(bt_ptr, row[:, None], j // rows_per_block, ok, row_stride, 0, stage_ptr,
                       ov_lo[:, None], ov_hi[:, None], ov_pay[:, None], HAS_OVERLAY)
-    slot = (bid.to(tl.int64) * rows_per_block + j % rows_per_block).to(tl.int32)
+    slot = no_block(bid.to(tl.int64) * rows_per_block + j % rows_per_block).to(tl.int32)
     return tl.where(ok, slot, -1)
 
 
@@ -246,7 +254,8 @@ def causal_row_blocks(bt_ptr, row, n, j0, rows_per_block: tl.constexpr, row_stri
     id ``bid`` expands to the ``S`` slots ``bid * S + [0, S)``. int32 ``[BT, BC]``.
 
     NOTE: ``j0 % S == 0`` and ``BC % S == 0`` (callers: ``S`` a power of two dividing the chunk); int32
-    arithmetic wraps exactly like the int64 product truncated to int32 in :func:`causal_row`.
+    arithmetic equals the int64 product truncated to int32 in :func:`causal_row` for every slot of a
+    checked table (slots fit int32) and for negative block ids of magnitude ``< 2**31 / S``.
     """
     NB: tl.constexpr = BC // rows_per_block
     blk = j0 // rows_per_block + tl.arange(0, NB)[None, :]
@@ -259,7 +268,7 @@ def causal_row_blocks(bt_ptr, row, n, j0, rows_per_block: tl.constexpr, row_stri
     else:
         slot = tl.reshape(base[:, :, None] + tl.arange(0, rows_per_block)[None, None, :], [BT, BC])
     j = j0 + tl.arange(0, BC)[None, :]
-    return tl.where(j < n[:, None], slot, -1)
+    return tl.where(j < n[:, None], no_block(slot), -1)
 
 
 @triton.jit
@@ -317,4 +326,5 @@ def topk_slot(bt_ptr, row, pick, ok, n_c, rows_per_block, table_width, row_strid
     blk = lc // rows_per_block
     ok = ok & own & (blk < table_width)
     bid = tl.load(bt_ptr + row.to(tl.int64) * row_stride + blk, mask=ok, other=0)
+    ok = ok & (bid >= 0)  # NOTE: a negative block id is no block (see no_block)
     return tl.where(ok, bid * rows_per_block + lc % rows_per_block, -1), ok

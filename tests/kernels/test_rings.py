@@ -153,7 +153,8 @@ def test_too_small_rings_are_rejected(backend):
         assert got.tolist() == [int(ok[0, 0]) * cap + p % cap for p in range(30, 39)]
     # argument checks
     for kw, name in [(dict(ring=True, circular_capacity=4), "exclusive"), (dict(ring=1), "ring"),
-                     (dict(circular_capacity=8), "circular_capacity"),
+                     (dict(circular_capacity=6), "multiple of block_size"),
+                     (dict(circular_capacity=4 * (ok.shape[1] + 1)), "columns, but a circular group"),
                      (dict(circular_capacity=4, cp_world_size=2), "circular_capacity")]:
         with pytest.raises(ValueError, match=name):
             win(ok, 4, **kw)

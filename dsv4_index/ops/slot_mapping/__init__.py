@@ -40,10 +40,12 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     cp_world_size, cp_rank, cp_interleave : int
         DCP: tokens owned by other ranks get ``-1``; owned ones use their local position.
     circular_capacity : int, optional
-        Circular group (vLLM's ring, DESIGN §4 "circular group"): one block of ``capacity`` rows per
-        request (needs ``block_size == capacity``, no DCP): ``slot = bt[0] * capacity + pos % capacity``
-        for every token — the *address map*; a chunk may be longer than the capacity, two of its tokens
-        then share a slot. With ``validate=True`` (on every device) the write plan of the step must be
+        Circular group (vLLM's ring, DESIGN §4 "circular group"): a ring of ``capacity`` rows per
+        request in ``k = capacity // block_size`` blocks (``block_size`` must divide it; ``k = 1`` in
+        the pipeline's layouts; no DCP): row ``p = pos % capacity`` lives at
+        ``bt[p // block_size] * block_size + p % block_size`` for every token — the *address map*; a
+        chunk may be longer than the capacity, two of its tokens then share a slot. A negative block id
+        is no block (``-1``). With ``validate=True`` (on every device) the write plan of the step must be
         free of collisions between requests (two requests sharing a ring block).
     ring : bool
         The table's columns form a ring: logical block ``i`` is in column ``i % cols`` (DESIGN §4
@@ -90,7 +92,7 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     idx_mapping = check_per_request("idx_mapping", idx_mapping, B, device)
     replay_end = check_per_request("replay_end", replay_end, B, device)
     out = prepare_rows("out", out, query_start_loc, num_tokens, torch.int64)
-    ring_width = ring_cols(block_table, ring, circular_capacity)
+    ring_width = ring_cols(block_table, ring, circular_capacity, block_size)
     if ring_width and block_table.shape[1] == 0:
         raise ValueError("block_table needs at least one column for a ring / circular table")
     if not isinstance(tail, bool):

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..._common import cp_local, cp_owner, token_positions, token_table_rows
+from ..._common import cp_local, cp_owner, no_block, token_positions, token_table_rows
 
 
 def local_positions(query_start_loc, seq_lens, num_rows: int, replay_end: Optional[torch.Tensor],
@@ -39,7 +39,8 @@ def slot_mapping(query_start_loc, seq_lens, block_table, block_size: int, rows: 
                  ring_width: int, replay_end, cp_world_size: int, cp_rank: int, cp_interleave: int,
                  num_rows: int) -> torch.Tensor:
     """int64 ``[num_rows]``: ``bt[rows[req]][col(lp // block_size)] * block_size + lp % block_size``,
-    ``-1`` where no slot; ``col(i) = i % ring_width`` for rings, ``i`` otherwise."""
+    ``-1`` where no slot (a negative block id is no block); ``col(i) = i % ring_width`` for rings, ``i``
+    otherwise."""
     req, _, lp, need = local_positions(query_start_loc, seq_lens, num_rows, replay_end, cp_world_size,
                                        cp_rank, cp_interleave)
     row, need = token_table_rows(rows, req, need, block_table.shape[0])
@@ -52,5 +53,5 @@ def slot_mapping(query_start_loc, seq_lens, block_table, block_size: int, rows: 
     out = torch.full((num_rows,), -1, dtype=torch.long, device=query_start_loc.device)
     if bool(need.any()):
         bid = block_table[row[need], col[need]].long()
-        out[need] = bid * block_size + lp[need] % block_size
+        out[need] = no_block(bid * block_size + lp[need] % block_size)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._common import cp_local, cp_owner, token_positions, token_table_rows
+from ..._common import cp_local, cp_owner, no_block, token_positions, token_table_rows
 
 
 def token_rows(query_start_loc, seq_lens, rows: torch.Tensor, table_rows: int, compress_ratio: int,
@@ -49,7 +49,8 @@ def topk_to_slots_rows(topk: torch.Tensor, token_rows: torch.Tensor, token_nc: t
     slots = torch.full((num_rows, K), -1, dtype=torch.long, device=device)
     if bool(ok.any()):
         rr = torch.where(valid, r, 0)[:, None].expand(ok.shape)
-        slots[ok] = block_table[rr[ok], blk[ok]].long() * rows_per_block + lc[ok] % rows_per_block
+        slots[ok] = no_block(block_table[rr[ok], blk[ok]].long() * rows_per_block + lc[ok] % rows_per_block)
+        ok &= slots >= 0  # NOTE: a pick in a negative block id (no block) is not valid
     if compact:  # valid first, original order kept (stable sort)
         order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
         slots = slots.gather(1, order)

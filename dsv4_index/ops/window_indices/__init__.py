@@ -46,13 +46,14 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
         "Sliding tables as rings"). The ring must hold every position the request's tokens read
         in this step (value check).
     circular_capacity : int, optional
-        Circular group (vLLM's ring, DESIGN §4 "circular group"): one block of ``capacity`` rows per
-        request (``block_size == capacity``, no DCP). Reads split at the request's chunk start ``s``
-        (its first scheduled position): an entry at position ``p < s`` is the ring slot
-        ``bt[0] * capacity + p % capacity`` (``>= 0``); an entry at ``p >= s`` is read from the step's
-        own token row ``r = query_start + (p - s)`` and encoded ``-2 - r`` (``<= -2``; decode with
-        ``-2 - x``); ``-1`` stays padding. Any chunk length is accepted; the ring part of a request's
-        reads (positions ``max(s - W + 1, floor) .. s - 1``) must fit the capacity (value check).
+        Circular group (vLLM's ring, DESIGN §4 "circular group"): a ring of ``capacity`` rows per
+        request in ``capacity // block_size`` blocks (as in :func:`slot_mapping`; no DCP). Reads split
+        at the request's chunk start ``s`` (its first scheduled position): an entry at position
+        ``p < s`` is the ring slot of ``p`` (``>= 0``; ``-1`` in a negative block id: no block); an
+        entry at ``p >= s`` is read from the step's own token row ``r = query_start + (p - s)`` and
+        encoded ``-2 - r`` (``<= -2``; decode with ``-2 - x``); ``-1`` stays padding. Any chunk length
+        is accepted; the ring part of a request's reads (positions ``max(s - W + 1, floor) .. s - 1``)
+        must fit the capacity (value check).
     idx_mapping : int32 ``[B]``, optional
         Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     num_tokens : int, optional
@@ -99,7 +100,7 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
     T_out = out.shape[0]
     out_lens = prepare_out("out_lens", out_lens, shape=(T_out,), min_rows=T_out, dtype=torch.int32,
                            device=device)
-    ring_width = ring_cols(block_table, ring, circular_capacity)
+    ring_width = ring_cols(block_table, ring, circular_capacity, block_size)
     if ring_width and block_table.shape[1] == 0:
         raise ValueError("block_table needs at least one column for a ring / circular table")
     check = needs_value_checks(device, validate)

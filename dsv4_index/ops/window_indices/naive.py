@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._common import cp_owned_count, token_positions, token_table_rows
+from ..._common import cp_owned_count, no_block, token_positions, token_table_rows
 
 
 def window_range(query_start_loc, seq_lens, num_rows: int, window: int, replay_start,
@@ -68,7 +68,7 @@ def window_indices(query_start_loc, seq_lens, block_table, block_size: int, wind
     slots = torch.full(listed.shape, -1, dtype=torch.long, device=first.device)
     if bool(listed.any()):
         bid = block_table[row[:, None].expand(listed.shape)[listed], col[listed]].long()
-        slots[listed] = bid * block_size + lp[listed] % block_size
+        slots[listed] = no_block(bid * block_size + lp[listed] % block_size)
     if circular:
         _, pos, _ = token_positions(query_start_loc, seq_lens, num_rows)
         in_step, tok = in_step_entries(query_start_loc, req, pos, lp, listed)
