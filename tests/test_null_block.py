@@ -14,6 +14,7 @@ blocks of 4), c128_state (W 16, blocks of 8); a request with 48 cached tokens sc
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import numpy as np
@@ -160,3 +161,17 @@ def test_validate_names_the_first_entry_and_counts_the_rest():
                      r"\(request 'a', batch row 0, position 49\): expected -1 or a slot in \[0, inf\) outside "
                      r"block 0, found 3$", msg), msg
     assert isinstance(meta["swa"].indices, torch.Tensor)
+
+
+def test_same_message_on_the_reference_and_the_fused_pipeline():
+    """The check runs on the host before any backend: the fused (Triton, interpreted on CPU) pipeline
+    rejects the step with the same message."""
+    if not (os.environ.get("TRITON_INTERPRET") or torch.cuda.is_available()):
+        pytest.skip("the fused pipeline needs CUDA or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    msgs = []
+    for backend in ("reference", None):
+        p = MetadataPipeline(_layout(), 4, 64, dev, 0, checks="full", backend=backend)
+        assert (p.fused_plan is not None) == (backend is None)
+        msgs.append(_reject(p, _new(_lists(swa_nulls=6)), "null block 0 in sliding group gid 1"))
+    assert msgs[0] == msgs[1]
