@@ -13,6 +13,7 @@ the config has a single non-zero ratio ``R``, it is the c4 kind if ``R <= 4``, e
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple, Union
 
@@ -27,6 +28,16 @@ def _load_config(config) -> dict:
     from .config import normalize_config
 
     return normalize_config(config)
+
+
+def _config_label(config) -> Tuple[str, str]:
+    """(how an error names ``config``, its ``ConfigError.source``): the name or path as given (quoted),
+    ``dict``, or the object's type."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        return repr(path), str(path)
+    what = "dict" if isinstance(config, Mapping) else f"{type(config).__name__} object"
+    return what, what
 
 
 def _rows_per_block(channel: str, block_size: int, ratio: int) -> int:
@@ -133,8 +144,37 @@ class DSV4Layout:
         Returns
         -------
         DSV4Layout
+
+        Raises
+        ------
+        ValueError
+            :class:`~dsv4_index.config.ConfigError` naming the config: an unreadable or malformed
+            config names its source (and line) itself; every other error (an argument such as
+            ``groups[2].layers``, a config field, the layout's own checks) reads
+            ``"from_config(<config>): ..."`` with ``<config>`` the name, path, ``dict`` or object type
+            given, and has ``source`` set to it.
         """
         cfg = _load_config(config)
+        try:
+            return cls._from_normalized(
+                cfg, max_model_len, mla_block_size=mla_block_size, swa_block_size=swa_block_size,
+                c4_state_block_size=c4_state_block_size, c128_state_block_size=c128_state_block_size,
+                indexer_causal_indices=indexer_causal_indices, kernel_block_size=kernel_block_size,
+                cp_world_size=cp_world_size, cp_interleave=cp_interleave, sliding_tables=sliding_tables,
+                circular=circular, compact_compressed=compact_compressed, groups=groups)
+        except ValueError as e:
+            from .config import ConfigError
+
+            label, source = _config_label(config)
+            field = "groups" if str(e).startswith("groups") else getattr(e, "field", None)
+            raise ConfigError(f"from_config({label}): {e}", source, field=field) from e
+
+    @classmethod
+    def _from_normalized(cls, cfg: dict, max_model_len: int, *, mla_block_size, swa_block_size, c4_state_block_size,
+                         c128_state_block_size, indexer_causal_indices, kernel_block_size, cp_world_size,
+                         cp_interleave, sliding_tables, circular, compact_compressed, groups) -> "DSV4Layout":
+        """:meth:`from_config` on a normalised config dict (its errors name the argument or field; the
+        caller adds the config)."""
         max_model_len = check_int("max_model_len", max_model_len, lo=1)
         if sliding_tables not in ("ring", "full"):
             raise ValueError(f"sliding_tables must be 'ring' or 'full', got {sliding_tables!r}")

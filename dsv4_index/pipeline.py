@@ -51,8 +51,9 @@ class MetadataPipeline:
         groups the layout marks ``sharded``.
     fused : bool — one fused Triton launch per build when the Triton backend is in use; False
         launches each channel's functional ops (same results).
-    checks : {"safe", "full"} — host check level of ``update()`` (``state/plan.py``); ``validate=True``
-        implies ``"full"``.
+    checks : {"safe", "full"} — host check level of ``update()`` (``state/plan.py``; ``"full"`` adds the
+        contract checks of ``state/contract.py``: no duplicate ids in a full group's row, no null block
+        where a step reads or writes); ``validate=True`` implies ``"full"``.
     validate : bool — debug: full checks, and :func:`dsv4_index.validate.check_metadata` after every
         ``build()`` (host copies; never in serving).
     max_staged_blocks : int, optional — block ids one step may stage (default: every table entry,

@@ -187,10 +187,13 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
             if null_block is not None:
                 bad |= listed & (torch.div(found, unit * g.blocks_per_kv_block, rounding_mode="floor") == null_block)
             t = _first(bad)
-            if t is not None:
-                s.fail(name, f"{field} outside the cache or in the null block", t if per_token else None,
-                       expected=f"-1 or a slot in [0, {cap}) outside block {null_block}",
-                       found=found[t].tolist())
+            if t is not None:  # NOTE: the first offending entry and a count of the others (no row dump)
+                k = int(torch.nonzero(bad[t])[0]) if found.dim() > 1 else None
+                more = int(bad.sum()) - 1
+                s.fail(name, f"{field}{'' if k is None else f'[{t}, {k}]'} outside the cache or in the null "
+                       f"block {null_block}" + (f" ({more} more entries)" if more else ""), t if per_token else None,
+                       expected=f"-1 or a slot in [0, {'inf' if cap is None else cap}) outside block {null_block}",
+                       found=int(found[t] if k is None else found[t, k]))
             if field in ("slot_mapping", "compressed_slot_mapping", "tail_slot_mapping") and not (
                     circular and field == "slot_mapping"):
                 x = found[valid & listed]

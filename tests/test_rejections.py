@@ -357,6 +357,25 @@ K("full_check_null_block_in_full_group", lambda c: _on(_pick(c.step, lambda r: b
     _edit(c, r, 0, lambda ids: ids[:-1] + [0]), None, esc("the null block 0 in full group gid 0"))), checks="full")
 
 
+def _null_in_window(c, g, running):
+    """A sliding block the step reads or writes is the null block: a running request's first appended
+    block (at or past its window start), or a new request's last block (it holds the last token)."""
+    r = _pick(c.step, lambda r: (_appending(r) if running else not isinstance(r, RunningRequest))
+              and bool(_lists(r)[g]) and _lists(r)[g][0 if running else -1] != 0)
+    if r is None:
+        return None
+    k = 0 if running else len(_lists(r)[g]) - 1
+    field = (f"running_requests[{r.req_id!r}].new_block_ids" if running else f"new_requests[{r.req_id!r}].block_ids")
+    return (_edit(c, r, g, lambda ids: ids[:k] + [0] + ids[k + 1:]), None,
+            rf"^the null block 0 in sliding group gid {g} \({c.pipe.layout.groups[g].name}\) of slot \d+ \(batch row "
+            rf"\d+\): block \d+ \(positions \d+\.\.\d+(, rank-local)?\), from write_ids\[\d+\]; the step reads .*"
+            + esc(f"= {field}[{g}][{k}]"))
+
+
+K("full_check_null_block_in_window_of_running_request", lambda c: _null_in_window(c, 1, True), checks="full")
+K("full_check_null_block_in_window_of_new_request", lambda c: _null_in_window(c, 3, False), checks="full")
+
+
 # -- StepBatch ---------------------------------------------------------------------------------------
 def _set(b, **arrays):
     return rep(b, **{k: np.asarray(v) for k, v in arrays.items()})

@@ -9,8 +9,10 @@ Check levels (DESIGN §5):
   the run, inside the logical width, ids ``>= 0`` and small enough that every slot fits int32;
   every scheduled token's blocks present (coverage) in every group; ring tables holding the blocks a
   step reads; circular groups holding a step's tokens; replay bounds.
-* ``"full"`` (``validate=True`` or ``checks="full"``): also no id twice in a row of a full group (nor
-  an id already in the row), no null block (id 0) in a full group.
+* ``"full"`` (``validate=True`` or ``checks="full"``): the contract checks of :mod:`.contract` — no
+  id twice in a row of a full group (nor an id already in the row); no null block (id 0) where the
+  step reads or writes: anywhere in a full or circular group, and in a sliding group from the window
+  start of the row's first token on (blocks wholly behind the window may be null, as vLLM frees them).
 
 Nothing here mutates its inputs; :meth:`MetadataPipeline.update` commits the plan afterwards.
 """
@@ -24,6 +26,7 @@ import numpy as np
 
 from .._common import INT32_MAX
 from ..batch import APPEND, StepBatch
+from .contract import full_checks
 from .tables import BlockTables
 
 __all__ = ["StepPlan", "plan_step", "CHECK_LEVELS"]
@@ -305,15 +308,17 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
         if staged > max_writes:
             raise ValueError(f"write_ids: the step stages {staged} block ids, more than "
                              f"max_staged_blocks = {max_writes}")
-    if level == "full":
-        _full_checks(tables, w_gid, w_slot, w_start, w_cu, w_ids)
-    return StepPlan(
+    plan = StepPlan(
         rows=np.arange(n_rows) if order is None else order, slots=b_slots, num_scheduled=b_q,
         seq_lens=seq, replay_start=rs, replay_end=re, num_decodes=nd,
         num_decode_tokens=int(b_q[:nd].sum()) if nd else 0, num_tokens=T, num_tokens_padded=int(T_pad),
         free_slots=free, new_slots=new_slots, all_slots=slots, all_computed=nc,
         w_gid=w_gid, w_slot=w_slot, w_start=w_start, w_end=w_end, w_keep=w_keep, w_cu=w_cu, w_ids=w_ids,
         w_row=w_row)
+    if level == "full":
+        raw_cu = np.asarray(batch.write_cu, dtype=np.int64) if w_gid.size else w_cu
+        full_checks(tables, plan, cp, raw_cu)
+    return plan
 
 
 def _runs(batch: StepBatch, num_slots: int, G: int, occ: np.ndarray, new_slots: np.ndarray, tables: BlockTables):
@@ -386,20 +391,3 @@ def _runs(batch: StepBatch, num_slots: int, G: int, occ: np.ndarray, new_slots: 
     _, cu_k, ids_k = tables.expand(gid, start_k // tables.f[gid], cu, ids)
     return gid, slot, start_k, end_k, cu_k, ids_k
 
-
-def _full_checks(tables: BlockTables, gid, slot, start, cu, ids) -> None:
-    """Contract checks of ``checks="full"`` (full and circular groups: no null id, no id twice in a row)."""
-    for r in np.flatnonzero((tables.full | tables.circular)[gid]).tolist():
-        g = int(gid[r])
-        run = ids[cu[r]:cu[r + 1]]
-        if not run.size:
-            continue
-        if (run == 0).any():
-            raise ValueError(f"write run {r}: the null block 0 in {tables.groups[g].kind} group gid {g} "
-                             f"(slot {int(slot[r])})")
-        old = tables.mirrors[g][int(slot[r]), :int(start[r])]
-        both = np.concatenate([old, run])
-        if np.unique(both).size != both.size:
-            u, c = np.unique(both, return_counts=True)
-            raise ValueError(f"write run {r}: block id {int(u[c > 1][0])} twice in gid {g} of slot "
-                             f"{int(slot[r])}")

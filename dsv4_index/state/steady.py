@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..batch import StepBatch
-from .plan import StepPlan, _full_checks
+from .plan import StepPlan
 
 __all__ = ["SteadyGeometry", "SteadyCache", "plan_steady"]
 
@@ -260,7 +260,7 @@ def plan_steady(batch, c: SteadyCache, tables, pad_to, max_num_tokens: int, max_
         if _count(np.greater(u, c.bound, out=s.over)):  # NOTE: coverage and every ring bound at once
             return None
     if level == "full" and gid.size and not _full_ok(tables, gid, slot, have, ids):
-        _full_checks(tables, gid, slot, have, cu, ids)  # NOTE: raises the general path's message
+        return None  # NOTE: the general path raises its message (state/contract.py)
     s.seq, s.seq_max = seq, seq_max
     plan = _new_plan()
     plan.__dict__.update(c.plan_fields)  # NOTE: the fields a steady batch repeats (a dict update, not 25 kwargs)
@@ -277,15 +277,16 @@ def _new_plan() -> StepPlan:
 
 
 def _full_ok(tables, gid, slot, have, ids) -> bool:
-    """``checks="full"`` for one-id appends, vectorised per full group: no null id, no id already in
-    the row. False: let :func:`~.plan._full_checks` find the culprit (it raises)."""
+    """``checks="full"`` for one-id appends: no null id in any group (a steady append lands at or past
+    the window start of its row: ``nc <= blocks * bs``), and, vectorised per full group, no id already
+    in the row. False: the general path finds the culprit (:mod:`.contract`, it raises)."""
+    if not ids.all():  # NOTE: plain blocks on this path (f == 1): the null block is id 0
+        return False
     full = tables.full.take(gid)
     if not _count(full):
         return True
     sel = full.nonzero()[0]
-    g_sel, run_ids = gid.take(sel), ids.take(sel)
-    if not run_ids.all():
-        return False
+    g_sel = gid.take(sel)
     for g in np.unique(g_sel).tolist():
         m = sel if g_sel.shape[0] == 1 or (g_sel == g).all() else sel[g_sel == g]
         rows = tables.mirrors[g][slot.take(m)]                       # int32 [k, cols]
