@@ -535,7 +535,7 @@ def outputs(meta) -> dict:
         for f in dataclasses.fields(ch):
             out[f"{name}.{f.name}"] = _freeze(getattr(ch, f.name), False)
     g = torch.Generator().manual_seed(meta.num_tokens * 31 + meta.num_reqs)
-    picks = torch.randint(-2, 24, (meta.num_tokens_padded, 4), generator=g, dtype=torch.int32).to(DEVICE)
+    picks = torch.randint(-2, 24, (meta.num_tokens_padded, 4), generator=g, dtype=torch.int32).to(meta.seq_lens.device)
     out["topk_to_slots(c4a)"] = _freeze(meta.topk_to_slots("c4a", picks), False)
     return out
 

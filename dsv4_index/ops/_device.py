@@ -121,7 +121,10 @@ def table_entry(bt_ptr,     # [rows, >= cols] int32
             # NOTE: a ring column holds the newest block written to it, and a staged run keeps at most
             # ring_cols ids (one per column): match by column, so every block of a circular group (one
             # column, any position) and a wrapped ring read what the table holds after this step
-            k = (col - ov_lo % ring_cols + ring_cols) % ring_cols
+            lo_col = ov_lo % ring_cols  # NOTE: per row; Triton's % truncates, so fold into [0, ring_cols)
+            lo_col = tl.where(lo_col < 0, lo_col + ring_cols, lo_col)
+            k = col - lo_col            # in (-ring_cols, ring_cols): one add instead of a second modulo
+            k = tl.where(k < 0, k + ring_cols, k)
         staged = ok & (k >= 0) & (k < ov_hi - ov_lo)
         v = tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok & (staged == 0), other=0)
         w = tl.load(stage_ptr + ov_pay + k, mask=staged, other=0)
