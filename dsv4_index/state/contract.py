@@ -5,8 +5,8 @@ passed every ``"safe"`` check of :mod:`.plan`:
   placeholder; kernel ids ``0 .. f - 1`` under hybrid blocks) may stand only for blocks nobody reads:
   in a sliding group, blocks wholly before the window of the row's first token
   (``max(num_computed - W + 1, replay_start)``, as vLLM frees them behind the window); never in a
-  full group (every block is read by the compressed / causal lists) nor in a circular one (its one
-  block is read and written every step). Checked on the ids a step writes and, for the rows of the
+  full group (every block is read by the compressed / causal lists) nor in a circular one (its ring
+  blocks are read and written every step). Checked on the ids a step writes and, for the rows of the
   step, on the sliding blocks they already hold from the window start on (a row's stale held ids are
   in the host mirror);
 * **no id twice in a row** of a full or circular group (nor an id the row already holds).
@@ -129,8 +129,8 @@ def _message(tables, g, slot, b, logical, raw, lo_pos, seq, sharded, more) -> st
     name = grp.name if grp.role in (None, grp.name) else f"{grp.name}, role {grp.role}"
     where = f"slot {slot}" + (f" (batch row {b})" if b >= 0 else "")
     if grp.kind == "circular":
-        what = "its ring block"
-        why = "a circular group's one block is read and written every step"
+        what = f"ring block {logical} of {grp.ring_blocks}"
+        why = "every block of a circular group's ring is read and written"
     else:
         col, size = logical // f, grp.alloc_block_size
         what = (f"block {col} (positions {col * size}..{(col + 1) * size - 1}"
