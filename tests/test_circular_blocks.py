@@ -246,3 +246,30 @@ def test_pipeline_multi_block_rings_tiny(device):
 def test_pipeline_multi_block_rings_flash(device):
     lay = DSV4Layout.from_config("flash", max_model_len=1024, circular={"c128_state": (256, 8), "swa": (256, 64)})
     _trace(lay, device, 16, 400, 5, 256, (150, 500))
+
+
+def test_trace_round_trip(tmp_path):
+    # a recorded trace keeps the ring's capacity and block size; the replay rebuilds the same layout
+    from dsv4_index.testing.scheduler import scripted_trace
+    from dsv4_index.tools.trace import layout_from_json, layout_to_json, read_trace, record_steps, replay_trace
+    from dsv4_index.tools.trace_schema import rebuild_layout
+
+    lay = DSV4Layout.from_config("tiny", max_model_len=256, mla_block_size=16, circular={"c128_state": (32, 4)})
+    one = DSV4Layout.from_config("tiny", max_model_len=256, mla_block_size=16, circular={"c128_state": 32})
+    assert "capacity" not in layout_to_json(one)["groups"][3]                 # one-block layouts: JSON as before
+    assert layout_from_json(layout_to_json(lay)) == lay and rebuild_layout(lay, "tiny") == lay
+    for k, layout in enumerate((lay, one)):  # NOTE: one-block rings were refused by the reader before
+        pipe = MetadataPipeline(layout, 4, 64, "cpu", 1, backend="reference")
+        sched = ReferenceScheduler(layout, 300, max_num_batched_tokens=64, max_num_seqs=4, num_speculative_tokens=1)
+        script = [{"add": [dict(req_id="a", prompt_len=60, max_new_tokens=4)]},
+                  {"add": [dict(req_id="b", prompt_len=50, max_new_tokens=3)]}, {"accept": {"a": 1}}, {}, {}]
+        path = tmp_path / f"ring{k}.jsonl"
+        with record_steps(pipe, path):
+            for step, _ in scripted_trace(sched, script):
+                pipe.update(step)
+                pipe.build()
+        header, steps = read_trace(path)
+        assert header["layout"]["groups"][3].get("capacity") == (32 if k == 0 else None)
+        assert len(steps) == len(script)
+        res = replay_trace(path, device="cpu")
+        assert res.ok, res.report()
