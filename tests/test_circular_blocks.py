@@ -120,6 +120,21 @@ def test_host_checks_k_ids(device):
     # a running request sends no more ring ids
     pipe.update(StepInput([], [RunningRequest("a", tuple([] for _ in lay.groups), 39)], {"a": 1}))
     assert pipe.build()["c128_state"].slot_mapping[0].item() == _slot(list(range(1000, 1008)), 39, 32, 4)
+    # a ring block another live request holds: both would write it (checks="full"), the state unchanged
+    c4 = lay.group("c4_state").gid
+    run = RunningRequest("a", tuple([9999] if g.gid == c4 else [] for g in lay.groups), 40)
+    other = [2000 + j for j in range(7)] + [1003]
+    with pytest.raises(ValueError, match=r"block id 1003 is in the rings of slots 0 and 1 of circular group gid 3"):
+        pipe.update(StepInput([NewRequest("b", lists(other), 0)], [run], {"a": 1, "b": 39}))
+    pipe3 = MetadataPipeline(lay, 2, 96, device, 0, backend="reference", validate=True)
+    with pytest.raises(ValueError, match=r"block id 3000 is in the rings of slots 0 and 1 of circular group gid 3"):
+        pipe3.update(StepInput([NewRequest("x", lists([3000 + j for j in range(8)]), 0),
+                                NewRequest("z", lists([3100 + j for j in range(7)] + [3000]), 0)], [],
+                               {"x": 39, "z": 39}))
+    pipe.update(StepInput([NewRequest("b", lists([2000 + j for j in range(8)]), 0)], [run], {"a": 1, "b": 39}))
+    m = pipe.build()
+    assert m["c128_state"].slot_mapping[0].item() == _slot(list(range(1000, 1008)), 40, 32, 4)
+    assert m["c128_state"].slot_mapping[1:40].tolist() == [_slot(list(range(2000, 2008)), p, 32, 4) for p in range(39)]
 
 
 # ----------------------------------------------------------------------------------------------
