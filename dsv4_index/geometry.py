@@ -92,7 +92,7 @@ class DSV4Layout:
                     c128_state_block_size: int = 8, indexer_causal_indices: bool = False,
                     kernel_block_size: Union[None, int, Mapping[str, int]] = None,
                     cp_world_size: int = 1, cp_interleave: int = 1, sliding_tables: str = "ring",
-                    circular: Optional[Mapping[str, int]] = None,
+                    circular: Optional[Mapping[str, Union[int, Tuple[int, int]]]] = None,
                     compact_compressed: bool = False, groups=None) -> "DSV4Layout":
         """Derive the layout of DESIGN §3 from a model config.
 
@@ -121,10 +121,17 @@ class DSV4Layout:
             groups are replicated (``GroupSpec.sharded = False``).
         sliding_tables : {"ring", "full"}
             Sliding groups store a ring of their newest blocks (default) or full-width rows.
-        circular : dict[str, int], optional
-            Group name -> capacity: make those sliding groups circular (one block of ``capacity``
-            rows per request; ``capacity >= window``; the scheduler gives such a group one block id
-            per request), with vLLM's ring semantics (DESIGN §4 "circular group"): any chunk length;
+        circular : dict[str, int or (int, int)], optional
+            Group name -> ``capacity`` or ``(capacity, block_size)``: make those sliding groups
+            circular, a ring of ``capacity`` rows per request (``capacity >= window``). An int is one
+            block of ``capacity`` rows (vLLM's ``CircularBufferSpec``; the scheduler gives the group
+            one block id per request); ``(capacity, block_size)`` is a ring of ``k = capacity //
+            block_size`` blocks (vLLM's Triton ring, vllm-ascend; e.g. ``(256, 8)``: 32 blocks of 8),
+            ``capacity`` a multiple of ``block_size``, the group's table ``k`` columns and the
+            scheduler giving ``k`` block ids per request at admission; row ``p = pos % capacity``
+            lives at ``bt[p // block_size] * block_size + p % block_size``. The fused launch takes
+            one-block rings only (``MetadataPipeline(fused=True)`` rejects ``k > 1``). vLLM's ring
+            semantics (DESIGN §4 "circular group"): any chunk length;
             ``slot_mapping`` is the address map, ``tail_slot_mapping`` the write plan, window lists
             split at the chunk start. With speculative decoding use ``capacity >= window - 1 +
             num_speculative_tokens`` (vLLM: ``128 * cdiv(128 + k, 128)``) so that a verify step's
@@ -179,11 +186,25 @@ class DSV4Layout:
         if sliding_tables not in ("ring", "full"):
             raise ValueError(f"sliding_tables must be 'ring' or 'full', got {sliding_tables!r}")
         circular = dict(circular or {})
+        ring_bs = {}  # NOTE: group -> block size of a ring of several blocks
         for g, capacity in circular.items():
             if g in ("mla",) or not isinstance(g, str):
                 raise ValueError(f"circular names {g!r}; only sliding groups (swa, c4_state, c128_state) "
                                  f"can be circular")
-            check_int(f"circular[{g!r}]", capacity, lo=1)
+            if isinstance(capacity, (tuple, list)):
+                if len(capacity) != 2:
+                    raise ValueError(f"circular[{g!r}] must be a capacity or (capacity, block_size), "
+                                     f"got {capacity!r}")
+                cap = check_int(f"circular[{g!r}][0] (capacity)", capacity[0], lo=1)
+                bs = check_int(f"circular[{g!r}][1] (block_size)", capacity[1], lo=1)
+                if cap % bs:
+                    raise ValueError(f"circular[{g!r}] = {tuple(capacity)!r}: capacity {cap} is not a "
+                                     f"multiple of block_size {bs}")
+                circular[g] = cap
+                if bs != cap:
+                    ring_bs[g] = bs
+            else:
+                check_int(f"circular[{g!r}]", capacity, lo=1)
         cp_world_size = check_int("cp_world_size", cp_world_size, lo=1)
         cp_interleave = check_int("cp_interleave", cp_interleave, lo=1)
         alloc = {"mla": check_int("mla_block_size", mla_block_size, lo=1),
@@ -252,15 +273,17 @@ class DSV4Layout:
                 mla_gid = gid
             sharded = role in ("mla", "swa")
             cap = circular.get(name, circular.get(role))
+            cap_key = name if name in circular else role
             kind = "full" if role == "mla" else ("circular" if cap is not None else "sliding")
             a = p.block_size or alloc[role]
             kb = kbs.get(name, kbs.get(role))
             if kind == "circular" and cap is not None:  # NOTE: kind is circular exactly when cap is set
                 if kb is not None:
                     raise ValueError(f"kernel_block_size: circular group {name!r} has no kernel blocks")
-                a = cap
+                a = ring_bs.get(cap_key, cap)
                 if cap < gwin[role]:
-                    raise ValueError(f"circular[{name!r}] = {cap} is below the group's window {gwin[role]}")
+                    raise ValueError(f"circular[{cap_key!r}]: capacity {cap} is below the window "
+                                     f"{gwin[role]} of group {name!r}")
             bs = kb or a
             if a % bs:
                 raise ValueError(f"kernel_block_size[{name!r}] = {bs} does not divide the group's block size {a}")
@@ -279,7 +302,8 @@ class DSV4Layout:
                         width = max(width, cdiv(rows_per_rank(r), s))
             specs.append(GroupSpec(gid, name, kind, bs, gwin[role], role == "mla", width, f,
                                    ring=kind == "sliding" and sliding_tables == "ring",
-                                   sharded=sharded, role=role, layers=p.layers))
+                                   sharded=sharded, role=role, layers=p.layers,
+                                   capacity=cap if kind == "circular" and cap != bs else None))
         groups = specs
 
         def add(name, gid, ratio, win, index_width, outputs, builder=None):

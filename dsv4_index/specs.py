@@ -40,8 +40,9 @@ class GroupSpec:
         ``"mla"``, ``"swa"``, ``"c4_state"``, ``"c128_state"`` (or a user name).
     kind : str
         ``"full"`` (every block kept), ``"sliding"`` (only the last ``window`` tokens are read) or
-        ``"circular"`` (one block of ``block_size`` = capacity rows per request, written as a ring:
-        ``slot(pos) = bt[0] * capacity + pos % capacity``; vLLM's ``CircularBufferSpec``).
+        ``"circular"`` (a ring of ``capacity`` rows per request in ``k = capacity // block_size``
+        blocks: row ``p = pos % capacity`` lives at ``bt[p // block_size] * block_size + p %
+        block_size``; ``k = 1``: ``bt[0] * capacity + pos % capacity``; vLLM's ``CircularBufferSpec``).
     block_size : int
         Tokens per block *as stored in the table*: the kernel block size. With
         ``blocks_per_kv_block = f > 1`` (hybrid) the scheduler allocates blocks of
@@ -69,6 +70,9 @@ class GroupSpec:
         sub-groups).
     layers : tuple of int or None
         The layers whose ``role`` cache lives in this group; None: every layer that has one.
+    capacity : int or None
+        Circular groups: rows of the ring per request, a multiple of ``block_size`` and at least the
+        window (None: ``block_size``, a ring of one block). Only for circular groups.
     """
 
     gid: int
@@ -83,6 +87,7 @@ class GroupSpec:
     sharded: bool = True
     role: Optional[str] = None
     layers: Optional[Tuple[int, ...]] = None
+    capacity: Optional[int] = None
 
     def __post_init__(self):
         if self.layers is not None:  # NOTE: JSON round trips hand lists
@@ -91,9 +96,6 @@ class GroupSpec:
             raise ValueError(f"kind must be one of {GROUP_KINDS}, got {self.kind!r}")
         if self.ring and self.kind != "sliding":
             raise ValueError(f"ring tables are for sliding groups (group {self.name!r} is {self.kind})")
-        if self.kind == "circular" and self.window is not None and self.block_size < self.window:
-            raise ValueError(f"circular group {self.name!r}: capacity (block_size) {self.block_size} "
-                             f"is below its window {self.window}")
         if (self.window is None) != (self.kind == "full"):
             raise ValueError(f"window must be None exactly for full groups (group {self.name!r}, "
                              f"kind {self.kind!r}, window {self.window!r})")
@@ -101,6 +103,25 @@ class GroupSpec:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} of group {self.name!r} must be an int >= 1, got {v!r}")
+        if self.capacity is not None:
+            if self.kind != "circular":
+                raise ValueError(f"capacity is for circular groups (group {self.name!r} is {self.kind})")
+            if not is_int(self.capacity) or self.capacity < 1 or self.capacity % self.block_size:
+                raise ValueError(f"capacity of circular group {self.name!r} must be a positive multiple of "
+                                 f"its block_size {self.block_size}, got {self.capacity!r}")
+        if self.kind == "circular" and self.window is not None and self.ring_capacity < self.window:
+            raise ValueError(f"circular group {self.name!r}: capacity {self.ring_capacity} "
+                             f"is below its window {self.window}")
+
+    @property
+    def ring_capacity(self) -> int:
+        """Circular groups: rows of the ring per request (``capacity``, default ``block_size``)."""
+        return self.capacity if self.capacity is not None else self.block_size
+
+    @property
+    def ring_blocks(self) -> int:
+        """Circular groups: blocks of the ring per request, ``capacity // block_size`` (1 otherwise)."""
+        return self.ring_capacity // self.block_size if self.kind == "circular" else 1
 
     @property
     def kernel_block_size(self) -> int:
@@ -119,10 +140,11 @@ class GroupSpec:
         ``f = blocks_per_kv_block``: the blocks one step can read or write, plus one for a window
         that starts inside a block, plus ``f - 1`` because the scheduler hands out whole allocation
         blocks (a row may hold up to ``f - 1`` kernel blocks past the step's last token), unless that
-        is not smaller than the full width; a circular group keeps one column (a ring of width 1).
+        is not smaller than the full width; a circular group keeps its ``capacity // block_size``
+        blocks (a ring of that width).
         """
         if self.kind == "circular":
-            return 1, 1
+            return self.ring_blocks, self.ring_blocks
         if self.ring and self.window is not None:  # NOTE: ring groups are sliding, so windowed
             ring = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + self.blocks_per_kv_block
             if ring < self.table_width:

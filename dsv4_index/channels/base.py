@@ -33,8 +33,9 @@ class ChannelMetadata:
     Attributes
     ----------
     slot_mapping : int64 [T] — raw slot written by each token (``-1``: padded / unowned / replayed). For
-        a circular group it is the address map ``bt[0] * capacity + pos % capacity`` of every token (two
-        tokens of a chunk longer than the capacity share a slot).
+        a circular group it is the address map of every token: ring row ``p = pos % capacity`` at
+        ``bt[p // block_size] * block_size + p % block_size`` (``bt[0] * capacity + p`` for a ring of one
+        block; two tokens of a chunk longer than the capacity share a slot).
     tail_slot_mapping : int64 [T] — circular groups only: the write plan, the same slot for the last
         ``capacity`` tokens of each request's chunk (``pos >= seq_len - capacity``), ``-1`` before them
         and for padded tokens; distinct slots. Write the ring with this one, after the step's reads.

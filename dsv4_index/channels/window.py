@@ -37,9 +37,17 @@ class WindowChannel(ChannelBuilder):
         # NOTE: unfused path: per-request write floor of the tail plan (persistent: build allocates nothing)
         self._tail_floor = torch.zeros((T + 1,), dtype=torch.int32, device=ctx.device) if self.circular else None
         self._ring = dict(ring=not self.circular and ctx.ring_cols[self.spec.gid] > 0,
-                          circular_capacity=self.group.block_size if self.circular else None)
+                          circular_capacity=self.group.ring_capacity if self.circular else None)
 
     def fused_tasks(self, ctx: BuildContext):
+        if self.group.ring_blocks > 1:
+            # NOTE: the fused kernel's write plan starts at seq_len - block_size (one-block rings); a ring
+            # of k blocks needs seq_len - capacity there (a kernel change), so it is refused, not wrong
+            g = self.group
+            raise ValueError(f"fused=True: circular group {g.name!r} is a ring of {g.ring_blocks} blocks "
+                             f"(capacity {g.ring_capacity}, block_size {g.block_size}); the fused launch "
+                             f"takes one-block rings only: use fused=False, or circular={{{g.name!r}: "
+                             f"{g.ring_capacity}}} (one block of {g.ring_capacity} rows)")
         return [FusedTask("window", (self.indices, self.lens, self.slots, self.tail), gid=self.spec.gid,
                           a=self.kernel_block_size, b=self.spec.window, width=self.indices.shape[1],
                           write_floor=self.group.prefix_cacheable, window_floor=True, circular=self.circular)]
@@ -52,7 +60,7 @@ class WindowChannel(ChannelBuilder):
                      blocks_per_kv_block=self.group.blocks_per_kv_block, replay_end=replay_end,
                      out=self.slots[:Tp], **ring, **kw)
         if self.circular:
-            floor = tail_floor(ctx.seq_lens[:B], self.group.block_size, replay_end, out=self._tail_floor[:B])
+            floor = tail_floor(ctx.seq_lens[:B], self.group.ring_capacity, replay_end, out=self._tail_floor[:B])
             slot_mapping(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
                          replay_end=floor, out=self.tail[:Tp], **ring, **kw)
         window_indices(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,

@@ -5,11 +5,13 @@ passed every ``"safe"`` check of :mod:`.plan`:
   placeholder; kernel ids ``0 .. f - 1`` under hybrid blocks) may stand only for blocks nobody reads:
   in a sliding group, blocks wholly before the window of the row's first token
   (``max(num_computed - W + 1, replay_start)``, as vLLM frees them behind the window); never in a
-  full group (every block is read by the compressed / causal lists) nor in a circular one (its one
-  block is read and written every step). Checked on the ids a step writes and, for the rows of the
+  full group (every block is read by the compressed / causal lists) nor in a circular one (its ring
+  blocks are read and written every step). Checked on the ids a step writes and, for the rows of the
   step, on the sliding blocks they already hold from the window start on (a row's stale held ids are
   in the host mirror);
-* **no id twice in a row** of a full or circular group (nor an id the row already holds).
+* **no id twice in a row** of a full or circular group (nor an id the row already holds);
+* **no ring block of a circular group in two live rows** (both requests would write it), checked on
+  the steps that write a circular group.
 
 Errors are one line naming the slot (and batch row), the group (gid, name, role), the block column
 and its positions, and where the id came from (``write_ids[j]``: the id-keyed front end names the
@@ -40,6 +42,7 @@ def full_checks(tables, plan, cp, write_cu: np.ndarray) -> None:
     """
     _null_blocks(tables, plan, cp, write_cu)
     _duplicates(tables, plan)
+    _shared_rings(tables, plan)
 
 
 def _ragged(n: np.ndarray):
@@ -129,8 +132,8 @@ def _message(tables, g, slot, b, logical, raw, lo_pos, seq, sharded, more) -> st
     name = grp.name if grp.role in (None, grp.name) else f"{grp.name}, role {grp.role}"
     where = f"slot {slot}" + (f" (batch row {b})" if b >= 0 else "")
     if grp.kind == "circular":
-        what = "its ring block"
-        why = "a circular group's one block is read and written every step"
+        what = f"ring block {logical} of {grp.ring_blocks}"
+        why = "every block of a circular group's ring is read and written"
     else:
         col, size = logical // f, grp.alloc_block_size
         what = (f"block {col} (positions {col * size}..{(col + 1) * size - 1}"
@@ -157,3 +160,38 @@ def _duplicates(tables, plan) -> None:
             u, c = np.unique(both, return_counts=True)
             raise ValueError(f"write run {r}: block id {int(u[c > 1][0])} twice in gid {g} of slot "
                              f"{int(slot[r])}")
+
+
+def _shared_rings(tables, plan) -> None:
+    """No block id in the rings of two live rows of a circular group (after this step's runs)."""
+    if not plan.w_gid.size:
+        return
+    for g in np.flatnonzero(tables.circular).tolist():
+        runs = np.flatnonzero(plan.w_gid == g)
+        if not runs.size:
+            continue
+        nb = tables.num_blocks[g].copy()  # NOTE: what each slot holds before the step
+        nb[plan.free_slots] = 0
+        nb[plan.new_slots] = 0
+        nb[plan.w_slot[runs]] = np.minimum(nb[plan.w_slot[runs]], plan.w_start[runs])  # NOTE: kept before the run
+        rows = np.flatnonzero(nb > 0)
+        held = tables.mirrors[g][rows]
+        keep = tables.iota_cols[None, :held.shape[1]] < nb[rows, None]
+        owner = [np.broadcast_to(rows[:, None], held.shape)[keep]]
+        ids = [held[keep].astype(np.int64)]
+        for r in runs.tolist():
+            run = plan.w_ids[plan.w_cu[r]:plan.w_cu[r + 1]]
+            owner.append(np.full(run.shape[0], plan.w_slot[r], dtype=np.int64))
+            ids.append(run.astype(np.int64))
+        owner, ids = np.concatenate(owner), np.concatenate(ids)
+        live = ids > 0  # NOTE: null / negative ids are the null-block check's
+        owner, ids = owner[live], ids[live]
+        order = np.lexsort((owner, ids))
+        owner, ids = owner[order], ids[order]
+        clash = np.flatnonzero((ids[1:] == ids[:-1]) & (owner[1:] != owner[:-1]))
+        if clash.size:
+            j = int(clash[0])
+            grp = tables.groups[g]
+            raise ValueError(f"block id {int(ids[j])} is in the rings of slots {int(owner[j])} and "
+                             f"{int(owner[j + 1])} of circular group gid {g} ({grp.name}): two requests "
+                             f"would write the same ring rows")

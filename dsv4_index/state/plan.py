@@ -8,7 +8,8 @@ Check levels (DESIGN §5):
   tokens, staged ids); write runs: group and slot in range, one per (group, slot), no hole before
   the run, inside the logical width, ids ``>= 0`` and small enough that every slot fits int32;
   every scheduled token's blocks present (coverage) in every group; ring tables holding the blocks a
-  step reads; circular groups holding a step's tokens; replay bounds.
+  step reads; circular groups holding a step's tokens (all ``capacity // block_size`` blocks of the
+  ring); replay bounds.
 * ``"full"`` (``validate=True`` or ``checks="full"``): the contract checks of :mod:`.contract` — no
   id twice in a row of a full group (nor an id already in the row); no null block (id 0) where the
   step reads or writes: anywhere in a full or circular group, and in a sliding group from the window
@@ -252,18 +253,18 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables: BlockTables, cp
                 if sharded[g]:
                     need[g] = np.maximum(need[g], -(-_owned(seq // ratio, cp) // S))
             if tables.circular.any():
-                need[tables.circular] = seq > 0
+                need[tables.circular] = (seq > 0) * tables.logical[tables.circular, None]
             short = nb < need
         else:
             # NOTE: nb < cdiv(seq, bs) <=> nb * bs < seq (no division over G x B; `need` only for the message)
             need = None
             short = nb * bs < seq[None, :]
             if tables.circular.any():
-                short[tables.circular] = nb[tables.circular] < (seq > 0)
+                short[tables.circular] = nb[tables.circular] < (seq > 0) * tables.logical[tables.circular, None]
         if short.any():
             if need is None:
                 need = (seq[None, :] + bs - 1) // bs
-                need[tables.circular] = seq > 0
+                need[tables.circular] = (seq > 0) * tables.logical[tables.circular, None]
             g, i = (int(x) for x in np.argwhere(short)[0])
             raise ValueError(f"block ids missing for gid {g} ({tables.groups[g].name}) of slot "
                              f"{int(b_slots[i])}: {int(seq[i])} tokens need {int(need[g, i])} blocks, "
@@ -373,7 +374,8 @@ def _runs(batch: StepBatch, num_slots: int, G: int, occ: np.ndarray, new_slots: 
         i = _first(over)
         g = tables.groups[int(gid[i])]
         raise ValueError(f"write run {i}: slot {int(slot[i])} would hold {int(end_k[i])} blocks in gid "
-                         f"{g.gid} ({g.name}), the table holds {int(tables.logical[gid[i]])} (max_model_len)")
+                         f"{g.gid} ({g.name}), the table holds {int(tables.logical[gid[i]])} "
+                         f"({'the circular ring' if g.kind == 'circular' else 'max_model_len'})")
     if ids.size:
         fmax = tables.fmax
         if int(ids.view(np.uint64).max()) * fmax + fmax - 1 > tables.id_max_min:

@@ -7,7 +7,8 @@ block, ids) and are staged as ``(flat destination, value)`` pairs that the fused
 (:mod:`dsv4_index.state.staging`); the host mirror is updated at the same time.
 
 Column of logical (kernel) block ``i`` of group ``g``: ``i`` for plain tables, ``i % ring_cols`` for
-ring tables (sliding groups, DESIGN §4), ``0`` for circular groups (one block per request).
+ring tables (sliding groups, DESIGN §4) and circular groups (``capacity // block_size`` blocks per
+request, a ring of that width: one column for a ring of one block).
 
 The tables own their writes: :meth:`BlockTables.commit` applies a checked step's block counts,
 :meth:`BlockTables.stage_writes` fills the write regions and the overlay of the staging buffer and
@@ -75,7 +76,7 @@ class BlockTables:
         # `logical` bounds the runs the host accepts (max_model_len, per rank when sharded)
         self.width = np.asarray([INT32_MAX if r else g.table_width for g, r in zip(groups, ring)],
                                 dtype=np.int64)
-        self.logical = np.asarray([1 if g.kind == "circular" else g.table_width for g in groups],
+        self.logical = np.asarray([g.ring_blocks if g.kind == "circular" else g.table_width for g in groups],
                                   dtype=np.int64)
         self.f = np.asarray([g.blocks_per_kv_block for g in groups], dtype=np.int64)
         self.fmax = int(self.f.max()) if G else 1
@@ -107,8 +108,8 @@ class BlockTables:
             self.mirrors.append(self.mirror[lo:lo + n].reshape(num_slots, int(self.cols[g])))
         self.num_blocks = np.zeros((G, num_slots), dtype=np.int64)
         self._num_blocks_flat = self.num_blocks.ravel()  # NOTE: a view (C order), keyed gid * num_slots + slot
-        # NOTE: per (gid, slot) key: flat offset of the row, and the column modulus (ring width; 1 for
-        # circular groups: column 0; huge for plain tables: the logical block)
+        # NOTE: per (gid, slot) key: flat offset of the row, and the column modulus (ring width, also of
+        # circular groups: capacity // block_size; huge for plain tables: the logical block)
         self._ring_list, self._base_list = self.ring.tolist(), self.base.tolist()
         self._cols_list = self.cols.tolist()
         self._iota = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int32)
@@ -116,8 +117,7 @@ class BlockTables:
         self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
         self._trips = {}  # NOTE: layout -> preset overlay records (the steady path's one scatter)
         self._row_base = (self.base[:, None] + np.arange(num_slots)[None, :] * self.cols[:, None]).ravel()
-        self._col_mod = np.repeat(np.where(self.circular, 1, np.where(self.ring > 0, self.ring,
-                                                                      np.iinfo(np.int64).max)), num_slots)
+        self._col_mod = np.repeat(np.where(self.ring > 0, self.ring, np.iinfo(np.int64).max), num_slots)
 
     # ------------------------------------------------------------------------------------------
     def commit(self, plan) -> None:

@@ -14,10 +14,11 @@ What it supports
   the stale ids (``new_block_ids`` are append-only; nothing reads those entries). Entries never
   needed (below ``replay_start``) are appended as 0. Steps always carry logical block order, so a
   pipeline storing sliding tables as rings (DESIGN §4) needs nothing else from the scheduler.
-* Circular groups (``kind == "circular"``, vLLM's ``CircularBufferSpec``: one block of
-  ``capacity = block_size`` rows per request, written as a ring): one block per request, allocated
-  at admission (a new or resumed request lists ``[b]`` for the group, a running one ``[]``), freed
-  at finish or preemption, never trimmed. Chunks are not capped by the capacity (vLLM's ring,
+* Circular groups (``kind == "circular"``, vLLM's ``CircularBufferSpec``: a ring of ``capacity``
+  rows per request in ``k = capacity // block_size`` blocks, ``k = 1`` unless ``GroupSpec.capacity``
+  says otherwise): ``k`` blocks per request, allocated at admission (a new or resumed request lists
+  ``[b_0, .., b_{k-1}]`` for the group, a running one ``[]``), freed at finish or preemption, never
+  trimmed. Chunks are not capped by the capacity (vLLM's ring,
   DESIGN §4 "circular group": reads inside the chunk come from the step itself, only the chunk's
   last ``capacity`` tokens are written).
 * Hybrid blocks (``blocks_per_kv_block = f``): the pool hands out allocation blocks ``b``; steps
@@ -57,8 +58,8 @@ What it supports
   prefix owner, and a recomputed row need not be bit-identical, so it must not overwrite them).
 
 ``add_request`` refuses a request that could not run alone in the pool (a conservative bound:
-full blocks for the whole length, sliding blocks for ``W - 1`` + the largest chunk, one block per
-circular group), so the oldest running request can always progress.
+full blocks for the whole length, sliding blocks for ``W - 1`` + the largest chunk, the ring's
+blocks per circular group), so the oldest running request can always progress.
 
 Not modelled: DCP (tables cover global positions), priorities, aborts, caching of generated tokens,
 encoder inputs.
@@ -101,8 +102,8 @@ class ScheduledView:
     """One scheduled request of a step, in the scheduler's own view (what the pipeline must build).
 
     ``positions`` = ``range(num_computed_tokens, num_computed_tokens + num_scheduled_tokens)``;
-    ``block_ids[gid]``: the table row (kernel-block ids, 0 where released; one id for a circular
-    group); ``replay_start``: window floor (0 when none); ``is_decode``: scheduled as a decode
+    ``block_ids[gid]``: the table row (kernel-block ids, 0 where released; the ring's ``k`` ids for
+    a circular group); ``replay_start``: window floor (0 when none); ``is_decode``: scheduled as a decode
     (``1 + spec`` tokens); ``replay_end``: the step's ``replay_end`` of the request (the prefix-hit
     length when the step schedules positions below it, else 0): positions below it write nothing
     into the prefix-cacheable group."""
@@ -147,6 +148,12 @@ class _Req:
         return self.num_output > 0 and self.num_tokens - self.num_computed == 1
 
 
+def _ring_blocks(g) -> int:
+    """Blocks of a circular group's ring per request (``GroupSpec.ring_blocks``; 1 for a group
+    record without it)."""
+    return int(getattr(g, "ring_blocks", 1)) if g.kind == "circular" else 1
+
+
 def _int(name, v, minimum):
     return check_int(name, v, lo=minimum)
 
@@ -182,9 +189,10 @@ class ReferenceScheduler:
         for g in groups:
             if g.kind not in ("full", "sliding", "circular") or (g.kind == "full") != (g.window is None):
                 raise ValueError(f"groups: group {g.name!r} has kind {g.kind!r}, window {g.window!r}")
-            if g.kind == "circular" and (getattr(g, "blocks_per_kv_block", 1) != 1 or g.block_size < g.window):
+            cap = _ring_blocks(g) * g.block_size
+            if g.kind == "circular" and (getattr(g, "blocks_per_kv_block", 1) != 1 or cap < g.window):
                 raise ValueError(f"groups: circular group {g.name!r} needs blocks_per_kv_block 1 and a "
-                                 f"capacity (block_size {g.block_size}) >= its window {g.window}")
+                                 f"capacity ({cap}) >= its window {g.window}")
         self.groups = groups
         self.num_blocks = _int("num_blocks", num_blocks, 2)
         self.max_num_batched_tokens = _int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -266,7 +274,7 @@ class ReferenceScheduler:
         top = min(length + k, self.max_model_len)
         prefill = min(length, self.long_prefill_threshold or length)
         chunk = min(self.max_num_batched_tokens, max(prefill, 1 + k))
-        return sum(cdiv(top, a) if g.kind == "full" else 1 if g.kind == "circular"
+        return sum(cdiv(top, a) if g.kind == "full" else _ring_blocks(g) if g.kind == "circular"
                    else cdiv(g.window - 1 + chunk, a) + 1
                    for g, a in zip(self.groups, self._abs))
 
@@ -345,8 +353,8 @@ class ReferenceScheduler:
         """Entries to append per gid for scheduling ``[c, c + n)``: True = allocate, False = null."""
         c, plan = r.num_computed, []
         for g, a, ids in zip(self.groups, self._abs, r.blocks):
-            if g.kind == "circular":  # NOTE: one block for the request's whole life
-                plan.append([] if ids else [True])
+            if g.kind == "circular":  # NOTE: the ring's k blocks for the request's whole life
+                plan.append([] if ids else [True] * _ring_blocks(g))
                 continue
             lo = 0 if g.kind == "full" else max(0, r.replay_start, c - g.window + 1) // a
             plan.append([j >= lo for j in range(len(ids), cdiv(c + n, a))])

@@ -13,7 +13,8 @@ Valid rows of each field (``B = num_reqs``, ``T = num_tokens``, ``D = num_decode
 * block tables: for batch row ``b`` of group ``g`` the logical blocks the step can read, as
   ``[count, id_0, id_1, ...]`` (``-1`` after ``count``): ``[0, n)`` for full groups, ``[lo, n)`` for
   sliding groups (``lo``: the block of the row's first window position this step, the same bound the
-  ring tables keep), the newest block for circular groups; ``n`` = blocks the row holds.
+  ring tables keep), the ring's ``capacity // block_size`` blocks for circular groups; ``n`` = blocks the
+  row holds.
 
 Entry of one field: ``{"n": rows, "w": values per row, "h": 64-bit hex digest, "v" or "r"}`` with
 ``"v"`` the values themselves (base64 of zlib'd int64 little-endian, when ``n * w <= values_limit``)
@@ -98,7 +99,7 @@ def _table_rows(meta, pipe, g: int) -> np.ndarray:
     if grp.kind == "full":
         lo = np.zeros(B, dtype=np.int64)
     elif grp.kind == "circular":
-        lo = np.maximum(n - 1, 0)
+        lo = np.maximum(n - grp.ring_blocks, 0)
     else:
         q = np.diff(np.asarray(meta.host_query_start_loc, dtype=np.int64))
         start = np.maximum(np.asarray(meta.host_seq_lens, dtype=np.int64) - q - grp.window + 1, 0)

@@ -94,7 +94,7 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
         seq = int(nc[b] + q[b])
         for g in layout.groups:
             bs = g.alloc_block_size
-            n = 1 if g.kind == "circular" else cdiv(seq, bs)
+            n = g.ring_blocks if g.kind == "circular" else cdiv(seq, bs)
             first = 0 if g.kind != "sliding" else max(int(nc[b]) - g.window + 1, 0) // bs
             fresh = np.arange(next_id, next_id + n - first, dtype=np.int64)
             next_id += n - first + int(rng.integers(0, 3))   # NOTE: gaps: ids are not consecutive rows
@@ -120,7 +120,7 @@ def _occupancy(meta, g, qsl, seq, max_rows: int):
     bs = g.block_size
     last = np.where(seq > 0, (seq - 1) // bs, -1)
     if g.kind == "circular":
-        cat = np.where(seq > 0, WRITTEN, EMPTY)[:, None].astype(np.int8)
+        cat = np.repeat(np.where(seq > 0, WRITTEN, EMPTY)[:, None], bt.shape[1], axis=1).astype(np.int8)
         return cat, None, bt
     cols = bt.shape[1]
     c = np.arange(cols)[None, :]
@@ -256,8 +256,8 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
                 ax.set_ylabel("decode rows" if k == 0 else "prefill\nrows", fontsize=FS_LABEL)
             if k == 0:
                 ring = int(meta.ring_cols[g.gid])
-                kind_s = (f"ring of {ring} columns, \u25bc newest block" if ring else
-                          "circular: one block per request" if g.kind == "circular" else
+                kind_s = (f"circular: {g.ring_blocks} block(s) per request" if g.kind == "circular" else
+                          f"ring of {ring} columns, \u25bc newest block" if ring else
                           f"{g.kind}: columns {ncol} of {cat.shape[1]} shown")
                 win = f", window {g.window}" if g.window else ""
                 ax.set_title(f"gid {g.gid} {g.name}: block {g.block_size} tokens{win}\n{kind_s}", fontsize=FS_LABEL)

@@ -146,7 +146,9 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
                   cp_rank=p["cp_rank"], cp_interleave=p["cp_interleave"], max_staged_blocks=p["max_staged_blocks"])
     args = (layout, p["max_num_reqs"], p["max_num_batched_tokens"])
     try:
-        checked = MetadataPipeline(*args, device, validate=True, backend=backend, **common)
+        # NOTE: the fused launch refuses circular rings of several blocks (channels/window.py)
+        fused = all(g.ring_blocks == 1 for g in layout.groups)
+        checked = MetadataPipeline(*args, device, validate=True, backend=backend, fused=fused, **common)
         ref = MetadataPipeline(*args, "cpu", checks="full", backend="reference", **common)
     except (ValueError, TypeError, OverflowError) as e:
         raise TraceError(path, 1, "pipeline", f"the recorded pipeline cannot be built: {e}") from None

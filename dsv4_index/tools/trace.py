@@ -66,7 +66,9 @@ MAX_LINE_BYTES = 1 << 28
 def layout_to_json(layout: DSV4Layout) -> dict:
     """Plain-JSON form of a layout (every group and channel field); inverse of :func:`layout_from_json`."""
     d = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
-    d["groups"] = [dataclasses.asdict(g) for g in layout.groups]
+    # NOTE: `capacity` only for circular rings of several blocks: other layouts keep their JSON
+    d["groups"] = [{k: v for k, v in dataclasses.asdict(g).items() if k != "capacity" or v is not None}
+                   for g in layout.groups]
     d["channels"] = [dict(dataclasses.asdict(c), outputs=sorted(c.outputs)) for c in layout.channels.values()]
     d["compress_ratios"] = list(layout.compress_ratios)
     return d

@@ -24,7 +24,8 @@ LIMITS = dict(max_num_reqs=1 << 16, max_num_batched_tokens=1 << 20, max_model_le
 _STEP_FIELDS = ("req_slots", "num_computed_tokens", "num_scheduled_tokens", "is_new", "free_slots", "write_gids",
                 "write_slots", "write_starts", "write_cu", "write_ids", "replay_start", "replay_end")
 _OUTPUT_FIELDS = frozenset().union(*CHANNEL_OUTPUTS.values(), {"compact_slot_mapping", "compact_cu", "indices",
-                                                               "lens_clamped", "decode_lens_clamped"})
+                                                               "lens_clamped", "decode_lens_clamped",
+                                                               "tail_slot_mapping"})
 _HEX16 = re.compile(r"[0-9a-f]{16}\Z")
 _B64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
 
@@ -120,7 +121,7 @@ def _tuples(v):
 
 
 _G_REQ = ("gid", "name", "kind", "block_size", "window", "prefix_cacheable", "table_width")
-_G_OPT = ("blocks_per_kv_block", "ring", "sharded", "role", "layers")
+_G_OPT = ("blocks_per_kv_block", "ring", "sharded", "role", "layers", "capacity")
 _C_REQ = ("name", "gid", "compress_ratio", "rows_per_block")
 _C_OPT = ("window", "index_width", "outputs", "compact", "builder")
 _L_REQ = ("groups", "channels", "max_model_len", "sliding_window", "index_topk", "compress_ratios", "num_layers")
@@ -144,6 +145,8 @@ def _group(at: _At, d, f: str, i: int) -> GroupSpec:
         kw["blocks_per_kv_block"] = at.int(d["blocks_per_kv_block"], f + ".blocks_per_kv_block", 1, 1 << 10)
     if "role" in d:
         kw["role"] = at.str(d["role"], f + ".role", ROLES, none=True)
+    if d.get("capacity") is not None:  # NOTE: a circular ring of several blocks
+        kw["capacity"] = at.int(d["capacity"], f + ".capacity", 1, LIMITS["max_model_len"])
     if d.get("layers") is not None:
         layers = at.list(d["layers"], f + ".layers")
         if len(layers) > LIMITS["layers"]:
@@ -221,7 +224,8 @@ def _layout(at: _At, d) -> DSV4Layout:
 def rebuild_layout(recorded: DSV4Layout, config) -> DSV4Layout:
     """``config`` with the recorded geometry arguments (block sizes, rings, circular groups, DCP)."""
     g = {x.name: x for x in recorded.groups}
-    circ = {n: x.block_size for n, x in g.items() if x.kind == "circular"}
+    circ = {n: x.block_size if x.capacity is None else (x.capacity, x.block_size)
+            for n, x in g.items() if x.kind == "circular"}
     sizes = {f"{n}_block_size": x.alloc_block_size for n, x in g.items() if n not in circ}
     if not set(g) <= set(GROUP_ORDER):  # NOTE: an engine's own groups (e.g. groups="vllm"): list them
         sizes = dict(groups=[dict(role=x.role, layers=None if x.layers is None else list(x.layers), name=x.name,
