@@ -250,6 +250,7 @@ def _trace(lay, device, steps, budget, seed, expect_long, prompt_len):
     return replays
 
 
+@pytest.mark.slow  # pipeline trace in the interpreter (./dev quick skips it)
 def test_pipeline_multi_block_rings_tiny(device):
     # c128_state: 32 rows in 8 blocks of 4 (window 16); swa: 24 rows in 6 blocks of 4 (window 8)
     lay = DSV4Layout.from_config("tiny", max_model_len=512, mla_block_size=32,
@@ -258,6 +259,7 @@ def test_pipeline_multi_block_rings_tiny(device):
     assert _trace(lay, device, 24, 96, 3, 32, (30, 300)) > 0       # bounded replay after prefix hits too
 
 
+@pytest.mark.slow  # pipeline trace in the interpreter (./dev quick skips it)
 def test_pipeline_multi_block_rings_flash(device):
     lay = DSV4Layout.from_config("flash", max_model_len=1024, circular={"c128_state": (256, 8), "swa": (256, 64)})
     _trace(lay, device, 16, 400, 5, 256, (150, 500))

@@ -298,6 +298,7 @@ def _pipeline_steps(layout, steps):
         yield StepInput(new, run, sched)
 
 
+@pytest.mark.slow  # pipeline trace in the interpreter (./dev quick skips it)
 def test_vllm_steps_through_the_pipeline(device):
     lay = DSV4Layout.from_config("flash", max_model_len=2048, circular={"c128_state": vllm_capacity(5)})
     gid = lay.group("c128_state").gid
