@@ -130,9 +130,8 @@ def _arms(t_pad: int):
     per causal column everywhere) against per-block causal reads (``blocks``) and, for small-variant
     steps, two other small tiles; only arms that change the variant the step runs on.
 
-    NOTE: run h200_2026-12-01_kernel3 also timed a per-chunk overlay skip in the whole-row variant (a
-    union of the program's staged ranges, the overlay loads skipped for chunks outside it): 0.2-2.4 us
-    slower on every large-variant case, so it is gone from the kernel."""
+    NOTE: a per-chunk overlay skip in the whole-row variant was timed and removed (BENCHMARKS.md "How the
+    kernel is cut")."""
     from dsv4_index.fused.plan import LARGE, LARGE_FROM, SMALL, SMALL_FROM, TINY
     off = lambda c: replace(c, block_loads=False)  # noqa: E731
     bl = lambda c: replace(c, block_loads=True)  # noqa: E731

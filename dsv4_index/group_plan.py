@@ -7,7 +7,7 @@ Roles (the cache a group holds): ``"mla"`` (full: C4A / C128A main caches and th
 (compressor state of C128A).
 
 vLLM's plan (its KV-cache planner, ``get_kv_cache_groups`` / ``DeepseekV4KVCachePlanner``, as described in
-``reviews/engine_integration.md`` §1; vLLM main around PR #58074): every MLA-spec layer in one full group;
+DESIGN §3 "An engine's own groups"; vLLM main around PR #58074): every MLA-spec layer in one full group;
 sliding-like layers grouped by ``(block_size, window)``; per kind the count of layer tuples (full: the
 larger of the C4 and C128 layer counts, SWA: every layer, states: their layers); ``d`` = the ``d >=
 counts[0]`` with the least round-up padding ``sum(cdiv(n, d) * d - n)`` (searched up to the largest
