@@ -1,4 +1,4 @@
-"""Per-step benchmark of the metadata pipeline on a GPU (DESIGN §8, issue 12).
+"""Per-step benchmark of the metadata pipeline on a GPU (docs/DESIGN.md §8, issue 12).
 
 For each case (``workload.CASES``) and layout (V4-Flash, V4-Pro), with the pipeline sized like a
 server (1024 requests, 8192 tokens) and exactly to the case:

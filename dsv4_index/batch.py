@@ -64,7 +64,7 @@ class StepBatch:
     write_ids : int [write_cu[-1]], optional
         Allocation block ids (expanded to kernel-block ids by the tables for hybrid blocks).
     replay_start, replay_end : int [B], optional
-        Bounded replay (DESIGN §4): window lists of a row start at ``replay_start`` at the earliest;
+        Bounded replay (docs/DESIGN.md §4): window lists of a row start at ``replay_start`` at the earliest;
         tokens at ``pos < replay_end`` write nothing into prefix-cacheable groups.
     """
 

@@ -1,4 +1,4 @@
-"""The per-step metadata pipeline (DESIGN §5): scheduler output in, per-channel device metadata out.
+"""The per-step metadata pipeline (docs/DESIGN.md §5): scheduler output in, per-channel device metadata out.
 
 ::
 
@@ -47,7 +47,7 @@ class MetadataPipeline:
     device : str or torch.device.
     num_speculative_tokens : int — a request is a decode when it schedules at most ``1 + this`` tokens
         (one threshold for every channel).
-    cp_world_size, cp_rank, cp_interleave : decode context parallelism (DESIGN §4), applied to the
+    cp_world_size, cp_rank, cp_interleave : decode context parallelism (docs/DESIGN.md §4), applied to the
         groups the layout marks ``sharded``.
     fused : bool — one fused Triton launch per build when the Triton backend is in use; False
         launches each channel's functional ops (same results). A circular group of several blocks

@@ -165,7 +165,7 @@ class StepInput:
             Expected number of per-gid block lists (``len(layout.groups)``). When None, every request
             must simply carry the same number of lists.
 
-        NOTE: duplicate block ids are a ``checks="full"`` contract check of the pipeline (DESIGN §5),
+        NOTE: duplicate block ids are a ``checks="full"`` contract check of the pipeline (docs/DESIGN.md §5),
         not a rule of the step.
         """
         from .step_rules import check_step
