@@ -1,4 +1,4 @@
-"""The array-form step (:class:`StepBatch`) and the front ends that build it.
+"""The array-form step (:class:`StepBatch`); the front ends that build it are in :mod:`dsv4_index.frontend`.
 
 A serving engine keeps each request in a persistent *slot* (a row of every block table, like vLLM's
 model runner v2 ``RequestState``) from arrival to finish; a step is then a handful of arrays::

@@ -9,7 +9,7 @@
         meta = pipe.build()                # device: one fused launch, no host sync
         out = model(hidden, meta)          # meta["swa"].indices, meta["c128a"].lens, meta.topk_to_slots(...)
 
-The composer only wires its owners: request-slot state and block tables (:mod:`.state.tables`),
+The composer only wires its owners: request-slot state (:mod:`.state.requests`), block tables (:mod:`.state.tables`),
 the checks (:mod:`.state.plan`), the staging buffer (:mod:`.state.staging`), the builders
 (:mod:`.channels`) and the fused plan (:mod:`.fused.plan`).
 """

@@ -1,6 +1,6 @@
 """Scheduler contract: what a serving engine's scheduler hands the metadata pipeline each step.
 
-The shapes mirror a vLLM-like scheduler output (INTERFACES.md "Scheduler contract"):
+The shapes mirror a vLLM-like scheduler output (docs/DESIGN.md §5, the README's "Steps" section):
 
 * a request's *computed* tokens are those whose KV is already in the cache before this step
   (``num_computed_tokens``); the step schedules positions
