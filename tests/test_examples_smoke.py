@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from _scripts import help_of, run_script, scripts
+from _scripts import run_script, scripts
 
 # NOTE: the tiny-shape command of each script; a new script without an entry fails test_every_script_has_a_smoke
 SMOKES = {
@@ -19,18 +19,13 @@ SMOKES = {
 SCRIPTS = scripts("examples")
 
 
-@pytest.fixture(scope="module")
-def helps():
-    return help_of(SCRIPTS)
-
-
 def test_every_script_has_a_smoke():
     assert sorted(SMOKES) == SCRIPTS
 
 
 @pytest.mark.parametrize("path", SCRIPTS)
-def test_help(helps, path):
-    code, out = helps[path]
+def test_help(script_helps, path):
+    code, out = script_helps[path]
     assert code == 0, (code, out)
     assert out.startswith("usage: "), out
 
