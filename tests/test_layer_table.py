@@ -3,7 +3,8 @@
 * every module the table (or its "Beside the layers" paragraph) names exists, and every module of
   ``dsv4_index`` is named (a package's ``__init__.py`` and ``__main__.py`` need not be);
 * a module imports (at module level) only modules of its own line or of the lines above it, as the table
-  says. Lazy imports inside a function are the paragraph's business, not checked here.
+  says; an import inside a function (or under ``if TYPE_CHECKING:``) that points up the table is one the
+  paragraph's "Lazy imports" sentence names, and every import that sentence names exists.
 
 When a module moves or is added, this test names it; update the table in the same change.
 """
@@ -137,3 +138,66 @@ def test_imports_point_down_the_table():
             if j is not None and j > i:
                 bad.append(f"{m} (line {i + 1}) imports {imp} (line {j + 1})")
     assert not bad, "module-level imports that point up the table:\n" + "\n".join(sorted(set(bad)))
+
+
+def _type_checking(node) -> bool:
+    t = node.test if isinstance(node, ast.If) else None
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (isinstance(t, ast.Attribute)
+                                                                       and t.attr == "TYPE_CHECKING")
+
+
+def _lazy_imports(path: Path) -> List[str]:
+    """Package modules imported inside a function (or a method) of ``path``, or under ``if TYPE_CHECKING:``."""
+    tree_ = ast.parse(path.read_text(encoding="utf-8"))
+    rel = path.relative_to(PKG)
+    pkg_parts = list(rel.parent.parts)
+    out = []
+    for fn in ast.walk(tree_):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _type_checking(fn):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    mod = ".".join(pkg_parts[:len(pkg_parts) - node.level + 1] + ([node.module] if node.module else []))
+                elif node.module and node.module.startswith("dsv4_index"):
+                    mod = node.module[len("dsv4_index"):].lstrip(".")
+                else:
+                    continue
+                out += [mod] + [f"{mod}.{a.name}" if mod else a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                out += [a.name[len("dsv4_index."):] for a in node.names if a.name.startswith("dsv4_index.")]
+    return out
+
+
+def documented_lazy() -> set:
+    """(module, target) pairs of the paragraph's "Lazy imports ... that point upward" sentence."""
+    sec = _section()
+    para = sec[sec.index("Lazy imports"):]
+    para = para[:para.find("\n\n")]
+    pairs, src = set(), None
+    for m in re.finditer(r"`([\w/.]+)\.py` (?=→)|→ `([\w.]+)`", para):
+        if m.group(1):
+            src = _module_of(m.group(1) + ".py")
+        else:
+            pairs.add((src, m.group(2)))
+    return pairs
+
+
+def test_lazy_imports_up_the_table_are_the_documented_ones():
+    rank: Dict[str, int] = {}
+    for i, mods in enumerate(table()):
+        for m in mods:
+            rank[_module_of(m)] = i
+    up, every = set(), set()
+    for m, i in rank.items():
+        path = PKG / (m.replace(".", "/") + ".py")
+        if not path.exists():
+            continue
+        for imp in _lazy_imports(path):
+            every.add((m, imp))
+            if rank.get(imp, -1) > i:
+                up.add((m, imp))
+    doc = documented_lazy()
+    assert len(doc) >= 3, f"the 'Lazy imports' sentence is not read: {doc}"
+    assert not up - doc, f"lazy imports up the table that the sentence does not name: {sorted(up - doc)}"
+    assert not doc - every, f"named lazy imports that no longer exist: {sorted(doc - every)}"
