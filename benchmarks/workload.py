@@ -1,5 +1,5 @@
 """Benchmark workloads: steps built directly as arrays (no scheduler), with random contexts and block
-ids from a large pool, for the cases of DESIGN §8 / issue 12. Shared by ``bench_step.py`` and
+ids from a large pool, for the cases of docs/DESIGN.md §8 / issue 12. Shared by ``bench_step.py`` and
 ``host_profile.py``.
 
 Every case admits its batch in a first step, then produces steady-state steps; each step is

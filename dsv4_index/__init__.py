@@ -1,6 +1,6 @@
 """dsv4-index: DeepSeek-V4 attention metadata built on the GPU.
 
-Functional layer (DESIGN §6): ``token_to_req``, ``slot_mapping``, ``compressed_slot_mapping``,
+Functional layer (docs/DESIGN.md §6): ``token_to_req``, ``slot_mapping``, ``compressed_slot_mapping``,
 ``window_indices``, ``causal_compressed_indices``, ``topk_to_slots``, ``indexer_lengths``; each runs
 its Triton kernel on CUDA tensors (or under ``TRITON_INTERPRET=1``) and its pure-PyTorch reference
 (:mod:`dsv4_index.reference`) otherwise.

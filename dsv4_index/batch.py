@@ -1,4 +1,4 @@
-"""The array-form step (:class:`StepBatch`) and the front ends that build it.
+"""The array-form step (:class:`StepBatch`); the front ends that build it are in :mod:`dsv4_index.frontend`.
 
 A serving engine keeps each request in a persistent *slot* (a row of every block table, like vLLM's
 model runner v2 ``RequestState``) from arrival to finish; a step is then a handful of arrays::
@@ -64,7 +64,7 @@ class StepBatch:
     write_ids : int [write_cu[-1]], optional
         Allocation block ids (expanded to kernel-block ids by the tables for hybrid blocks).
     replay_start, replay_end : int [B], optional
-        Bounded replay (DESIGN §4): window lists of a row start at ``replay_start`` at the earliest;
+        Bounded replay (docs/DESIGN.md §4): window lists of a row start at ``replay_start`` at the earliest;
         tokens at ``pos < replay_end`` write nothing into prefix-cacheable groups.
     """
 

@@ -1,4 +1,4 @@
-"""Which kv-cache groups a layout has and which layers each one serves (DESIGN §3 "An engine's own
+"""Which kv-cache groups a layout has and which layers each one serves (docs/DESIGN.md §3 "An engine's own
 groups"): the default plan (one group per role), vLLM's plan (``groups="vllm"``), or an engine's explicit
 group list. :meth:`dsv4_index.geometry.DSV4Layout.from_config` turns a plan into ``GroupSpec`` s.
 
@@ -7,7 +7,7 @@ Roles (the cache a group holds): ``"mla"`` (full: C4A / C128A main caches and th
 (compressor state of C128A).
 
 vLLM's plan (its KV-cache planner, ``get_kv_cache_groups`` / ``DeepseekV4KVCachePlanner``, as described in
-``reviews/engine_integration.md`` §1; vLLM main around PR #58074): every MLA-spec layer in one full group;
+docs/DESIGN.md §3 "An engine's own groups"; vLLM main around PR #58074): every MLA-spec layer in one full group;
 sliding-like layers grouped by ``(block_size, window)``; per kind the count of layer tuples (full: the
 larger of the C4 and C128 layer counts, SWA: every layer, states: their layers); ``d`` = the ``d >=
 counts[0]`` with the least round-up padding ``sum(cdiv(n, d) * d - n)`` (searched up to the largest
@@ -136,7 +136,7 @@ def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
 
 
 def plan_groups(groups, ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> List[PlannedGroup]:
-    """The plan of ``from_config(groups=...)``: None (one group per present role, DESIGN §3 order),
+    """The plan of ``from_config(groups=...)``: None (one group per present role, docs/DESIGN.md §3 order),
     ``"vllm"``, or an explicit list of dicts, one per engine group in the engine's gid order: ``role``
     (or ``layer_names``: vLLM's layer names ``model.layers.<i>.<...>`` ending in ``swa_cache`` (swa),
     ``state_cache`` (the layer's compressor state) or anything else (mla)), optional ``layers`` (indices;

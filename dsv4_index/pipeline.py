@@ -1,4 +1,4 @@
-"""The per-step metadata pipeline (DESIGN §5): scheduler output in, per-channel device metadata out.
+"""The per-step metadata pipeline (docs/DESIGN.md §5): scheduler output in, per-channel device metadata out.
 
 ::
 
@@ -9,7 +9,7 @@
         meta = pipe.build()                # device: one fused launch, no host sync
         out = model(hidden, meta)          # meta["swa"].indices, meta["c128a"].lens, meta.topk_to_slots(...)
 
-The composer only wires its owners: request-slot state and block tables (:mod:`.state.tables`),
+The composer only wires its owners: request-slot state (:mod:`.state.requests`), block tables (:mod:`.state.tables`),
 the checks (:mod:`.state.plan`), the staging buffer (:mod:`.state.staging`), the builders
 (:mod:`.channels`) and the fused plan (:mod:`.fused.plan`).
 """
@@ -47,7 +47,7 @@ class MetadataPipeline:
     device : str or torch.device.
     num_speculative_tokens : int — a request is a decode when it schedules at most ``1 + this`` tokens
         (one threshold for every channel).
-    cp_world_size, cp_rank, cp_interleave : decode context parallelism (DESIGN §4), applied to the
+    cp_world_size, cp_rank, cp_interleave : decode context parallelism (docs/DESIGN.md §4), applied to the
         groups the layout marks ``sharded``.
     fused : bool — one fused Triton launch per build when the Triton backend is in use; False
         launches each channel's functional ops (same results). A circular group of several blocks

@@ -1,6 +1,6 @@
 """Scheduler contract: what a serving engine's scheduler hands the metadata pipeline each step.
 
-The shapes mirror a vLLM-like scheduler output (INTERFACES.md "Scheduler contract"):
+The shapes mirror a vLLM-like scheduler output (docs/DESIGN.md §5, the README's "Steps" section):
 
 * a request's *computed* tokens are those whose KV is already in the cache before this step
   (``num_computed_tokens``); the step schedules positions
@@ -165,7 +165,7 @@ class StepInput:
             Expected number of per-gid block lists (``len(layout.groups)``). When None, every request
             must simply carry the same number of lists.
 
-        NOTE: duplicate block ids are a ``checks="full"`` contract check of the pipeline (DESIGN §5),
+        NOTE: duplicate block ids are a ``checks="full"`` contract check of the pipeline (docs/DESIGN.md §5),
         not a rule of the step.
         """
         from .step_rules import check_step

@@ -7,7 +7,7 @@ the next multiple of 8, like a CUDA-graph batch size) and ``build`` make the met
 ``forward_paged`` writes and reads its paged caches only through that metadata; every valid token's
 output is compared with ``forward_dense`` over its request's (accepted history ++ this step's inputs).
 
-Bounded replay (DESIGN §4): after a prefix-cache hit of N tokens the request is rescheduled from
+Bounded replay (docs/DESIGN.md §4): after a prefix-cache hit of N tokens the request is rescheduled from
 ``replay_start = N - W_max`` to rebuild its sliding-window and compressor-state caches; tokens below
 ``replay_end = N`` write nothing into the prefix-shared blocks. Replayed tokens are compared too, with
 the dense model's sliding window floored at ``replay_start`` (what their window lists hold; their

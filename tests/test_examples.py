@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import hang_guard
+
 pytestmark = pytest.mark.slow  # runs the example scripts end to end (./dev quick skips it)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
-def run(script, *args, timeout=120):
+def run(script, *args):
     p = subprocess.run([sys.executable, str(EXAMPLES / script), *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout, env=dict(os.environ))
+                       text=True, timeout=hang_guard(), env=dict(os.environ))
     return p.returncode, p.stdout + p.stderr
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import hang_guard
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dsv4_index"
 FILES = sorted(p for p in PKG.rglob("*.py"))
@@ -67,7 +69,7 @@ print(json.dumps(failed))
 def probe(pkg_name: str, pkg_dir: Path, bare: bool, names, cwd: Path) -> list:
     """[(order, module, traceback)] of every failed import."""
     out = subprocess.run([sys.executable, "-c", _PROBE, pkg_name, str(pkg_dir), "1" if bare else "0",
-                          json.dumps(list(names))], cwd=cwd, capture_output=True, text=True, timeout=300)
+                          json.dumps(list(names))], cwd=cwd, capture_output=True, text=True, timeout=hang_guard())
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -99,7 +101,8 @@ def test_plain_import_statements_in_fresh_interpreters():
     """``python -c "import a; import b; ..."`` literally, forward and reverse (no importlib)."""
     for names in (MODULES, MODULES[::-1]):
         code = "; ".join(f"import {n}" for n in names)
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                             timeout=hang_guard())
         assert out.returncode == 0, out.stderr[-3000:]
 
 

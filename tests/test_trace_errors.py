@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from _scripts import hang_guard
+
 from dsv4_index import DSV4Layout, MetadataPipeline, NewRequest, RunningRequest, StepInput
 from dsv4_index.tools.cli import main
 from dsv4_index.tools.trace import TraceError, read_trace, record_steps, replay_trace
@@ -199,7 +201,7 @@ def test_duplicate_key_and_nan(trace, tmp_path, capsys):
 def test_cli_subprocess_no_traceback(tmp_path):
     p = write(tmp_path, b"\x00\x01\x02", "nul.jsonl")
     r = subprocess.run([sys.executable, "-m", "dsv4_index", "replay", str(p), "--no-progress"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=hang_guard())
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert str(p) in r.stderr and "python -m dsv4_index: error:" in r.stderr
 

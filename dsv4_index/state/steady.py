@@ -4,7 +4,7 @@ scheduled counts, at most a block of tokens per row, ``num_computed_tokens`` equ
 row is checked here in a few array comparisons; any other step, or any doubt, goes to the general checks of :mod:`.plan`
 (which also produce every error message). The plan is then identical to the general one.
 
-Why it is sufficient (issue 18, ``host_path.md`` §3): the cache keeps, per (non-circular group,
+Why it is sufficient: the cache keeps, per (non-circular group,
 batch row), the slack ``x = blocks * block_size - seq_len``. After the step
 ``x' = x - q + block_size * [the row appends a block]``. Coverage is exactly ``x' >= 0``; the ring
 bound ``blocks - lowest_read_block <= ring`` is implied by ``x' <= ring * bs - W - bs + 2 - q_max``
