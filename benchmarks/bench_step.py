@@ -393,7 +393,7 @@ def host_case(layout, case, args):
 
 def _shadow_slots(pipe, wl):
     """A SlotMap equal to the workload's slot assignment (so the conversion sees running requests)."""
-    from dsv4_index.batch import SlotMap
+    from dsv4_index.state.requests import SlotMap
     sm = SlotMap(pipe.max_num_reqs)
     sm.slot_of = dict(wl.slots)
     sm._free = sorted(set(range(pipe.max_num_reqs)) - set(wl.slots.values()), reverse=True)

@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from dsv4_index import DSV4Layout, MetadataPipeline, NewRequest, RunningRequest, StepInput  # noqa: E402
-from dsv4_index.batch import SlotMap, batch_from_scheduler_output, batch_from_step  # noqa: E402
+from dsv4_index.frontend import batch_from_scheduler_output, batch_from_step  # noqa: E402
+from dsv4_index.state.requests import SlotMap  # noqa: E402
 from workload import Case, Workload  # noqa: E402
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
 from dsv4_index import DSV4Layout, MetadataPipeline, batch_from_step  # noqa: E402
-from dsv4_index.batch import SlotMap  # noqa: E402
+from dsv4_index.state.requests import SlotMap  # noqa: E402
 from workload import CASES, Workload  # noqa: E402
 
 CHANGE_EVERY = 4

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from dsv4_index.batch import APPEND, StepBatch
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
 ID_LO, ID_HI = 1, 3_000_000          # ids of admitted requests (distinct within a row)
 APPEND_START = 3_000_000             # appended ids: a counter (never a duplicate in a row)

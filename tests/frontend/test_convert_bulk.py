@@ -1,5 +1,5 @@
-"""The steady-step conversion (``steady_step._fast``) accepts only what the row-by-row conversion
-(``frontend._convert``) accepts, and gives the same StepBatch (values and dtypes), with and without
+"""The repeat conversion (``frontend.fast.convert_repeat``) accepts only what the row-by-row conversion
+(``frontend.convert.convert``) accepts, and gives the same StepBatch (values and dtypes), with and without
 the slot map's cached rows."""
 
 import numpy as np
@@ -7,7 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_index.frontend import SCHED, SlotMap, SlotMapDelta, _convert, _fast
+from dsv4_index.frontend.convert import convert as _convert
+from dsv4_index.frontend.fast import convert_repeat as _fast
+from dsv4_index.frontend.rules import SCHED
+from dsv4_index.state.requests import SlotMap, SlotMapDelta
 
 G = 3
 BIG = st.sampled_from([2**31 - 1, 2**31, 2**62, 2**63 - 1, 2**63, 10**30, -(2**63), -1])
