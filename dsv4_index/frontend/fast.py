@@ -33,7 +33,7 @@ import numpy as np
 
 from ..batch import APPEND, StepBatch
 from ..state.requests import EMPTY, SlotMap, SlotMapDelta, frozen
-from .rules import LISTS, gone_ids, ints, pack
+from .rules import LISTS, gone_ids, ints_of_lists, pack
 
 __all__ = ["convert_repeat"]
 
@@ -201,8 +201,11 @@ def _appended(G: Optional[int], lists: list, trusted: bool):
 
 
 def _new_runs(G: Optional[int], new: list, free: Sequence[int], trusted: bool):
-    """Write runs of new rows (one per gid from block 0, empty ones included); None when unusual."""
-    g_, s_, cu, ids = [], [], [0], []
+    """Write runs of new rows (one per gid from block 0, empty ones included); None when unusual.
+    The ids: one conversion per block list, checked over the new ids only."""
+    g_: list = []
+    s_: list = []
+    every: list = []
     for (rid, lists, _), slot in zip(new, free):
         if not trusted and (type(lists) not in LISTS or not set(map(type, lists)) <= LISTS):
             return None
@@ -212,12 +215,11 @@ def _new_runs(G: Optional[int], new: list, free: Sequence[int], trusted: bool):
             return None
         g_.extend(range(G))
         s_.extend([slot] * G)
-        for x in lists:
-            ids.extend(x)
-            cu.append(len(ids))
-    w_ids = ints(ids)
+        every.extend(lists)
+    w_ids = ints_of_lists(every)
     if w_ids is None:
         return None
     N = len(g_)
-    return (np.array(g_, dtype=np.int64), np.array(s_, dtype=np.int64), np.zeros(N, dtype=np.int64),
-            np.array(cu, dtype=np.int64), w_ids)
+    cu = np.zeros(N + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, every), dtype=np.int64, count=N), out=cu[1:])
+    return (np.array(g_, dtype=np.int64), np.array(s_, dtype=np.int64), np.zeros(N, dtype=np.int64), cu, w_ids)

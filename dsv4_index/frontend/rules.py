@@ -34,8 +34,8 @@ import numpy as np
 
 from .._common import INT32_MAX
 
-__all__ = ["LIMIT", "StepTypeError", "Src", "STEP", "SCHED", "NEW", "RESUMED", "APPENDS", "LISTS", "ints", "pack",
-           "id_set", "gone_ids", "Row", "Checked", "check_rows"]
+__all__ = ["LIMIT", "StepTypeError", "Src", "STEP", "SCHED", "NEW", "RESUMED", "APPENDS", "LISTS", "ints",
+           "ints_of_lists", "pack", "id_set", "gone_ids", "Row", "Checked", "check_rows"]
 
 
 class StepTypeError(ValueError, TypeError):
@@ -87,6 +87,24 @@ def ints(vals: list, tail: Sequence[int] = ()) -> Optional[np.ndarray]:
         a = np.frombuffer(struct.pack(f"{len(vals) + len(tail)}q", *vals, *tail), dtype=np.int64)
     except struct.error:
         return None
+    if a.shape[0] and a.view(np.uint64).max() > LIMIT:
+        return None
+    return a
+
+
+def ints_of_lists(lists: list) -> Optional[np.ndarray]:
+    """:func:`ints` of the concatenation of ``lists`` (lists of block ids), converted one list at a time
+    (one type pass and one ``np.asarray(list, np.int64)`` each: no Python-level concatenation) and
+    checked once, over these ids only."""
+    parts = []
+    for x in lists:
+        if countOf(map(type, x), int) != len(x):
+            return None
+        try:
+            parts.append(np.asarray(x, dtype=np.int64))
+        except OverflowError:
+            return None
+    a = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, dtype=np.int64)
     if a.shape[0] and a.view(np.uint64).max() > LIMIT:
         return None
     return a
