@@ -1,6 +1,6 @@
 """Host cost of the id-keyed front door, in numpy-op units (stable on a noisy machine).
 
-    python benchmarks/frontend_profile.py [--steps 300] [--batch 256] [--churn] [--prefill] [--json]
+    python benchmarks/frontend_profile.py [--steps 300] [--batch 256] [--churn] [--old PATH] [--json]
     DSV4_INDEX_ROOT=/path/to/other/checkout python benchmarks/frontend_profile.py ...   # time that tree
 
 One unit = ``a + b`` on two int64 arrays of 256 (timed in the same run, interleaved with the arms).
@@ -21,8 +21,12 @@ layout):
   and the floor the issue names: one ``np.asarray(list, np.int32)`` per new block-id list.
 
 Each conversion runs against a slot map committed from the previous step (the steady state an engine
-sees). To compare two checkouts, run this script alternately with ``DSV4_INDEX_ROOT`` set to each
-(``--json`` prints one line of medians per run). ``benchmarks/FRONTEND.md`` keeps the figures.
+sees). ``--old PATH`` times another checkout's package beside this one in the same process (a copy
+imported as ``dsv4_old``), the two taking turns to go first on each step; ``DSV4_INDEX_ROOT`` runs the
+script on another checkout's package instead; ``--reps N`` times each pure conversion as the least of N
+calls on the same input (the first call pays the fresh objects' cache misses, which on a shared machine
+swing several-fold between runs); ``--json`` prints one line of medians. ``benchmarks/FRONTEND.md``
+keeps the figures.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4_index import (DSV4Layout, MetadataPipeline, NewRequest, RunningRequest, SlotMap, StepInput,  # noqa: E402
-                        batch_from_scheduler_output, batch_from_step)
+                        batch_from_step)
 from workload import Case, Workload  # noqa: E402
 
 torch.set_num_threads(1)
@@ -84,10 +88,19 @@ def read_columns(run) -> list:
     return [list(map(f, run)) for f in _FIELDS]
 
 
+REPS = [1]  # NOTE: --reps: a pure conversion's time is the least of this many calls on the same input
+
+
 def timed(fn, *a):
     t0 = time.perf_counter()
     fn(*a)
     return time.perf_counter() - t0
+
+
+def conv_time(fn, *a):
+    """The least time of ``REPS[0]`` calls of a pure conversion (the first pays the fresh objects' cache
+    misses, which on a shared machine swing several-fold between runs)."""
+    return min(timed(fn, *a) for _ in range(REPS[0]))
 
 
 def unit_time(a, b) -> float:
@@ -110,6 +123,39 @@ def report(title: str, t: dict, names: dict, ref: str, as_json: bool) -> None:
         print("RESULT " + json.dumps({"title": title, **{k: round(v / u, 1) for k, v in med.items()}}))
 
 
+def load_old(path: str):
+    """The package of the checkout at ``path`` imported as ``dsv4_old`` (a copy; the package imports
+    itself only relatively), to time it beside this one in the same process."""
+    import importlib
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="dsv4_old_")
+    shutil.copytree(Path(path) / "dsv4_index", Path(d) / "dsv4_old")
+    sys.path.insert(0, d)
+    return importlib.import_module("dsv4_old")
+
+
+def as_old(old, step: StepInput):
+    """``step`` built from the old package's request classes (its converter checks their type)."""
+    if old is None:
+        return step
+    return old.StepInput([old.NewRequest(r.req_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests],
+                         [old.RunningRequest(r.req_id, r.new_block_ids, r.num_computed_tokens, r.resumed)
+                          for r in step.running_requests], dict(step.num_scheduled_tokens),
+                         finished_req_ids=step.finished_req_ids, preempted_req_ids=step.preempted_req_ids)
+
+
+def trees(args):
+    """[(prefix, package)]: this checkout (``""``), and with ``--old`` the other one (``"old_"``)."""
+    import dsv4_index
+    return [("", dsv4_index)] + ([("old_", load_old(args.old))] if args.old else [])
+
+
+def turns(items: list, i: int) -> list:
+    """``items`` in turn order for step ``i`` (the first to touch a step's fresh objects pays its misses)."""
+    return items if i % 2 == 0 else items[::-1]
+
+
 def steady(args, layout) -> None:
     G = len(layout.groups)
     case = Case(f"decode B={args.batch}", decodes=args.batch)
@@ -118,37 +164,51 @@ def steady(args, layout) -> None:
     batch, step = wl.next_step()
     pipe.update(batch)
     a, b = np.arange(256), np.arange(256)
-    t: dict = {k: [] for k in ("unit", "update", "step", "sched", "step_changed", "sched_changed", "read",
-                               "construct")}
-    sm = SlotMap(1024)
-    sm.commit(batch_from_step(step, sm, G)[1])
+    arms = ("update_sched", "step", "sched", "step_changed", "sched_changed")
+    t: dict = {k: [] for k in ("unit", "update", "read", "construct")}
+    state = {}
+    for pre, pkg in trees(args):
+        by_ids = pkg.MetadataPipeline(pkg.DSV4Layout.from_config("flash", max_model_len=131072), 1024, 8192, "cpu",
+                                      0, backend="reference")
+        by_ids.update(scheduler_output(step))
+        sm = pkg.SlotMap(1024)
+        sm.commit(pkg.batch_from_step(as_old(pkg if pre else None, step), sm, G)[1])
+        state[pre] = (pkg, by_ids, sm)
+        t.update({pre + k: [] for k in arms})
     gc.disable()
     for i in range(args.steps + 5):
         batch, step = wl.next_step()
         out = scheduler_output(step)
         ch = changed(step, i)
         ch_out = scheduler_output(ch)
-        unit = unit_time(a, b)
-        t_upd = timed(pipe.update, batch)
-        conv = [timed(batch_from_step, step, sm, G), timed(batch_from_scheduler_output, out, sm, G),
-                timed(batch_from_step, ch, sm, G), timed(batch_from_scheduler_output, ch_out, sm, G)]
+        got = {"unit": unit_time(a, b), "update": timed(pipe.update, batch)}
+        for pre in turns(list(state), i):
+            pkg, by_ids, sm = state[pre]
+            st, stc = as_old(pkg if pre else None, step), as_old(pkg if pre else None, ch)
+            got.update({pre + k: v for k, v in zip(arms, (
+                timed(by_ids.update, out), conv_time(pkg.batch_from_step, st, sm, G),
+                conv_time(pkg.batch_from_scheduler_output, out, sm, G), conv_time(pkg.batch_from_step, stc, sm, G),
+                conv_time(pkg.batch_from_scheduler_output, ch_out, sm, G)))})
+            sm.commit(pkg.batch_from_step(st, sm, G)[1])
         run = step.running_requests
-        t_read = timed(read_columns, run)
+        got["read"] = timed(read_columns, run)
         t0 = time.perf_counter()
         [RunningRequest(r.req_id, r.new_block_ids, r.num_computed_tokens) for r in run]
-        t_con = time.perf_counter() - t0
-        _, d = batch_from_step(step, sm, G)
-        sm.commit(d)
+        got["construct"] = time.perf_counter() - t0
         if i >= 5:
-            for k, v in zip(t, (unit, t_upd, *conv, t_read, t_con)):
+            for k, v in got.items():
                 t[k].append(v)
     gc.enable()
-    names = {"update": "update(StepBatch) safe", "step": "batch_from_step, steady",
-             "sched": "batch_from_scheduler_output, steady",
-             "step_changed": "batch_from_step, first after a change (1 finished, 1 new)",
-             "sched_changed": "batch_from_scheduler_output, first after a change",
-             "read": "reading the RunningRequests' 4 fields (not conversion)",
-             "construct": "building the StepInput's RunningRequests (not conversion)"}
+    names = {"update": "update(StepBatch) safe"}
+    for pre in state:
+        who = "old " if pre else ""
+        names.update({pre + "update_sched": f"{who}update(SchedulerOutput) safe, steady",
+                      pre + "step": f"{who}batch_from_step, steady",
+                      pre + "sched": f"{who}batch_from_scheduler_output, steady",
+                      pre + "step_changed": f"{who}batch_from_step, first after a change (1 finished, 1 new)",
+                      pre + "sched_changed": f"{who}batch_from_scheduler_output, first after a change"})
+    names.update(read="reading the RunningRequests' 4 fields (not conversion)",
+                 construct="building the StepInput's RunningRequests (not conversion)")
     report(f"decode B={args.batch}, Flash layout ({G} groups), {args.steps} steps, medians", t, names, "update",
            args.json)
 
@@ -204,41 +264,57 @@ class Churn:
         return step
 
 
+def floor(lists: list) -> None:
+    """The issue's floor: one ``np.asarray(list, np.int32)`` per new block-id list."""
+    for x in lists:
+        np.asarray(x, np.int32)
+
+
 def churn(args, layout) -> None:
     G = len(layout.groups)
     wl = Churn(layout, args.batch, args.finish, args.join_ctx)
     first = wl.next_step()
-    sm_step, sm_sched = SlotMap(1024), SlotMap(1024)
-    sm_step.commit(batch_from_step(first, sm_step, G)[1])
-    sm_sched.commit(batch_from_scheduler_output(scheduler_output(first), sm_sched, G)[1])
     a, b = np.arange(256), np.arange(256)
-    t: dict = {k: [] for k in ("unit", "step", "sched", "commit", "floor")}
+    arms = ("step", "sched", "commit", "update_sched")
+    t: dict = {k: [] for k in ("unit", "floor")}
+    state = {}
+    for pre, pkg in trees(args):
+        sm_step, sm_sched = pkg.SlotMap(1024), pkg.SlotMap(1024)
+        sm_step.commit(pkg.batch_from_step(as_old(pkg if pre else None, first), sm_step, G)[1])
+        sm_sched.commit(pkg.batch_from_scheduler_output(scheduler_output(first), sm_sched, G)[1])
+        pipe = pkg.MetadataPipeline(pkg.DSV4Layout.from_config("flash", max_model_len=131072), 1024, 8192, "cpu",
+                                    1, backend="reference")
+        pipe.update(scheduler_output(first))
+        state[pre] = (pkg, sm_step, sm_sched, pipe)
+        t.update({pre + k: [] for k in arms})
     n_ids = []
     gc.disable()
     for i in range(args.steps + 5):
         step = wl.next_step()
         out = scheduler_output(step)
         lists = [x for r in step.new_requests for x in r.block_ids]
-        unit = unit_time(a, b)
-        t0 = time.perf_counter()
-        _, d1 = batch_from_step(step, sm_step, G)
-        t1 = time.perf_counter()
-        _, d2 = batch_from_scheduler_output(out, sm_sched, G)
-        t2 = time.perf_counter()
-        sm_sched.commit(d2)
-        t3 = time.perf_counter()
-        for x in lists:
-            np.asarray(x, np.int32)
-        t4 = time.perf_counter()
-        sm_step.commit(d1)
+        got = {"unit": unit_time(a, b), "floor": conv_time(floor, lists)}
+        for pre in turns(list(state), i):
+            pkg, sm_step, sm_sched, pipe = state[pre]
+            st = as_old(pkg if pre else None, step)
+            got.update({pre + "step": conv_time(pkg.batch_from_step, st, sm_step, G),
+                        pre + "sched": conv_time(pkg.batch_from_scheduler_output, out, sm_sched, G)})
+            _, d2 = pkg.batch_from_scheduler_output(out, sm_sched, G)
+            got[pre + "commit"] = timed(sm_sched.commit, d2)
+            sm_step.commit(pkg.batch_from_step(st, sm_step, G)[1])
+            got[pre + "update_sched"] = timed(pipe.update, out)
         n_ids.append(sum(map(len, lists)))
         if i >= 5:
-            for k, v in zip(t, (unit, t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            for k, v in got.items():
                 t[k].append(v)
     gc.enable()
-    names = {"step": "batch_from_step, churn", "sched": "batch_from_scheduler_output, churn",
-             "commit": "SlotMap.commit of the SchedulerOutput's delta",
-             "floor": "floor: np.asarray(list, np.int32) per new block-id list"}
+    names = {"floor": "floor: np.asarray(list, np.int32) per new block-id list"}
+    for pre in state:
+        who = "old " if pre else ""
+        names.update({pre + "step": f"{who}batch_from_step, churn",
+                      pre + "sched": f"{who}batch_from_scheduler_output, churn",
+                      pre + "commit": f"{who}SlotMap.commit of the SchedulerOutput's delta",
+                      pre + "update_sched": f"{who}update(SchedulerOutput) safe, churn (a pipeline)"})
     report(f"churn B={args.batch} x 2 (MTP), {args.finish} finish + {args.finish} join per step "
            f"({statistics.mean(n_ids):.0f} new ids), 30 % drafts rejected, {args.steps} steps, medians",
            t, names, "floor", args.json)
@@ -254,7 +330,12 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="also time batch_from_step on the prefill and mixed "
                                                           "cases of workload.py")
     ap.add_argument("--json", action="store_true", help="also print one RESULT line of medians in units")
+    ap.add_argument("--reps", type=int, default=1, help="time each pure conversion (and the floor) as the least "
+                                                        "of this many calls on the same input (1: the first call)")
+    ap.add_argument("--old", help="another checkout (e.g. /work/main) whose package to time beside this one, "
+                                  "interleaved in the same process (arms prefixed old_)")
     args = ap.parse_args()
+    REPS[0] = args.reps
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
     if args.churn:
         churn(args, layout)
