@@ -265,7 +265,7 @@ def _admitted_output():
 # README "## vLLM integration" runs as written
 # ----------------------------------------------------------------------------------------------
 def readme_block() -> str:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text.split("\n## vLLM integration", 1)[1].split("\n## ", 1)[0]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
