@@ -188,6 +188,16 @@ class SlotMap:
         return len(self._free)
 
     @property
+    def free_slots(self) -> List[int]:
+        """The slots no request holds, ascending (a copy)."""
+        return list(self._free)
+
+    @property
+    def last_slots(self) -> Optional[np.ndarray]:
+        """int64 ``[rows]``, read-only: the slots of the last committed batch's rows (None when unknown)."""
+        return self._order_slots
+
+    @property
     def last_order(self) -> List[str]:
         """The request ids of the last committed batch, in row order (a copy)."""
         return list(self._order)

@@ -35,7 +35,7 @@ def arrays(b: StepBatch) -> dict:
 
 
 def state(sm: SlotMap):
-    return dict(sm.slot_of), set(sm.preempted), list(sm._free)
+    return dict(sm.slot_of), set(sm.preempted), sm.free_slots
 
 
 def commit(sm, step):
@@ -126,7 +126,7 @@ def test_finishing_a_preempted_request_forgets_it():
     commit(sm, StepInput([NewRequest("a", lists(1), 0)], [], {"a": 4}))
     commit(sm, StepInput([], [], {}, preempted_req_ids=["a"]))
     commit(sm, StepInput([], [], {}, finished_req_ids=["a"]))
-    assert sm.preempted == set() and sm.slot_of == {} and sorted(sm._free) == [0, 1]
+    assert sm.preempted == set() and sm.slot_of == {} and sm.free_slots == [0, 1]
     with pytest.raises(ValueError, match="resumed but was never preempted"):
         batch_from_step(StepInput([], [RunningRequest("a", lists(3), 0, resumed=True)], {"a": 1}), sm, G)
 

@@ -98,7 +98,7 @@ def test_fast_takes_the_common_step(cached):
     b, d = out
     assert b.req_slots.tolist() == [15, 14, 13] and b.write_gids.tolist() == [0, 1] and d.order == rids
     assert b.write_slots.tolist() == [15, 13] and b.write_ids.tolist() == [5, 6, 7] and b.write_cu.tolist() == [0, 1, 3]
-    assert (b.req_slots is sm._order_slots) == cached
+    assert (b.req_slots is sm.last_slots) == cached
 
 
 ids_set = st.lists(st.sampled_from([f"r{i}" for i in range(10)] + ["n0", "never"]), max_size=3)

@@ -35,7 +35,7 @@ def empty_lists():
 
 
 def state(sm: SlotMap):
-    return dict(sm.slot_of), set(sm.preempted), list(sm._free), list(sm._order)
+    return dict(sm.slot_of), set(sm.preempted), sm.free_slots, sm.last_order
 
 
 def _running(sm, rid="a", nc=40, new=None, q=1):
