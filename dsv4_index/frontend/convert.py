@@ -196,8 +196,8 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
         done = convert_repeat(slots, num_groups, new_rows, ids, nbs, ncs, nst, finished, preempted, False)
         if done is not None:
             return done
-    resumed = set(resumed)
-    running = [(rid, nb, nc, rid in resumed) for rid, nb, nc in zip(ids, nbs, ncs)]
+    back = set(resumed)
+    running = [(rid, nb, nc, rid in back) for rid, nb, nc in zip(ids, nbs, ncs)]
     return convert(slots, num_groups, SCHED, new_rows, running, nst, finished, preempted,
                    replay_start or {}, replay_end or {})
 # ----------------------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str =
     fresh = set(delta.new)
 
     def run_field(r: int) -> Optional[str]:
-        if batch.write_gids is None or not 0 <= r < len(batch.write_gids):
+        if batch.write_gids is None or batch.write_slots is None or not 0 <= r < len(batch.write_gids):
             return None
         rid = rid_of.get(int(batch.write_slots[r]))
         if rid is None:
@@ -244,7 +244,7 @@ def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str =
         s = int(m.group(3))
         return f"request {rid_of[s]!r}" if s in rid_of else None
 
-    names = {}
+    names: dict = {}
     for m in _POS.finditer(str(error)):
         n = name(m)
         if n is not None:

@@ -190,7 +190,7 @@ def _appended(G: Optional[int], lists: list, trusted: bool):
         if len(has) < len(chosen):
             sel = has if not sel else list(map(sel.__getitem__, has))
             chosen = list(map(chosen.__getitem__, has))
-    flat = reduce(iconcat, chosen, [])  # NOTE: faster than chain.from_iterable on short tuples
+    flat: list = reduce(iconcat, chosen, [])  # NOTE: faster than chain.from_iterable on short tuples
     if not trusted and countOf(map(type, flat), list) != len(flat) and not set(map(type, flat)) <= LISTS:
         return None
     nz = list(compress(range(len(flat)), flat))
