@@ -332,8 +332,8 @@ def main():
     ap.add_argument("--json", action="store_true", help="also print one RESULT line of medians in units")
     ap.add_argument("--reps", type=int, default=1, help="time each pure conversion (and the floor) as the least "
                                                         "of this many calls on the same input (1: the first call)")
-    ap.add_argument("--old", help="another checkout (e.g. /work/main) whose package to time beside this one, "
-                                  "interleaved in the same process (arms prefixed old_)")
+    ap.add_argument("--old", help="another checkout (e.g. a worktree of an older commit) whose package to time "
+                                  "beside this one, interleaved in the same process (arms prefixed old_)")
     args = ap.parse_args()
     REPS[0] = args.reps
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
