@@ -427,10 +427,9 @@ def host_case(layout, case, args):
 
 def _shadow_slots(pipe, wl):
     """A SlotMap equal to the workload's slot assignment (so the conversion sees running requests)."""
-    from dsv4_index.batch import SlotMap
+    from dsv4_index.state.requests import SlotMap, SlotMapDelta
     sm = SlotMap(pipe.max_num_reqs)
-    sm.slot_of = dict(wl.slots)
-    sm._free = sorted(set(range(pipe.max_num_reqs)) - set(wl.slots.values()), reverse=True)
+    sm.commit(SlotMapDelta(taken=dict(wl.slots)))  # NOTE: the workload's slots, through the public commit
     return sm
 
 

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from ._common import check_cp, check_int, use_triton
-from .batch import SlotMap, StepBatch, batch_from_scheduler_output, batch_from_step
+from .batch import StepBatch
 from .channels import BuildContext, ChannelBuilder, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
 from .metadata import DSV4Metadata, StepStats
+from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
 from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
-from .step import StepInput
-from .step_rules import explain
+from .state.requests import RowIds, SlotMap
 
 MAX_STAGED_BLOCKS = 1 << 26  # NOTE: 2 pinned buffers x (ids + destinations) x 4 B: 1 GiB at most
 
@@ -151,7 +151,7 @@ class MetadataPipeline:
             raise ValueError("cuda_graphs needs a CUDA device and every channel in the fused launch")
         self._graphs = {} if cuda_graphs else None
         self._plan: Optional[StepPlan] = None
-        self._req_ids: Optional[List[str]] = None
+        self._req_ids: Optional[RowIds] = None
         self._views = None
         self._converters = {name: (lambda topk, compact=False, _b=b: _b.topk_to_slots(self.ctx, topk, compact=compact))
                             for name, b in self._builders.items()
@@ -208,7 +208,7 @@ class MetadataPipeline:
         self.requests.commit(plan)
         if delta is not None:
             self.slot_map.commit(delta)
-        self._req_ids = None if delta is None else [delta.order[i] for i in plan.rows.tolist()]
+        self._req_ids = None if delta is None else self.slot_map.row_ids(plan.rows)  # NOTE: built when read
         nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs, self.requests.signature)
         self.ctx.set_step(plan)
         self._plan = plan

@@ -94,7 +94,7 @@ def test_fused_refuses_a_ring_of_several_blocks(device):
 # host checks: a circular row needs its k ids, no more, no id twice
 # ----------------------------------------------------------------------------------------------
 def test_host_checks_k_ids(device):
-    from dsv4_index.step import NewRequest, RunningRequest, StepInput
+    from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
     lay = DSV4Layout.from_config("tiny", max_model_len=512, circular={"c128_state": (32, 4)})
     gid = lay.group("c128_state").gid

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from .._common import cdiv, check_int, is_int
-from ..step import NewRequest, RunningRequest, StepInput
+from ..frontend import NewRequest, RunningRequest, StepInput
 
 __all__ = ["ReferenceScheduler", "ReqState", "ScheduledView", "CacheWrite", "random_trace", "scripted_trace",
            "cache_writes"]

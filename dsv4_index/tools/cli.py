@@ -58,7 +58,7 @@ def layout_cmd(args) -> int:
 
 def sample_step(layout, *, seed: int = 0):
     """One mixed step: 2 decodes (contexts 300 and 1000), 1 spec decode (2 tokens), one 40-token prefill chunk."""
-    from ..step import NewRequest, StepInput
+    from ..frontend import NewRequest, StepInput
 
     g = torch.Generator().manual_seed(seed)
     next_id = [1]

@@ -24,7 +24,7 @@ Trace format (one JSON object per line, UTF-8), version 2:
 * then one line per ``update()``: ``{"type": "step", "index": i, "pad_to": int or null, "step":
   StepBatch.to_json(), "req_ids": [...] or null}`` for an accepted step, or ``"type": "rejected"`` with
   ``"error"`` (the ``ValueError`` text) for a rejected one (``"step"`` is null when the id-keyed step
-  could not even be converted). A :class:`~dsv4_index.step.StepInput` is recorded as the array-form
+  could not even be converted). A :class:`~dsv4_index.frontend.StepInput` is recorded as the array-form
   step the pipeline's own converter made of it (``req_ids``: the request id of each row);
 * after an accepted step, once its ``build()`` returned: ``{"type": "outputs", "index": i, "digests":
   {...}}``, the digest of every output the step built (:mod:`dsv4_index.tools.digest`: per channel
@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Union
 
 from .._json import BadJSON, decode_utf8, loads_bounded
-from ..batch import StepBatch, batch_from_step
+from ..batch import StepBatch
+from ..frontend import StepInput, batch_from_step
 from ..geometry import ChannelSpec, DSV4Layout, GroupSpec
-from ..step import StepInput
 from .digest import DIGEST, output_digests
 from .trace_schema import TraceError, check_header, check_line
 
