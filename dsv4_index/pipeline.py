@@ -64,10 +64,6 @@ class MetadataPipeline:
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
-    record : str or Path, optional — write every ``update()`` (the array-form step and its pad size,
-        rejected steps with their error) to this JSONL trace (:mod:`dsv4_index.tools.trace`); replay it with
-        ``python -m dsv4_index replay TRACE``. Through :func:`~dsv4_index.tools.trace.record_steps`;
-        :meth:`close_recording` ends it.
     steady : bool — check a steady step (the last batch again, one-id appends) on the steady path of
         ``state/steady.py`` (same plan, same errors); False: every step takes the general checks.
     """
@@ -76,7 +72,7 @@ class MetadataPipeline:
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False, record=None, steady: bool = True):
+                 cuda_graphs: bool = False, steady: bool = True):
         for name, v, lo in (("max_num_reqs", max_num_reqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("num_speculative_tokens", num_speculative_tokens, 0)):
             check_int(name, v, lo=lo)
@@ -158,11 +154,7 @@ class MetadataPipeline:
                             if type(b).topk_to_slots is not ChannelBuilder.topk_to_slots}
         self._num_launches = (1 if self._fused else 0) + len(self._unfused)
         self.last_step_stats = StepStats()
-        self.recording = None
-        if record is not None:
-            from .tools.trace import record_steps  # NOTE: lazy: the tools import the pipeline, not the reverse
-            self._record_block = record_steps(self, record)
-            self.recording = self._record_block.__enter__()
+        self._last_batch: Optional[tuple] = None
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -212,6 +204,7 @@ class MetadataPipeline:
         nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs, self.requests.signature)
         self.ctx.set_step(plan)
         self._plan = plan
+        self._last_batch = (batch, pad_to, None if delta is None else delta.order)
         self.last_step_stats = StepStats(num_h2d_copies=1, h2d_bytes=nbytes, num_writes=nwrites,
                                          num_launches=self._num_launches, num_applies=applies)
 
@@ -291,6 +284,7 @@ class MetadataPipeline:
                 self._fused.launch(self.staging.lay)
                 self._fused.check_direct_launch(self.staging.lay)
             self.build()
+        self._last_batch = None
         for conv in self._converters.values():
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
             # NOTE: topk needs >= T_pad rows (the last warm-up size), not 1
@@ -351,9 +345,11 @@ class MetadataPipeline:
         """True when the last accepted step was checked on the steady path (``state/steady.py``)."""
         return self._plan is not None and self._plan.steady
 
-    def close_recording(self) -> None:
-        """Stop recording (``record=``) and close the trace file."""
-        if self.recording is not None:
-            self._record_block.__exit__(None, None, None)
-            self.recording = None
+    @property
+    def last_batch(self) -> Optional[tuple]:
+        """``(StepBatch, pad_to, req_ids)`` of the last accepted ``update()``, whatever its input form
+        (a StepInput or SchedulerOutput as the array-form step it was converted to; ``req_ids`` the
+        request id of each of its rows, None for a StepBatch input); None before. Read only: what a
+        recorder (:func:`dsv4_index.tools.trace.record_steps`) writes."""
+        return self._last_batch
 

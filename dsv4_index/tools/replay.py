@@ -13,6 +13,7 @@ import torch
 
 from ..batch import StepBatch
 from .digest import CHANNEL_FIELDS, COMMON_FIELDS, first_difference, output_digests
+from .trace import _read
 from .trace_schema import TraceError, rebuild_layout as _rebuild_layout
 
 __all__ = ["replay_trace", "ReplayResult", "Problem"]
@@ -24,7 +25,7 @@ class Problem:
 
     step: int                      # index of the step in the trace (0-based)
     line: int                      # its line in the file
-    kind: str                      # "rejected" | "accepted" | "invariant" | "divergence" | "recording"
+    kind: str                      # "rejected" | "accepted" | "invariant" | "divergence" | "recording" | "incomplete"
     message: str
     channel: Optional[str] = None
     field: Optional[str] = None
@@ -38,7 +39,8 @@ class Problem:
         head = {"rejected": "REJECTED (the recording accepted it)",
                 "accepted": "ACCEPTED (the recording rejected it)",
                 "invariant": "INVARIANT BROKEN", "divergence": "DIVERGES FROM THE REFERENCE",
-                "recording": "DIFFERS FROM THE RECORDING"}[self.kind]
+                "recording": "DIFFERS FROM THE RECORDING",
+                "incomplete": "THE TRACE IS INCOMPLETE"}[self.kind]
         lines = [f"step {self.step} (line {self.line}): {head}", f"  {self.message}"]
         where = [f"{k} {v!r}" for k, v in (("channel", self.channel), ("field", self.field), ("token", self.token),
                                             ("row", self.row), ("request", self.req_id)) if v is not None]
@@ -131,10 +133,8 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
     from ..pipeline import MetadataPipeline
     from ..validate import MetadataError, check_topk
 
-    from .trace import _read
-
     log = log or (lambda s: print(s, file=sys.stderr))
-    version, layout, p, header, steps = _read(path)
+    version, layout, p, header, steps, end = _read(path)
     if config is not None:
         new = _rebuild_layout(layout, config)
         if new != layout:
@@ -211,6 +211,18 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
         st["live tokens"] += meta.num_tokens
         st["padded tokens"] += meta.num_tokens_padded
         st["max batch rows"] = max(st["max batch rows"], meta.num_reqs)
+    return _complete(res, version, end, steps)
+
+
+def _complete(res: ReplayResult, version: int, end, steps) -> ReplayResult:
+    """A clean replay of a trace without its end line is still a problem: the trace was cut."""
+    if version < 3:
+        res.notes.append(f"a version-{version} trace has no end line: a trace cut at a line boundary cannot be told "
+                         "from a complete one")
+    elif end is None:
+        last = steps[-1]["line"] if steps else 1
+        res.problem = Problem(len(steps), last, "incomplete", f"the trace ends after line {last} without its end line "
+                              f"(cut, or its recording never closed): the {len(steps)} step(s) it holds replayed clean")
     return res
 
 
