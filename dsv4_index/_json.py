@@ -22,7 +22,7 @@ def one_line(s: str) -> str:
     return s.translate(_ESCAPES)
 
 MAX_DEPTH = 32
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # NOTE: unrolled: no regex stack per character
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 

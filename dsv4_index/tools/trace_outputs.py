@@ -52,8 +52,11 @@ def check_outputs(path, n: int, d, expected_index: int, bounds: dict) -> dict:
         for k, e in at.dict(dg[part], f"digests.{part}", (), keys).items():
             key = (None, k if part == "common" else f"block_table[{k}]")
             _entry(at, e, f"digests.{part}.{k}", bounds.get(key))
+    known = {k[0] for k in bounds if k[0] is not None}
     keys = tuple(dg["channels"]) if isinstance(dg["channels"], dict) else ()
     for ch, fields in at.dict(dg["channels"], "digests.channels", (), keys).items():
+        if ch not in known:
+            at.err(f"digests.channels.{ch}", "no such channel in the header's layout")
         at.dict(fields, f"digests.channels.{ch}", (), tuple(fields) if isinstance(fields, dict) else ())
         for k, e in fields.items():
             _entry(at, e, f"digests.channels.{ch}.{k}", bounds.get((ch, k)))
