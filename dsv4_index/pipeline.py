@@ -21,8 +21,9 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from ._common import check_cp, check_int, use_triton
+from ._common import check_cp, use_triton
 from .batch import SlotMap, StepBatch, batch_from_scheduler_output, batch_from_step
+from .capacity import BOUNDS, check_capacities, memory_estimate
 from .channels import BuildContext, ChannelBuilder, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
@@ -31,7 +32,7 @@ from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStagin
 from .step import StepInput
 from .step_rules import explain
 
-MAX_STAGED_BLOCKS = 1 << 26  # NOTE: 2 pinned buffers x (ids + destinations) x 4 B: 1 GiB at most
+MAX_STAGED_BLOCKS = BOUNDS["max_staged_blocks"][0]
 
 __all__ = ["MetadataPipeline"]
 
@@ -73,14 +74,12 @@ class MetadataPipeline:
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
                  cuda_graphs: bool = False, steady: bool = True):
-        for name, v, lo in (("max_num_reqs", max_num_reqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
-                            ("num_speculative_tokens", num_speculative_tokens, 0)):
-            check_int(name, v, lo=lo)
-        if max_staged_blocks is not None:  # NOTE: bounded before any staging buffer is allocated
-            check_int("max_staged_blocks", max_staged_blocks, lo=1, hi=MAX_STAGED_BLOCKS)
+        check_cp(cp_world_size, cp_rank, cp_interleave)
+        # NOTE: every capacity bounded (largest value and reason) before anything is allocated
+        check_capacities(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
+                         (cp_world_size, cp_rank, cp_interleave))
         if checks not in CHECK_LEVELS:
             raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
-        check_cp(cp_world_size, cp_rank, cp_interleave)
         for g in layout.groups:
             if cp_world_size > 1 and g.sharded and g.alloc_block_size % cp_interleave:
                 raise ValueError(f"cp_interleave={cp_interleave} must divide the allocation block size "
@@ -155,6 +154,14 @@ class MetadataPipeline:
         self._num_launches = (1 if self._fused else 0) + len(self._unfused)
         self.last_step_stats = StepStats()
         self._last_batch: Optional[tuple] = None
+
+    @classmethod
+    def memory_estimate(cls, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
+                        num_speculative_tokens: int = 0, **kwargs) -> dict:
+        """Bytes a pipeline of these arguments (the constructor's) allocates, computed without allocating:
+        ``{"device", "host", "pinned", "parts"}`` (:func:`dsv4_index.capacity.memory_estimate`); the same
+        ``ValueError`` as the constructor for a capacity beyond its bound."""
+        return memory_estimate(layout, max_num_reqs, max_num_batched_tokens, device, num_speculative_tokens, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     # host side

@@ -133,7 +133,8 @@ def step_line(ds, i=0):
     ("pad_to abc", lambda d: d.__setitem__("pad_to", "abc"), "pad_to", "must be an integer or null"),
     ("index 9", lambda d: d.__setitem__("index", 9), "index", r"9 is out of range \[0, 0\]"),
     ("req_ids short", lambda d: d.__setitem__("req_ids", []), "req_ids", "0 ids for 1 rows"),
-    ("type", lambda d: d.__setitem__("type", "stp"), "type", r"'stp' is not one of \['step', 'rejected', 'outputs', 'end'\]"),
+    ("type", lambda d: d.__setitem__("type", "stp"), "type",
+     r"'stp' is not one of \['step', 'rejected', 'outputs', 'end'\]"),
 ])
 def test_bad_step_line(trace, tmp_path, capsys, name, fn, field, match):
     p = write(tmp_path, edit(trace, lambda ds: fn(step_line(ds))))
