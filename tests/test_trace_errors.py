@@ -190,7 +190,8 @@ def test_duplicate_key_and_nan(trace, tmp_path, capsys):
     fails(capsys, write(tmp_path, ds), r":2: unusable JSON: duplicate key 'pad_to'", line=2)
     ds = [json.dumps(d) for d in lines(trace)]
     ds[1] = ds[1].replace('"pad_to":8', '"pad_to":NaN', 1).replace('"pad_to": 8', '"pad_to": NaN', 1)
-    fails(capsys, write(tmp_path, ds), r":2: unusable JSON: NaN is not a JSON number", line=2)
+    fails(capsys, write(tmp_path, ds), r":2: pad_to: NaN is not a JSON number \(unusable JSON\)", line=2,
+          field="pad_to")
 
 
 @pytest.mark.slow  # ./dev quick skips it

@@ -256,7 +256,7 @@ def _read(path):
         try:
             d = loads_bounded(decode_utf8(raw, str(path), n), str(path), first_line=n, raw=raw)
         except BadJSON as e:
-            raise TraceError(path, e.line, None, e.msg) from None
+            raise TraceError(path, e.line, e.key, e.msg) from None
         if header is None:
             if n != 1:
                 raise TraceError(path, 1, None, "the first line must be the trace header, got an empty line")

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Optional
 
 from .._json import one_line
+from ..capacity import check_capacities
 from ..group_plan import ROLES
 from ..geometry import DSV4Layout
 from ..specs import CHANNEL_OUTPUTS, GROUP_KINDS as KINDS, GROUP_ORDER, ChannelSpec, GroupSpec
@@ -322,8 +323,15 @@ def check_header(path, d, versions) -> tuple:
 
 
 def check_capacity(at: _At, layout: DSV4Layout, p: dict) -> None:
-    """Bound what a replay of ``layout`` / ``p`` allocates before anything is allocated."""
+    """Bound what a replay of ``layout`` / ``p`` allocates before anything is allocated: the pipeline's
+    own bounds (:func:`dsv4_index.capacity.check_capacities`), then the replay's tighter budget (a replay
+    builds two pipelines, on a machine that may not be the recording's)."""
     R, T = p["max_num_reqs"], p["max_num_batched_tokens"]
+    try:
+        check_capacities(layout, R, T, p["num_speculative_tokens"], p["max_staged_blocks"],
+                         (p["cp_world_size"], p["cp_rank"], p["cp_interleave"]))
+    except ValueError as e:
+        at.err("pipeline", str(e))
     table = sum(g.columns(T)[0] for g in layout.groups) * R
     per_token = T * (sum(c.index_width or 0 for c in layout.channels.values()) + (layout.index_topk or 0)
                      + 16 * (len(layout.channels) + 1))
