@@ -191,7 +191,8 @@ class MetadataPipeline:
         elif isinstance(step, StepBatch):
             batch = step
         else:
-            raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__}")
+            raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__} "
+                             "(no attribute 'scheduled_new_reqs', which a SchedulerOutput has)")
         try:
             plan = self.requests.plan(batch, pad_to)
         except ValueError as e:
