@@ -30,6 +30,7 @@ BOUNDS: Dict[str, Tuple[int, str]] = {
                                "the trace format's bound too"),
     "num_speculative_tokens": (1 << 10, "every decode row holds 1 + this many columns in the indexer's decode_lens; "
                                "the trace format's bound too"),
+    "block_size": (1 << 20, "tokens per block of a group (DeepSeek-V4 uses 4 to 256); the trace format's bound too"),
     "max_staged_blocks": (1 << 26, "2 pinned host buffers and a device buffer of 2 ids per staged block: 1 GiB "
                           "at this bound"),
 }
@@ -91,6 +92,11 @@ def check_capacities(layout, max_num_reqs: int, max_num_batched_tokens: int, num
     _bound("num_speculative_tokens", num_speculative_tokens, 0)
     if max_staged_blocks is not None:
         _bound("max_staged_blocks", max_staged_blocks, 1)
+    hi, why = BOUNDS["block_size"]
+    for g in layout.groups:
+        if g.alloc_block_size > hi:
+            raise ValueError(f"layout group {g.name!r}: block_size must be at most {hi} ({why}), got "
+                             f"{g.alloc_block_size}")
     per_slot = sum(_table_columns(layout, T))
     if R * per_slot > INT32_MAX:
         raise ValueError(f"max_num_reqs must be at most {INT32_MAX // per_slot} for this layout (max_model_len "
