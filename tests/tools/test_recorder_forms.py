@@ -46,9 +46,13 @@ def _record(path: Path, steps, pads):
 
 def _lines(path: Path, ids: bool):
     out = [json.loads(x) for x in path.read_text().splitlines()]
-    if not ids:
-        for d in out:
+    for d in out:
+        if not ids:
             d.pop("req_ids", None)
+        if d.get("step") and d["step"].get("free_slots") is not None:
+            # NOTE: a SchedulerOutput's finished_req_ids is a set: the order it frees slots in follows the
+            # string hash seed; which slots are freed is what the step says
+            d["step"]["free_slots"] = sorted(d["step"]["free_slots"])
     return out
 
 
