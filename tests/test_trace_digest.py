@@ -66,7 +66,7 @@ def tampered(src, dst, fn, step=TAMPERED):
 def test_outputs_lines_follow_their_steps(trace):
     ds = lines(trace)
     kinds = [d["type"] for d in ds]
-    assert kinds == ["header"] + ["step", "outputs"] * len(SCRIPT)
+    assert kinds == ["header"] + ["step", "outputs"] * len(SCRIPT) + ["end"]
     assert [d["index"] for d in ds if d["type"] == "outputs"] == list(range(len(SCRIPT)))
     dg = ds[2]["digests"]
     assert list(dg["common"])[:2] == ["query_start_loc", "seq_lens"]
