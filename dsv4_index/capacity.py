@@ -56,14 +56,17 @@ def _meta_builders(layout, max_num_reqs: int, max_num_batched_tokens: int, num_s
 
     T, meta, i32 = max_num_batched_tokens, torch.device("meta"), torch.int32
     cols = [g.columns(T) for g in layout.groups]
+
+    def empty(n: int, dtype=i32) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, device=meta)
+
     ctx = BuildContext(
         layout=layout, device=meta, max_num_reqs=max_num_reqs, max_num_tokens=T, next_n=1 + num_speculative_tokens,
         cp_world_size=cp[0], cp_rank=cp[1], cp_interleave=cp[2],
         tables=tuple(torch.empty((max_num_reqs, c), dtype=i32, device=meta) for c, _ in cols),
-        ring_cols=tuple(r for _, r in cols), **{k: torch.empty(n, dtype=dt, device=meta) for k, n, dt in (
-            ("query_start_loc", T + 1, i32), ("seq_lens", T + 1, i32), ("idx_mapping", T + 1, i32),
-            ("replay_start", T + 1, i32), ("replay_end", T + 1, i32), ("token_to_req", T, i32),
-            ("positions", T, torch.int64), ("is_valid_token", T, torch.bool))})
+        ring_cols=tuple(r for _, r in cols), query_start_loc=empty(T + 1), seq_lens=empty(T + 1),
+        idx_mapping=empty(T + 1), replay_start=empty(T + 1), replay_end=empty(T + 1), token_to_req=empty(T),
+        positions=empty(T, torch.int64), is_valid_token=empty(T, torch.bool))
     builders = {name: builder_for(spec, layout) for name, spec in layout.channels.items()}
     for b in builders.values():
         b.allocate(ctx)
