@@ -27,6 +27,7 @@ def _config_path(name: str) -> str:
 
 DEFAULT_MAX_MODEL_LEN = 32768
 MAX_MODEL_LEN = 1 << 24          # NOTE: the trace reader's bound (trace_schema.LIMITS)
+SAMPLE_MAX_MODEL_LEN = 1 << 20   # NOTE: demo / inspect allocate a pipeline: DeepSeek-V4's longest context
 MAX_SAMPLE_REQUESTS = 4096       # NOTE: inspect's sample step: a picture of at most 4096 rows
 
 LAYOUT_COLUMNS = """\
@@ -107,8 +108,11 @@ def demo(args) -> int:
               "kernels in the interpreter)")
     layout = _layout(args)
     print(layout)
-    pipe = MetadataPipeline(layout, max_num_reqs=8, max_num_batched_tokens=64, device=device,
-                            num_speculative_tokens=1)
+    try:
+        pipe = MetadataPipeline(layout, max_num_reqs=8, max_num_batched_tokens=64, device=device,
+                                num_speculative_tokens=1)
+    except ValueError as e:   # NOTE: the pipeline's capacities follow the layout's max_model_len
+        raise OptionError("--max-model-len", f"no sample pipeline of this size: {e}") from None
     pipe.warmup()
     pipe.update(sample_step(layout), pad_to=48)
     meta = pipe.build()
@@ -157,8 +161,11 @@ def inspect_step(args) -> int:
         return 2
     out = _out_path(args.out)
     _layout(args)   # NOTE: a bad --config is named before the sample step is built
-    pipe, meta = sample_step(_config_path(args.config), args.requests, max_model_len=max_model_len_of(args),
-                             device=args.device or "cpu", seed=args.seed)
+    try:
+        pipe, meta = sample_step(_config_path(args.config), args.requests, max_model_len=max_model_len_of(args),
+                                 device=args.device or "cpu", seed=args.seed)
+    except ValueError as e:   # NOTE: the sample pipeline's capacities follow these two options
+        raise OptionError("--requests / --max-model-len", f"no sample step of this size: {e}") from None
     try:
         draw_step(meta, str(out), seed=args.seed)
     except OSError as e:
@@ -286,22 +293,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"dsv4-index {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
+    def command(name: str, help: str, description: str = "", longest: int = MAX_MODEL_LEN) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=description or help)
         p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json "
                        "(default: flash)")
-        p.add_argument("--max-model-len", type=_int_in(1, MAX_MODEL_LEN), default=None, metavar="N",
+        p.add_argument("--max-model-len", type=_int_in(1, longest), default=None, metavar="N",
                        help="longest request in tokens; sizes every table (default: the config's "
-                       f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})")
+                       f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN}; largest: 2**20 for demo and "
+                       "inspect, 2**24 for layout)")
         return p
 
     command("layout", "print the kv-cache groups and channels a config gives, with a key to the columns")
     p = command("demo", "build one sample V4 step (2 decodes, 1 speculative decode, 1 prefill chunk) and "
-                "print its metadata")
+                "print its metadata", longest=SAMPLE_MAX_MODEL_LEN)
     p.add_argument("--device", type=_device, default=None,
                    help="pipeline device (default: cuda if available, else cpu)")
     p = command("inspect", "draw one sample step (table occupancy, token order, zoomed requests) as a PNG",
-                "draw one sample step of a layout as a PNG (needs matplotlib: pip install 'dsv4-index[plot]')")
+                "draw one sample step of a layout as a PNG (needs matplotlib: pip install 'dsv4-index[plot]')",
+                longest=SAMPLE_MAX_MODEL_LEN)
     p.add_argument("--requests", type=_int_in(1, MAX_SAMPLE_REQUESTS), default=None, metavar="N",
                    help="requests in the step (default: 300; tiny: 6)")
     p.add_argument("--out", default="step.png", help="output picture (default: step.png; no extension: .png "

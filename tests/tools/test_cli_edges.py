@@ -89,6 +89,19 @@ def test_bad_out_paths_are_refused_before_any_work(capsys, tmp_path, out, why):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ro"]
 
 
+def test_sample_sizes_are_bounded(capsys):
+    err = one_line_error(capsys, ["inspect", "--config", "tiny", "--max-model-len", str(2 ** 20 + 1)],
+                         "--max-model-len")
+    assert "must be an integer in [1, 1048576]" in err, err
+    one_line_error(capsys, ["demo", "--max-model-len", str(2 ** 20 + 1)], "--max-model-len")
+    rc, out = run(capsys, ["layout", "--config", "tiny", "--max-model-len", str(2 ** 24)])
+    assert rc == 0, out
+    # a sample step larger than its pipeline: named by the options that size it
+    err = one_line_error(capsys, ["inspect", "--config", "flash", "--requests", "4096", "--max-model-len", "64"],
+                         "--requests / --max-model-len")
+    assert "no sample step of this size" in err, err
+
+
 def test_bad_files_and_commands(capsys, tmp_path):
     one_line_error(capsys, ["replay", str(tmp_path / "none.jsonl")], "none.jsonl")
     one_line_error(capsys, ["replay", str(tmp_path)], "is a directory")
