@@ -151,7 +151,8 @@ def demo(args) -> int:
 
 
 def inspect_step(args) -> int:
-    from .plot import draw_step, sample_step
+    from .plot import draw_step
+    from .sample import sample_step
 
     try:
         import matplotlib  # noqa: F401

@@ -157,15 +157,7 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
     res.recorded_on = f"{p['device']} ({p['backend'] or 'default backend'})"
     st = res.stats = dict.fromkeys(("accepted steps", "rejected steps (as recorded)", "steps matching the recording",
                                     "live tokens", "padded tokens", "max batch rows", "top-k conversions"), 0)
-    n_out = sum(d["outputs"] is not None for d in steps)
-    n_acc = sum(d["type"] == "step" for d in steps)
-    if n_out == 0:
-        why = ("a version-1 trace" if version == 1 else "recorded with outputs=False" if header.get("outputs") is None
-               else "no step was built")
-        res.notes.append(f"no digests recorded ({why}): outputs compared with the reference only")
-    elif n_out < n_acc:
-        res.notes.append(f"{n_acc - n_out} accepted step(s) have no recorded outputs (never built, or the recording "
-                         "stopped first): those are compared with the reference only")
+    res.notes += _digest_notes(version, header, steps)
     gen = torch.Generator().manual_seed(topk_seed)
     for i, d in _progress(enumerate(steps), len(steps), progress):
         line = d["line"]
@@ -212,6 +204,20 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
         st["padded tokens"] += meta.num_tokens_padded
         st["max batch rows"] = max(st["max batch rows"], meta.num_reqs)
     return _complete(res, version, end, steps)
+
+
+def _digest_notes(version: int, header: dict, steps) -> List[str]:
+    """What the replay cannot compare with recorded outputs."""
+    n_out = sum(d["outputs"] is not None for d in steps)
+    n_acc = sum(d["type"] == "step" for d in steps)
+    if n_out == 0:
+        why = ("a version-1 trace" if version == 1 else "recorded with outputs=False" if header.get("outputs") is None
+               else "no step was built")
+        return [f"no digests recorded ({why}): outputs compared with the reference only"]
+    if n_out < n_acc:
+        return [f"{n_acc - n_out} accepted step(s) have no recorded outputs (never built, or the recording "
+                "stopped first): those are compared with the reference only"]
+    return []
 
 
 def _complete(res: ReplayResult, version: int, end, steps) -> ReplayResult:
