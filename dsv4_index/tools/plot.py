@@ -129,23 +129,46 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
     str — ``path``.
     """
     plt = _plt()
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
     import os
     layout = meta.layout
-    B, T, Tp, nd = meta.num_reqs, meta.num_tokens, meta.num_tokens_padded, meta.num_decodes
+    B, T = meta.num_reqs, meta.num_tokens
     qsl = np.asarray(meta.host_query_start_loc, dtype=np.int64)
     seq = np.asarray(meta.host_seq_lens, dtype=np.int64)
-    q = np.diff(qsl)
     rows = _pick_rows(meta, requests)
     groups = layout.groups
     fig = plt.figure(figsize=(18, 10 + 3.3 * len(rows)))
     gs = fig.add_gridspec(2 + len(rows), max(len(groups), 2), height_ratios=[1.9, 4.4] + [1.5] * len(rows),
                           hspace=0.62, wspace=0.25, top=1 - 0.6 / fig.get_figheight(), bottom=0.03)
 
-    # 1. token order: decode rows | prefill rows (each panel as wide as it needs), the token axis below
+    _token_order(fig, gs, meta, qsl, seq)
+    _occupancy_panels(fig, gs, meta, qsl, seq, max_rows)
+
+    # 3. zoomed requests ----------------------------------------------------------------------
+    picks = _topk_picks(meta, topk, seed)
+    for k, b in enumerate(rows):
+        _zoom(fig, gs[2 + k, :], meta, b, qsl, seq, picks)
+
+    fig.suptitle(title or f"dsv4-index step: {B} requests, {T} tokens (layout: {len(groups)} groups, "
+                 f"window {layout.sliding_window}, ratios {layout.c4_ratio}/{layout.c128_ratio}, "
+                 f"max_model_len {layout.max_model_len})", fontsize=FS_SUPTITLE, y=0.995)
+    path = str(path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    finally:
+        plt.close(fig)   # NOTE: also when the file cannot be written
+    return path
+
+
+def _token_order(fig, gs, meta, qsl, seq) -> None:
+    """Part 1, token order: decode rows | prefill rows (each panel as wide as it needs), the token axis below."""
+    plt = _plt()
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    B, T, Tp, nd = meta.num_reqs, meta.num_tokens, meta.num_tokens_padded, meta.num_decodes
+    q = np.diff(qsl)
     kind_colors = ["#3182bd", "#9e9ac8", "#e6550d"]
     kind_names = ["decode (1 token)", "speculative decode", "prefill chunk"]
     top = gs[0, :].subgridspec(2, 2, height_ratios=[3, 1], width_ratios=[4.2, 1.0], hspace=1.0, wspace=0.12)
@@ -181,7 +204,13 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
         for a in (ax, ax2):
             a.tick_params(labelsize=FS_SMALL)
 
-    # 2. occupancy: per group, the decode rows and (in their own panel, so they stay visible) the prefill rows
+
+def _occupancy_panels(fig, gs, meta, qsl, seq, max_rows: int) -> None:
+    """Part 2, occupancy: per group, the decode rows and (in their own panel, so they stay visible) the prefill rows."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    B, nd, groups = meta.num_reqs, meta.num_decodes, meta.layout.groups
     cmap = ListedColormap(_CAT_COLORS)
     cat_all = {g.gid: _occupancy(meta, g, qsl, seq, B) for g in groups}
     spans = [(0, min(nd, max_rows))] + ([(nd, min(B, nd + max_rows))] if B > nd else [])
@@ -210,20 +239,6 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
     fig.legend(handles=[Patch(facecolor=c, edgecolor="0.6", label=n) for c, n in zip(_CAT_COLORS, _CAT_NAMES)],
                loc="upper center", ncol=5, fontsize=FS_LABEL, frameon=False,
                bbox_to_anchor=(0.5, _legend_y(fig, gs)))
-
-    # 3. zoomed requests ----------------------------------------------------------------------
-    picks = _topk_picks(meta, topk, seed)
-    for k, b in enumerate(rows):
-        _zoom(fig, gs[2 + k, :], meta, b, qsl, seq, picks)
-
-    fig.suptitle(title or f"dsv4-index step: {B} requests, {T} tokens (layout: {len(groups)} groups, "
-                 f"window {layout.sliding_window}, ratios {layout.c4_ratio}/{layout.c128_ratio}, "
-                 f"max_model_len {layout.max_model_len})", fontsize=FS_SUPTITLE, y=0.995)
-    path = str(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 def _legend_y(fig, gs) -> float:
