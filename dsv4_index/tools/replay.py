@@ -225,6 +225,8 @@ def _complete(res: ReplayResult, version: int, end, steps) -> ReplayResult:
     if version < 3:
         res.notes.append(f"a version-{version} trace has no end line: a trace cut at a line boundary cannot be told "
                          "from a complete one")
+    elif end is not None and end.get("error"):
+        res.notes.append(f"the recording ended with an error (line {end['line']}): {end['error']}")
     elif end is None:
         last = steps[-1]["line"] if steps else 1
         res.problem = Problem(len(steps), last, "incomplete", f"the trace ends after line {last} without its end line "

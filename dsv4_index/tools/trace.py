@@ -32,7 +32,8 @@ Trace format (one JSON object per line, UTF-8), version 3:
   and field over the valid rows, and the block-table rows the step read). A replay recomputes them
   and names the first step, channel, field and row that differ from the recording;
 * last, written when the recording closes: ``{"type": "end", "steps": n, "rejected": r, "outputs": o}``,
-  the counts of the lines before it. A version-3 trace without it was cut (or its recording never
+  the counts of the lines before it (and ``"error"``, the exception that ended the ``record_steps`` block,
+  if one did). A version-3 trace without it was cut (or its recording never
   closed): the replay says so and exits non-zero.
 
 Version 1 traces (no ``outputs`` lines) and version 2 (no ``end`` line) still replay. Every file a
@@ -164,7 +165,8 @@ class Recorder:
                          digests=output_digests(meta, self._pipe, values_limit=self.values_limit)))
         self.num_outputs += 1
 
-    def close(self) -> None:
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """Unhook ``build`` and write the end line (with ``error``: what ended the recording early)."""
         if self._hook is not None:
             prior, build = self._hook
             if self._pipe.__dict__.get("build") is build:
@@ -174,7 +176,10 @@ class Recorder:
                     self._pipe.build = prior
             self._hook = None
         if not self._f.closed:   # NOTE: the end line: a trace without it was cut or never closed
-            self._write(dict(type="end", steps=self.num_steps, rejected=self.num_rejected, outputs=self.num_outputs))
+            end = dict(type="end", steps=self.num_steps, rejected=self.num_rejected, outputs=self.num_outputs)
+            if error is not None:
+                end["error"] = f"{type(error).__name__}: {error}"
+            self._write(end)
         self._f.close()
 
     def __enter__(self):
@@ -210,12 +215,16 @@ def record_steps(pipe, path: Union[str, Path], *, outputs: bool = True, values_l
             rec.record(batch, pad, None if ids is None else list(ids))
 
     pipe.update = update
+    error = None
     try:
         yield rec
+    except BaseException as e:   # NOTE: recorded in the end line, then re-raised
+        error = e
+        raise
     finally:
         if pipe.__dict__.get("update") is update:
             del pipe.update
-        rec.close()
+        rec.close(error)
 
 
 def _raw_lines(path):

@@ -96,7 +96,9 @@ def _entry(at: _At, e, field: str, bound) -> None:
 def check_end(path, n: int, d) -> dict:
     """An ``end`` line's fields (its counts are compared with the trace by the reader)."""
     at = _At(path, n)
-    at.dict(d, "", ("type", "steps", "rejected", "outputs"))
+    at.dict(d, "", ("type", "steps", "rejected", "outputs"), ("error",))
     for k in ("steps", "rejected", "outputs"):
         at.int(d[k], k, 0)
+    if "error" in d:
+        at.str(d["error"], "error")
     return d

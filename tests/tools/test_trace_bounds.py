@@ -151,3 +151,21 @@ def test_the_end_line_counts_the_lines_before_it(trace, tmp_path, capsys):
     ds[-1]["steps"] = -1
     refused(write(tmp_path / "neg.jsonl", ds), r"steps: -1 is out of range", len(ds), "steps")
     capsys.readouterr()
+
+
+def test_an_error_that_ends_the_recording_is_in_the_end_line(tmp_path):
+    lay = DSV4Layout.from_config("tiny", max_model_len=128, mla_block_size=16, swa_block_size=8)
+    pipe = MetadataPipeline(lay, 4, T_MAX, "cpu", 1, backend="reference")
+    sched = ReferenceScheduler(lay, 64, max_num_batched_tokens=24, max_num_seqs=4, num_speculative_tokens=1)
+    path = tmp_path / "crash.jsonl"
+    with pytest.raises(RuntimeError, match="device lost"):
+        with record_steps(pipe, path):
+            for i, (step, _) in enumerate(scripted_trace(sched, SCRIPT)):
+                pipe.update(step)
+                if i == 1:
+                    raise RuntimeError("device lost")   # NOTE: as if step 1's build had crashed
+                pipe.build()
+    ds = lines(path)
+    assert ds[-1] == dict(type="end", steps=2, rejected=0, outputs=1, error="RuntimeError: device lost")
+    res = replay_trace(path, device="cpu", backend="reference")
+    assert res.ok and "the recording ended with an error" in " ".join(res.notes), res.report()
