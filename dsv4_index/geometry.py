@@ -170,10 +170,10 @@ class DSV4Layout:
                 cp_world_size=cp_world_size, cp_interleave=cp_interleave, sliding_tables=sliding_tables,
                 circular=circular, compact_compressed=compact_compressed, groups=groups)
         except ValueError as e:
-            from .config import ConfigError
+            from .config import ConfigError, key_path
 
             label, source = _config_label(config)
-            field = "groups" if str(e).startswith("groups") else getattr(e, "field", None)
+            field = key_path(str(e)) or getattr(e, "field", None)
             raise ConfigError(f"from_config({label}): {e}", source, field=field) from e
 
     @classmethod

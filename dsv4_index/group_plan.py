@@ -78,13 +78,13 @@ def vllm_plan(ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> 
     return plan
 
 
-def _role_of_layer_name(name: str, ratios, r4, r128) -> Tuple[str, int]:
+def _role_of_layer_name(name: str, ratios, r4, r128, where: str = "groups") -> Tuple[str, int]:
     m = _LAYER_RE.search(name)
     if m is None:
-        raise ValueError(f"groups: layer name {name!r} has no 'layers.<i>.' part")
+        raise ValueError(f"{where}: layer name {_short(name)} has no 'layers.<i>.' part")
     layer = int(m.group(1))
     if not 0 <= layer < len(ratios):
-        raise ValueError(f"groups: layer name {name!r} names layer {layer}, the config has {len(ratios)}")
+        raise ValueError(f"{where}: layer name {_short(name)} names layer {layer}, the config has {len(ratios)}")
     if name.endswith("swa_cache"):
         return "swa", layer
     if name.endswith("state_cache"):
@@ -92,18 +92,49 @@ def _role_of_layer_name(name: str, ratios, r4, r128) -> Tuple[str, int]:
     return "mla", layer
 
 
+_GROUP_KEYS = ("role", "layers", "layer_names", "block_size", "name")
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _check_group(i: int, g) -> None:
+    """The keys and value types of ``groups[i]``; ``ValueError`` naming the key path
+    (``groups[2].layer_names[0]``). Explicit groups accept only the keys they use."""
+    if not isinstance(g, Mapping):
+        raise ValueError(f"groups[{i}] must be a dict (role / layers / layer_names / block_size / name), "
+                         f"got {type(g).__name__}")
+    for k in g:
+        if k not in _GROUP_KEYS:
+            why = (" (a group's window is the config's sliding_window; explicit groups take "
+                   if k == "window" else " (explicit groups take ") + ", ".join(_GROUP_KEYS) + ")"
+            raise ValueError(f"groups[{i}].{_short(k) if not isinstance(k, str) else k}: unknown key{why}")
+    for k in ("name", "role"):
+        v = g.get(k)
+        if v is not None and (not isinstance(v, str) or not v.isprintable()):
+            raise ValueError(f"groups[{i}].{k} must be a string, got {type(v).__name__} {_short(v)}")
+    for k, what in (("layer_names", "a layer name (a string)"), ("layers", "a layer index (an int)")):
+        v = g.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"groups[{i}].{k} must be a list of layer {'names' if k == 'layer_names' else 'indices'}"
+                             f", got {_short(v)}")
+        for j, x in enumerate(v):
+            if not (isinstance(x, str) if k == "layer_names" else is_int(x)):
+                raise ValueError(f"groups[{i}].{k}[{j}] must be {what}, got {type(x).__name__} {_short(x)}")
+
+
 def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
     plan = []
     for i, g in enumerate(groups):
-        if not isinstance(g, Mapping):
-            raise ValueError(f"groups[{i}] must be a dict (role / layers / layer_names / block_size / name), "
-                             f"got {type(g).__name__}")
-        unknown = set(g) - {"role", "layers", "layer_names", "block_size", "name", "window"}
-        if unknown:
-            raise ValueError(f"groups[{i}] has unknown key(s) {sorted(unknown)}")
+        _check_group(i, g)
         role, layers = g.get("role"), g.get("layers")
         if g.get("layer_names") is not None:
-            found = {_role_of_layer_name(n, ratios, r4, r128) for n in g["layer_names"]}
+            found = {_role_of_layer_name(n, ratios, r4, r128, f"groups[{i}].layer_names[{j}]")
+                     for j, n in enumerate(g["layer_names"])}
             roles = {r for r, _ in found}
             if len(roles) != 1 or (role is not None and roles != {role}):
                 raise ValueError(f"groups[{i}]: layer_names hold caches of roles {sorted(roles)}; one group "
@@ -114,8 +145,6 @@ def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
         if role not in ROLES:
             raise ValueError(f"groups[{i}].role must be one of {list(ROLES)}, got {role!r}")
         if layers is not None:
-            if isinstance(layers, (str, bytes)) or not all(is_int(x) for x in layers):
-                raise ValueError(f"groups[{i}].layers must be a list of layer indices, got {layers!r}")
             layers = tuple(layers)
         bs = g.get("block_size")
         if bs is not None:

@@ -21,8 +21,9 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from ._common import check_cp, check_int, use_triton
+from ._common import check_cp, use_triton
 from .batch import StepBatch
+from .capacity import BOUNDS, check_capacities, memory_estimate
 from .channels import BuildContext, ChannelBuilder, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
@@ -31,7 +32,7 @@ from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, e
 from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
 from .state.requests import RowIds, SlotMap
 
-MAX_STAGED_BLOCKS = 1 << 26  # NOTE: 2 pinned buffers x (ids + destinations) x 4 B: 1 GiB at most
+MAX_STAGED_BLOCKS = BOUNDS["max_staged_blocks"][0]
 
 __all__ = ["MetadataPipeline"]
 
@@ -64,10 +65,6 @@ class MetadataPipeline:
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
-    record : str or Path, optional — write every ``update()`` (the array-form step and its pad size,
-        rejected steps with their error) to this JSONL trace (:mod:`dsv4_index.tools.trace`); replay it with
-        ``python -m dsv4_index replay TRACE``. Through :func:`~dsv4_index.tools.trace.record_steps`;
-        :meth:`close_recording` ends it.
     steady : bool — check a steady step (the last batch again, one-id appends) on the steady path of
         ``state/steady.py`` (same plan, same errors); False: every step takes the general checks.
     """
@@ -76,15 +73,13 @@ class MetadataPipeline:
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False, record=None, steady: bool = True):
-        for name, v, lo in (("max_num_reqs", max_num_reqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
-                            ("num_speculative_tokens", num_speculative_tokens, 0)):
-            check_int(name, v, lo=lo)
-        if max_staged_blocks is not None:  # NOTE: bounded before any staging buffer is allocated
-            check_int("max_staged_blocks", max_staged_blocks, lo=1, hi=MAX_STAGED_BLOCKS)
+                 cuda_graphs: bool = False, steady: bool = True):
+        check_cp(cp_world_size, cp_rank, cp_interleave)
+        # NOTE: every capacity bounded (largest value and reason) before anything is allocated
+        check_capacities(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
+                         (cp_world_size, cp_rank, cp_interleave))
         if checks not in CHECK_LEVELS:
             raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
-        check_cp(cp_world_size, cp_rank, cp_interleave)
         for g in layout.groups:
             if cp_world_size > 1 and g.sharded and g.alloc_block_size % cp_interleave:
                 raise ValueError(f"cp_interleave={cp_interleave} must divide the allocation block size "
@@ -158,11 +153,15 @@ class MetadataPipeline:
                             if type(b).topk_to_slots is not ChannelBuilder.topk_to_slots}
         self._num_launches = (1 if self._fused else 0) + len(self._unfused)
         self.last_step_stats = StepStats()
-        self.recording = None
-        if record is not None:
-            from .tools.trace import record_steps  # NOTE: lazy: the tools import the pipeline, not the reverse
-            self._record_block = record_steps(self, record)
-            self.recording = self._record_block.__enter__()
+        self._last_batch: Optional[tuple] = None
+
+    @classmethod
+    def memory_estimate(cls, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
+                        num_speculative_tokens: int = 0, **kwargs) -> dict:
+        """Bytes a pipeline of these arguments (the constructor's) allocates, computed without allocating:
+        ``{"device", "host", "pinned", "parts"}`` (:func:`dsv4_index.capacity.memory_estimate`); the same
+        ``ValueError`` as the constructor for a capacity beyond its bound."""
+        return memory_estimate(layout, max_num_reqs, max_num_batched_tokens, device, num_speculative_tokens, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -192,7 +191,8 @@ class MetadataPipeline:
         elif isinstance(step, StepBatch):
             batch = step
         else:
-            raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__}")
+            raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__} "
+                             "(no attribute 'scheduled_new_reqs', which a SchedulerOutput has)")
         try:
             plan = self.requests.plan(batch, pad_to)
         except ValueError as e:
@@ -212,6 +212,7 @@ class MetadataPipeline:
         nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs, self.requests.signature)
         self.ctx.set_step(plan)
         self._plan = plan
+        self._last_batch = (batch, pad_to, None if delta is None else delta.order)
         self.last_step_stats = StepStats(num_h2d_copies=1, h2d_bytes=nbytes, num_writes=nwrites,
                                          num_launches=self._num_launches, num_applies=applies)
 
@@ -291,6 +292,7 @@ class MetadataPipeline:
                 self._fused.launch(self.staging.lay)
                 self._fused.check_direct_launch(self.staging.lay)
             self.build()
+        self._last_batch = None
         for conv in self._converters.values():
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
             # NOTE: topk needs >= T_pad rows (the last warm-up size), not 1
@@ -351,9 +353,11 @@ class MetadataPipeline:
         """True when the last accepted step was checked on the steady path (``state/steady.py``)."""
         return self._plan is not None and self._plan.steady
 
-    def close_recording(self) -> None:
-        """Stop recording (``record=``) and close the trace file."""
-        if self.recording is not None:
-            self._record_block.__exit__(None, None, None)
-            self.recording = None
+    @property
+    def last_batch(self) -> Optional[tuple]:
+        """``(StepBatch, pad_to, req_ids)`` of the last accepted ``update()``, whatever its input form
+        (a StepInput or SchedulerOutput as the array-form step it was converted to; ``req_ids`` the
+        request id of each of its rows, None for a StepBatch input); None before. Read only: what a
+        recorder (:func:`dsv4_index.tools.trace.record_steps`) writes."""
+        return self._last_batch
 

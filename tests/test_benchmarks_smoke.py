@@ -57,13 +57,9 @@ def test_bench_step_without_cuda_says_so():
 
 
 PRIVATE = re.compile(r"\b(?:pipe|gpu|ref|pipeline)\._[a-z]\w*")
-# NOTE: pipe._staged_writes is stale (the pipeline keeps staging.pending_writes now): the assignment is silently
-# ignored, so update() applies the pending writes inside the timed call. The file belongs to another change.
-_STALE = {"benchmarks/frontend_profile.py": "pipe._staged_writes is a stale private (staging.pending_writes now)"}
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(reason=_STALE[p], strict=False))
-                                  if p in _STALE else p for p in SCRIPTS])
+@pytest.mark.parametrize("path", SCRIPTS)
 def test_no_private_pipeline_attributes(path):
     """A benchmark reads the pipeline through its public accessors (``stage_layout``, ``fused_plan``,
     ``builders``, ...): ``pipe._lay`` outlived its attribute once and broke ``--ab`` unseen."""

@@ -268,7 +268,8 @@ def test_pipeline_multi_block_rings_flash(device):
 def test_trace_round_trip(tmp_path):
     # a recorded trace keeps the ring's capacity and block size; the replay rebuilds the same layout
     from dsv4_index.testing.scheduler import scripted_trace
-    from dsv4_index.tools.trace import layout_from_json, layout_to_json, read_trace, record_steps, replay_trace
+    from dsv4_index.tools.replay import replay_trace
+    from dsv4_index.tools.trace import layout_from_json, layout_to_json, read_trace, record_steps
     from dsv4_index.tools.trace_schema import rebuild_layout
 
     lay = DSV4Layout.from_config("tiny", max_model_len=256, mla_block_size=16, circular={"c128_state": (32, 4)})

@@ -55,7 +55,7 @@ def test_sparse_decode_loop_record_and_replay(tmp_path):
     trace = tmp_path / "steps.jsonl"
     rc, out = run("sparse_decode_loop.py", "--steps", 10, "--record", trace)
     assert rc == 0, out
-    from dsv4_index.tools.trace import replay_trace
+    from dsv4_index.tools.replay import replay_trace
     res = replay_trace(trace, progress=False)
     assert res.ok, res.report()
     assert res.num_steps == 10

@@ -184,14 +184,6 @@ def test_fused_imports_no_builtin_channel(path):
 # ----------------------------------------------------------------------------------------------
 # the static import graph: acyclic, lazy imports included; the core never imports the tools
 # ----------------------------------------------------------------------------------------------
-# NOTE: the two edges that still close a circle today, removed by the edges branch (record= through
-# the pipeline's accepted batch; tools/trace no longer re-exports tools/replay). Delete this list after
-# merging it: test_known_edges_still_exist fails once they are gone, to make sure it is deleted.
-KNOWN_EDGES = frozenset({
-    ("dsv4_index.pipeline", "dsv4_index.tools.trace"),      # removed by the edges branch
-    ("dsv4_index.pipeline", "dsv4_index.tools"),            # (the same import: its package)
-    ("dsv4_index.tools.trace", "dsv4_index.tools.replay"),  # removed by the edges branch
-})
 TOOLS = ("dsv4_index.tools", "dsv4_index.testing", "dsv4_index.__main__")
 
 
@@ -293,14 +285,8 @@ def test_the_graph_finds_lazy_and_type_checking_cycles(tmp_path):
 
 
 def test_static_import_graph_is_acyclic():
-    cycle = find_cycle(GRAPH, skip=KNOWN_EDGES)
+    cycle = find_cycle(GRAPH)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
-
-
-def test_known_edges_still_exist():
-    """Each allowed edge is still there; once the edges branch removed it, delete it from KNOWN_EDGES."""
-    for a, b in KNOWN_EDGES:
-        assert b in GRAPH[a], f"{a} no longer imports {b}: remove the pair from KNOWN_EDGES"
 
 
 def _is_tool(mod: str) -> bool:
@@ -309,7 +295,7 @@ def _is_tool(mod: str) -> bool:
 
 def test_core_never_imports_the_tools():
     bad = sorted((a, b) for a, targets in GRAPH.items() if not _is_tool(a) for b in targets
-                 if _is_tool(b) and (a, b) not in KNOWN_EDGES)
+                 if _is_tool(b))
     assert not bad, f"core modules import tools: {bad}"
 
 
