@@ -23,6 +23,7 @@ import torch
 
 from ._common import check_cp, check_int, use_triton
 from .batch import SlotMap, StepBatch, batch_from_scheduler_output, batch_from_step
+from .engine_plan import check_block_counts
 from .channels import BuildContext, ChannelBuilder, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
@@ -194,6 +195,7 @@ class MetadataPipeline:
         else:
             raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__}")
         try:
+            check_block_counts(self.layout, batch)  # NOTE: issue 28: lists of another group plan never pass
             plan = self.requests.plan(batch, pad_to)
         except ValueError as e:
             named = e if delta is None else explain(e, batch, delta, src)  # NOTE: id-keyed: name the request
