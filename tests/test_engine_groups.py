@@ -28,7 +28,8 @@ def test_vllm_plan_of_flash_and_pro(name, n_layers, c4, c128):
     assert [g.name for g in lay.groups] == ["swa_0", "swa_1", "mla"] + states
     assert [g.role for g in lay.groups] == ["swa", "swa", "mla"] + states
     bs = {"c4_state": (4, 8), "c128_state": (8, 128)}
-    assert [(g.block_size, g.window) for g in lay.groups] == [(64, 128), (64, 128), (256, None)] + [bs[s] for s in states]
+    assert [(g.block_size, g.window) for g in lay.groups] == \
+        [(64, 128), (64, 128), (256, None)] + [bs[s] for s in states]
     swa0, swa1 = lay.groups[0].layers, lay.groups[1].layers
     assert swa0 == tuple(range(0, n_layers, 2)) and swa1 == tuple(range(1, n_layers, 2))  # tuples[i::2]
     assert len(swa0) == len(swa1) == n_layers // 2                                        # 22/22, 31/31
@@ -76,7 +77,8 @@ def test_explicit_groups_by_layer_names_equal_the_vllm_plan():
     # by roles and indices, with an engine block size
     lay2 = DSV4Layout.from_config("flash", 4096, groups=[
         dict(role="swa", layers=list(range(0, 44, 2)), block_size=32),
-        dict(role="swa", layers=list(range(1, 44, 2))), dict(role="mla"), dict(role="c4_state"), dict(role="c128_state")])
+        dict(role="swa", layers=list(range(1, 44, 2))), dict(role="mla"), dict(role="c4_state"),
+        dict(role="c128_state")])
     assert [g.block_size for g in lay2.groups] == [32, 64, 256, 4, 8]
 
 
