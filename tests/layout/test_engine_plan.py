@@ -97,7 +97,8 @@ def test_without_mtp_the_draft_layer_is_served_by_no_group():
     with pytest.raises(ValueError, match="layer 43 is served by no group"):
         lay.layer_channels(43)
     # the explicit form in vLLM's order (refused before: "layers [43] have a swa cache but no group")
-    groups = [dict(layer_names=g["layer_names"], block_size=g["block_size"]) for g in fixture("flash")["kv_cache_groups"]]
+    groups = [dict(layer_names=g["layer_names"], block_size=g["block_size"])
+              for g in fixture("flash")["kv_cache_groups"]]
     assert DSV4Layout.from_config("flash", 4096, groups=groups).groups == lay.groups
 
 
