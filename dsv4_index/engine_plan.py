@@ -13,7 +13,8 @@ holds and checks the plan against the model config; ``DSV4Layout.from_kv_cache_c
 
 :func:`check_block_counts` is the count rule of issue 28: the full block lists a step hands over for a
 request (new requests, resumed ones) must be lists of one token count ``T >= 1`` in every group
-(``len == cdiv(T, block_size)`` for each non-circular group with a non-empty list). Lists in another
+(``len == cdiv(T, block_size)`` for each non-circular group whose list is long enough for the step; a
+list too short is left to the pipeline's own "block ids missing" check). Lists in another
 group order (vLLM 0.33's ``[swa_0, swa_1, mla, ...]`` read as ``[mla, swa_0, swa_1, ...]``) disagree as
 soon as a request's length tells two block sizes apart; a step whose every request fits one block of
 each permuted group cannot be told apart by counts (build the layout from the engine's plan).
@@ -209,11 +210,16 @@ def check_block_counts(layout, batch, where: str = "step") -> None:
     batch : StepBatch — ``write_gids / write_slots / write_starts / write_cu`` int64 arrays, one entry
         per run; ``req_slots``, ``num_computed_tokens``, ``num_scheduled_tokens`` ``[B]``.
 
-    Raises ValueError naming the slot and the two groups whose lists disagree. Circular groups (a ring
-    of fixed blocks) are not checked, nor any group under DCP.
+    Raises ValueError naming the slot and the two groups whose lists disagree. Checked: layouts of an
+    engine's group plan (a group with a layer list: ``groups="vllm"``, explicit groups with layers,
+    :func:`layout_from_kv_cache_config`); the one-group-per-role default layout keeps accepting lists
+    longer than the step needs (hand-written steps). Circular groups (a ring of fixed blocks) are not
+    checked, nor any layout under DCP.
     """
+    if layout.cp_world_size > 1 or all(g.layers is None for g in layout.groups):
+        return  # NOTE: only engine group plans (groups="vllm", layer lists, from_kv_cache_config) are checked
     full = np.flatnonzero(batch.write_starts == 0)
-    if not full.size or layout.cp_world_size > 1:
+    if not full.size:
         return
     groups = layout.groups
     lens = (batch.write_cu[full + 1] - batch.write_cu[full]).astype(np.int64)
@@ -225,6 +231,13 @@ def check_block_counts(layout, batch, where: str = "step") -> None:
         return
     slots, lens, gids = batch.write_slots[full][keep], lens[keep], gids[keep]
     lo, hi = (lens - 1) * a[gids] + 1, lens * a[gids]  # NOTE: the token counts T the list can hold
+    need = np.zeros(int(max(slots.max(), batch.req_slots.max(initial=0))) + 1, dtype=np.int64)
+    need[batch.req_slots] = batch.num_computed_tokens + batch.num_scheduled_tokens
+    enough = hi >= need[slots]  # NOTE: a list too short for the step is the pipeline's "block ids missing"
+    if not enough.all():
+        slots, lo, hi, gids = slots[enough], lo[enough], hi[enough], gids[enough]
+        if not slots.size:
+            return
     order = np.argsort(slots, kind="stable")
     slots, lo, hi, gids = slots[order], lo[order], hi[order], gids[order]
     starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])

@@ -189,7 +189,8 @@ def add_arguments(p) -> None:
     p.add_argument("--groups", default=None, help="vllm (vLLM 0.33's plan), or a JSON file of the engine's "
                    "kv_cache_groups (a KVCacheConfig dump); default: one group per role")
     p.add_argument("--spec", type=int, default=0, metavar="N", help="speculative tokens (default 0)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
+                   help="token budget of a step; sizes the sliding ring tables (default 8192)")
     p.add_argument("--json", action="store_true", help="print the audit as JSON")
 
 
