@@ -184,3 +184,20 @@ def test_consistent_lists_with_lookahead_pass():
     pipe = MetadataPipeline(eng, 4, 256, "cpu", 1, backend="reference")
     pipe.update(StepInput([NewRequest("a", _lists(eng, 65), 0)], [], {"a": 64}))  # vLLM: T = n + lookahead
     assert pipe.build().num_tokens == 64
+
+
+@pytest.mark.parametrize("name", ["flash_mtp", "pro"])
+def test_reference_scheduler_trace_on_the_engine_plan(name):
+    """Random trace (chunks, speculative decoding, preemption, prefix hits) on the layout read from vLLM
+    0.33's plan: every step passes the count rule and the validator."""
+    from dsv4_index.testing.scheduler import random_trace
+
+    lay = DSV4Layout.from_kv_cache_config(fixture(name), name.split("_")[0], 1024)
+    pipe = MetadataPipeline(lay, 6, 48, "cpu", 2, backend="reference", validate=True)
+    steps = 0
+    for step, _ in random_trace(lay, 20, seed=5, num_blocks=300, prompt_len=(1, 300), max_num_batched_tokens=40,
+                                max_num_seqs=4, num_speculative_tokens=2, max_new_tokens=(2, 10)):
+        pipe.update(step)
+        pipe.build()
+        steps += 1
+    assert steps == 20
