@@ -75,9 +75,15 @@ class EnginePlan:
         roles: List[str] = []
         layer_sets: List[Tuple[int, ...]] = []
         mla_layers: set = set()
+        full_seen: Optional[int] = None
         for i, g in enumerate(self.groups):
             where = f"kv_cache_groups[{i}] ({g.spec}, block_size {g.block_size})"
-            found = {}
+            if g.kind == "full":
+                if full_seen is not None:
+                    raise ValueError(f"{where} (first layer {g.layer_names[0]!r}) is a second full MLA group beside "
+                                     f"kv_cache_groups[{full_seen}]; this layout serves every MLA cache from one group")
+                full_seen = i
+            found: Dict[str, str] = {}
             for name in g.layer_names:
                 role, layer = _cache_of(where, name, ratios, r4)
                 found.setdefault(role, name)
@@ -150,7 +156,7 @@ def _get(obj, key: str, default=None):
     return getattr(obj, key, default)
 
 
-def _spec_fields(i: int, g) -> Tuple[str, int, Optional[int]]:
+def _spec_fields(i: int, g) -> Tuple[str, int, object]:
     """(class name, block size, sliding window) of group ``i``'s spec."""
     spec = _get(g, "kv_cache_spec")
     if spec is None:  # NOTE: a plan stored as JSON (tests/layout/fixtures)
@@ -192,9 +198,13 @@ def read_engine_plan(kv_cache_config) -> EnginePlan:
         if kind is None:
             raise ValueError(f"kv_cache_groups[{i}] (spec {spec}, first layer {names[0]!r}): a spec kind this "
                              f"library does not know yet (full MLA, sliding window, circular buffer)")
-        if kind == "sliding" and (not is_int(win) or win < 1):
-            raise ValueError(f"kv_cache_groups[{i}] (spec {spec}): sliding_window must be an int >= 1, got {win!r}")
-        out.append(EngineGroup(tuple(names), kind, bs, win if kind == "sliding" else None, spec,
+        window: Optional[int] = None
+        if kind == "sliding":
+            if not (is_int(win) and win >= 1):  # type: ignore[operator]
+                raise ValueError(f"kv_cache_groups[{i}] (spec {spec}): sliding_window must be an int >= 1, "
+                                 f"got {win!r}")
+            window = int(win)  # type: ignore[call-overload]
+        out.append(EngineGroup(tuple(names), kind, bs, window, spec,
                                bool(_get(g, "is_eagle_group", False))))
     return EnginePlan(tuple(out))
 

@@ -76,7 +76,7 @@ def _overlap(g, L: int, draft: bool, reps: int = 8) -> bool:
     if g.kind != "sliding":
         return True
     b, w = g.alloc_block_size, g.window
-    mask = set()
+    mask: set = set()
     for k in range(1, reps + 1):
         mask.update(_covering(k * L - w, k * L, b))
     for k in range(1, reps + 1):

@@ -135,6 +135,10 @@ def _edit(fn):
      r"kv_cache_groups\[5\] \(SlidingWindowMLASpec, block_size 2\).*layer 2 \(window 8\)"),
     (lambda gs: gs[0]["layer_names"].append("model.layers.3.self_attn.compressor.state_cache"),
      "several kinds"),
+    # vllm-ascend style: the C128 main caches in a group of their own
+    (lambda gs: gs.append(dict(layer_names=[gs[2]["layer_names"].pop()], block_size=4096,
+                               layer_spec="MLAAttentionSpec")),
+     r"kv_cache_groups\[5\] .*'model.layers.42.self_attn'.*second full MLA group beside kv_cache_groups\[2\]"),
 ])
 def test_plans_the_layout_cannot_serve(edit, match):
     with pytest.raises(ValueError, match=match):
