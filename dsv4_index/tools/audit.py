@@ -88,7 +88,7 @@ def _overlap(g, L: int, draft: bool, reps: int = 8) -> bool:
 
 def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: int = 8192,
           chunks: Sequence[int] = DEFAULT_CHUNKS, short_prompt: int = 4096,
-          draft_groups: Optional[Sequence[str]] = None) -> dict:
+          draft_groups: Optional[Sequence[str]] = None, num_hidden_layers: Optional[int] = None) -> dict:
     """The audit of ``layout`` (module docstring) as a JSON-ready dict.
 
     Parameters
@@ -99,7 +99,10 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     chunks : sequence of int — chunk lengths whose block demand is reported.
     short_prompt : int — warn when prompts of this many tokens get no prefix hit.
     draft_groups : names of the groups the draft (MTP) layers read; default: the groups that hold a
-        layer past ``num_hidden_layers`` (an ``*_mtp`` group, or the SWA sub-group holding it).
+        layer at or past ``num_hidden_layers`` (an ``*_mtp`` group, or the SWA sub-group holding it).
+    num_hidden_layers : int, optional — the config's (the CLI passes it); default: the layers of a
+        ``*_mtp`` group, else DeepSeek-V4's one SWA-only MTP layer after a compressed one when the plan
+        serves it.
 
     Returns
     -------
@@ -108,7 +111,8 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     bytes_per_token, demand ``{chunk: blocks}``, columns, overlap, overlap_spec) and ``warnings`` (list
     of one-line str).
     """
-    mtp = {i for i in range(layout.num_layers) if i >= layout.num_layers - _num_mtp(layout)}
+    first = num_hidden_layers if num_hidden_layers is not None else layout.num_layers - _num_mtp(layout)
+    mtp = set(range(first, layout.num_layers))
     if draft_groups is None:
         draft_groups = [g.name for g in layout.groups if g.role == "swa" and mtp & set(_group_layers(layout, g))]
     hashed = [g for g in layout.groups if g.kind != "circular"]
@@ -204,6 +208,10 @@ def audit_cmd(args) -> int:
             layout = DSV4Layout.from_kv_cache_config(json.load(f), args.config, n)
     else:
         layout = DSV4Layout.from_config(args.config, n, groups=args.groups)
-    a = audit(layout, num_speculative_tokens=args.spec, max_num_batched_tokens=args.max_num_batched_tokens)
+    from ..config import normalize_config
+
+    hidden = normalize_config(args.config)["num_hidden_layers"]
+    a = audit(layout, num_speculative_tokens=args.spec, max_num_batched_tokens=args.max_num_batched_tokens,
+              num_hidden_layers=hidden)
     print(json.dumps(a, indent=1) if args.json else format_audit(a))
     return 0
