@@ -13,11 +13,13 @@ computed, never looked up):
   ``L`` shorter than the prompt, so the *minimum prefix-hit length* is ``L``: a prompt of at most ``L``
   tokens never hits. With speculative decoding (MTP / EAGLE) the draft group drops its last matched block,
   which costs one more scheduler block: ``2 L`` (vllm-ascend #10710: block 128 x ratio 128 -> 16 K, 32 K
-  with speculation).
+  with speculation). vLLM 0.33 drops a whole scheduler block (``kv_cache_coordinator.py``: "the excluded
+  tail is scheduler_block_size, not the group's own block size"); engines before that fix dropped the
+  group's own block (``draft_drop="block"``).
 * *Write mask*: the blocks of a sliding group (window ``w``, block ``b``) that stay cached are those a hit
   at a scheduler-block boundary ``k L`` reads, the blocks covering ``[k L - w, k L)``. *Read rule*: a layer
   resuming at ``P`` reads the blocks covering ``[P - w, P)`` of its sliding group; the draft group's read
-  point is ``k L - b`` (its last block dropped). When the blocks a read needs are never in the write mask
+  point is ``k L - L`` (vLLM 0.33) or ``k L - b`` (its own last block, ``draft_drop="block"``). When the blocks a read needs are never in the write mask
   for any ``k``, every hit of that group misses and the whole request misses (vLLM #51041: V4-Flash at 0 %
   with groups of different block sizes).
 * *Chunk demand*: a chunk of ``C`` tokens needs ``cdiv(w - 1 + C, b) + f`` blocks of a sliding ring
@@ -71,7 +73,7 @@ def _covering(lo: int, hi: int, b: int) -> range:
     return range(lo // b, cdiv(hi, b)) if hi > lo else range(0)
 
 
-def _overlap(g, L: int, draft: bool, reps: int = 8) -> bool:
+def _overlap(g, L: int, drop: int, reps: int = 8) -> bool:
     """Whether some hit point's read of group ``g`` lies inside its write mask (module docstring)."""
     if g.kind != "sliding":
         return True
@@ -80,7 +82,7 @@ def _overlap(g, L: int, draft: bool, reps: int = 8) -> bool:
     for k in range(1, reps + 1):
         mask.update(_covering(k * L - w, k * L, b))
     for k in range(1, reps + 1):
-        p = k * L - (b if draft else 0)
+        p = k * L - drop
         if p > 0 and set(_covering(p - w, p, b)) <= mask:
             return True
     return False
@@ -88,7 +90,8 @@ def _overlap(g, L: int, draft: bool, reps: int = 8) -> bool:
 
 def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: int = 8192,
           chunks: Sequence[int] = DEFAULT_CHUNKS, short_prompt: int = 4096,
-          draft_groups: Optional[Sequence[str]] = None, num_hidden_layers: Optional[int] = None) -> dict:
+          draft_groups: Optional[Sequence[str]] = None, num_hidden_layers: Optional[int] = None,
+          draft_drop: str = "scheduler") -> dict:
     """The audit of ``layout`` (module docstring) as a JSON-ready dict.
 
     Parameters
@@ -100,6 +103,8 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     short_prompt : int — warn when prompts of this many tokens get no prefix hit.
     draft_groups : names of the groups the draft (MTP) layers read; default: the groups that hold a
         layer at or past ``num_hidden_layers`` (an ``*_mtp`` group, or the SWA sub-group holding it).
+    draft_drop : ``"scheduler"`` (vLLM 0.33: a hit drops one scheduler block for the draft) or ``"block"``
+        (the draft group's own last block, engines before the #51041 fix).
     num_hidden_layers : int, optional — the config's (the CLI passes it); default: the layers of a
         ``*_mtp`` group, else DeepSeek-V4's one SWA-only MTP layer after a compressed one when the plan
         serves it.
@@ -118,7 +123,9 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     hashed = [g for g in layout.groups if g.kind != "circular"]
     L = math.lcm(*(g.alloc_block_size for g in hashed)) if hashed else 0
     spec = num_speculative_tokens > 0
-    out: Dict = {"scheduler_block": L, "min_prefix_hit": L, "min_prefix_hit_spec": 2 * L,
+    if draft_drop not in ("scheduler", "block"):
+        raise ValueError(f"draft_drop must be 'scheduler' or 'block', got {draft_drop!r}")
+    out: Dict = {"draft_drop": draft_drop, "scheduler_block": L, "min_prefix_hit": L, "min_prefix_hit_spec": 2 * L,
                  "num_speculative_tokens": num_speculative_tokens,
                  "max_num_batched_tokens": max_num_batched_tokens, "groups": [], "warnings": []}
     warn = out["warnings"]
@@ -142,8 +149,9 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
         row = {"gid": g.gid, "name": g.name, "kind": g.kind, "block_size": g.alloc_block_size,
                "hash_granularity": g.alloc_block_size if g.kind != "circular" else None, "window": g.window,
                "hashed": g.kind != "circular", "draft": draft, "bytes_per_token": _bytes_per_token(layout, g),
-               "columns": cols, "demand": demand, "overlap": _overlap(g, L, False),
-               "overlap_spec": _overlap(g, L, draft)}
+               "columns": cols, "demand": demand, "overlap": _overlap(g, L, 0),
+               "overlap_spec": _overlap(g, L, (L if draft_drop == "scheduler" else g.alloc_block_size) if draft
+                                        else 0)}
         out["groups"].append(row)
         for who, ok in (("", row["overlap"]), (" with speculative decoding", row["overlap_spec"] or not spec)):
             if not ok:
@@ -195,6 +203,9 @@ def add_arguments(p) -> None:
     p.add_argument("--spec", type=int, default=0, metavar="N", help="speculative tokens (default 0)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                    help="token budget of a step; sizes the sliding ring tables (default 8192)")
+    p.add_argument("--draft-drop", default="scheduler", choices=("scheduler", "block"),
+                   help="what a prefix hit drops for the draft group: one scheduler block (vLLM 0.33, the "
+                   "default) or the group's own block (engines before the vLLM #51041 fix)")
     p.add_argument("--json", action="store_true", help="print the audit as JSON")
 
 
@@ -212,6 +223,6 @@ def audit_cmd(args) -> int:
 
     hidden = normalize_config(args.config)["num_hidden_layers"]
     a = audit(layout, num_speculative_tokens=args.spec, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_hidden_layers=hidden)
+              num_hidden_layers=hidden, draft_drop=args.draft_drop)
     print(json.dumps(a, indent=1) if args.json else format_audit(a))
     return 0
