@@ -19,9 +19,9 @@ computed, never looked up):
 * *Write mask*: the blocks of a sliding group (window ``w``, block ``b``) that stay cached are those a hit
   at a scheduler-block boundary ``k L`` reads, the blocks covering ``[k L - w, k L)``. *Read rule*: a layer
   resuming at ``P`` reads the blocks covering ``[P - w, P)`` of its sliding group; the draft group's read
-  point is ``k L - L`` (vLLM 0.33) or ``k L - b`` (its own last block, ``draft_drop="block"``). When the blocks a read needs are never in the write mask
-  for any ``k``, every hit of that group misses and the whole request misses (vLLM #51041: V4-Flash at 0 %
-  with groups of different block sizes).
+  point is ``k L - L`` (vLLM 0.33) or ``k L - b`` (its own last block, ``draft_drop="block"``). When the
+  blocks a read needs are never in the write mask for any ``k``, every hit of that group misses and the
+  whole request misses (vLLM #51041: V4-Flash at 0 % with groups of different block sizes).
 * *Chunk demand*: a chunk of ``C`` tokens needs ``cdiv(w - 1 + C, b) + f`` blocks of a sliding ring
   table (``f`` kernel blocks per allocation block), ``cdiv(C, b)`` new blocks of a full group, its ring's
   blocks of a circular group; a ring whose columns (sized for ``max_num_batched_tokens``) are fewer never
