@@ -205,3 +205,48 @@ def test_reference_scheduler_trace_on_the_engine_plan(name):
         pipe.build()
         steps += 1
     assert steps == 20
+
+
+def _alloc_steps(eng, alloc):
+    """One StepInput per new request of vLLM's own allocations: lists of vLLM's lengths (fresh ids, its
+    null blocks as 0 in front), the previous request finished."""
+    nxt, prev = 1, None
+    for i, c in enumerate(alloc["new_requests"]):
+        lists = []
+        for n, nulls in zip(c["lens"], c["nulls"]):
+            lists.append([0] * nulls + list(range(nxt, nxt + n - nulls)))
+            nxt += n - nulls
+        rid = f"r{i}"
+        yield c, StepInput([NewRequest(rid, tuple(lists), c["num_computed_tokens"])], [],
+                           {rid: c["num_scheduled_tokens"]}, finished_req_ids={prev} if prev else set())
+        prev = rid
+
+
+@pytest.mark.parametrize("name", ["flash_mtp", "flash", "pro_mtp", "pro"])
+def test_vllm_033_allocations_pass_the_count_rule_and_the_old_order_does_not(name):
+    """vLLM 0.33's KVCacheManager's own block lists (fixture): all accepted on the layout of its plan; on the
+    old order ``[mla, swa_0, swa_1, ...]`` every request whose tokens (with the lookahead) exceed one 64-token
+    SWA block is refused."""
+    alloc = fixture(f"alloc_{name}")
+    model = name.split("_")[0]
+    eng = DSV4Layout.from_kv_cache_config(fixture(name), model, 4096)
+    k = alloc["lookahead"]
+    right = MetadataPipeline(eng, 4, 2100, "cpu", k, backend="reference")
+    for _, step in _alloc_steps(eng, alloc):
+        right.update(step)
+        right.build()
+    by = {g.name: g for g in eng.groups}
+    wrong_lay = DSV4Layout.from_config(model, 4096, groups=[dict(role=by[n].role, layers=by[n].layers)
+                                                             for n in OUR_OLD_ORDER])
+    refused = 0
+    for c, step in _alloc_steps(eng, alloc):
+        wrong = MetadataPipeline(wrong_lay, 4, 2100, "cpu", k, backend="reference")
+        try:
+            wrong.update(step)
+        except ValueError as e:
+            assert "cannot belong" in str(e) or "block ids missing" in str(e)
+            refused += 1
+        else:
+            assert c["num_computed_tokens"] + c["num_scheduled_tokens"] + k <= 64, c
+    big = sum(c["num_computed_tokens"] + c["num_scheduled_tokens"] + k > 64 for c in alloc["new_requests"])
+    assert refused >= big >= len(alloc["new_requests"]) // 2
