@@ -111,7 +111,8 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
 
     Returns
     -------
-    dict with ``scheduler_block``, ``min_prefix_hit`` / ``min_prefix_hit_spec`` (tokens), ``groups``
+    dict with ``scheduler_block``, ``hash_block`` (the engine's hash granularity, the smallest hashed block
+    size: vLLM's ``cache_config.block_size``), ``min_prefix_hit`` / ``min_prefix_hit_spec`` (tokens), ``groups``
     (one dict per gid: name, kind, block_size, hash_granularity, window, hashed, draft,
     bytes_per_token, demand ``{chunk: blocks}``, columns, overlap, overlap_spec) and ``warnings`` (list
     of one-line str).
@@ -125,7 +126,8 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     spec = num_speculative_tokens > 0
     if draft_drop not in ("scheduler", "block"):
         raise ValueError(f"draft_drop must be 'scheduler' or 'block', got {draft_drop!r}")
-    out: Dict = {"draft_drop": draft_drop, "scheduler_block": L, "min_prefix_hit": L, "min_prefix_hit_spec": 2 * L,
+    out: Dict = {"draft_drop": draft_drop, "scheduler_block": L,
+                 "hash_block": min((g.alloc_block_size for g in hashed), default=0), "min_prefix_hit": L, "min_prefix_hit_spec": 2 * L,
                  "num_speculative_tokens": num_speculative_tokens,
                  "max_num_batched_tokens": max_num_batched_tokens, "groups": [], "warnings": []}
     warn = out["warnings"]
@@ -180,7 +182,8 @@ def _num_mtp(layout) -> int:
 
 def format_audit(a: dict) -> str:
     """The audit as a table for a person."""
-    lines = [f"scheduler block (lcm of hashed block sizes): {a['scheduler_block']} tokens; minimum prefix hit "
+    lines = [f"hash block {a['hash_block']}, scheduler block (lcm of hashed block sizes) {a['scheduler_block']} "
+             f"tokens; minimum prefix hit "
              f"{a['min_prefix_hit']} tokens ({a['min_prefix_hit_spec']} with speculative decoding)",
              f"{'gid':>3}  {'group':<12}{'kind':<9}{'block':>6}{'hash':>6}{'window':>7}{'B/token':>9}"
              f"{'overlap':>9}{'spec':>6}{'cols':>6}  demand per chunk (blocks)"]

@@ -41,7 +41,7 @@ def test_vllm_ascend_16270_lcm_scheduler_block():
     # C128 main group 4096 tokens (32 rows x 128), SWA 32, C4 state 2, C128 state 8: LCM = 4096
     lay = DSV4Layout.from_config("flash", 262144, mla_block_size=4096, swa_block_size=32, c4_state_block_size=2)
     a = audit(lay)
-    assert a["scheduler_block"] == 4096 and a["min_prefix_hit"] == 4096
+    assert a["scheduler_block"] == 4096 and a["min_prefix_hit"] == 4096 and a["hash_block"] == 2
     assert len(_warns(a, "#16270")) == 1 and "prefix hits need prompts longer than 4096" in a["warnings"][0]
     assert "8192" in _warns(audit(lay, num_speculative_tokens=1), "#16270")[0]
 
@@ -61,5 +61,6 @@ def test_cli_table_and_json(capsys):
     assert [g["name"] for g in a["groups"]] == ["swa_0", "swa_1", "mla", "c4_state", "c128_state"]
     assert main(["audit", "--config", "pro"]) == 0
     out = capsys.readouterr().out
-    assert "minimum prefix hit 256 tokens" in out and "no warnings" in out
+    assert "hash block 4, scheduler block (lcm of hashed block sizes) 256 tokens; minimum prefix hit 256 tokens" \
+        in out and "no warnings" in out
     assert format_audit(a).count("WARNING") == 1
