@@ -127,7 +127,8 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     if draft_drop not in ("scheduler", "block"):
         raise ValueError(f"draft_drop must be 'scheduler' or 'block', got {draft_drop!r}")
     out: Dict = {"draft_drop": draft_drop, "scheduler_block": L,
-                 "hash_block": min((g.alloc_block_size for g in hashed), default=0), "min_prefix_hit": L, "min_prefix_hit_spec": 2 * L,
+                 "hash_block": min((g.alloc_block_size for g in hashed), default=0),
+                 "min_prefix_hit": L, "min_prefix_hit_spec": 2 * L,
                  "num_speculative_tokens": num_speculative_tokens,
                  "max_num_batched_tokens": max_num_batched_tokens, "groups": [], "warnings": []}
     warn = out["warnings"]
