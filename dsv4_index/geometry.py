@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 from ._common import cdiv, check_int, is_int, round_up
+from .engine_plan import EnginePlan, layout_from_kv_cache_config
 from .group_plan import plan_groups
 from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, INDEX_ALIGN, ChannelSpec, GroupSpec
 
@@ -177,6 +178,14 @@ class DSV4Layout:
             raise ConfigError(f"from_config({label}): {e}", source, field=field) from e
 
     @classmethod
+    def from_kv_cache_config(cls, kv_cache_config, model_config, max_model_len: Optional[int] = None,
+                             **kwargs) -> "DSV4Layout":
+        """The layout of an engine's own KV-cache plan (vLLM's ``KVCacheConfig``, duck-typed): one group
+        per engine group in the engine's gid order. Parameters and errors:
+        :func:`dsv4_index.engine_plan.layout_from_kv_cache_config`."""
+        return layout_from_kv_cache_config(cls, kv_cache_config, model_config, max_model_len, **kwargs)
+
+    @classmethod
     def _from_normalized(cls, cfg: dict, max_model_len: int, *, mla_block_size, swa_block_size, c4_state_block_size,
                          c128_state_block_size, indexer_causal_indices, kernel_block_size, cp_world_size,
                          cp_interleave, sliding_tables, circular, compact_compressed, groups) -> "DSV4Layout":
@@ -255,7 +264,10 @@ class DSV4Layout:
             n = cdiv(max_model_len, ratio)
             return cdiv(n, cp_interleave * cp_world_size) * cp_interleave if cp_world_size > 1 else n
 
-        plan = plan_groups(groups, ratios, r4, r128)
+        if isinstance(groups, EnginePlan):
+            groups, rings = groups.resolve(ratios, r4, r128, n_hidden, window)
+            circular.update(rings)
+        plan = plan_groups(groups, ratios, r4, r128, n_hidden)
         known = {p.name for p in plan} | {p.role for p in plan}
         for what, keys in (("kernel_block_size", kbs), ("circular", circular)):
             bad = sorted(set(keys) - known - (set(alloc) if what == "kernel_block_size" else set()))
@@ -376,6 +388,9 @@ class DSV4Layout:
             g = self.groups[c.gid]
             if c.role in wants and (g.layers is None or layer in g.layers or g.role == "mla"):
                 out[c.role] = c.name
+        if "swa" not in out:  # NOTE: an engine plan without the MTP draft layers (group_plan)
+            raise ValueError(f"layer: layer {layer} is served by no group of this layout (an MTP draft layer "
+                             f"the engine's plan leaves out)")
         return out
 
     def with_channel(self, spec: ChannelSpec) -> "DSV4Layout":

@@ -6,16 +6,28 @@ Roles (the cache a group holds): ``"mla"`` (full: C4A / C128A main caches and th
 ``"swa"`` (sliding KV of every layer), ``"c4_state"`` (compressor state of C4A and C4I), ``"c128_state"``
 (compressor state of C128A).
 
-vLLM's plan (its KV-cache planner, ``get_kv_cache_groups`` / ``DeepseekV4KVCachePlanner``, as described in
-docs/DESIGN.md §3 "An engine's own groups"; vLLM main around PR #58074): every MLA-spec layer in one full group;
-sliding-like layers grouped by ``(block_size, window)``; per kind the count of layer tuples (full: the
-larger of the C4 and C128 layer counts, SWA: every layer, states: their layers); ``d`` = the ``d >=
-counts[0]`` with the least round-up padding ``sum(cdiv(n, d) * d - n)`` (searched up to the largest
-count, the smallest ``d`` on ties: our reading, it decides nothing for Flash or Pro); a kind of ``n``
-tuples splits into ``k = cdiv(n, d)`` sub-groups, sub-group ``i`` taking tuples ``i::k``; groups in the
-order full, SWA sub-groups, C4 state, C128 state. V4-Flash:
-counts ``[21, 44, 21, 20]``, ``d = 22``; V4-Pro ``[31, 62, 30, 31]``, ``d = 31``: 5 groups each. Newer vLLM
-planners infer block sizes and may group differently: pass the engine's actual groups then.
+vLLM's plan (vLLM 0.33's ``get_kv_cache_groups`` for the block-outermost layout that DeepSeek-V4's mixed
+cache shapes resolve to, ``_get_packed_kv_cache_groups``; checked against that function's own output in
+``tests/layout/fixtures/vllm033_*.json``): layers are bucketed by spec type in the order the model
+registers its caches (per layer: indexer K cache (mla) and indexer compressor state, SWA cache, the
+attention layer (mla), its compressor state), so the buckets come in order of first appearance: SWA
+(layer 0 has one), MLA, then the state kind of the first compressed layer. A bucket is "balanced"
+when each of its page sizes has as many layers (SWA, each state kind; the MLA bucket only when the C4
+and C128 layer counts are equal); ``d`` = the ``d >= `` (the largest balanced bucket with several page
+sizes: the C4 state) with the least round-up padding ``sum(cdiv(n, d) * d - n)`` over the balanced
+buckets' counts, the larger ``d`` on ties; a balanced bucket of ``n`` layer tuples splits into ``k =
+cdiv(n, d)`` sub-groups, sub-group ``i`` taking tuples ``i::k``; the MLA bucket, unbalanced, stays
+whole. V4-Flash: ``[swa_0, swa_1, mla, c4_state, c128_state]``, Pro: ``[swa_0, swa_1, mla, c128_state,
+c4_state]`` (d = 22 and 31). A config without C4 layers is not split (vLLM then splits sliding buckets
+by page bytes, which this plan does not model: pass the engine's groups). Newer planners infer block
+sizes and may group differently: build the layout from the engine's own plan then
+(:meth:`dsv4_index.geometry.DSV4Layout.from_kv_cache_config`).
+
+MTP draft layers (``num_nextn_predict_layers``, the last layers of ``compress_ratios``): an engine
+without speculative decoding does not create them, so an explicit plan may leave them out (they are
+then served by no group and :meth:`~dsv4_index.geometry.DSV4Layout.layer_channels` refuses them); an
+engine may also give them a group of their own (vLLM #55390): a group whose layers are all draft
+layers.
 """
 
 from __future__ import annotations
@@ -54,25 +66,49 @@ def layers_of_role(role: str, ratios: Sequence[int], r4: Optional[int], r128: Op
     return tuple(i for i, r in enumerate(ratios) if want is not None and r == want)
 
 
-def _approx_gcd(counts: List[int]) -> int:
+def _approx_gcd(counts: List[int], lower: int) -> int:
     def padding(d: int) -> int:
         return sum(cdiv(n, d) * d - n for n in counts)
 
-    # NOTE: min keeps the first minimum: the smallest d on ties
-    return min(range(max(counts[0], 1), max(counts) + 1), key=padding)
+    lo = max(lower, 1)
+    if lo > max(counts):
+        return lo
+    best = lo
+    for d in range(lo, max(counts) + 1):  # NOTE: the larger d on ties, as vLLM 0.33
+        if padding(d) <= padding(best):
+            best = d
+    return best
+
+
+def _registration_order(ratios: Sequence[int], r4: Optional[int]) -> List[str]:
+    """Roles in the order vLLM's DeepSeek-V4 modules first register a cache of them."""
+    order: List[str] = []
+    for r in ratios:
+        state = "c4_state" if r == r4 else "c128_state"
+        roles = (["mla", state] if r == r4 else []) + ["swa"] + (["mla", state] if r > 0 else [])
+        for x in roles:
+            if x not in order:
+                order.append(x)
+    return order
 
 
 def vllm_plan(ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> List[PlannedGroup]:
-    """vLLM's group plan for a DSV4 config (module docstring)."""
+    """vLLM 0.33's group plan for a DSV4 config (module docstring)."""
     layers = {role: layers_of_role(role, ratios, r4, r128) for role in ROLES}
     n4, n128 = len(layers["c4_state"]), len(layers["c128_state"])
-    kinds = [(role, len(layers[role])) for role in ("swa", "c4_state", "c128_state") if layers[role]]
-    full = max(n4, n128)
-    counts = ([full] if full else []) + [n for _, n in kinds]
-    d = _approx_gcd(counts)
-    plan = [PlannedGroup("mla", "mla")] if full else []
-    for role, n in kinds:
-        k = cdiv(n, d)
+    balanced = {"swa": len(layers["swa"]), "c4_state": n4, "c128_state": n128}
+    if n4 and n128 and n4 == n128 or n4 and not n128 or n128 and not n4:
+        balanced["mla"] = max(n4, n128)
+    balanced = {k: v for k, v in balanced.items() if v}
+    lower = n4  # NOTE: the C4 state bucket (indexer + attention states) and a balanced mla have 2+ page sizes
+    d = _approx_gcd(list(balanced.values()), lower) if lower else None
+    plan = []
+    for role in _registration_order(ratios, r4):
+        n = balanced.get(role)
+        k = 1 if d is None or n is None or role == "mla" else cdiv(n, d)
+        if role == "mla":
+            plan.append(PlannedGroup("mla", "mla"))
+            continue
         for i in range(k):
             plan.append(PlannedGroup(role, role if k == 1 else f"{role}_{i}", layers[role][i::k]))
     return plan
@@ -164,7 +200,8 @@ def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
     return out
 
 
-def plan_groups(groups, ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> List[PlannedGroup]:
+def plan_groups(groups, ratios: Sequence[int], r4: Optional[int], r128: Optional[int],
+                num_hidden_layers: Optional[int] = None) -> List[PlannedGroup]:
     """The plan of ``from_config(groups=...)``: None (one group per present role, docs/DESIGN.md §3 order),
     ``"vllm"``, or an explicit list of dicts, one per engine group in the engine's gid order: ``role``
     (or ``layer_names``: vLLM's layer names ``model.layers.<i>.<...>`` ending in ``swa_cache`` (swa),
@@ -172,7 +209,9 @@ def plan_groups(groups, ratios: Sequence[int], r4: Optional[int], r128: Optional
     default every layer of the role), ``block_size`` (allocation block size), ``name``.
 
     Checks: names unique; one mla group at most; every layer that has a cache of a role is served by
-    exactly one group of that role; a group serves only layers of its role.
+    exactly one group of that role (an explicit list may leave out the MTP draft layers, those at or
+    past ``num_hidden_layers``, entirely: an engine without speculative decoding has none); a group
+    serves only layers of its role.
     """
     if groups is None:
         plan = [PlannedGroup(r, r) for r in ROLES if layers_of_role(r, ratios, r4, r128)]
@@ -187,6 +226,7 @@ def plan_groups(groups, ratios: Sequence[int], r4: Optional[int], r128: Optional
     names = [p.name for p in plan]
     if len(set(names)) != len(names):
         raise ValueError(f"groups: group names must be unique, got {names}")
+    unserved: set = set()
     if sum(p.role == "mla" for p in plan) > 1:
         raise ValueError("groups: at most one mla group (every compressed layer reads one full table)")
     for role in ROLES:
@@ -212,6 +252,14 @@ def plan_groups(groups, ratios: Sequence[int], r4: Optional[int], r128: Optional
                     raise ValueError(f"groups: layer {layer} is in groups {served[layer]!r} and {p.name!r}")
                 served[layer] = p.name
         missing = sorted(need - set(served))
+        if missing and num_hidden_layers is not None and min(missing) >= num_hidden_layers:
+            unserved.update(missing)
+            missing = []
         if missing:
             raise ValueError(f"groups: layers {missing[:8]} have a {role} cache but no group of role {role!r}")
+    if unserved:
+        held = sorted({x for p in plan if p.layers is not None for x in p.layers} & unserved)
+        if held:
+            raise ValueError(f"groups: MTP layer(s) {held} are served for some caches but not all; an engine "
+                             f"plan holds every cache of a draft layer or none")
     return plan

@@ -24,6 +24,7 @@ import torch
 from ._common import check_cp, use_triton
 from .batch import StepBatch
 from .capacity import BOUNDS, check_capacities, memory_estimate
+from .engine_plan import check_block_counts
 from .channels import BuildContext, ChannelBuilder, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
@@ -194,6 +195,10 @@ class MetadataPipeline:
             raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__} "
                              "(no attribute 'scheduled_new_reqs', which a SchedulerOutput has)")
         try:
+            try:  # NOTE: lists of another group plan never pass; first, so its message names the two groups
+                check_block_counts(self.layout, batch)
+            except (IndexError, TypeError, AttributeError):
+                pass  # NOTE: malformed arrays: the plan's checks below name the field
             plan = self.requests.plan(batch, pad_to)
         except ValueError as e:
             named = e if delta is None else explain(e, batch, delta, src)  # NOTE: id-keyed: name the request

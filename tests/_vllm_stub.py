@@ -1,6 +1,6 @@
 """Stand-ins for vLLM's scheduler dataclasses (``vllm/v1/core/sched/output.py`` at HEAD), the fields
 this library reads with their real names and types, the others present and ignored; and the
-``SchedulerOutput`` of a :class:`~dsv4_index.step.StepInput` (as vLLM would send the same step)."""
+``SchedulerOutput`` of a :class:`~dsv4_index.frontend.StepInput` (as vLLM would send the same step)."""
 
 from __future__ import annotations
 

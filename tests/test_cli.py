@@ -26,7 +26,7 @@ def test_every_command_and_option_has_help():
     ap = build_parser()
     act = _subparsers(ap)
     helped = {c.dest: c.help for c in act._choices_actions}
-    assert set(helped) == set(act.choices) == {"layout", "demo", "inspect", "replay"}, helped
+    assert set(helped) == set(act.choices) == {"layout", "demo", "inspect", "replay", "audit"}, helped
     assert all(h and "\n" not in h for h in helped.values()), helped
     for name, p in act.choices.items():
         for a in p._actions:

@@ -24,16 +24,19 @@ PRO_C4 = tuple(range(2, 61, 2))
                                                    ("pro", 62, PRO_C4, PRO_C128)])
 def test_vllm_plan_of_flash_and_pro(name, n_layers, c4, c128):
     lay = DSV4Layout.from_config(name, 8192, groups="vllm")
-    assert [g.name for g in lay.groups] == ["mla", "swa_0", "swa_1", "c4_state", "c128_state"]
-    assert [g.role for g in lay.groups] == ["mla", "swa", "swa", "c4_state", "c128_state"]
-    assert [(g.block_size, g.window) for g in lay.groups] == [(256, None), (64, 128), (64, 128), (4, 8), (8, 128)]
-    swa0, swa1 = lay.groups[1].layers, lay.groups[2].layers
+    states = ["c4_state", "c128_state"] if name == "flash" else ["c128_state", "c4_state"]  # vLLM 0.33's order
+    assert [g.name for g in lay.groups] == ["swa_0", "swa_1", "mla"] + states
+    assert [g.role for g in lay.groups] == ["swa", "swa", "mla"] + states
+    bs = {"c4_state": (4, 8), "c128_state": (8, 128)}
+    assert [(g.block_size, g.window) for g in lay.groups] == \
+        [(64, 128), (64, 128), (256, None)] + [bs[s] for s in states]
+    swa0, swa1 = lay.groups[0].layers, lay.groups[1].layers
     assert swa0 == tuple(range(0, n_layers, 2)) and swa1 == tuple(range(1, n_layers, 2))  # tuples[i::2]
     assert len(swa0) == len(swa1) == n_layers // 2                                        # 22/22, 31/31
-    assert lay.groups[3].layers == c4 and lay.groups[4].layers == c128
-    # each SWA sub-group has its own window channel; the MLA channels share group 0
+    assert lay.group("c4_state").layers == c4 and lay.group("c128_state").layers == c128
+    # each SWA sub-group has its own window channel; the MLA channels share group 2
     assert {n: c.gid for n, c in lay.channels.items()} == {
-        "c4a": 0, "c4i": 0, "c128a": 0, "swa_0": 1, "swa_1": 2, "c4_state": 3, "c128_state": 4}
+        "c4a": 2, "c4i": 2, "c128a": 2, "swa_0": 0, "swa_1": 1, **{s: 3 + i for i, s in enumerate(states)}}
     assert lay.channels["swa_1"].role == "swa" and lay.channels["swa_1"].index_width == 128
     # which channels each layer reads
     for layer in range(n_layers):
@@ -64,7 +67,7 @@ def _vllm_names(layer, ratio):
 def test_explicit_groups_by_layer_names_equal_the_vllm_plan():
     plan = DSV4Layout.from_config("flash", 4096, groups="vllm")
     ratios = plan.compress_ratios
-    names = {"mla": [], "swa_0": [], "swa_1": [], "c4_state": [], "c128_state": []}
+    names = {"swa_0": [], "swa_1": [], "mla": [], "c4_state": [], "c128_state": []}
     for layer, r in enumerate(ratios):
         for role, ns in _vllm_names(layer, r).items():
             names[role if role != "swa" else f"swa_{layer % 2}"] += ns
@@ -73,15 +76,18 @@ def test_explicit_groups_by_layer_names_equal_the_vllm_plan():
     assert lay.groups == plan.groups and lay.channels == plan.channels
     # by roles and indices, with an engine block size
     lay2 = DSV4Layout.from_config("flash", 4096, groups=[
-        dict(role="mla"), dict(role="swa", layers=list(range(0, 44, 2)), block_size=32),
-        dict(role="swa", layers=list(range(1, 44, 2))), dict(role="c4_state"), dict(role="c128_state")])
-    assert [g.block_size for g in lay2.groups] == [256, 32, 64, 4, 8]
+        dict(role="swa", layers=list(range(0, 44, 2)), block_size=32),
+        dict(role="swa", layers=list(range(1, 44, 2))), dict(role="mla"), dict(role="c4_state"),
+        dict(role="c128_state")])
+    assert [g.block_size for g in lay2.groups] == [32, 64, 256, 4, 8]
 
 
 @pytest.mark.parametrize("groups,match", [
     ("sglang", "groups must be"),
     ([dict(role="swa", layers=[0, 1]), dict(role="mla"), dict(role="c4_state"), dict(role="c128_state")],
      "have a swa cache but no group"),
+    ([dict(role="swa", layers=list(range(43))), dict(role="mla"), dict(role="c4_state"), dict(role="c128_state"),
+      dict(role="swa", layers=[0])], "layer 0 is in groups"),
     ([dict(role="mla"), dict(role="mla"), dict(role="swa"), dict(role="c4_state"), dict(role="c128_state")],
      "at most one mla group"),
     ([dict(role="mla"), dict(role="swa", layers=[0, 1]), dict(role="swa", layers=list(range(1, 44))),
@@ -119,7 +125,7 @@ def _tiny_vllm():
 def test_tiny_plan():
     lay = _tiny_vllm()  # tiny: ratios [0, 4, 16, 4, 0]: counts [2, 5, 2, 1] -> d = 2: 3 SWA sub-groups
     assert [(g.name, g.layers) for g in lay.groups] == [
-        ("mla", None), ("swa_0", (0, 3)), ("swa_1", (1, 4)), ("swa_2", (2,)), ("c4_state", (1, 3)),
+        ("swa_0", (0, 3)), ("swa_1", (1, 4)), ("swa_2", (2,)), ("mla", None), ("c4_state", (1, 3)),
         ("c128_state", (2,))]
 
 

@@ -182,7 +182,7 @@ def test_engine_groups_trace_replays(tmp_path):
     """A trace of a layout with vLLM's own groups (5 groups, two SWA sub-groups) replays clean, and a
     tampered step of it is named."""
     lay = DSV4Layout.from_config("flash", max_model_len=1024, groups="vllm")
-    assert [g.name for g in lay.groups] == ["mla", "swa_0", "swa_1", "c4_state", "c128_state"]
+    assert [g.name for g in lay.groups] == ["swa_0", "swa_1", "mla", "c4_state", "c128_state"]
     path = tmp_path / "vllm.jsonl"
     pipe = MetadataPipeline(lay, 4, 64, "cpu", 1, backend="reference")
     sched = ReferenceScheduler(lay, 256, max_num_batched_tokens=48, max_num_seqs=4, num_speculative_tokens=1)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .audit import add_arguments as audit_arguments, audit_cmd
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # package data (dsv4_index.config.CONFIG_DIR)
 
 
@@ -319,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_in(0, SEED_MAX), default=0,
                    help="seed of the sample step and its top-k picks (default: 0)")
     p.add_argument("--device", type=_device, default=None, help="pipeline device (default: cpu, the PyTorch reference)")
+    audit_arguments(command("audit", "audit a layout's geometry: prefix-hit lengths, write/read overlap, chunk demand"))
     p = sub.add_parser("replay", help="replay a recorded step trace through the checker and the reference",
                        description="replay a recorded step trace through a checked pipeline and the reference; "
                        "prints the first divergence, or a summary")
@@ -346,6 +349,8 @@ def main(argv=None) -> int:
         return demo(args)
     elif args.cmd == "inspect":
         return inspect_step(args)
+    elif args.cmd == "audit":
+        return audit_cmd(args)
     else:
         return replay(args)
     return 0
