@@ -131,7 +131,7 @@ class MetadataPipeline:
                                    max_num_reqs)
         self.requests = RequestState(max_num_reqs, self.tables, cp=self.cp, max_num_tokens=T,
                                      max_writes=self.max_staged_blocks, decode_threshold=1 + num_speculative_tokens,
-                                     level=self.checks, steady=steady)
+                                     level=self.checks, steady=steady, cross_check=self.validate)
 
         self._fused: Optional[FusedPlan] = None
         self._unfused = list(self._builders.values())

@@ -124,7 +124,7 @@ def _pipes(variant, checks="safe"):
 
 def _plan_fields(p):
     # NOTE: "steady" and "w_key" say how the plan was made, not what it is
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("steady", "w_key")}
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("steady", "w_key", "w_other")}
 
 
 def _same(a, b):

@@ -30,7 +30,7 @@ from ..batch import APPEND, StepBatch
 from .contract import full_checks
 from .tables import BlockTables
 
-__all__ = ["StepPlan", "plan_step", "CHECK_LEVELS"]
+__all__ = ["StepPlan", "plan_step", "plans_equal", "CHECK_LEVELS"]
 
 CHECK_LEVELS = ("safe", "full")
 
@@ -63,11 +63,31 @@ class StepPlan:
     w_cu: np.ndarray            # int64 [N + 1]
     w_ids: np.ndarray           # int64 [n]
     w_row: np.ndarray           # int64 [N]: device batch row of each run's slot, -1 when not in the batch
-    w_key: Optional[np.ndarray] = None  # int64 [N] ``gid * max_num_reqs + slot`` (steady path) or None
-    steady: bool = False        # NOTE: planned by the steady path (same batch as the last step)
+    w_key: Optional[np.ndarray] = None  # int64 [N] ``gid * max_num_reqs + slot`` (fast path) or None
+    w_other: Optional[np.ndarray] = None  # int64 [k] runs that are not one-id appends (fast path), or None
+    steady: bool = False        # NOTE: planned by the fast (incremental) path of state/steady.py
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_HOW = ("w_key", "w_other", "steady")  # NOTE: fields that say how a plan was made, not what it is
+
+
+def plans_equal(a: StepPlan, b: StepPlan) -> list:
+    """Names of the fields in which two plans differ (values, dtypes and shapes), ``[]`` when equal;
+    the fields of :data:`_HOW` are not compared."""
+    out = []
+    for name in StepPlan.__dataclass_fields__:
+        if name in _HOW:
+            continue
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            same = (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.dtype == y.dtype
+                    and x.shape == y.shape and bool((x == y).all()))
+        else:
+            same = x == y
+        if not same:
+            out.append(name)
+    return out
 
 
 def _arr(name: str, x, n: Optional[int] = None, *, dtype_kind="iu") -> np.ndarray:

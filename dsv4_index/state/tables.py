@@ -141,8 +141,10 @@ class BlockTables:
         ov = ov.reshape(len(self.groups), lay.rows, OVERLAY_STRIDE)
         if not plan.w_gid.size:
             return 0
-        if plan.w_key is not None:  # NOTE: steady path: one kept id per run, every run on a batch row
-            return self._stage_appends(plan, h, lay, ov)
+        if plan.w_key is not None:  # NOTE: fast path: every run on a batch row
+            if plan.w_other is None:  # NOTE: one kept id per run
+                return self._stage_appends(plan, h, lay, ov)
+            return self._stage_mixed(plan, h, lay)
         w0 = lay.writes
         N = self._stage_runs(plan, h, w0) if plan.w_gid.shape[0] <= _FEW_RUNS else None
         keep = False
@@ -204,6 +206,50 @@ class BlockTables:
                 self.mirror[row:row + k - a] = run_ids[a:]
             pos += k
         return total
+
+    def _stage_mixed(self, plan, h: np.ndarray, lay) -> int:
+        """:meth:`stage_writes` of one-id appends (vectorised) and a few other runs ``plan.w_other``
+        (one or two slices each), every run on a batch row; the bytes of the general staging."""
+        other, cu, w0 = plan.w_other, plan.w_cu, lay.writes
+        first = plan.w_keep  # NOTE: keep >= start on the fast path
+        kept = plan.w_end - first
+        kept[other] = np.maximum(np.minimum(kept[other], cu[other + 1] - cu[other]), 0)
+        kept_cu = np.add.accumulate(kept)
+        N = int(kept_cu[-1])
+        pay = kept_cu - kept
+        vals, dsts = h[w0:w0 + N], h[w0 + N:w0 + 2 * N]
+        app = np.ones(plan.w_gid.shape[0], dtype=bool)
+        app[other] = False
+        a = app.nonzero()[0]
+        if a.shape[0]:
+            key, at = plan.w_key.take(a), pay.take(a)
+            dst = self._row_base.take(key)
+            dst += plan.w_start.take(a) % self._col_mod.take(key)
+            vals[at] = plan.w_ids.take(cu.take(a))
+            dsts[at] = dst
+            self.mirror[dst] = vals[at]
+        ids = plan.w_ids
+        for i, g, slot, f, k, p in zip(other.tolist(), plan.w_gid.take(other).tolist(), plan.w_slot.take(other).tolist(),
+                                       first.take(other).tolist(), kept.take(other).tolist(), pay.take(other).tolist()):
+            if not k:
+                continue
+            src = int(cu[i]) + f - int(plan.w_start[i])
+            row = self._base_list[g] + slot * self._cols_list[g]
+            ring = self._ring_list[g]
+            col = f % ring if ring else f
+            n1 = min(k, ring - col) if ring else k
+            run_ids = ids[src:src + k]
+            vals[p:p + k] = run_ids
+            np.add(self._iota[:n1], row + col, out=dsts[p:p + n1])
+            self.mirror[row + col:row + col + n1] = vals[p:p + n1]
+            if n1 < k:  # NOTE: the ring wraps: the rest from column 0 (at most ring ids are kept)
+                np.add(self._iota[:k - n1], row, out=dsts[p + n1:p + k])
+                self.mirror[row:row + k - n1] = vals[p + n1:p + k]
+        at = lay.overlay + OVERLAY_STRIDE * (plan.w_gid * lay.rows + plan.w_row)
+        h[at + OV_LO] = first
+        h[at + OV_HI] = plan.w_end
+        h[at + OV_PAY] = w0 + pay
+        return N
 
     def _stage_appends(self, plan, h: np.ndarray, lay, ov: np.ndarray) -> int:
         """:meth:`stage_writes` of runs that append one id each to batch rows (run ``i``'s id is value ``i``)."""
