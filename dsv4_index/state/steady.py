@@ -78,6 +78,8 @@ _ZERO1 = np.zeros(1, dtype=np.int64)
 _count = np.count_nonzero
 _BIG = np.iinfo(np.int64).max
 _APPEND = -1
+_OUT = -(1 << 40)  # NOTE: "no batch row" in the slot -> row map and "no slack row" per group: any cell
+                   # gpos[g] * B + row built from one of them is negative
 MAX_OTHER_RUNS = 32  # NOTE: runs that are not one-id appends, checked one by one in Python ints
 
 
@@ -96,7 +98,7 @@ class FastGeometry:
         G, num_slots = len(tables.groups), tables.max_num_reqs
         self.num_groups, self.num_slots = G, num_slots
         self.groups = np.flatnonzero(~tables.circular)
-        self.gpos = np.full(G, -1, dtype=np.int64)
+        self.gpos = np.full(max(G, num_slots), _OUT, dtype=np.int64)  # NOTE: indexable by any gid < num_slots
         self.gpos[self.groups] = np.arange(self.groups.size)
         bs = tables.bs[self.groups]
         self.bs_x = bs[:, None]
@@ -109,6 +111,18 @@ class FastGeometry:
         self.circ_need = tables.logical[self.circ][:, None]
         self.key_base = (np.arange(G, dtype=np.int64) * num_slots)[:, None]
         self.arange = np.arange(max(G * num_slots, num_slots) + 1, dtype=np.int64)
+        self.arange_bytes = self.arange.tobytes()
+        self.append_bytes = np.full(G * num_slots, _APPEND, dtype=np.int64).tobytes()
+        self.bs_of = tables.bs.copy()
+        self.num_slots_0d = np.array(num_slots, dtype=np.int64)
+        self._cell_base = {}
+
+    def cell_base(self, B: int) -> np.ndarray:
+        """``gpos * B`` (first slack cell of each group for ``B`` batch rows; ``_OUT`` stays negative)."""
+        got = self._cell_base.get(B)
+        if got is None:
+            got = self._cell_base[B] = np.where(self.gpos >= 0, self.gpos * B, _OUT)
+        return got
         # Python-int per-group geometry (the other runs)
         self.bs_list, self.ring_list = tables.bs.tolist(), tables.ring.tolist()
         self.window_list, self.logical_list = tables.window.tolist(), tables.logical.tolist()
@@ -122,7 +136,7 @@ class _Scratch:
         n = geo.groups.size * geo.num_slots + 1
         self.flats = [np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)]
         self.seen = np.zeros(geo.num_groups * geo.num_slots + 1, dtype=bool)
-        self.row_map = np.full(geo.num_slots, -1, dtype=np.int64)
+        self.row_map = np.full(geo.num_slots, _OUT, dtype=np.int64)
         self.occ = None
         self.plan = self.pending = None
 
@@ -137,7 +151,8 @@ class BatchCache:
     nc_chk : int64 ``[B]`` — ``num_computed_tokens`` of the step whose full checks last scanned the row's
         held blocks (``checks="full"``: a row whose window start moves below it is declined).
     x : int64 ``[G', B]`` — slack ``blocks * block_size - seq_len`` (a view of one of two flat buffers).
-    row_of : int64 ``[num_slots]`` — batch row of each slot, -1 outside the batch.
+    row_of : int64 ``[num_slots]`` — batch row of each slot, ``_OUT`` (hugely negative) outside the batch.
+    order : ``(order or None, num_decodes, T)`` of the batch (kept while slots and counts repeat).
     slots_bytes, q_bytes : bytes of the StepBatch-order slots and counts (None: a row without tokens).
     generation : int — changes whenever the batch's slots, counts or order change (staging signature).
     """
@@ -152,10 +167,10 @@ class BatchCache:
         c = prev if prev is not None else cls()
         if prev is None:
             c.geo, c.scratch = geo, _Scratch(geo)
-            c.row_of = np.full(geo.num_slots, -1, dtype=np.int64)
+            c.row_of = np.full(geo.num_slots, _OUT, dtype=np.int64)
             c.flat = np.zeros(geo.groups.size * geo.num_slots + 1, dtype=np.int64)
         else:
-            c.row_of[c.b_slots] = -1
+            c.row_of[c.b_slots] = _OUT
         c.b_slots, c.seq = plan.slots.copy(), plan.seq_lens.copy()
         c.nc_chk = plan.seq_lens - plan.num_scheduled
         c.row_of[c.b_slots] = geo.arange[:B]
@@ -169,27 +184,30 @@ class BatchCache:
             c.slots_bytes, c.q_bytes = plan.all_slots.tobytes(), q_all.tobytes()
         else:
             c.slots_bytes = c.q_bytes = None
+        c.order = (None if (plan.rows == geo.arange[:B]).all() else plan.rows, plan.num_decodes, plan.num_tokens,
+                   plan.num_decode_tokens)
         c.generation = generation
         return c
 
     def advance(self, plan: StepPlan) -> None:
         """Accept a fast ``plan`` (its pending state is in the scratch)."""
         s = self.scratch
-        (x, flat, seq, b_slots, nc_chk, row_map, slots_bytes, q_bytes, same) = s.pending
+        (x, flat, seq, b_slots, nc_chk, row_map, slots_bytes, q_bytes, same, order) = s.pending
         if row_map is not None:  # NOTE: the batch changed: swap in the new slot -> row map
             s.row_map, self.row_of = self.row_of, row_map
         if flat is not self.flat:
             s.flats[s.flats.index(flat)] = self.flat
             self.flat = flat
         self.x, self.seq, self.b_slots, self.nc_chk = x, seq, b_slots, nc_chk
-        self.slots_bytes, self.q_bytes = slots_bytes, q_bytes
+        self.slots_bytes, self.q_bytes, self.order = slots_bytes, q_bytes, order
         if not same:
             self.generation += 1
         s.plan = s.pending = None
 
 
 def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int):
-    """Rows of the step: ``(is_new or None, free, occ_after or None)``; None when not proved."""
+    """Rows of the step: ``(is_new or None, free, occ_after or None, same slots as the last batch)``;
+    None when not proved."""
     slots, new, free = batch.req_slots, batch.is_new, batch.free_slots
     if new is not None:
         if type(new) is not np.ndarray or new.dtype is not _BOOL or new.shape != (n,):
@@ -201,7 +219,7 @@ def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int):
     elif type(free) is not np.ndarray or free.dtype is not _I64 or free.ndim != 1:
         return None
     if new is None and not free.size and slots.tobytes() == c.slots_bytes:
-        return new, free, None  # NOTE: the last batch's slots: range, distinct, occupied
+        return new, free, None, True  # NOTE: the last batch's slots: range, distinct, occupied
     num_slots, seen = c.geo.num_slots, c.scratch.seen
     if _umax(slots) >= num_slots:
         return None
@@ -211,7 +229,7 @@ def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int):
     if distinct != n:
         return None
     if not free.size and new is None:
-        return (new, free, None) if _count(occupied.take(slots)) == n else None
+        return (new, free, None, False) if _count(occupied.take(slots)) == n else None
     occ = c.scratch.occ = np.copy(occupied)
     if free.size:
         if _umax(free) >= num_slots:
@@ -230,30 +248,33 @@ def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int):
         return None
     else:
         occ[slots[new]] = True
-    return new, free, occ
+    return new, free, occ, False
 
 
-def _order(q: np.ndarray, n: int, thr: int, max_num_tokens: int, pad_to):
-    """``(order or None, num_decodes, T, T_pad)`` of counts ``q`` (all ``>= 1``), or None."""
+def _pad(T: int, pad_to, max_num_tokens: int):
+    if pad_to is None:
+        return T
+    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or not T <= pad_to <= max_num_tokens:
+        return None
+    return int(pad_to)
+
+
+def _order(q: np.ndarray, n: int, thr: int, max_num_tokens: int):
+    """``(order or None, num_decodes, T, num_decode_tokens)`` of counts ``q`` (all ``>= 1``), or None."""
     if q.view(_U64).item(q.argmin()) < 1 or _umax(q) > max_num_tokens:
         return None
     T = int(q.sum())
     if T > max_num_tokens:
         return None
-    if pad_to is None:
-        T_pad = T
-    elif isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or not T <= pad_to <= max_num_tokens:
-        return None
-    else:
-        T_pad = int(pad_to)
     if q.item(q.argmax()) <= thr:
-        return None, n, T, T_pad
+        return None, n, T, T
     dec = q <= thr
     nd = _count(dec)
     k = int(dec.argmin())  # NOTE: first prefill row
     if nd and _count(dec[k:]):
-        return np.concatenate([dec.nonzero()[0], (~dec).nonzero()[0]]), nd, T, T_pad
-    return None, nd, T, T_pad
+        order = np.concatenate([dec.nonzero()[0], (~dec).nonzero()[0]])
+        return order, nd, T, int(q.take(order[:nd]).sum())
+    return None, nd, T, int(q[:nd].sum()) if nd else 0
 
 
 def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_num_tokens: int,
@@ -272,18 +293,23 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
     rows = _rows(batch, c, occupied, n)
     if rows is None or _umax(nc) > tables.max_model_len:
         return None
-    new, free, occ = rows
-    got = _order(q, n, decode_threshold, max_num_tokens, pad_to)
+    new, free, occ, same = rows
+    q_bytes = q.tobytes()
+    same = same and q_bytes == c.q_bytes  # NOTE: the last batch again (any nc): its order and T
+    got = c.order if same else _order(q, n, decode_threshold, max_num_tokens)
     if got is None:
         return None
-    order, nd, T, T_pad = got
+    order, nd, T, ndt = got
+    T_pad = _pad(T, pad_to, max_num_tokens)
+    if T_pad is None:
+        return None
     if order is None:
         b_slots, b_q, b_nc, b_new = slots, q, nc, new
     else:
         b_slots, b_q, b_nc = slots.take(order), q.take(order), nc.take(order)
         b_new = None if new is None else new.take(order)
     seq = b_nc + b_q
-    step = _remap(c, b_slots, b_nc, b_new, seq, tables, level)
+    step = _remap(c, b_slots, b_nc, b_new, seq, tables, level, same)
     if step is None:
         return None
     x, flat, row_map, nc_chk, fresh = step
@@ -297,14 +323,12 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
     if level == "full" and not _full(tables, c.geo, (b_slots, b_q, seq, None if new is None else slots[new], free),
                                      fresh, (gid, wslot, start, end, keep, cu, ids, row), other, batch.write_cu):
         return None
-    same = new is None and not free.size and c.slots_bytes is not None and slots.tobytes() == c.slots_bytes \
-        and q.tobytes() == c.q_bytes
-    c.scratch.pending = (x, flat, seq, b_slots, nc_chk, row_map, slots.tobytes(), q.tobytes(), same)
+    c.scratch.pending = (x, flat, seq, b_slots, nc_chk, row_map, slots.tobytes(), q_bytes, same, got)
     plan = object.__new__(StepPlan)
     plan.__dict__.update(
         rows=c.geo.arange[:n] if order is None else order, slots=b_slots, num_scheduled=b_q, seq_lens=seq,
         replay_start=None, replay_end=None, num_decodes=nd,
-        num_decode_tokens=(T if nd == n else int(b_q[:nd].sum())) if nd else 0, num_tokens=T,
+        num_decode_tokens=ndt, num_tokens=T,
         num_tokens_padded=T_pad, free_slots=free, new_slots=_EMPTY if new is None else slots[new],
         all_slots=slots, all_computed=nc, w_gid=gid, w_slot=wslot, w_start=start, w_end=end, w_keep=keep,
         w_cu=cu, w_ids=ids, w_row=row, w_key=key, w_other=other, steady=True)
@@ -312,14 +336,14 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
     return plan
 
 
-def _remap(c: BatchCache, b_slots, b_nc, b_new, seq, tables, level):
+def _remap(c: BatchCache, b_slots, b_nc, b_new, seq, tables, level, same: bool):
     """The slack of the new batch before its runs: ``(x, flat, row_map or None, nc_chk)``, or None."""
     geo, s = c.geo, c.scratch
     B, Gx = b_slots.shape[0], geo.groups.size
     flat = s.flats[0] if s.flats[0] is not c.flat else s.flats[1]
     x = flat[:Gx * B].reshape(Gx, B)
     flat[Gx * B] = 0  # NOTE: the cell after x (a guard; never read as slack)
-    if b_new is None and B == c.b_slots.shape[0] and b_slots.tobytes() == c.b_slots.tobytes():
+    if same or (b_new is None and B == c.b_slots.shape[0] and b_slots.tobytes() == c.b_slots.tobytes()):
         np.subtract(c.x, seq, out=x)
         x += c.seq  # NOTE: x' = x - (seq - seq_old)
         if level == "full" and _count(b_nc < c.nc_chk):
@@ -327,7 +351,7 @@ def _remap(c: BatchCache, b_slots, b_nc, b_new, seq, tables, level):
         return x, flat, None, c.nc_chk, _EMPTY
     rm = s.row_map
     rm[:] = c.row_of
-    rm[c.b_slots] = -1
+    rm[c.b_slots] = _OUT
     pos = c.row_of.take(b_slots)
     fresh = pos < 0
     if b_new is not None:
@@ -371,7 +395,10 @@ def _arrays(batch):
 def _runs(batch, c: BatchCache, tables, flat, row_map, occ, new_slots, seq, b_nc, max_writes):
     """The checked runs, their slack cells applied to ``flat``:
     ``(gid, slot, start, end, keep, cu, ids, row, key, other)`` (kernel blocks; ``other``: indices of
-    the runs that are not one-id appends, or None), or None when not proved."""
+    the runs that are not one-id appends, or None), or None when not proved.
+
+    A run's slot must be a batch row (so it is occupied after the step) and its group non-circular:
+    ``gpos[gid] * B + row[slot]`` is then its slack cell, negative otherwise (``_OUT``)."""
     if batch.write_gids is None or len(batch.write_gids) == 0:
         return _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _ZERO1, _EMPTY, _EMPTY, _EMPTY, None
     got = _arrays(batch)
@@ -379,41 +406,42 @@ def _runs(batch, c: BatchCache, tables, flat, row_map, occ, new_slots, seq, b_nc
         return None
     gid, slot, start, cu, ids = got
     geo, N, L = c.geo, gid.shape[0], ids.shape[0]
-    if L > max_writes or _umax(gid) >= geo.num_groups or _umax(slot) >= geo.num_slots:
-        return None
-    if cu[0] != 0 or cu[-1] != L or _umax(cu) > L:
-        return None
-    n = cu[1:] - cu[:-1]
-    if n.item(n.argmin()) < 0 or (L and _umax(ids) > tables.id_max_min) or _count(occ.take(slot)) != N:
-        return None
-    key = gid * geo.num_slots
+    appends = L == N and cu.tobytes() == geo.arange_bytes[:8 * N + 8] and start.tobytes() == geo.append_bytes[:8 * N]
+    if not appends:
+        if cu[0] != 0 or cu[-1] != L or _umax(cu) > L:
+            return None
+        n = cu[1:] - cu[:-1]
+        if n.item(n.argmin()) < 0:
+            return None
+    both = gid | slot
+    if L > max_writes or _umax(both) >= geo.num_slots or (L and _umax(ids) > tables.id_max_min):
+        return None  # NOTE: gid < num_slots indexes gpos (_OUT past the groups)
+    key = np.multiply(gid, geo.num_slots_0d)  # NOTE: a 0-d operand: a Python int costs a conversion
     key += slot
+    row = row_map.take(slot)
+    cells = geo.cell_base(seq.shape[0]).take(gid)
+    cells += row
     seen = c.scratch.seen
     seen[key] = True
     distinct = _count(seen)
     seen[key] = False
-    row = row_map.take(slot)
-    gp = geo.gpos.take(gid)
-    if distinct != N or row.item(row.argmin()) < 0 or gp.item(gp.argmin()) < 0:
+    if distinct != N or cells.item(cells.argmin()) < 0:
         return None  # NOTE: two runs for one key, a run outside the batch, a circular group
     have = tables.num_blocks.ravel().take(key)
     if new_slots is not None:
         fresh = np.zeros(geo.num_slots, dtype=bool)
         fresh[new_slots] = True
         have[fresh.take(slot)] = 0
-    B = seq.shape[0]
-    cells = gp * B
-    cells += row
-    app = (start == _APPEND) & (n == 1)
-    if _count(app) == N:
-        flat[cells] += tables.bs.take(gid)
+    if appends:
+        flat[cells] += geo.bs_of.take(gid)
         return gid, slot, have, have + 1, have, cu, ids, row, key, None
+    app = (start == _APPEND) & (n == 1)
     other = (~app).nonzero()[0]
     if other.shape[0] > MAX_OTHER_RUNS:
         return None
     a = app.nonzero()[0]
     if a.shape[0]:
-        flat[cells.take(a)] += tables.bs.take(gid.take(a))
+        flat[cells.take(a)] += geo.bs_of.take(gid.take(a))
     begin, end = have.copy(), have + n
     keep = have.copy()
     if not _other_runs(geo, other, gid, start, have, n, row, cells, seq, b_nc, flat, begin, end, keep):
