@@ -65,11 +65,12 @@ class StepPlan:
     w_row: np.ndarray           # int64 [N]: device batch row of each run's slot, -1 when not in the batch
     w_key: Optional[np.ndarray] = None  # int64 [N] ``gid * max_num_reqs + slot`` (fast path) or None
     w_other: Optional[np.ndarray] = None  # int64 [k] runs that are not one-id appends (fast path), or None
+    w_app: Optional[np.ndarray] = None    # int64 [N - k] the one-id appends when w_other is set
     steady: bool = False        # NOTE: planned by the fast (incremental) path of state/steady.py
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-_HOW = ("w_key", "w_other", "steady")  # NOTE: fields that say how a plan was made, not what it is
+_HOW = ("w_key", "w_other", "w_app", "steady")  # NOTE: fields that say how a plan was made, not what it is
 
 
 def plans_equal(a: StepPlan, b: StepPlan) -> list:

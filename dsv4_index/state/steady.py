@@ -116,6 +116,9 @@ class FastGeometry:
         self.bs_of = tables.bs.copy()
         self.num_slots_0d = np.array(num_slots, dtype=np.int64)
         self._cell_base = {}
+        # Python-int per-group geometry (the other runs)
+        self.bs_list, self.ring_list = tables.bs.tolist(), tables.ring.tolist()
+        self.window_list, self.logical_list = tables.window.tolist(), tables.logical.tolist()
 
     def cell_base(self, B: int) -> np.ndarray:
         """``gpos * B`` (first slack cell of each group for ``B`` batch rows; ``_OUT`` stays negative)."""
@@ -123,10 +126,6 @@ class FastGeometry:
         if got is None:
             got = self._cell_base[B] = np.where(self.gpos >= 0, self.gpos * B, _OUT)
         return got
-        # Python-int per-group geometry (the other runs)
-        self.bs_list, self.ring_list = tables.bs.tolist(), tables.ring.tolist()
-        self.window_list, self.logical_list = tables.window.tolist(), tables.logical.tolist()
-        self.gpos_list, self.full_any = self.gpos.tolist(), bool(tables.full.any())
 
 
 class _Scratch:
@@ -219,7 +218,7 @@ def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int):
     elif type(free) is not np.ndarray or free.dtype is not _I64 or free.ndim != 1:
         return None
     if new is None and not free.size and slots.tobytes() == c.slots_bytes:
-        return new, free, None, True  # NOTE: the last batch's slots: range, distinct, occupied
+        return new, free, None, True, None  # NOTE: the last batch's slots: range, distinct, occupied
     num_slots, seen = c.geo.num_slots, c.scratch.seen
     if _umax(slots) >= num_slots:
         return None
@@ -229,7 +228,7 @@ def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int):
     if distinct != n:
         return None
     if not free.size and new is None:
-        return (new, free, None, False) if _count(occupied.take(slots)) == n else None
+        return (new, free, None, False, None) if _count(occupied.take(slots)) == n else None
     occ = c.scratch.occ = np.copy(occupied)
     if free.size:
         if _umax(free) >= num_slots:
@@ -247,8 +246,10 @@ def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int):
     elif _count(held != new) != n:
         return None
     else:
-        occ[slots[new]] = True
-    return new, free, occ, False
+        new_slots = slots[new]
+        occ[new_slots] = True
+        return new, free, occ, False, new_slots
+    return new, free, occ, False, None
 
 
 def _pad(T: int, pad_to, max_num_tokens: int):
@@ -293,7 +294,7 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
     rows = _rows(batch, c, occupied, n)
     if rows is None or _umax(nc) > tables.max_model_len:
         return None
-    new, free, occ, same = rows
+    new, free, occ, same, new_slots = rows
     q_bytes = q.tobytes()
     same = same and q_bytes == c.q_bytes  # NOTE: the last batch again (any nc): its order and T
     got = c.order if same else _order(q, n, decode_threshold, max_num_tokens)
@@ -314,14 +315,14 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
         return None
     x, flat, row_map, nc_chk, fresh = step
     runs = _runs(batch, c, tables, flat, row_map if row_map is not None else c.row_of,
-                 occupied if occ is None else occ, None if new is None else slots[new], seq, b_nc, max_writes)
+                 occupied if occ is None else occ, new_slots, seq, b_nc, max_writes)
     if runs is None:
         return None
-    gid, wslot, start, end, keep, cu, ids, row, key, other = runs
+    gid, wslot, start, end, keep, cu, ids, row, key, other, app = runs
     if not _bounds(c.geo, x, seq, b_q.item(b_q.argmax()), gid, end):
         return None
-    if level == "full" and not _full(tables, c.geo, (b_slots, b_q, seq, None if new is None else slots[new], free),
-                                     fresh, (gid, wslot, start, end, keep, cu, ids, row), other, batch.write_cu):
+    if level == "full" and not _full(tables, c.geo, (b_slots, b_q, seq, new_slots, free),
+                                     fresh, (gid, wslot, start, end, keep, cu, ids, row), other, app, batch.write_cu):
         return None
     c.scratch.pending = (x, flat, seq, b_slots, nc_chk, row_map, slots.tobytes(), q_bytes, same, got)
     plan = object.__new__(StepPlan)
@@ -329,9 +330,9 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
         rows=c.geo.arange[:n] if order is None else order, slots=b_slots, num_scheduled=b_q, seq_lens=seq,
         replay_start=None, replay_end=None, num_decodes=nd,
         num_decode_tokens=ndt, num_tokens=T,
-        num_tokens_padded=T_pad, free_slots=free, new_slots=_EMPTY if new is None else slots[new],
+        num_tokens_padded=T_pad, free_slots=free, new_slots=_EMPTY if new_slots is None else new_slots,
         all_slots=slots, all_computed=nc, w_gid=gid, w_slot=wslot, w_start=start, w_end=end, w_keep=keep,
-        w_cu=cu, w_ids=ids, w_row=row, w_key=key, w_other=other, steady=True)
+        w_cu=cu, w_ids=ids, w_row=row, w_key=key, w_other=other, w_app=app, steady=True)
     c.scratch.plan = plan
     return plan
 
@@ -353,28 +354,37 @@ def _remap(c: BatchCache, b_slots, b_nc, b_new, seq, tables, level, same: bool):
     rm[:] = c.row_of
     rm[c.b_slots] = _OUT
     pos = c.row_of.take(b_slots)
+    # NOTE: every column from the last batch (fresh rows clip to row 0), then the fresh ones overwritten
+    np.take(c.x, pos, axis=1, out=x, mode="clip")
+    d = c.seq.take(pos, mode="clip")
+    d -= seq
+    x += d
     fresh = pos < 0
     if b_new is not None:
         fresh |= b_new
-    kept = (~fresh).nonzero()[0]
-    pk = pos.take(kept)
-    if kept.shape[0]:
-        x[:, kept] = c.x.take(pk, axis=1) + (c.seq.take(pk) - seq.take(kept))
-    nc_chk = b_nc.copy()
-    if level == "full":
-        old = c.nc_chk.take(pk)
-        if _count(b_nc.take(kept) < old):
-            return None
-        nc_chk[kept] = old
     fr = fresh.nonzero()[0]
+    nc_chk = c.nc_chk
+    if level == "full":
+        nc_chk = c.nc_chk.take(pos, mode="clip")
+        nc_chk[fr] = b_nc.take(fr)
+        if _count(b_nc < nc_chk):
+            return None
     if fr.shape[0]:
-        fs = b_slots.take(fr)
-        nb = tables.num_blocks[:, fs]
-        if b_new is not None:
-            nb[:, b_new.take(fr)] = 0
-        if geo.circ.size and _count(nb[geo.circ] < geo.circ_need):
-            return None  # NOTE: a fresh row without its whole ring (the general path decides)
-        x[:, fr] = nb[geo.groups] * geo.bs_x - seq.take(fr)
+        if b_new is None or _count(b_new) != fr.shape[0]:  # NOTE: a row back in the batch: its block counts
+            fs = b_slots.take(fr)
+            nb = tables.num_blocks[:, fs]
+            if b_new is not None:
+                nb[:, b_new.take(fr)] = 0
+            if geo.circ.size and _count(nb[geo.circ] < geo.circ_need):
+                return None  # NOTE: a fresh row without its whole ring (the general path decides)
+            x[:, fr] = nb[geo.groups] * geo.bs_x - seq.take(fr)
+        elif geo.circ.size:
+            return None  # NOTE: a new row holds no ring yet (its circular runs take the general path)
+        elif fr.shape[0] == 1:
+            i = fr.item(0)
+            x[:, i] = -seq.item(i)  # NOTE: a new row holds no block before its runs
+        else:
+            x[:, fr] = -seq.take(fr)
     rm[b_slots] = geo.arange[:B]
     return x, flat, rm, nc_chk, fr
 
@@ -400,7 +410,7 @@ def _runs(batch, c: BatchCache, tables, flat, row_map, occ, new_slots, seq, b_nc
     A run's slot must be a batch row (so it is occupied after the step) and its group non-circular:
     ``gpos[gid] * B + row[slot]`` is then its slack cell, negative otherwise (``_OUT``)."""
     if batch.write_gids is None or len(batch.write_gids) == 0:
-        return _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _ZERO1, _EMPTY, _EMPTY, _EMPTY, None
+        return _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _ZERO1, _EMPTY, _EMPTY, _EMPTY, None, None
     got = _arrays(batch)
     if got is None:
         return None
@@ -434,8 +444,9 @@ def _runs(batch, c: BatchCache, tables, flat, row_map, occ, new_slots, seq, b_nc
         have[fresh.take(slot)] = 0
     if appends:
         flat[cells] += geo.bs_of.take(gid)
-        return gid, slot, have, have + 1, have, cu, ids, row, key, None
-    app = (start == _APPEND) & (n == 1)
+        return gid, slot, have, have + 1, have, cu, ids, row, key, None, None
+    app = start == _APPEND
+    app &= n == 1
     other = (~app).nonzero()[0]
     if other.shape[0] > MAX_OTHER_RUNS:
         return None
@@ -446,7 +457,7 @@ def _runs(batch, c: BatchCache, tables, flat, row_map, occ, new_slots, seq, b_nc
     keep = have.copy()
     if not _other_runs(geo, other, gid, start, have, n, row, cells, seq, b_nc, flat, begin, end, keep):
         return None
-    return gid, slot, begin, end, keep, cu, ids, row, key, other
+    return gid, slot, begin, end, keep, cu, ids, row, key, other, a
 
 
 def _other_runs(geo, other, gid, start, have, n, row, cells, seq, b_nc, flat, begin, end, keep) -> bool:
@@ -487,14 +498,13 @@ def _bounds(geo: FastGeometry, x: np.ndarray, seq: np.ndarray, q_max: int, gid, 
     return not _count(x.view(_U64) > U.astype(_U64)[:, None])
 
 
-def _full(tables, geo, batch_rows, fresh, runs, other, write_cu) -> bool:
+def _full(tables, geo, batch_rows, fresh, runs, other, app, write_cu) -> bool:
     """``checks="full"`` on what changed: the appended ids (no null, no id already in a full group's
     row), and the general contract checks on a plan of the fresh rows and the other runs. False: the
     general path finds the culprit and raises (:mod:`.contract`)."""
     gid, slot, start, end, keep, cu, ids, row = runs
     if gid.size:
-        a = None if other is None else np.setdiff1d(geo.arange[:gid.shape[0]], other, assume_unique=True)
-        if not _appends_ok(tables, gid, slot, start, ids, cu, a):
+        if not _appends_ok(tables, gid, slot, start, ids, cu, app):
             return False
     if not fresh.shape[0] and other is None:
         return True

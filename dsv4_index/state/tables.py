@@ -116,6 +116,7 @@ class BlockTables:
         self.iota_cols = self._iota.astype(np.int64)  # NOTE: column numbers (the full checks' row masks)
         self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
         self._trips = {}  # NOTE: layout -> preset overlay records (the steady path's one scatter)
+        self._mixed = np.zeros((G * num_slots + 1, OVERLAY_STRIDE), dtype=np.int32)  # NOTE: _stage_mixed's records
         self._row_base = (self.base[:, None] + np.arange(num_slots)[None, :] * self.cols[:, None]).ravel()
         self._col_mod = np.repeat(np.where(self.ring > 0, self.ring, np.iinfo(np.int64).max), num_slots)
 
@@ -210,17 +211,14 @@ class BlockTables:
     def _stage_mixed(self, plan, h: np.ndarray, lay) -> int:
         """:meth:`stage_writes` of one-id appends (vectorised) and a few other runs ``plan.w_other``
         (one or two slices each), every run on a batch row; the bytes of the general staging."""
-        other, cu, w0 = plan.w_other, plan.w_cu, lay.writes
-        first = plan.w_keep  # NOTE: keep >= start on the fast path
+        other, a, cu, w0 = plan.w_other, plan.w_app, plan.w_cu, lay.writes
+        # NOTE: on the fast path start <= keep <= end and end - start is the run's length: every id from keep on
+        first = plan.w_keep
         kept = plan.w_end - first
-        kept[other] = np.maximum(np.minimum(kept[other], cu[other + 1] - cu[other]), 0)
         kept_cu = np.add.accumulate(kept)
         N = int(kept_cu[-1])
         pay = kept_cu - kept
         vals, dsts = h[w0:w0 + N], h[w0 + N:w0 + 2 * N]
-        app = np.ones(plan.w_gid.shape[0], dtype=bool)
-        app[other] = False
-        a = app.nonzero()[0]
         if a.shape[0]:
             key, at = plan.w_key.take(a), pay.take(a)
             dst = self._row_base.take(key)
@@ -229,11 +227,13 @@ class BlockTables:
             dsts[at] = dst
             self.mirror[dst] = vals[at]
         ids = plan.w_ids
-        for i, g, slot, f, k, p in zip(other.tolist(), plan.w_gid.take(other).tolist(), plan.w_slot.take(other).tolist(),
-                                       first.take(other).tolist(), kept.take(other).tolist(), pay.take(other).tolist()):
+        for g, slot, f, k, p, c0, s0 in zip(plan.w_gid.take(other).tolist(), plan.w_slot.take(other).tolist(),
+                                            first.take(other).tolist(), kept.take(other).tolist(),
+                                            pay.take(other).tolist(), cu.take(other).tolist(),
+                                            plan.w_start.take(other).tolist()):
             if not k:
                 continue
-            src = int(cu[i]) + f - int(plan.w_start[i])
+            src = c0 + f - s0
             row = self._base_list[g] + slot * self._cols_list[g]
             ring = self._ring_list[g]
             col = f % ring if ring else f
@@ -245,10 +245,16 @@ class BlockTables:
             if n1 < k:  # NOTE: the ring wraps: the rest from column 0 (at most ring ids are kept)
                 np.add(self._iota[:k - n1], row, out=dsts[p + n1:p + k])
                 self.mirror[row:row + k - n1] = vals[p + n1:p + k]
-        at = lay.overlay + OVERLAY_STRIDE * (plan.w_gid * lay.rows + plan.w_row)
-        h[at + OV_LO] = first
-        h[at + OV_HI] = plan.w_end
-        h[at + OV_PAY] = w0 + pay
+        # NOTE: the overlay as one scatter of 12-byte records
+        R = plan.w_gid.shape[0]
+        trip = self._mixed
+        trip[:R, OV_LO] = first
+        trip[:R, OV_HI] = plan.w_end
+        np.add(pay, w0, out=trip[:R, OV_PAY], casting="unsafe")
+        at = np.multiply(plan.w_gid, lay.rows)
+        at += plan.w_row
+        ov = h[lay.overlay:lay.overlay + OVERLAY_STRIDE * len(self.groups) * lay.rows]
+        ov.view(_RECORD)[at] = trip[:R].reshape(-1).view(_RECORD)
         return N
 
     def _stage_appends(self, plan, h: np.ndarray, lay, ov: np.ndarray) -> int:
