@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from ..batch import StepBatch
-from .contract import full_checks
+from .fast_full import full_ok
 from .plan import StepPlan
 
 __all__ = ["FAST_CHECKS", "FastGeometry", "BatchCache", "plan_fast"]
@@ -321,8 +321,8 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
     gid, wslot, start, end, keep, cu, ids, row, key, other, app = runs
     if not _bounds(c.geo, x, seq, b_q.item(b_q.argmax()), gid, end):
         return None
-    if level == "full" and not _full(tables, c.geo, (b_slots, b_q, seq, new_slots, free),
-                                     fresh, (gid, wslot, start, end, keep, cu, ids, row), other, app, batch.write_cu):
+    if level == "full" and not full_ok(tables, (b_slots, b_q, seq, b_nc, new_slots, free), fresh,
+                                       (gid, wslot, start, end, keep, cu, ids, row), other, app, batch.write_cu):
         return None
     c.scratch.pending = (x, flat, seq, b_slots, nc_chk, row_map, slots.tobytes(), q_bytes, same, got)
     plan = object.__new__(StepPlan)
@@ -345,8 +345,7 @@ def _remap(c: BatchCache, b_slots, b_nc, b_new, seq, tables, level, same: bool):
     x = flat[:Gx * B].reshape(Gx, B)
     flat[Gx * B] = 0  # NOTE: the cell after x (a guard; never read as slack)
     if same or (b_new is None and B == c.b_slots.shape[0] and b_slots.tobytes() == c.b_slots.tobytes()):
-        np.subtract(c.x, seq, out=x)
-        x += c.seq  # NOTE: x' = x - (seq - seq_old)
+        np.add(c.x, c.seq - seq, out=x)  # NOTE: x' = x - (seq - seq_old)
         if level == "full" and _count(b_nc < c.nc_chk):
             return None
         return x, flat, None, c.nc_chk, _EMPTY
@@ -496,54 +495,3 @@ def _bounds(geo: FastGeometry, x: np.ndarray, seq: np.ndarray, q_max: int, gid, 
     if U.item(U.argmin()) < 0:
         return False
     return not _count(x.view(_U64) > U.astype(_U64)[:, None])
-
-
-def _full(tables, geo, batch_rows, fresh, runs, other, app, write_cu) -> bool:
-    """``checks="full"`` on what changed: the appended ids (no null, no id already in a full group's
-    row), and the general contract checks on a plan of the fresh rows and the other runs. False: the
-    general path finds the culprit and raises (:mod:`.contract`)."""
-    gid, slot, start, end, keep, cu, ids, row = runs
-    if gid.size:
-        if not _appends_ok(tables, gid, slot, start, ids, cu, app):
-            return False
-    if not fresh.shape[0] and other is None:
-        return True
-    b_slots, b_q, seq, new_slots, free = batch_rows
-    o = _EMPTY if other is None else other
-    sub = np.union1d(fresh, row.take(o))
-    n = cu.take(o + 1) - cu.take(o)
-    sub_cu = np.zeros(o.shape[0] + 1, dtype=np.int64)
-    np.cumsum(n, out=sub_cu[1:])
-    sub_ids = np.concatenate([ids[cu[i]:cu[i + 1]] for i in o.tolist()]) if o.shape[0] else _EMPTY
-    plan = object.__new__(StepPlan)
-    plan.__dict__.update(
-        slots=b_slots.take(sub), num_scheduled=b_q.take(sub), seq_lens=seq.take(sub), replay_start=None,
-        replay_end=None, new_slots=_EMPTY if new_slots is None else new_slots, free_slots=free,
-        w_gid=gid.take(o), w_slot=slot.take(o), w_start=start.take(o), w_end=end.take(o), w_keep=keep.take(o),
-        w_cu=sub_cu, w_ids=sub_ids, w_row=np.searchsorted(sub, row.take(o)))
-    try:
-        full_checks(tables, plan, (1, 0, 1), write_cu.take(o))
-    except ValueError:
-        return False
-    return True
-
-
-def _appends_ok(tables, gid, slot, have, ids, cu, a) -> bool:
-    """One-id appends (all runs, or those at ``a``): no null id (it lands at or past the window start
-    of its row), and, vectorised per full group, no id already in the row."""
-    if a is not None:
-        gid, slot, have, ids = gid.take(a), slot.take(a), have.take(a), ids.take(cu.take(a))
-    if _count(ids) != ids.shape[0]:  # NOTE: plain blocks on this path (f == 1): the null block is id 0
-        return False
-    full = tables.full.take(gid)
-    if not _count(full):
-        return True
-    sel = full.nonzero()[0]
-    g_sel = gid.take(sel)
-    for g in np.unique(g_sel).tolist():
-        m = sel if g_sel.shape[0] == 1 or (g_sel == g).all() else sel[g_sel == g]
-        rows = tables.mirrors[g][slot.take(m)]                       # int32 [k, cols]
-        held = tables.iota_cols[:rows.shape[1]] < have.take(m)[:, None]
-        if _count((rows == ids.take(m)[:, None]) & held):
-            return False
-    return True

@@ -85,6 +85,7 @@ class BlockTables:
         self.window = np.asarray([g.window or 0 for g in groups], dtype=np.int64)
         self.sharded = np.asarray([g.sharded for g in groups], dtype=bool)
         self.full = np.asarray([g.kind == "full" for g in groups], dtype=bool)
+        self.full_gids = np.flatnonzero(self.full).tolist()
         self.ring_groups = np.flatnonzero((self.ring > 0) & ~self.circular)
         self.compressed = tuple(compressed)  # NOTE: (gid, compress ratio, rows per block) of compressed channels
         units = np.maximum(np.asarray(int32_units, dtype=np.int64), 1)
