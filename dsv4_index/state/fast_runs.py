@@ -65,12 +65,14 @@ def check_runs(batch, c, tables, flat, row_map, occ, new_slots, seq, b_nc, max_w
     row = row_map.take(slot)
     cells = geo.cell_base(seq.shape[0]).take(gid)
     cells += row
+    if cells.item(cells.argmin()) < 0:
+        return None  # NOTE: a gid past the groups, a circular group, a run outside the batch
     seen = c.scratch.seen
     seen[key] = True
     distinct = _count(seen)
     seen[key] = False
-    if distinct != N or cells.item(cells.argmin()) < 0:
-        return None  # NOTE: two runs for one key, a run outside the batch, a circular group
+    if distinct != N:
+        return None  # NOTE: two runs for one (group, slot)
     have = tables.num_blocks.ravel().take(key)
     if new_slots is not None:
         fresh = np.zeros(geo.num_slots, dtype=bool)
