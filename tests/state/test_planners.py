@@ -12,8 +12,8 @@ checks (``state/plan.py``) accept and reject the same steps, with the same messa
   Under ``checks="full"`` a third pipeline has ``validate=True`` (it runs both planners itself and
   raises ``AssertionError`` on a plan difference) and must give the same verdicts.
 * The fast path is really taken on clean serving steps (churn, rejected drafts, crossings).
-* :data:`~dsv4_index.state.steady.FAST_CHECKS` lists every check ``plan.py`` raises: a new check
-  there fails this test until the fast path proves or declines it.
+* :data:`~dsv4_index.state.steady.FAST_CHECKS` lists every check ``plan.py`` / ``plan_runs.py`` raise:
+  a new check there fails this test until the fast path proves or declines it.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def _templates(path: Path) -> set:
 
 def test_every_general_check_is_proved_or_declined_by_the_fast_path():
     listed = {name for name, _ in FAST_CHECKS}
-    found = _templates(ROOT / "dsv4_index" / "state" / "plan.py")
+    found = set().union(*(_templates(ROOT / "dsv4_index" / "state" / f) for f in ("plan.py", "plan_runs.py")))
     assert found, "no check found in plan.py"
     assert not found - listed, f"checks of plan.py the fast path does not list (FAST_CHECKS): {found - listed}"
     assert not listed - found, f"FAST_CHECKS lists checks plan.py no longer has: {listed - found}"
