@@ -167,7 +167,7 @@ def build_replay_host(layout, case, steps: int = 50, per_wait: int = 8) -> float
 
 
 def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
-    """Per-statement median µs of the steady path (``plan_steady``, ``stage``, ``_stage_appends``),
+    """Per-statement median µs of the incremental path (``plan_fast``, ``stage``, ``_stage_appends``),
     ``pipes`` pipelines of one case interleaved; a timer after every statement (≈ 0.15 µs each)."""
     import ast
     import collections
@@ -212,7 +212,7 @@ def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
         return env[name]
 
     if getattr(line_profile, "sources", None) is None:  # NOTE: instrument once per process
-        req_mod.plan_steady = instrument(steady_mod, steady_mod, "plan_steady")
+        req_mod.plan_fast = instrument(steady_mod, steady_mod, "plan_fast")
         instrument(tab_mod, tab_mod.BlockTables, "_stage_appends")
         instrument(stage_mod, stage_mod.StepStaging, "stage")
         line_profile.sources, line_profile.acc, line_profile.last = sources, acc, last

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._index import window_start
 from .contract import full_checks
 from .plan import StepPlan
 
@@ -86,7 +87,7 @@ def _new_run_ok(tables, g: int, start: int, run: np.ndarray, nc: int) -> bool:
     if tables.circular[g]:
         return False  # NOTE: not on the fast path (its runs are declined); the general path decides
     bs, W = int(tables.bs[g]), int(tables.window[g])
-    tail = run[max(max(nc - W + 1, 0) // bs - start, 0):]
+    tail = run[max(window_start(nc, W) // bs - start, 0):]
     return not tail.size or tail.item(tail.argmin()) >= 1
 
 

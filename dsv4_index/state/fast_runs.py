@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._index import window_start
+
 __all__ = ["check_runs", "bounds_ok", "MAX_OTHER_RUNS"]
 
 _I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
@@ -111,7 +113,7 @@ def _other_runs(geo, other, gid, start, have, n, row, cells, seq, b_nc, flat, be
         ring = geo.ring_list[g]
         if ring:
             bs = geo.bs_list[g]
-            lo = max(int(b_nc[r]) - geo.window_list[g] + 1, 0) // bs
+            lo = window_start(int(b_nc[r]), geo.window_list[g]) // bs
             kp = max(sk, ek - ring, lo)
         begin[i], end[i], keep[i] = sk, ek, kp
         flat[cell] = ek * geo.bs_list[g] - int(seq[r])

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._common import INT32_MAX
 from ..batch import StepBatch
+from ._index import cp_owned, window_start
 from .contract import full_checks
 from .plan_runs import arr, check_counts, check_runs, first, in_range, seen_distinct
 
@@ -89,12 +90,6 @@ def plans_equal(a: StepPlan, b: StepPlan) -> list:
         if not same:
             out.append(name)
     return out
-
-
-def _owned(n: np.ndarray, cp) -> np.ndarray:
-    world, rank, inter = cp
-    cycle = inter * world
-    return (n // cycle) * inter + np.clip(n % cycle - rank * inter, 0, inter)
 
 
 _ROW_MAPS = {}
@@ -268,11 +263,9 @@ def _coverage(tables, cp, b_slots, b_new, b_nc, seq, rs, runs, num_slots: int):
     rg = tables.ring_groups
     if rg.size:
         # NOTE: the lowest block a row reads from now on: its first token's window start
-        start = np.maximum(b_nc[None, :] - tables.window[rg, None] + 1, 0)
-        if rs is not None:
-            start = np.maximum(start, rs[None, :])
+        start = window_start(b_nc[None, :], tables.window[rg, None], None if rs is None else rs[None, :])
         if sharded[rg].any():
-            start[sharded[rg]] = _owned(start[sharded[rg]], cp)
+            start[sharded[rg]] = cp_owned(start[sharded[rg]], cp)
         lo = start // tables.bs[rg, None]
         over = nb[rg] - lo > tables.ring[rg, None]
         if np.count_nonzero(over):
@@ -300,12 +293,12 @@ def _covered(tables, cp, sharded, nb, seq, b_slots) -> None:
     bs = tables.bs[:, None]
     if sharded.any():
         local = np.repeat(seq[None, :], G, axis=0)
-        local[sharded] = _owned(seq, cp)
+        local[sharded] = cp_owned(seq, cp)
         need = (local + bs - 1) // bs
         # NOTE: under DCP a rank's compressed rows may need more blocks than its raw tokens
         for g, ratio, S in tables.compressed:
             if sharded[g]:
-                need[g] = np.maximum(need[g], -(-_owned(seq // ratio, cp) // S))
+                need[g] = np.maximum(need[g], -(-cp_owned(seq // ratio, cp) // S))
         if tables.circular.any():
             need[tables.circular] = (seq > 0) * tables.logical[tables.circular, None]
         short = nb < need

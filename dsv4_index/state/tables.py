@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .._common import INT32_MAX
+from ._index import col_modulus, flat_offset, ring_col
 from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE
 
 __all__ = ["BlockTables"]
@@ -118,8 +119,8 @@ class BlockTables:
         self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
         self._trips = {}  # NOTE: layout -> preset overlay records (the steady path's one scatter)
         self._mixed = np.zeros((G * num_slots + 1, OVERLAY_STRIDE), dtype=np.int32)  # NOTE: _stage_mixed's records
-        self._row_base = (self.base[:, None] + np.arange(num_slots)[None, :] * self.cols[:, None]).ravel()
-        self._col_mod = np.repeat(np.where(self.ring > 0, self.ring, np.iinfo(np.int64).max), num_slots)
+        self._row_base = flat_offset(self.base[:, None], self.cols[:, None], np.arange(num_slots)[None, :], 0).ravel()
+        self._col_mod = np.repeat(col_modulus(self.ring), num_slots)
 
     # ------------------------------------------------------------------------------------------
     def commit(self, plan) -> None:
@@ -195,8 +196,8 @@ class BlockTables:
         vals, dsts, ids = h[w0:w0 + total], h[w0 + total:w0 + 2 * total], plan.w_ids
         pos = 0
         for g, slot, first, k, src, ring in runs:
-            row = self._base_list[g] + slot * self._cols_list[g]
-            col = first % ring if ring else first
+            row = flat_offset(self._base_list[g], self._cols_list[g], slot, 0)
+            col = ring_col(first, ring)
             a = min(k, ring - col) if ring else k
             run_ids = ids[src:src + k]
             vals[pos:pos + k] = run_ids
@@ -235,9 +236,9 @@ class BlockTables:
             if not k:
                 continue
             src = c0 + f - s0
-            row = self._base_list[g] + slot * self._cols_list[g]
+            row = flat_offset(self._base_list[g], self._cols_list[g], slot, 0)
             ring = self._ring_list[g]
-            col = f % ring if ring else f
+            col = ring_col(f, ring)
             n1 = min(k, ring - col) if ring else k
             run_ids = ids[src:src + k]
             vals[p:p + k] = run_ids
@@ -295,7 +296,7 @@ class BlockTables:
         n = int(self.num_blocks[gid, slot])
         logical = np.arange(n)
         r = int(self.ring[gid])
-        col = logical % r if r else logical
+        col = ring_col(logical, r)
         out = self.mirrors[gid][slot, col].astype(np.int32)
         if r:
             out[logical < n - r] = -1
@@ -329,8 +330,7 @@ class BlockTables:
         ring = self.ring[gid]
         if n_ids == N and (keep_from <= start).all():
             # NOTE: fast path (steady decode): one id per run, all kept
-            col = np.where(ring > 0, start % np.maximum(ring, 1), start)
-            return None, self.base[gid] + slot * self.cols[gid] + col
+            return None, flat_offset(self.base[gid], self.cols[gid], slot, ring_col(start, ring))
         n = np.diff(cu)
         k = _ragged_arange(n)
         run = np.repeat(np.arange(N), n)
@@ -338,9 +338,8 @@ class BlockTables:
         keep = logical >= keep_from[run]
         logical, run = logical[keep], run[keep]
         r = ring[run]
-        col = np.where(r > 0, logical % np.maximum(r, 1), logical)
         g = gid[run]
-        return keep, self.base[g] + slot[run] * self.cols[g] + col
+        return keep, flat_offset(self.base[g], self.cols[g], slot[run], ring_col(logical, r))
 
 
 def _ragged_arange(n: np.ndarray) -> np.ndarray:
