@@ -24,6 +24,7 @@ import numpy as np
 from dsv4_index.batch import APPEND, StepBatch
 
 AHEAD = 2048    # NOTE: churn: rows hold blocks for this many tokens ahead (no natural crossing) ...
+AHEAD_JOIN = 512  # ... joining rows for this many (more than 300 steps of decode)
 CROSS_GID = 2   # ... and a rotating tenth appends one block of this group (c4_state) per step
 GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512]
 
@@ -75,7 +76,8 @@ class Stream:
                 st["arrivals"] += 1
         g_, s_, st_, cu, ids = [], [], [], [0], []
         for r in self.run:
-            need = -(-(r["nc"] + r["q"] + (AHEAD if self.churn and r["new"] else 0)) // self.bs)
+            ahead = (AHEAD if self.first else AHEAD_JOIN) if self.churn and r["new"] else 0
+            need = -(-(r["nc"] + r["q"] + ahead) // self.bs)
             add = np.maximum(need - r["held"], 0)
             if self.churn and not r["new"] and (r["slot"] + st["steps"]) % 10 == 0:
                 add[CROSS_GID] += 1  # NOTE: a rotating tenth of the rows crosses into a new block

@@ -68,8 +68,9 @@ class MetadataPipeline:
         rejected steps with their error) to this JSONL trace (:mod:`dsv4_index.tools.trace`); replay it with
         ``python -m dsv4_index replay TRACE``. Through :func:`~dsv4_index.tools.trace.record_steps`;
         :meth:`close_recording` ends it.
-    steady : bool — check a steady step (the last batch again, one-id appends) on the steady path of
-        ``state/steady.py`` (same plan, same errors); False: every step takes the general checks.
+    steady : bool — plan steps on the incremental path of ``state/steady.py`` (any step, at the cost
+        of what changed since the last one; same plan, same errors; ``validate=True`` runs both planners
+        and raises ``AssertionError`` on a difference); False: every step takes the general checks.
     """
 
     def __init__(self, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
@@ -348,7 +349,7 @@ class MetadataPipeline:
 
     @property
     def last_plan_was_steady(self) -> bool:
-        """True when the last accepted step was checked on the steady path (``state/steady.py``)."""
+        """True when the last accepted step was planned on the incremental path (``state/steady.py``)."""
         return self._plan is not None and self._plan.steady
 
     def close_recording(self) -> None:

@@ -17,8 +17,8 @@ Errors are one line naming the slot (and batch row), the group (gid, name, role)
 and its positions, and where the id came from (``write_ids[j]``: the id-keyed front end names the
 request's field from it; or held since an earlier step).
 
-NOTE: the steady path (:mod:`.steady`) needs only its appended ids (one per run, at or past the window
-start): held blocks from the window start on were checked when the row last took the general path.
+NOTE: the incremental path (:mod:`.steady`) checks only what a step changes (:mod:`.fast_full`): held
+blocks from the window start on were checked when the row was admitted or last scanned.
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ class BatchCache:
         else:
             c.slots_bytes = c.q_bytes = None
         c.order = (None if (plan.rows == geo.arange[:B]).all() else plan.rows, plan.num_decodes, plan.num_tokens,
-                   plan.num_decode_tokens)
+                   plan.num_decode_tokens, plan.num_scheduled.item(plan.num_scheduled.argmax()))
         c.generation = generation
         return c
 
@@ -203,7 +203,7 @@ class BatchCache:
         s.plan = s.pending = None
 
 
-def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int):
+def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int, slots_bytes: bytes):
     """Rows of the step: ``(is_new or None, free, occ_after or None, same slots as the last batch)``;
     None when not proved."""
     slots, new, free = batch.req_slots, batch.is_new, batch.free_slots
@@ -216,7 +216,7 @@ def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int):
         free = _EMPTY
     elif type(free) is not np.ndarray or free.dtype is not _I64 or free.ndim != 1:
         return None
-    if new is None and not free.size and slots.tobytes() == c.slots_bytes:
+    if new is None and not free.size and slots_bytes == c.slots_bytes:
         return new, free, None, True, None  # NOTE: the last batch's slots: range, distinct, occupied
     num_slots, seen = c.geo.num_slots, c.scratch.seen
     if _umax(slots) >= num_slots:
@@ -260,21 +260,22 @@ def _pad(T: int, pad_to, max_num_tokens: int):
 
 
 def _order(q: np.ndarray, n: int, thr: int, max_num_tokens: int):
-    """``(order or None, num_decodes, T, num_decode_tokens)`` of counts ``q`` (all ``>= 1``), or None."""
+    """``(order or None, num_decodes, T, num_decode_tokens, q_max)`` of counts ``q`` (all ``>= 1``), or None."""
     if q.view(_U64).item(q.argmin()) < 1 or _umax(q) > max_num_tokens:
         return None
     T = int(q.sum())
     if T > max_num_tokens:
         return None
-    if q.item(q.argmax()) <= thr:
-        return None, n, T, T
+    q_max = q.item(q.argmax())
+    if q_max <= thr:
+        return None, n, T, T, q_max
     dec = q <= thr
     nd = _count(dec)
     k = int(dec.argmin())  # NOTE: first prefill row
     if nd and _count(dec[k:]):
         order = np.concatenate([dec.nonzero()[0], (~dec).nonzero()[0]])
-        return order, nd, T, int(q.take(order[:nd]).sum())
-    return None, nd, T, int(q[:nd].sum()) if nd else 0
+        return order, nd, T, int(q.take(order[:nd]).sum()), q.item(q.argmax())
+    return None, nd, T, int(q[:nd].sum()) if nd else 0, q.item(q.argmax())
 
 
 def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_num_tokens: int,
@@ -290,7 +291,8 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
     for x in (nc, q):
         if type(x) is not np.ndarray or x.dtype is not _I64 or x.shape != slots.shape:
             return None
-    rows = _rows(batch, c, occupied, n)
+    slots_bytes = slots.tobytes()
+    rows = _rows(batch, c, occupied, n, slots_bytes)
     if rows is None or _umax(nc) > tables.max_model_len:
         return None
     new, free, occ, same, new_slots = rows
@@ -299,8 +301,8 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
     got = c.order if same else _order(q, n, decode_threshold, max_num_tokens)
     if got is None:
         return None
-    order, nd, T, ndt = got
-    T_pad = _pad(T, pad_to, max_num_tokens)
+    order, nd, T, ndt, q_max = got
+    T_pad = T if pad_to is None else _pad(T, pad_to, max_num_tokens)
     if T_pad is None:
         return None
     if order is None:
@@ -318,12 +320,12 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
     if runs is None:
         return None
     gid, wslot, start, end, keep, cu, ids, row, key, other, app = runs
-    if not bounds_ok(c.geo, x, seq, b_q.item(b_q.argmax()), gid, end):
+    if not bounds_ok(c.geo, x, seq, q_max, gid, end):
         return None
     if level == "full" and not full_ok(tables, (b_slots, b_q, seq, b_nc, new_slots, free), fresh,
                                        (gid, wslot, start, end, keep, cu, ids, row), other, app, batch.write_cu):
         return None
-    c.scratch.pending = (x, flat, seq, b_slots, nc_chk, row_map, slots.tobytes(), q_bytes, same, got)
+    c.scratch.pending = (x, flat, seq, b_slots, nc_chk, row_map, slots_bytes, q_bytes, same, got)
     plan = object.__new__(StepPlan)
     plan.__dict__.update(
         rows=c.geo.arange[:n] if order is None else order, slots=b_slots, num_scheduled=b_q, seq_lens=seq,
@@ -342,7 +344,6 @@ def _remap(c: BatchCache, b_slots, b_nc, b_new, seq, tables, level, same: bool):
     B, Gx = b_slots.shape[0], geo.groups.size
     flat = s.flats[0] if s.flats[0] is not c.flat else s.flats[1]
     x = flat[:Gx * B].reshape(Gx, B)
-    flat[Gx * B] = 0  # NOTE: the cell after x (a guard; never read as slack)
     if same or (b_new is None and B == c.b_slots.shape[0] and b_slots.tobytes() == c.b_slots.tobytes()):
         np.add(c.x, c.seq - seq, out=x)  # NOTE: x' = x - (seq - seq_old)
         if level == "full" and _count(b_nc < c.nc_chk):
