@@ -1,5 +1,5 @@
 """Step streams of a serving engine as :class:`~dsv4_index.batch.StepBatch` arrays (issue 26): a
-realistic serving mix and a churn stream, in vLLM V1 semantics (``host_path.md`` §1).
+realistic serving mix and a churn stream, in vLLM V1 semantics.
 
 * ``serving mix``: ``B`` running requests, MTP with ``k = 1`` draft accepted with probability 0.7 (a row
   schedules 2 tokens and computes 1 + accepted of them), geometric outputs (mean 600 tokens), each
@@ -9,7 +9,7 @@ realistic serving mix and a churn stream, in vLLM V1 semantics (``host_path.md``
 * ``churn``: ``B`` decodes with MTP ``k = 1``, every step one random request finishes and a short one
   (16-64 cached tokens, a decode-sized first step) joins; half the drafts are rejected; a row needing
   rows hold their blocks ``AHEAD`` tokens ahead and a rotating tenth of them appends one block per step
-  (``host_path.md``'s "10% cross").
+  (the "10 % of rows crossing a block" of the churn target, BENCHMARKS.md).
 
 A group gets a block id exactly when ``nc + q`` needs one (the row keeps blocks that rejected drafts
 needed). Ids come from a counter (never a duplicate).

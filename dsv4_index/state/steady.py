@@ -1,6 +1,6 @@
-"""The incremental path of the checks (``host_path.md`` §6): every step is checked against the
-batch-ordered state of the last accepted step, patched for what changed; any step or doubt it does not
-prove goes to the general checks of :mod:`.plan` (which also produce every error message). The plan is
+"""The incremental path of the checks (DESIGN §5 "the serving step is not steady"): every step is
+checked against the batch-ordered state of the last accepted step, patched for what changed; any step or
+doubt it does not prove goes to the general checks of :mod:`.plan` (which also produce every error message). The plan is
 then identical to the general one (``validate=True`` runs both and compares them).
 
 The state kept after every accepted step (:class:`BatchCache`), per device batch row: its slot, its
