@@ -1,4 +1,4 @@
-"""Per-step benchmark of the metadata pipeline on a GPU (DESIGN §8, issue 12).
+"""Per-step benchmark of the metadata pipeline on a GPU (docs/DESIGN.md §8, issue 12).
 
 For each case (``workload.CASES``) and layout (V4-Flash, V4-Pro), with the pipeline sized like a
 server (1024 requests, 8192 tokens) and exactly to the case:
@@ -24,6 +24,7 @@ Usage::
     python benchmarks/bench_step.py --floors                         # empty-kernel launch floors, write bandwidth
     python benchmarks/bench_step.py --topk-sweep                     # top-k rows-per-program x warps
     python benchmarks/bench_step.py --ab --out ab.json               # this round's kernel options vs round 1
+    TRITON_INTERPRET=1 python benchmarks/bench_step.py --smoke --device cpu   # no timing: what the suite runs
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -128,10 +130,8 @@ def _arms(t_pad: int):
     per causal column everywhere) against per-block causal reads (``blocks``) and, for small-variant
     steps, two other small tiles; only arms that change the variant the step runs on.
 
-    NOTE: run h200_2026-12-01_kernel3 also timed a per-chunk overlay skip in the whole-row variant (a
-    union of the program's staged ranges, the overlay loads skipped for chunks outside it): 0.2-2.4 us
-    slower on every large-variant case, so it is gone from the kernel."""
-    from dataclasses import replace
+    NOTE: a per-chunk overlay skip in the whole-row variant was timed and removed (BENCHMARKS.md "How the
+    kernel is cut")."""
     from dsv4_index.fused.plan import LARGE, LARGE_FROM, SMALL, SMALL_FROM, TINY
     off = lambda c: replace(c, block_loads=False)  # noqa: E731
     bl = lambda c: replace(c, block_loads=True)  # noqa: E731
@@ -142,12 +142,61 @@ def _arms(t_pad: int):
     return arms
 
 
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def checked_arms(pipe, label: str) -> dict:
+    """One :class:`FusedPlan` per arm of ``_arms`` for the pipeline's last staged step, each checked:
+    every output of its launch equals the pipeline's own launch (outputs poisoned before each)."""
+    from dsv4_index.fused.plan import FusedPlan
+    lay, fused = pipe.stage_layout, pipe.fused_plan
+    outs = list({o.data_ptr(): o for t in fused.tasks for o in t.outputs if o is not None}.values())
+    poison = lambda: [o.fill_(True if o.dtype == torch.bool else -7) for o in outs]  # noqa: E731
+    poison()
+    fused.launch(lay)
+    _sync(pipe.device)
+    want = [o.clone() for o in outs]
+    plans = {}
+    for arm, tiny, small, large in _arms(lay.t_pad):
+        plan = FusedPlan(fused.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev,
+                         pipe.ctx.next_n, tiny=tiny, small=small, large=large)
+        poison()
+        plan.launch(lay)
+        _sync(pipe.device)
+        bad = sum(not torch.equal(a, b) for a, b in zip(outs, want))
+        assert bad == 0, f"{label} arm {arm}: {bad} outputs differ from the pipeline's build"
+        plans[arm] = plan
+    return plans
+
+
+def smoke(args):
+    """The suite's check that this script still runs (CPU, ``TRITON_INTERPRET=1``, no timing): one step
+    of ``--smoke-case`` on the Flash layout, sized exactly, through every ``--ab`` arm (each must equal
+    the pipeline's build), the top-k conversion, ``written_bytes`` and the table of programs."""
+    layout = DSV4Layout.from_config("flash", max_model_len=args.smoke_len)
+    case = replace(CASES[args.smoke_case], ctx_range=(64, args.smoke_len // 2))
+    pipe = make_pipe(layout, case, False, device=args.device)
+    wl, _ = steady(layout, case, pipe, 2)
+    batch, _ = wl.next_step()
+    pipe.update(batch)
+    meta = pipe.build()
+    plans = checked_arms(pipe, args.smoke_case)
+    lay = pipe.stage_layout
+    topk = torch.full((meta.num_tokens_padded, layout.index_topk), -1, dtype=torch.int32, device=pipe.device)
+    slots, lens = meta.topk_to_slots("c4a", topk)
+    assert int(lens.sum()) == 0, "an all -1 top-k has no valid entry"
+    progs = {a: p.num_programs(lay.t_pad) for a, p in plans.items()}
+    print(f"smoke OK: {args.smoke_case} on {pipe.device}, T_pad {lay.t_pad}, arms {progs} programs, "
+          f"{written_bytes(pipe.fused_plan, lay.t_pad)} bytes written per launch", flush=True)
+
+
 def ab(args):
     """Same-run comparison of kernel options (``_arms``), arms interleaved over ``--rounds`` rounds
     (graph-amortized and single replay medians per round, the median of the rounds reported), every
     Flash case, server-sized and exact; each arm's outputs must equal the pipeline's own build; the
     pipeline's top-k conversion timed in the same rounds."""
-    from dsv4_index.fused.plan import FusedPlan
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
     res = []
     floor0 = empty_floor(args)
@@ -161,23 +210,8 @@ def ab(args):
             batch, _ = wl.next_step()
             pipe.update(batch)
             meta = pipe.build()
-            lay = pipe._lay
-            outs = list({o.data_ptr(): o for t in pipe._fused.tasks for o in t.outputs if o is not None}.values())
-            poison = lambda: [o.fill_(True if o.dtype == torch.bool else -7) for o in outs]  # noqa: E731
-            poison()
-            pipe._fused.launch(lay)
-            torch.cuda.synchronize()
-            want = [o.clone() for o in outs]
-            plans = {}
-            for arm, tiny, small, large in _arms(lay.t_pad):
-                plan = FusedPlan(pipe._fused.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev,
-                                 pipe.ctx.next_n, tiny=tiny, small=small, large=large)
-                poison()
-                plan.launch(lay)
-                torch.cuda.synchronize()
-                bad = sum(not torch.equal(a, b) for a, b in zip(outs, want))
-                assert bad == 0, f"{name} {tag} arm {arm}: {bad} outputs differ from the pipeline's build"
-                plans[arm] = plan
+            lay = pipe.stage_layout
+            plans = checked_arms(pipe, f"{name} {tag}")
             topk = None
             if "c4a" in meta:
                 n_c = meta["c4i"].lens[:meta.num_tokens_padded].clamp(min=1).long()
@@ -198,7 +232,7 @@ def ab(args):
             r[f"{tag}_T_pad"] = lay.t_pad
             r[f"{tag}_programs"] = {a: p.num_programs(lay.t_pad) for a, p in plans.items()}
             if server:
-                r[f"{tag}_written_bytes"] = written_bytes(pipe._fused, lay.t_pad)
+                r[f"{tag}_written_bytes"] = written_bytes(pipe.fused_plan, lay.t_pad)
             del pipe, plans
         r.update(counts_case(layout, case))
         res.append(r)
@@ -281,7 +315,7 @@ def topk_sweep(args):
         batch, _ = wl.next_step()
         pipe.update(batch)
         meta = pipe.build()
-        b = pipe._builders["c4a"]
+        b = pipe.builders["c4a"]
         K = layout.index_topk
         Tp = meta.num_tokens_padded
         n_c = meta["c4i"].lens[:Tp].clamp(min=1).long()
@@ -302,9 +336,9 @@ def topk_sweep(args):
         print(f"topk sweep {name}: " + "  ".join(line), flush=True)
 
 
-def make_pipe(layout, case, server: bool, **kw):
+def make_pipe(layout, case, server: bool, device: str = "cuda", **kw):
     R, T = SERVER if server else (case.max_reqs + 1, case.max_tokens)
-    pipe = MetadataPipeline(layout, R, T, "cuda", case.q_decode - 1, **kw)
+    pipe = MetadataPipeline(layout, R, T, device, case.q_decode - 1, **kw)
     pipe.warmup()
     return pipe
 
@@ -317,7 +351,7 @@ def steady(layout, case, pipe, steps: int, seed=0):
         batch, _ = wl.next_step()
         pipe.update(batch)
         pipe.build()
-    torch.cuda.synchronize()
+    _sync(pipe.device)
     return wl, batch
 
 
@@ -393,10 +427,9 @@ def host_case(layout, case, args):
 
 def _shadow_slots(pipe, wl):
     """A SlotMap equal to the workload's slot assignment (so the conversion sees running requests)."""
-    from dsv4_index.batch import SlotMap
+    from dsv4_index.state.requests import SlotMap, SlotMapDelta
     sm = SlotMap(pipe.max_num_reqs)
-    sm.slot_of = dict(wl.slots)
-    sm._free = sorted(set(range(pipe.max_num_reqs)) - set(wl.slots.values()), reverse=True)
+    sm.commit(SlotMapDelta(taken=dict(wl.slots)))  # NOTE: the workload's slots, through the public commit
     return sm
 
 
@@ -444,8 +477,17 @@ def main():
     ap.add_argument("--topk-sweep", action="store_true", help="top-k conversion tiles (rows x warps)")
     ap.add_argument("--ab", action="store_true", help="same-run comparison of kernel options, every Flash case")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --ab")
+    ap.add_argument("--smoke", action="store_true",
+                    help="no timing: one exact-sized step through every --ab arm, checked (CPU: TRITON_INTERPRET=1)")
+    ap.add_argument("--smoke-case", default="decode B=1", help="case of --smoke (workload.CASES)")
+    ap.add_argument("--smoke-len", type=int, default=4096, help="max_model_len of --smoke")
+    ap.add_argument("--device", default="cuda", help="device of --smoke (every other mode needs cuda)")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "bench_step.py needs CUDA"
+    if args.smoke:
+        smoke(args)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_step.py: every mode but --smoke needs CUDA (try --smoke --device cpu)")
     if args.sweep:
         sweep(args)
         return

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
 from dsv4_index import DSV4Layout, MetadataPipeline, batch_from_step  # noqa: E402
-from dsv4_index.batch import SlotMap  # noqa: E402
+from dsv4_index.state.requests import SlotMap, SlotMapDelta  # noqa: E402
 from workload import CASES, Workload  # noqa: E402
 
 CHANGE_EVERY = 4
@@ -92,9 +92,7 @@ def unit_seconds(reps: int = 200) -> float:
 
 def shadow(pipe, wl) -> SlotMap:
     sm = SlotMap(pipe.max_num_reqs)
-    for rid, s in wl.slots.items():
-        sm.slot_of[rid] = s
-    sm._free = sorted(set(range(pipe.max_num_reqs)) - set(wl.slots.values()), reverse=True)
+    sm.commit(SlotMapDelta(taken=dict(wl.slots)))  # NOTE: the workload's slots, through the public commit
     return sm
 
 

@@ -7,6 +7,7 @@ sliding tables. Pure arithmetic over the layout (``GroupSpec.columns``), so it r
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def sizes(layout, max_num_reqs: int, max_num_batched_tokens: int = 8192):
     return tables, tables, 2 * 4 * stage, per_group
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n")[0] + " (no options)").parse_args(argv)
     print("| context | requests | sliding tables | device tables MiB | host mirror MiB | pinned staging MiB | "
           "of which c4_state / c128_state MiB |")
     print("|---|---|---|---|---|---|---|")

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
-from dsv4_index.batch import batch_from_step  # noqa: E402
+from dsv4_index.frontend import batch_from_step  # noqa: E402
 from dsv4_index.testing.scheduler import ReferenceScheduler, scripted_trace  # noqa: E402
 from dsv4_index.tools.digest import output_digests  # noqa: E402
 

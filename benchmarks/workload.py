@@ -1,10 +1,10 @@
 """Benchmark workloads: steps built directly as arrays (no scheduler), with random contexts and block
-ids from a large pool, for the cases of DESIGN §8 / issue 12. Shared by ``bench_step.py`` and
+ids from a large pool, for the cases of docs/DESIGN.md §8 / issue 12. Shared by ``bench_step.py`` and
 ``host_profile.py``.
 
 Every case admits its batch in a first step, then produces steady-state steps; each step is
 available as a :class:`~dsv4_index.batch.StepBatch` (the fast path, slots owned here) and as the
-equivalent :class:`~dsv4_index.step.StepInput` (to time the id-keyed front end).
+equivalent :class:`~dsv4_index.frontend.StepInput` (to time the id-keyed front door).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from dsv4_index.batch import APPEND, StepBatch
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index import NewRequest, RunningRequest, StepInput
 
 ID_LO, ID_HI = 1, 3_000_000          # ids of admitted requests (distinct within a row)
 APPEND_START = 3_000_000             # appended ids: a counter (never a duplicate in a row)

@@ -186,7 +186,7 @@ def prepare_out(name: str, out, *, shape: Sequence[int], min_rows: int, dtype: t
     return out
 
 
-# DCP ownership (DESIGN §4) — torch versions shared by the reference and the host-side checks
+# DCP ownership (docs/DESIGN.md §4) — torch versions shared by the reference and the host-side checks
 def cp_owner(p: torch.Tensor, world: int, interleave: int) -> torch.Tensor:
     return (p // interleave) % world
 

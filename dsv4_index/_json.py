@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Optional
 
 import numpy as np
 
@@ -22,16 +23,17 @@ def one_line(s: str) -> str:
     return s.translate(_ESCAPES)
 
 MAX_DEPTH = 32
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # NOTE: unrolled: no regex stack per character
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 class BadJSON(ValueError):
-    """``where:line: msg``; ``line`` and ``msg`` kept for callers that re-raise their own error type."""
+    """``where:line: msg``; ``line``, ``msg`` and ``key`` (the key path the problem is at, when known)
+    kept for callers that re-raise their own error type."""
 
-    def __init__(self, where: str, line: int, msg: str):
-        self.where, self.line, self.msg = where, line, msg
-        super().__init__(f"{where}:{line}: {msg}")
+    def __init__(self, where: str, line: int, msg: str, key: Optional[str] = None):
+        self.where, self.line, self.msg, self.key = where, line, msg, key
+        super().__init__(f"{where}:{line}: {key + ': ' if key else ''}{msg}")
 
 
 def decode_utf8(raw: bytes, where: str, first_line: int = 1) -> str:
@@ -55,8 +57,27 @@ def _depth(raw: bytes) -> int:
     return int(np.cumsum(step).max())
 
 
-def _no_constant(name):
-    raise ValueError(f"{name} is not a JSON number")
+class _NonFinite(float):
+    """What ``NaN`` / ``Infinity`` parse to, so that the reader can name the key holding one."""
+
+
+def _constant(name):
+    return _NonFinite(float(name))
+
+
+def _non_finite_path(v, path: str = ""):
+    """Key path (``a.b[2]``) of the first non-finite constant in a parsed document, or None."""
+    if isinstance(v, _NonFinite):
+        return path or "(the document)"
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        got = _non_finite_path(x, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k))
+        if got is not None:
+            return got
+    return None
+
+
+_CONSTANT = re.compile(r"-?Infinity|NaN")
 
 
 def _pairs(pairs):
@@ -76,12 +97,20 @@ def loads_bounded(text: str, where: str, *, first_line: int = 1, max_depth: int 
     if depth > max_depth:
         raise BadJSON(where, first_line, f"JSON nested {depth} deep (at most {max_depth} allowed)")
     try:
-        return json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
+        out = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant)
     except json.JSONDecodeError as e:
         cut = " (truncated?)" if e.pos >= len(text.rstrip()) else ""
         raise BadJSON(where, first_line + e.lineno - 1, f"not JSON{cut}: {e.msg} at column {e.colno}") from e
-    except (ValueError, RecursionError) as e:   # duplicate keys, NaN, ints beyond the digit limit
+    except (ValueError, RecursionError) as e:   # duplicate keys, ints beyond the digit limit
         raise BadJSON(where, first_line, f"unusable JSON: {e}") from None
+    path = _non_finite_path(out)
+    if path is not None:   # NOTE: NaN / Infinity: named by key path, on the line of the first one
+        bare = _STRING.sub(lambda m: b" " * len(m.group(0)), raw).decode("utf-8", "replace")  # strings hold no newline
+        m = _CONSTANT.search(bare)
+        line = first_line + (bare.count("\n", 0, m.start()) if m else 0)
+        name = m.group(0) if m else "NaN"
+        raise BadJSON(where, line, f"{name} is not a JSON number (unusable JSON)", key=path)
+    return out
 
 
 def line_of_key(text: str, key: str) -> int:

@@ -1,4 +1,4 @@
-"""The array-form step (:class:`StepBatch`) and the front ends that build it.
+"""The array-form step (:class:`StepBatch`): the contract between the front door and the request state.
 
 A serving engine keeps each request in a persistent *slot* (a row of every block table, like vLLM's
 model runner v2 ``RequestState``) from arrival to finish; a step is then a handful of arrays::
@@ -8,17 +8,9 @@ model runner v2 ``RequestState``) from arrival to finish; a step is then a handf
                                                write_ids[write_cu[r]:write_cu[r + 1]]
     slots released before the step     free_slots
 
-:meth:`MetadataPipeline.update` takes a ``StepBatch`` directly (the fast path). Two front ends build
-one from id-keyed inputs and own the request-id -> slot map (:class:`SlotMap`):
-
-* :func:`batch_from_step` converts a :class:`~dsv4_index.step.StepInput`;
-* :func:`batch_from_scheduler_output` reads the lists a vLLM-style ``SchedulerOutput`` already holds
-  (``scheduled_new_reqs``, ``scheduled_cached_reqs``, ``num_scheduled_tokens``, ``finished_req_ids``,
-  ``preempted_req_ids``).
-
-Both are pure: they return the batch and a :class:`SlotMapDelta` that the caller commits only after
-the pipeline accepted the batch, so a rejected step changes nothing. They live in
-:mod:`dsv4_index.frontend` (the rules of an id-keyed step are listed there).
+:meth:`MetadataPipeline.update` takes a ``StepBatch`` directly (the fast path). The front door,
+:mod:`dsv4_index.frontend`, builds one from id-keyed inputs (a ``StepInput`` or a vLLM-style
+``SchedulerOutput``) through the request-id -> slot map (:class:`~dsv4_index.state.requests.SlotMap`).
 """
 
 from __future__ import annotations
@@ -28,8 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["StepBatch", "SlotMap", "SlotMapDelta", "batch_from_step", "batch_from_scheduler_output",  # noqa: F822
-           "APPEND"]
+__all__ = ["StepBatch", "APPEND"]
 
 APPEND = -1  # NOTE: a write run starting at APPEND continues the row where it ends (the slot's block count)
 
@@ -64,7 +55,7 @@ class StepBatch:
     write_ids : int [write_cu[-1]], optional
         Allocation block ids (expanded to kernel-block ids by the tables for hybrid blocks).
     replay_start, replay_end : int [B], optional
-        Bounded replay (DESIGN §4): window lists of a row start at ``replay_start`` at the earliest;
+        Bounded replay (docs/DESIGN.md §4): window lists of a row start at ``replay_start`` at the earliest;
         tokens at ``pos < replay_end`` write nothing into prefix-cacheable groups.
     """
 
@@ -103,15 +94,3 @@ class StepBatch:
             v = d.get(k)
             return None if v is None else np.asarray(v, dtype=dtype)
         return cls(**{k: arr(k, bool if k == "is_new" else np.int64) for k in cls.__dataclass_fields__})
-
-
-_FRONTEND = ("SlotMap", "SlotMapDelta", "batch_from_step", "batch_from_scheduler_output")
-
-
-def __getattr__(name: str):
-    # NOTE: the id-keyed front ends live in .frontend (which imports StepBatch from here); their public
-    # names stay importable from this module, resolved lazily so that neither import runs the other's
-    if name in _FRONTEND:
-        from . import frontend
-        return getattr(frontend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Row-editing block tables (add / append / move / swap / clear rows, incremental commits) for engines
 that keep their own rows: a thin facade over the pipeline's tables, :mod:`dsv4_index.state`.
 
-One implementation (issue 18): the storage is a :class:`dsv4_index.state.BlockTables` (host mirror,
+One implementation (the pipeline's): the storage is a :class:`dsv4_index.state.BlockTables` (host mirror,
 device table, block counts, one flat device buffer for every group of a
 :class:`MultiGroupBlockTable`) and a commit goes through the pipeline's staging buffer,
 :class:`dsv4_index.state.StepStaging` (``stage_writes_only``: the changed entries as ``(value, flat

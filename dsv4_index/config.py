@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -188,7 +189,9 @@ def _read_json(path: Path, with_text: bool = False):
         text = decode_utf8(raw, str(path))
         data = loads_bounded(text, str(path), raw=raw)
     except BadJSON as e:
-        raise ConfigError(f"{where} is not valid JSON: line {e.line}: {e.msg}", str(path), e.line) from e.__cause__
+        key = f"{e.key}: " if e.key else ""
+        raise ConfigError(f"{where} is not valid JSON: line {e.line}: {key}{e.msg}", str(path), e.line,
+                          field=e.key) from e.__cause__
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must hold a JSON object, got {type(data).__name__}", str(path), 1)
     return (data, text) if with_text else data
@@ -224,6 +227,12 @@ def _read_source(config) -> Tuple[Dict[str, Any], str, Optional[str]]:
         return dict(vars(config)), f"{kind} object", None
     raise ConfigError(f"config must be a shipped name {list(SHIPPED)}, a config.json path or model "
                      f"directory, a dict or a config object, got {kind}")
+
+
+def key_path(message: str) -> Optional[str]:
+    """The ``groups[...]`` key path an argument error starts with (``"groups[2].layer_names[0]"``), or None."""
+    m = re.match(r"groups(?:\[\d+\](?:\.\w+(?:\[\d+\])?)?)?", message)
+    return m.group(0) if m else None
 
 
 def _is_int(v, minimum: int, maximum: Optional[int] = None) -> bool:
@@ -271,9 +280,13 @@ def _normalize_dict(raw: Dict[str, Any], where: str) -> Dict[str, Any]:
     if has_ratios:
         r = raw["compress_ratios"]
         hi = BOUNDS["compress_ratio"]
-        if not isinstance(r, (list, tuple)) or not all(_is_int(x, 0, hi) for x in r):
+        if not isinstance(r, (list, tuple)):
             raise ConfigError(f"{src}: compress_ratios must be a list of ints in [0, {hi}], got {_short(r)}",
                               where, field="compress_ratios")
+        bad = next((i for i, x in enumerate(r) if not _is_int(x, 0, hi)), None)
+        if bad is not None:
+            raise ConfigError(f"{src}: compress_ratios must be a list of ints in [0, {hi}]: compress_ratios[{bad}] "
+                              f"is {_short(r[bad])}", where, field="compress_ratios")
         ratios = [int(x) for x in r]
         if len(ratios) != n_all:
             raise ConfigError(f"{src}: compress_ratios has {len(ratios)} entries, expected "
@@ -309,8 +322,12 @@ def _normalize_dict(raw: Dict[str, Any], where: str) -> Dict[str, Any]:
 
 def _ratios_from_layer_types(raw: Dict[str, Any], src: str, where: str, n_hidden: int, n_mtp: int) -> List[int]:
     types = raw["layer_types"]
-    if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
-        raise ConfigError(f"{src}: layer_types must be a list of str, got {_short(types)}", where, field="layer_types")
+    bad = None if not isinstance(types, (list, tuple)) else next(
+        (i for i, t in enumerate(types) if not isinstance(t, str)), None)
+    if not isinstance(types, (list, tuple)) or bad is not None:
+        at = "" if bad is None else f": layer_types[{bad}] is {_short(types[bad])}"
+        raise ConfigError(f"{src}: layer_types must be a list of str{at or ', got ' + _short(types)}", where,
+                          field="layer_types")
     given = raw.get("compress_rates")
     if given is not None and not isinstance(given, Mapping):
         raise ConfigError(f"{src}: compress_rates must be a dict, got {_short(given)}", where, field="compress_rates")

@@ -1,5 +1,5 @@
 """Consumer views that need more than a slice: FlashMLA's sparse prefill over a per-chunk workspace
-(``shared/reviews/consumers.md`` §3, the form vLLM's ``combine_topk_swa_indices`` builds).
+(the form vLLM's ``combine_topk_swa_indices`` builds).
 
 ``flash_mla_sparse_fwd`` has no batch dimension and no paged cache: the engine gathers each
 request's keys into a flat workspace and hands the kernel one index matrix into it. For the prefill
@@ -16,7 +16,7 @@ requests of a step, taken ``chunk_reqs`` at a time (batch rows ``num_decodes ..`
   the token itself last); ``topk_length = n_c + n_w``; ``-1`` after, up to ``width``.
     - c4 (C4A): ``local`` = the layer's request-local top-k picks ``[T, K]``; ``n_c = min((pos + 1) //
       R, K)`` columns are read; a pick outside ``[0, (pos + 1) // R)`` becomes ``-1`` (NaN logits
-      once produced garbage ids, consumers.md §5); ``width = round_up(K + W, 128)``.
+      once produced garbage ids in an engine); ``width = round_up(K + W, 128)``.
     - c128 (C128A): ``local[j] = j``, ``n_c = min((pos + 1) // R, Wc)`` with ``Wc`` the fixed width of
       ``meta["c128a"].indices`` (``round_up(cdiv(max_model_len, R), 128)``), ``width = round_up(Wc +
       W, 128)``.
@@ -46,7 +46,7 @@ from ._common import check_int, no_block, round_up
 __all__ = ["PrefillChunk", "prefill_chunk", "prefill_chunks", "prefill_workspace_size", "gather_workspace",
            "PREFILL_INDEX_ALIGN", "swa_channel"]
 
-PREFILL_INDEX_ALIGN = 128  # NOTE: FlashMLA's B_TOPK alignment (consumers.md §2, §3)
+PREFILL_INDEX_ALIGN = 128  # NOTE: FlashMLA's B_TOPK alignment
 _KINDS = ("swa", "c4", "c128")
 
 

@@ -1,5 +1,5 @@
 """DSV4 cache geometry: the layout (kv-cache groups and the channels that read their block tables)
-derived from a model config (DESIGN §3). The spec records live in :mod:`dsv4_index.specs`, the choice of
+derived from a model config (docs/DESIGN.md §3). The spec records live in :mod:`dsv4_index.specs`, the choice of
 groups in :mod:`dsv4_index.group_plan`; this module sizes them (block sizes, table widths, index widths).
 
 Group order is part of the contract: ``mla``, ``swa``, ``c4_state``, ``c128_state``; groups the config
@@ -94,7 +94,7 @@ class DSV4Layout:
                     cp_world_size: int = 1, cp_interleave: int = 1, sliding_tables: str = "ring",
                     circular: Optional[Mapping[str, Union[int, Tuple[int, int]]]] = None,
                     compact_compressed: bool = False, groups=None) -> "DSV4Layout":
-        """Derive the layout of DESIGN §3 from a model config.
+        """Derive the layout of docs/DESIGN.md §3 from a model config.
 
         Parameters
         ----------
@@ -131,7 +131,7 @@ class DSV4Layout:
             scheduler giving ``k`` block ids per request at admission; row ``p = pos % capacity``
             lives at ``bt[p // block_size] * block_size + p % block_size``. The fused launch takes
             one-block rings only (``MetadataPipeline(fused=True)`` rejects ``k > 1``). vLLM's ring
-            semantics (DESIGN §4 "circular group"): any chunk length;
+            semantics (docs/DESIGN.md §4 "circular group"): any chunk length;
             ``slot_mapping`` is the address map, ``tail_slot_mapping`` the write plan, window lists
             split at the chunk start. With speculative decoding use ``capacity >= window - 1 +
             num_speculative_tokens`` (vLLM: ``128 * cdiv(128 + k, 128)``) so that a verify step's
@@ -141,7 +141,7 @@ class DSV4Layout:
             mapping (``ChannelSpec.compact``).
         groups : None, "vllm" or list of dict
             The kv-cache groups (:func:`dsv4_index.group_plan.plan_groups`): None, one group per role
-            (the DESIGN §3 table); ``"vllm"``, vLLM's plan (full MLA, SWA sub-groups of strided layers,
+            (the docs/DESIGN.md §3 table); ``"vllm"``, vLLM's plan (full MLA, SWA sub-groups of strided layers,
             C4 state, C128 state: 5 groups for V4-Flash and V4-Pro); or the engine's own list, one dict
             per group in its gid order (``role`` or ``layer_names``, ``layers``, ``block_size``,
             ``name``). Every sliding group gets a window channel of its name;
@@ -170,10 +170,10 @@ class DSV4Layout:
                 cp_world_size=cp_world_size, cp_interleave=cp_interleave, sliding_tables=sliding_tables,
                 circular=circular, compact_compressed=compact_compressed, groups=groups)
         except ValueError as e:
-            from .config import ConfigError
+            from .config import ConfigError, key_path
 
             label, source = _config_label(config)
-            field = "groups" if str(e).startswith("groups") else getattr(e, "field", None)
+            field = key_path(str(e)) or getattr(e, "field", None)
             raise ConfigError(f"from_config({label}): {e}", source, field=field) from e
 
     @classmethod

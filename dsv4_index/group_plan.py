@@ -1,4 +1,4 @@
-"""Which kv-cache groups a layout has and which layers each one serves (DESIGN §3 "An engine's own
+"""Which kv-cache groups a layout has and which layers each one serves (docs/DESIGN.md §3 "An engine's own
 groups"): the default plan (one group per role), vLLM's plan (``groups="vllm"``), or an engine's explicit
 group list. :meth:`dsv4_index.geometry.DSV4Layout.from_config` turns a plan into ``GroupSpec`` s.
 
@@ -7,7 +7,7 @@ Roles (the cache a group holds): ``"mla"`` (full: C4A / C128A main caches and th
 (compressor state of C128A).
 
 vLLM's plan (its KV-cache planner, ``get_kv_cache_groups`` / ``DeepseekV4KVCachePlanner``, as described in
-``reviews/engine_integration.md`` §1; vLLM main around PR #58074): every MLA-spec layer in one full group;
+docs/DESIGN.md §3 "An engine's own groups"; vLLM main around PR #58074): every MLA-spec layer in one full group;
 sliding-like layers grouped by ``(block_size, window)``; per kind the count of layer tuples (full: the
 larger of the C4 and C128 layer counts, SWA: every layer, states: their layers); ``d`` = the ``d >=
 counts[0]`` with the least round-up padding ``sum(cdiv(n, d) * d - n)`` (searched up to the largest
@@ -78,13 +78,13 @@ def vllm_plan(ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> 
     return plan
 
 
-def _role_of_layer_name(name: str, ratios, r4, r128) -> Tuple[str, int]:
+def _role_of_layer_name(name: str, ratios, r4, r128, where: str = "groups") -> Tuple[str, int]:
     m = _LAYER_RE.search(name)
     if m is None:
-        raise ValueError(f"groups: layer name {name!r} has no 'layers.<i>.' part")
+        raise ValueError(f"{where}: layer name {_short(name)} has no 'layers.<i>.' part")
     layer = int(m.group(1))
     if not 0 <= layer < len(ratios):
-        raise ValueError(f"groups: layer name {name!r} names layer {layer}, the config has {len(ratios)}")
+        raise ValueError(f"{where}: layer name {_short(name)} names layer {layer}, the config has {len(ratios)}")
     if name.endswith("swa_cache"):
         return "swa", layer
     if name.endswith("state_cache"):
@@ -92,18 +92,49 @@ def _role_of_layer_name(name: str, ratios, r4, r128) -> Tuple[str, int]:
     return "mla", layer
 
 
+_GROUP_KEYS = ("role", "layers", "layer_names", "block_size", "name")
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _check_group(i: int, g) -> None:
+    """The keys and value types of ``groups[i]``; ``ValueError`` naming the key path
+    (``groups[2].layer_names[0]``). Explicit groups accept only the keys they use."""
+    if not isinstance(g, Mapping):
+        raise ValueError(f"groups[{i}] must be a dict (role / layers / layer_names / block_size / name), "
+                         f"got {type(g).__name__}")
+    for k in g:
+        if k not in _GROUP_KEYS:
+            why = (" (a group's window is the config's sliding_window; explicit groups take "
+                   if k == "window" else " (explicit groups take ") + ", ".join(_GROUP_KEYS) + ")"
+            raise ValueError(f"groups[{i}].{_short(k) if not isinstance(k, str) else k}: unknown key{why}")
+    for k in ("name", "role"):
+        v = g.get(k)
+        if v is not None and (not isinstance(v, str) or not v.isprintable()):
+            raise ValueError(f"groups[{i}].{k} must be a string, got {type(v).__name__} {_short(v)}")
+    for k, what in (("layer_names", "a layer name (a string)"), ("layers", "a layer index (an int)")):
+        v = g.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"groups[{i}].{k} must be a list of layer {'names' if k == 'layer_names' else 'indices'}"
+                             f", got {_short(v)}")
+        for j, x in enumerate(v):
+            if not (isinstance(x, str) if k == "layer_names" else is_int(x)):
+                raise ValueError(f"groups[{i}].{k}[{j}] must be {what}, got {type(x).__name__} {_short(x)}")
+
+
 def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
     plan = []
     for i, g in enumerate(groups):
-        if not isinstance(g, Mapping):
-            raise ValueError(f"groups[{i}] must be a dict (role / layers / layer_names / block_size / name), "
-                             f"got {type(g).__name__}")
-        unknown = set(g) - {"role", "layers", "layer_names", "block_size", "name", "window"}
-        if unknown:
-            raise ValueError(f"groups[{i}] has unknown key(s) {sorted(unknown)}")
+        _check_group(i, g)
         role, layers = g.get("role"), g.get("layers")
         if g.get("layer_names") is not None:
-            found = {_role_of_layer_name(n, ratios, r4, r128) for n in g["layer_names"]}
+            found = {_role_of_layer_name(n, ratios, r4, r128, f"groups[{i}].layer_names[{j}]")
+                     for j, n in enumerate(g["layer_names"])}
             roles = {r for r, _ in found}
             if len(roles) != 1 or (role is not None and roles != {role}):
                 raise ValueError(f"groups[{i}]: layer_names hold caches of roles {sorted(roles)}; one group "
@@ -114,8 +145,6 @@ def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
         if role not in ROLES:
             raise ValueError(f"groups[{i}].role must be one of {list(ROLES)}, got {role!r}")
         if layers is not None:
-            if isinstance(layers, (str, bytes)) or not all(is_int(x) for x in layers):
-                raise ValueError(f"groups[{i}].layers must be a list of layer indices, got {layers!r}")
             layers = tuple(layers)
         bs = g.get("block_size")
         if bs is not None:
@@ -136,7 +165,7 @@ def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
 
 
 def plan_groups(groups, ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> List[PlannedGroup]:
-    """The plan of ``from_config(groups=...)``: None (one group per present role, DESIGN §3 order),
+    """The plan of ``from_config(groups=...)``: None (one group per present role, docs/DESIGN.md §3 order),
     ``"vllm"``, or an explicit list of dicts, one per engine group in the engine's gid order: ``role``
     (or ``layer_names``: vLLM's layer names ``model.layers.<i>.<...>`` ending in ``swa_cache`` (swa),
     ``state_cache`` (the layer's compressor state) or anything else (mla)), optional ``layers`` (indices;

@@ -1,4 +1,4 @@
-"""The per-step metadata pipeline (DESIGN §5): scheduler output in, per-channel device metadata out.
+"""The per-step metadata pipeline (docs/DESIGN.md §5): scheduler output in, per-channel device metadata out.
 
 ::
 
@@ -9,7 +9,7 @@
         meta = pipe.build()                # device: one fused launch, no host sync
         out = model(hidden, meta)          # meta["swa"].indices, meta["c128a"].lens, meta.topk_to_slots(...)
 
-The composer only wires its owners: request-slot state and block tables (:mod:`.state.tables`),
+The composer only wires its owners: request-slot state (:mod:`.state.requests`), block tables (:mod:`.state.tables`),
 the checks (:mod:`.state.plan`), the staging buffer (:mod:`.state.staging`), the builders
 (:mod:`.channels`) and the fused plan (:mod:`.fused.plan`).
 """
@@ -21,17 +21,18 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from ._common import check_cp, check_int, use_triton
-from .batch import SlotMap, StepBatch, batch_from_scheduler_output, batch_from_step
+from ._common import check_cp, use_triton
+from .batch import StepBatch
+from .capacity import BOUNDS, check_capacities, memory_estimate
 from .channels import BuildContext, ChannelBuilder, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
 from .metadata import DSV4Metadata, StepStats
+from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
 from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
-from .step import StepInput
-from .step_rules import explain
+from .state.requests import RowIds, SlotMap
 
-MAX_STAGED_BLOCKS = 1 << 26  # NOTE: 2 pinned buffers x (ids + destinations) x 4 B: 1 GiB at most
+MAX_STAGED_BLOCKS = BOUNDS["max_staged_blocks"][0]
 
 __all__ = ["MetadataPipeline"]
 
@@ -47,7 +48,7 @@ class MetadataPipeline:
     device : str or torch.device.
     num_speculative_tokens : int — a request is a decode when it schedules at most ``1 + this`` tokens
         (one threshold for every channel).
-    cp_world_size, cp_rank, cp_interleave : decode context parallelism (DESIGN §4), applied to the
+    cp_world_size, cp_rank, cp_interleave : decode context parallelism (docs/DESIGN.md §4), applied to the
         groups the layout marks ``sharded``.
     fused : bool — one fused Triton launch per build when the Triton backend is in use; False
         launches each channel's functional ops (same results). A circular group of several blocks
@@ -64,10 +65,6 @@ class MetadataPipeline:
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
-    record : str or Path, optional — write every ``update()`` (the array-form step and its pad size,
-        rejected steps with their error) to this JSONL trace (:mod:`dsv4_index.tools.trace`); replay it with
-        ``python -m dsv4_index replay TRACE``. Through :func:`~dsv4_index.tools.trace.record_steps`;
-        :meth:`close_recording` ends it.
     steady : bool — plan steps on the incremental path of ``state/steady.py`` (any step, at the cost
         of what changed since the last one; same plan, same errors; ``validate=True`` runs both planners
         and raises ``AssertionError`` on a difference); False: every step takes the general checks.
@@ -77,15 +74,13 @@ class MetadataPipeline:
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False, record=None, steady: bool = True):
-        for name, v, lo in (("max_num_reqs", max_num_reqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
-                            ("num_speculative_tokens", num_speculative_tokens, 0)):
-            check_int(name, v, lo=lo)
-        if max_staged_blocks is not None:  # NOTE: bounded before any staging buffer is allocated
-            check_int("max_staged_blocks", max_staged_blocks, lo=1, hi=MAX_STAGED_BLOCKS)
+                 cuda_graphs: bool = False, steady: bool = True):
+        check_cp(cp_world_size, cp_rank, cp_interleave)
+        # NOTE: every capacity bounded (largest value and reason) before anything is allocated
+        check_capacities(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
+                         (cp_world_size, cp_rank, cp_interleave))
         if checks not in CHECK_LEVELS:
             raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
-        check_cp(cp_world_size, cp_rank, cp_interleave)
         for g in layout.groups:
             if cp_world_size > 1 and g.sharded and g.alloc_block_size % cp_interleave:
                 raise ValueError(f"cp_interleave={cp_interleave} must divide the allocation block size "
@@ -152,18 +147,22 @@ class MetadataPipeline:
             raise ValueError("cuda_graphs needs a CUDA device and every channel in the fused launch")
         self._graphs = {} if cuda_graphs else None
         self._plan: Optional[StepPlan] = None
-        self._req_ids: Optional[List[str]] = None
+        self._req_ids: Optional[RowIds] = None
         self._views = None
         self._converters = {name: (lambda topk, compact=False, _b=b: _b.topk_to_slots(self.ctx, topk, compact=compact))
                             for name, b in self._builders.items()
                             if type(b).topk_to_slots is not ChannelBuilder.topk_to_slots}
         self._num_launches = (1 if self._fused else 0) + len(self._unfused)
         self.last_step_stats = StepStats()
-        self.recording = None
-        if record is not None:
-            from .tools.trace import record_steps  # NOTE: lazy: the tools import the pipeline, not the reverse
-            self._record_block = record_steps(self, record)
-            self.recording = self._record_block.__enter__()
+        self._last_batch: Optional[tuple] = None
+
+    @classmethod
+    def memory_estimate(cls, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
+                        num_speculative_tokens: int = 0, **kwargs) -> dict:
+        """Bytes a pipeline of these arguments (the constructor's) allocates, computed without allocating:
+        ``{"device", "host", "pinned", "parts"}`` (:func:`dsv4_index.capacity.memory_estimate`); the same
+        ``ValueError`` as the constructor for a capacity beyond its bound."""
+        return memory_estimate(layout, max_num_reqs, max_num_batched_tokens, device, num_speculative_tokens, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -193,7 +192,8 @@ class MetadataPipeline:
         elif isinstance(step, StepBatch):
             batch = step
         else:
-            raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__}")
+            raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__} "
+                             "(no attribute 'scheduled_new_reqs', which a SchedulerOutput has)")
         try:
             plan = self.requests.plan(batch, pad_to)
         except ValueError as e:
@@ -209,10 +209,11 @@ class MetadataPipeline:
         self.requests.commit(plan)
         if delta is not None:
             self.slot_map.commit(delta)
-        self._req_ids = None if delta is None else [delta.order[i] for i in plan.rows.tolist()]
+        self._req_ids = None if delta is None else self.slot_map.row_ids(plan.rows)  # NOTE: built when read
         nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs, self.requests.signature)
         self.ctx.set_step(plan)
         self._plan = plan
+        self._last_batch = (batch, pad_to, None if delta is None else delta.order)
         self.last_step_stats = StepStats(num_h2d_copies=1, h2d_bytes=nbytes, num_writes=nwrites,
                                          num_launches=self._num_launches, num_applies=applies)
 
@@ -292,6 +293,7 @@ class MetadataPipeline:
                 self._fused.launch(self.staging.lay)
                 self._fused.check_direct_launch(self.staging.lay)
             self.build()
+        self._last_batch = None
         for conv in self._converters.values():
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
             # NOTE: topk needs >= T_pad rows (the last warm-up size), not 1
@@ -352,9 +354,11 @@ class MetadataPipeline:
         """True when the last accepted step was planned on the incremental path (``state/steady.py``)."""
         return self._plan is not None and self._plan.steady
 
-    def close_recording(self) -> None:
-        """Stop recording (``record=``) and close the trace file."""
-        if self.recording is not None:
-            self._record_block.__exit__(None, None, None)
-            self.recording = None
+    @property
+    def last_batch(self) -> Optional[tuple]:
+        """``(StepBatch, pad_to, req_ids)`` of the last accepted ``update()``, whatever its input form
+        (a StepInput or SchedulerOutput as the array-form step it was converted to; ``req_ids`` the
+        request id of each of its rows, None for a StepBatch input); None before. Read only: what a
+        recorder (:func:`dsv4_index.tools.trace.record_steps`) writes."""
+        return self._last_batch
 

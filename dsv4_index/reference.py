@@ -1,6 +1,6 @@
-"""Pure-PyTorch references of every functional op (DESIGN §6), with the signatures of
+"""Pure-PyTorch references of every functional op (docs/DESIGN.md §6), with the signatures of
 :mod:`dsv4_index.ops`: each is the public op pinned to ``backend="reference"`` (its ``naive.py``),
-with the same checks. They define what each index means (DESIGN §4); the Triton kernels equal them
+with the same checks. They define what each index means (docs/DESIGN.md §4); the Triton kernels equal them
 bit for bit. Usage: ``from dsv4_index import reference; reference.slot_mapping(...)``.
 """
 

@@ -15,7 +15,7 @@ __all__ = ["GroupSpec", "ChannelSpec", "GROUP_ORDER", "GROUP_KINDS", "CHANNEL_OU
 
 GROUP_ORDER = ("mla", "swa", "c4_state", "c128_state")
 GROUP_KINDS = ("full", "sliding", "circular")
-INDEX_ALIGN = 128  # NOTE: causal compressed widths are rounded up to this (DESIGN §4)
+INDEX_ALIGN = 128  # NOTE: causal compressed widths are rounded up to this (docs/DESIGN.md §4)
 
 # outputs each built-in channel produces (names of ChannelMetadata fields)
 CHANNEL_OUTPUTS: Dict[str, FrozenSet[str]] = {
@@ -59,7 +59,7 @@ class GroupSpec:
     ring : bool
         Sliding groups: store a ring of the newest blocks (``ring_cols = cdiv(window - 1 +
         max_num_batched_tokens, block_size) + blocks_per_kv_block`` columns; logical block ``i`` in
-        column ``i % ring_cols``) instead of ``table_width`` columns (DESIGN §4). Default for sliding
+        column ``i % ring_cols``) instead of ``table_width`` columns (docs/DESIGN.md §4). Default for sliding
         groups.
     sharded : bool
         DCP: the group's positions are sharded over ranks (ownership rule); False for groups

@@ -220,7 +220,7 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
                 if t is not None:
                     s.fail(name, "window does not end at the token's own slot", t, expected=int(sm[t]),
                            found=int(last[t]) if int(L[t]) else "empty row")
-        _compare(s, name, field, found, want, "(DESIGN §4, from the reference)")
+        _compare(s, name, field, found, want, "(docs/DESIGN.md §4, from the reference)")
 
 
 def check_metadata(meta, layout=None, *, num_blocks: Optional[int] = None, null_block: Optional[int] = 0) -> None:
@@ -276,7 +276,7 @@ def check_topk(meta, channel: str, topk: torch.Tensor, slots: torch.Tensor, lens
 
 
 def check_cp_partition(metas_per_rank: Sequence) -> None:
-    """Check that the per-rank metadata of one DCP step partition the tokens (DESIGN §4): every rank
+    """Check that the per-rank metadata of one DCP step partition the tokens (docs/DESIGN.md §4): every rank
     sees the same batch; each live token's raw slot in a sharded group, and each completed compressed
     row, is written by exactly one rank, its owner; per-rank list lengths add up to the global ones."""
     metas = list(metas_per_rank)

@@ -1,7 +1,7 @@
 """Decode context parallelism (DCP) with the tiny DeepSeek-V4 attention, checked end to end.
 
 Every rank runs ONE ``MetadataPipeline(layout, ..., cp_world_size=Wc, cp_rank=r, cp_interleave=I)``
-over every group: the sharded groups (``mla``, ``swa``) follow the interleave rule of DESIGN §4 (owner
+over every group: the sharded groups (``mla``, ``swa``) follow the interleave rule of docs/DESIGN.md §4 (owner
 of position ``p`` is ``(p // I) % Wc``, local position ``(p // (I*Wc)) * I + p % I``; compressed rows
 likewise), the compressor-state groups are replicated (``GroupSpec.sharded`` False). Each rank runs
 the paged attention over its shard and returns a partial output + log-sum-exp per head; partials are

@@ -7,7 +7,7 @@ the next multiple of 8, like a CUDA-graph batch size) and ``build`` make the met
 ``forward_paged`` writes and reads its paged caches only through that metadata; every valid token's
 output is compared with ``forward_dense`` over its request's (accepted history ++ this step's inputs).
 
-Bounded replay (DESIGN §4): after a prefix-cache hit of N tokens the request is rescheduled from
+Bounded replay (docs/DESIGN.md §4): after a prefix-cache hit of N tokens the request is rescheduled from
 ``replay_start = N - W_max`` to rebuild its sliding-window and compressor-state caches; tokens below
 ``replay_end = N`` write nothing into the prefix-shared blocks. Replayed tokens are compared too, with
 the dense model's sliding window floored at ``replay_start`` (what their window lists hold; their
@@ -27,6 +27,7 @@ Exit code 1 when any output differs from dense by more than 1e-4, when a write l
 request holds (or the writer does not hold), or when an expected event did not happen.
 """
 
+import contextlib
 import os
 import sys
 
@@ -203,8 +204,12 @@ def main(argv=None) -> int:
                                num_speculative_tokens=SPEC, long_prefill_threshold=CHUNK,
                                enable_prefix_caching=True, seed=args.seed)
     capacity = -(-BUDGET // PAD) * PAD
-    pipe = MetadataPipeline(layout, 8, capacity, device, num_speculative_tokens=SPEC, record=args.record)
+    pipe = MetadataPipeline(layout, 8, capacity, device, num_speculative_tokens=SPEC)
     pipe.warmup()
+    recording = contextlib.ExitStack()
+    if args.record:
+        from dsv4_index.tools.trace import record_steps
+        recording.enter_context(record_steps(pipe, args.record))  # NOTE: closed after the loop (the end line)
     caches = PagedCaches(cfg, layout, num_blocks, device=device)
     inputs = Inputs(cfg.hidden_size, args.seed, device)
 
@@ -283,6 +288,7 @@ def main(argv=None) -> int:
                 err[kind] = max(err[kind], e)
         bar.set_postfix_str(f"reqs {len(reqs)} max|err| {max(err.values()):.1e}")
     bar.close()
+    recording.close()
 
     ms = sorted(t * 1e3 for t in times)
     p90 = ms[min(len(ms) - 1, int(round(0.9 * (len(ms) - 1))))]

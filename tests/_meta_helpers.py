@@ -13,7 +13,7 @@ import torch
 
 from dsv4_index import DSV4Layout, MetadataPipeline
 from dsv4_index._common import cdiv, interpreting
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 from dsv4_index.validate import check_metadata, check_topk
 
 TINY = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs" / "tiny.json"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
-from dsv4_index.step import StepInput
+from dsv4_index.frontend import StepInput
 
 
 @dataclass

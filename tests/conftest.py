@@ -28,3 +28,11 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """CUDA when present, else CPU (kernels then run in the Triton interpreter)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="session")
+def script_helps():
+    """``path -> (exit code, output)`` of ``--help`` for every script of benchmarks/ and examples/, all in ONE
+    subprocess (torch imported once): the quick subset's check that every script still imports and parses."""
+    from _scripts import help_of, scripts
+    return help_of(scripts("benchmarks") + scripts("examples"))

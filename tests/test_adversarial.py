@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import dsv4_index as di
 from dsv4_index import reference as ref
-from dsv4_index.batch import StepBatch, batch_from_step
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.batch import StepBatch
+from dsv4_index.frontend import batch_from_step
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 from dsv4_index.validate import check_metadata, host_context
 
 from _meta_helpers import Pool, clone_meta, make_pipeline, tiny_layout, two_steps

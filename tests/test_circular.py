@@ -15,7 +15,7 @@ import torch
 import dsv4_index
 from dsv4_index import DSV4Layout
 from dsv4_index._common import cdiv, interpreting
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
 from _meta_helpers import compare_step, three_pipelines
 

@@ -94,7 +94,7 @@ def test_fused_refuses_a_ring_of_several_blocks(device):
 # host checks: a circular row needs its k ids, no more, no id twice
 # ----------------------------------------------------------------------------------------------
 def test_host_checks_k_ids(device):
-    from dsv4_index.step import NewRequest, RunningRequest, StepInput
+    from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
     lay = DSV4Layout.from_config("tiny", max_model_len=512, circular={"c128_state": (32, 4)})
     gid = lay.group("c128_state").gid
@@ -268,7 +268,8 @@ def test_pipeline_multi_block_rings_flash(device):
 def test_trace_round_trip(tmp_path):
     # a recorded trace keeps the ring's capacity and block size; the replay rebuilds the same layout
     from dsv4_index.testing.scheduler import scripted_trace
-    from dsv4_index.tools.trace import layout_from_json, layout_to_json, read_trace, record_steps, replay_trace
+    from dsv4_index.tools.replay import replay_trace
+    from dsv4_index.tools.trace import layout_from_json, layout_to_json, read_trace, record_steps
     from dsv4_index.tools.trace_schema import rebuild_layout
 
     lay = DSV4Layout.from_config("tiny", max_model_len=256, mla_block_size=16, circular={"c128_state": (32, 4)})

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import hang_guard
+
 import dsv4_index
 from dsv4_index.tools.cli import build_parser, main
 
@@ -79,7 +81,8 @@ def test_inspect_without_matplotlib_says_what_to_install(tmp_path):
             "from dsv4_index.tools.cli import main\n"
             f"raise SystemExit(main(['inspect', '--config', 'tiny', '--out', {str(tmp_path / 'x.png')!r}]))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=hang_guard())
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.strip().count("\n") == 0 and "pip install 'dsv4-index[plot]'" in p.stderr, p.stderr
     assert not (tmp_path / "x.png").exists()
@@ -89,5 +92,5 @@ def test_inspect_without_matplotlib_says_what_to_install(tmp_path):
 def test_replay_progress_off_when_stderr_is_not_a_terminal():
     code = ("from dsv4_index.tools.cli import build_parser\n"
             "print(build_parser().parse_args(['replay', 'x']).no_progress)")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=hang_guard())
     assert p.stdout.strip() == "True", p.stdout + p.stderr

@@ -88,7 +88,7 @@ def test_huge_compress_ratio(tmp_path):
     (b'{\n "a": 1,\n "b": "\xff"}', r"not valid JSON: line 3: not UTF-8 text \(byte 0xff"),
     (b'{"sliding_window": 8, "sliding_window": 9}', r"not valid JSON: line 1: unusable JSON: duplicate key "
                                                      r"'sliding_window'"),
-    (b'{"sliding_window": NaN}', r"unusable JSON: NaN is not a JSON number"),
+    (b'{"sliding_window": NaN}', r"line 1: sliding_window: NaN is not a JSON number \(unusable JSON\)"),
     (b'{"num_hidden_layers": 4,\n "compress_ratios": [0, 4', r"line 2: not JSON \(truncated\?\)"),
     (b"[1, 2]", r"must hold a JSON object, got list"),
     (b'{"a": 1' + b"0" * 5000 + b"}", r"unusable JSON: .*digits"),

@@ -21,7 +21,7 @@ from dsv4_index.consumers import (gather_workspace, prefill_chunk, prefill_chunk
 from dsv4_index.geometry import DSV4Layout
 from dsv4_index.pipeline import MetadataPipeline
 from dsv4_index.testing.scheduler import ReferenceScheduler
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 from models.deepseek_v4.sparse_decode import sparse_decode_attention
 
 MAX_LEN, MLA_BLOCK, SPEC, H, D, HI, DI = 256, 32, 1, 4, 16, 2, 8

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _scripts import hang_guard
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -262,7 +264,7 @@ def test_torchrun_example(nproc, interleave):
            "--steps", "14", "--interleave", str(interleave)]
     # NOTE: the distributed plumbing is under test here; the kernels are covered above
     env = dict(os.environ, OMP_NUM_THREADS="1", DSV4_INDEX_BACKEND="reference")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard())
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert f"DCP world={nproc} interleave={interleave}" in out and "  OK" in out, out[-4000:]

@@ -10,7 +10,7 @@ from dsv4_index import DSV4Layout
 from dsv4_index.testing.scheduler import random_trace
 from dsv4_index.consumers import prefill_chunks
 
-from dsv4_index.step import NewRequest, StepInput
+from dsv4_index.frontend import NewRequest, StepInput
 
 from _meta_helpers import HAS_TRITON, Pool, compare_over_trace, three_pipelines
 

@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import hang_guard
+
 pytestmark = pytest.mark.slow  # runs the example scripts end to end (./dev quick skips it)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
-def run(script, *args, timeout=120):
+def run(script, *args):
     p = subprocess.run([sys.executable, str(EXAMPLES / script), *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout, env=dict(os.environ))
+                       text=True, timeout=hang_guard(), env=dict(os.environ))
     return p.returncode, p.stdout + p.stderr
 
 
@@ -53,7 +55,7 @@ def test_sparse_decode_loop_record_and_replay(tmp_path):
     trace = tmp_path / "steps.jsonl"
     rc, out = run("sparse_decode_loop.py", "--steps", 10, "--record", trace)
     assert rc == 0, out
-    from dsv4_index.tools.trace import replay_trace
+    from dsv4_index.tools.replay import replay_trace
     res = replay_trace(trace, progress=False)
     assert res.ok, res.report()
     assert res.num_steps == 10

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _scripts import hang_guard
+
 pytestmark = pytest.mark.slow  # runs the V4-Flash example (./dev quick skips it)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +28,7 @@ def run(tmp_path, *args):
     # NOTE: CPU runs the attention kernel in the interpreter; on a CUDA machine the example runs there
     device = "cuda" if torch.cuda.is_available() else "cpu"
     p = subprocess.run([sys.executable, str(SCRIPT), "--small", "--device", device, "--out", str(out), *map(str, args)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=hang_guard())
     return p.returncode, p.stdout + p.stderr, json.loads(out.read_text()) if out.exists() else None
 
 
@@ -105,7 +107,7 @@ def test_virtual_cache_backs_only_the_pool():
             "print('pool rows ok', flush=True)\n"
             "c.full[2**29].sum()\n"
             "print('read outside the pool', flush=True)\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=hang_guard())
     assert "pool rows ok" in p.stdout and "outside" not in p.stdout, p.stdout + p.stderr
     assert p.returncode == -signal.SIGSEGV, (p.returncode, p.stderr)
 

@@ -27,7 +27,7 @@ def _error(config, **kw) -> ConfigError:
 def test_group_errors_name_the_shipped_config_the_file_or_the_dict(tmp_path):
     e = _error("flash", groups=BAD_LAYERS)
     assert str(e) == "from_config('flash'): groups[2].layers must be a list of layer indices, got '0-3'"
-    assert (e.source, e.field) == ("flash", "groups")
+    assert (e.source, e.field) == ("flash", "groups[2].layers")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(shipped_config("flash")))
     for given in (path, str(path), tmp_path):  # NOTE: a folder is named as given

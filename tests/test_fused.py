@@ -16,7 +16,7 @@ import torch
 
 from dsv4_index._common import cdiv
 from dsv4_index.pipeline import MetadataPipeline
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 from dsv4_index.validate import check_metadata
 
 from _meta_helpers import (DEVICE, HAS_TRITON, Blocks, assert_same, assert_tables_follow_views, compare_over_trace,

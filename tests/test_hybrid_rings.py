@@ -10,7 +10,7 @@ import pytest
 from dsv4_index import DSV4Layout
 from dsv4_index._common import cdiv
 from dsv4_index.geometry import GroupSpec
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
 from _meta_helpers import HAS_TRITON, compare_step, three_pipelines
 

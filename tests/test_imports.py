@@ -6,7 +6,10 @@ with ``ast``:
 * ``ops/`` (the functional ops) imports nothing of ``channels``, ``state``, ``fused``, ``pipeline``,
   ``validate``;
 * ``ops/<op>/kernel.py`` and ``ops/<op>/naive.py`` never import one another (any op);
-* ``fused/`` imports no built-in channel module (it only packs what builders hand it).
+* ``fused/`` imports no built-in channel module (it only packs what builders hand it);
+* the static import graph of the package is acyclic, every import statement counted (module-level,
+  function-level, ``TYPE_CHECKING``), and the core never imports the tools (``dsv4_index.tools``,
+  ``dsv4_index.testing``, the ``__main__`` entry point).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from _scripts import hang_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dsv4_index"
@@ -67,7 +72,7 @@ print(json.dumps(failed))
 def probe(pkg_name: str, pkg_dir: Path, bare: bool, names, cwd: Path) -> list:
     """[(order, module, traceback)] of every failed import."""
     out = subprocess.run([sys.executable, "-c", _PROBE, pkg_name, str(pkg_dir), "1" if bare else "0",
-                          json.dumps(list(names))], cwd=cwd, capture_output=True, text=True, timeout=300)
+                          json.dumps(list(names))], cwd=cwd, capture_output=True, text=True, timeout=hang_guard())
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -99,7 +104,8 @@ def test_plain_import_statements_in_fresh_interpreters():
     """``python -c "import a; import b; ..."`` literally, forward and reverse (no importlib)."""
     for names in (MODULES, MODULES[::-1]):
         code = "; ".join(f"import {n}" for n in names)
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                             timeout=hang_guard())
         assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -173,3 +179,126 @@ def test_fused_imports_no_builtin_channel(path):
     src = path.read_text()
     for cls in ("WindowChannel", "CompressedChannel", "IndexerChannel", "CausalCompressedChannel"):
         assert cls not in src, f"{path.name} names the builder class {cls}"
+
+
+# ----------------------------------------------------------------------------------------------
+# the static import graph: acyclic, lazy imports included; the core never imports the tools
+# ----------------------------------------------------------------------------------------------
+TOOLS = ("dsv4_index.tools", "dsv4_index.testing", "dsv4_index.__main__")
+
+
+def import_graph(root: Path, pkg_name: str) -> dict:
+    """module -> the package modules it imports, from every import statement of its source (also
+    inside functions and ``if TYPE_CHECKING``), relative imports resolved.
+
+    ``from X import n`` is an edge to ``X`` and, when that is a module, to ``X.n``; importing ``a.b.c``
+    is an edge to the packages ``a.b`` and ``a`` too, except the packages the importer is inside
+    (Python runs those ``__init__`` files before the importer anyway, and an ``__init__`` importing its
+    own submodules is no cycle)."""
+    base = root / pkg_name
+    files = sorted(base.rglob("*.py"))
+
+    def name_of(path: Path) -> str:
+        parts = path.relative_to(root).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    mods = {name_of(p): p for p in files}
+    graph = {}
+    for mod, path in mods.items():
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        inside = {".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)} | (
+            {mod} if path.name == "__init__.py" else set())
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = pkg.split(".")
+                    target = ".".join(parts[:len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                out.update({f"{target}.{a.name}" for a in node.names} & mods.keys())
+                out.add(target)
+        # NOTE: importing a.b.c runs the packages a.b and a first: edges to those outside the importer
+        out |= {".".join(m.split(".")[:i]) for m in out for i in range(1, m.count(".") + 1)}
+        graph[mod] = {m for m in out if m in mods and m != mod and m not in inside}
+    return graph
+
+
+def find_cycle(graph: dict, skip=frozenset()):
+    """One cycle of ``graph`` (a list of modules, first == last) ignoring the edges in ``skip``; None."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = dict.fromkeys(graph, WHITE)
+    stack: list = []
+
+    def visit(u):
+        color[u] = GREY
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if (u, v) in skip:
+                continue
+            if color[v] == GREY:
+                return stack[stack.index(v):] + [v]
+            if color[v] == WHITE:
+                found = visit(v)
+                if found:
+                    return found
+        stack.pop()
+        color[u] = BLACK
+        return None
+
+    for u in sorted(graph):
+        if color[u] == WHITE:
+            found = visit(u)
+            if found:
+                return found
+    return None
+
+
+GRAPH = import_graph(ROOT, "dsv4_index")
+
+
+def test_import_graph_reads_lazy_relative_and_type_checking_imports():
+    g = GRAPH
+    assert "dsv4_index.frontend.convert" in g["dsv4_index.frontend"]
+    assert {"dsv4_index.frontend.rules", "dsv4_index.state.requests", "dsv4_index.batch"} <= \
+        g["dsv4_index.frontend.fast"]
+    assert "dsv4_index.validate" in g["dsv4_index.pipeline"]  # NOTE: a function-level import
+    assert "dsv4_index.state" not in g["dsv4_index.state.requests"]  # NOTE: its own package
+
+
+def test_the_graph_finds_lazy_and_type_checking_cycles(tmp_path):
+    """The check can fail: a cycle closed by a function-level import, and one by a TYPE_CHECKING import."""
+    pkg = tmp_path / "cyc"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from . import a\n")
+    (pkg / "a.py").write_text("from .sub.b import X\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("X = 1\ndef f():\n    from ..a import Y\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import Z\n")
+    (pkg / "d.py").write_text("from . import c\n")
+    g = import_graph(tmp_path, "cyc")
+    assert g["cyc.sub.b"] == {"cyc.a"} and g["cyc.c"] == {"cyc.d"} and g["cyc.d"] == {"cyc.c"}
+    assert find_cycle(g) in (["cyc.a", "cyc.sub.b", "cyc.a"], ["cyc.c", "cyc.d", "cyc.c"])
+    assert find_cycle(g, skip={("cyc.sub.b", "cyc.a"), ("cyc.d", "cyc.c")}) is None
+
+
+def test_static_import_graph_is_acyclic():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def _is_tool(mod: str) -> bool:
+    return any(mod == t or mod.startswith(t + ".") for t in TOOLS)
+
+
+def test_core_never_imports_the_tools():
+    bad = sorted((a, b) for a, targets in GRAPH.items() if not _is_tool(a) for b in targets
+                 if _is_tool(b))
+    assert not bad, f"core modules import tools: {bad}"
+
+
+def test_front_door_rules_import_nothing_of_the_front_door():
+    assert not {m for m in GRAPH["dsv4_index.frontend.rules"] if m.startswith("dsv4_index.frontend")}
+    assert not {m for m in GRAPH["dsv4_index.state.requests"] if m.startswith("dsv4_index.frontend")}

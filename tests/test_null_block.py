@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from dsv4_index import DSV4Layout, MetadataPipeline
-from dsv4_index.batch import batch_from_step
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import batch_from_step
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 from dsv4_index.validate import MetadataError, check_metadata
 from test_rejections import _diff, state
 

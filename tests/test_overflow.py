@@ -18,9 +18,10 @@ import re
 import numpy as np
 import pytest
 
-from dsv4_index.batch import StepBatch, batch_from_step
+from dsv4_index.batch import StepBatch
+from dsv4_index.frontend import batch_from_step
 from dsv4_index.pipeline import MetadataPipeline
-from dsv4_index.step import StepInput
+from dsv4_index.frontend import StepInput
 from _meta_helpers import tiny_layout
 from test_rejections import T_MAX, _diff, clean_run, make_pipe, outputs, state, trace
 

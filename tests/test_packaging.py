@@ -17,13 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import hang_guard
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "dsv4_index")
 
 
-def sh(args, cwd, env=None, timeout=240):
+def sh(args, cwd, env=None, timeout=None):
     p = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout or hang_guard())
     return p.returncode, p.stdout + p.stderr
 
 
@@ -175,7 +177,7 @@ def _run_without_triton(extra_env=None):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DSV4_INDEX_BACKEND")}
     env.update(extra_env or {})
     return subprocess.run([sys.executable, "-c", NO_TRITON + WITHOUT_TRITON_BODY], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=hang_guard())
 
 
 @pytest.mark.slow  # ./dev quick skips it
@@ -192,7 +194,7 @@ def test_interpreter_asked_without_triton_says_what_to_install():
     env = {k: v for k, v in os.environ.items() if k != "DSV4_INDEX_BACKEND"}
     env["TRITON_INTERPRET"] = "1"
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=hang_guard())
     assert p.returncode != 0, p.stdout + p.stderr
     assert "TritonUnavailable" in p.stderr and "pip install triton" in p.stderr, p.stderr
 
@@ -207,6 +209,6 @@ def test_cli_demo_without_triton():
                         "    assert not _triton_loaded()\n")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DSV4_INDEX_BACKEND")}
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=180)
+                       timeout=hang_guard())
     assert p.returncode == 0, p.stdout + p.stderr
     assert "step: 4 requests" in p.stdout and "[c4a]" in p.stdout, p.stdout + p.stderr

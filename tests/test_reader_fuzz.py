@@ -168,7 +168,7 @@ def _same_json(raw: bytes, original) -> bool:
 
 # ---------------------------------------------------------------------------------------------- oracles
 def run_trace(path: Path, tmp: Path, seconds: float, seed: int) -> Counter:
-    from dsv4_index.tools.trace import replay_trace
+    from dsv4_index.tools.replay import replay_trace
 
     good = good_trace(path)
     raw = good.read_bytes()

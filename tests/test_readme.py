@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from _scripts import hang_guard
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```[ \t]*$", re.S | re.M)   # also inside list items
@@ -56,6 +58,6 @@ def test_every_python_block_runs(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["CUDA_VISIBLE_DEVICES"] = ""        # NOTE: the README's blocks are written for the CPU
     p = subprocess.run([sys.executable, "-c", RUNNER.format(blocks=blocks)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=hang_guard())
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"ran {len(blocks)} README blocks" in p.stdout, p.stdout + p.stderr

@@ -31,9 +31,10 @@ import pytest
 import torch
 
 from dsv4_index import DSV4Layout, MetadataPipeline
-from dsv4_index.batch import APPEND, StepBatch, batch_from_step
+from dsv4_index.batch import APPEND, StepBatch
+from dsv4_index.frontend import batch_from_step
 from dsv4_index.testing.scheduler import random_trace
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
 R, T_MAX, SPEC, STAGED = 6, 64, 2, 24        # slots, token capacity, spec tokens, max_staged_blocks
 VARIANTS = {  # layout kwargs, trace kwargs (prefix hits, finishes, a preemption in each)
@@ -645,13 +646,14 @@ def test_full_only_rejections_pass_safe_checks(name):
 def _as_new(step: StepInput) -> StepInput:
     """Every resumed request sent back as a NewRequest instead (same id, blocks, computed tokens)."""
     back = [NewRequest(r.req_id, r.new_block_ids, r.num_computed_tokens) for r in step.running_requests if r.resumed]
-    return rep(step, new_requests=[*step.new_requests, *back],
+    return rep(step, new_requests=[*back, *step.new_requests],
                running_requests=[r for r in step.running_requests if not r.resumed])
 
 
-def _resumed_first(step: StepInput) -> StepInput:
-    """The same step with resumed requests first among the running ones (the batch order of _as_new)."""
-    return rep(step, running_requests=sorted(step.running_requests, key=lambda r: not r.resumed))
+def _resumed_last(step: StepInput) -> StepInput:
+    """The same step with resumed requests last among the running ones (the batch order of _as_new: the
+    running requests, then the new ones)."""
+    return rep(step, running_requests=sorted(step.running_requests, key=lambda r: r.resumed))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -663,7 +665,7 @@ def test_preempted_request_may_come_back_as_new(variant):
         alt = _as_new(step)
         n += len(alt.new_requests) - len(step.new_requests)
         a.update(alt, pad_to=pad)
-        b.update(_resumed_first(step), pad_to=pad)
+        b.update(_resumed_last(step), pad_to=pad)
         assert not _diff(state(a, ids=False), state(b, ids=False)), i
         assert not _diff(outputs(a.build()), outputs(b.build())), i
     assert n >= 1, "the trace has no preempted request that comes back"

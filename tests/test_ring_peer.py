@@ -37,7 +37,7 @@ import torch
 
 import dsv4_index
 from dsv4_index import DSV4Layout, MetadataPipeline
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
 POISON = 7777
 

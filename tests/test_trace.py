@@ -2,12 +2,14 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from dsv4_index import DSV4Layout, MetadataPipeline, NewRequest, RunningRequest, StepBatch, StepInput
 from dsv4_index.tools.cli import main
 from dsv4_index.testing.scheduler import ReferenceScheduler, scripted_trace
-from dsv4_index.tools.trace import layout_from_json, layout_to_json, read_trace, record_steps, replay_trace
+from dsv4_index.tools.replay import replay_trace
+from dsv4_index.tools.trace import layout_from_json, layout_to_json, read_trace, record_steps
 
 SCRIPT = [
     {"add": [dict(req_id="a", prompt_len=21, max_new_tokens=6), dict(req_id="b", prompt_len=13, max_new_tokens=5)]},
@@ -52,7 +54,7 @@ def rewrite(src, dst, step, fn):
 
 def test_trace_format(trace):
     header, steps = read_trace(trace)
-    assert header["type"] == "header" and header["version"] == 2 and header["outputs"] == "rowmix64"
+    assert header["type"] == "header" and header["version"] == 3 and header["outputs"] == "rowmix64"
     assert header["pipeline"]["max_num_reqs"] == 4 and header["pipeline"]["num_speculative_tokens"] == 1
     assert layout_from_json(header["layout"]) == layout()
     assert layout_from_json(json.loads(json.dumps(layout_to_json(layout())))) == layout()
@@ -140,14 +142,15 @@ def test_rejected_steps_are_recorded_and_replayed_as_rejected(tmp_path):
     path = tmp_path / "rej.jsonl"
     with record_steps(pipe, path) as rec:
         pipe.update(StepInput([NewRequest("a", tuple(ids), 0)], [], {"a": 5}), pad_to=8)
-        with pytest.raises(ValueError, match="pad_to"):
-            pipe.update(StepInput([], [RunningRequest("a", tuple([] for _ in ids), 5)], {"a": 1}), pad_to=40)
+        with pytest.raises(ValueError, match="pad_to"):   # NOTE: a refused StepBatch is recorded with its step
+            pipe.update(StepBatch(req_slots=np.array([pipe.slot_of("a")]), num_computed_tokens=np.array([5]),
+                                  num_scheduled_tokens=np.array([1])), pad_to=40)
         with pytest.raises(ValueError, match="not in the batch"):
             pipe.update(StepInput([], [RunningRequest("zz", tuple([] for _ in ids), 5)], {"zz": 1}))
         pipe.update(StepInput([], [RunningRequest("a", tuple([] for _ in ids), 5)], {"a": 1}), pad_to=4)
     assert (rec.num_steps, rec.num_rejected) == (2, 2)
     d = lines(path)
-    assert [x["type"] for x in d] == ["header", "step", "rejected", "rejected", "step"]
+    assert [x["type"] for x in d] == ["header", "step", "rejected", "rejected", "step", "end"]
     assert "pad_to" in d[2]["error"] and d[2]["step"] is not None and d[3]["step"] is None
     res = replay_trace(path, device="cpu")
     assert res.ok and res.stats["rejected steps (as recorded)"] == 2 and res.stats["accepted steps"] == 2, res.report()

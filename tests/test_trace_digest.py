@@ -8,7 +8,8 @@ import pytest
 from dsv4_index import DSV4Layout, MetadataPipeline
 from dsv4_index.testing.scheduler import ReferenceScheduler, scripted_trace
 from dsv4_index.tools.cli import main
-from dsv4_index.tools.trace import TraceError, read_trace, record_steps, replay_trace
+from dsv4_index.tools.replay import replay_trace
+from dsv4_index.tools.trace import TraceError, read_trace, record_steps
 
 SCRIPT = [
     {"add": [dict(req_id="a", prompt_len=21, max_new_tokens=9), dict(req_id="b", prompt_len=13, max_new_tokens=8)]},
@@ -65,7 +66,7 @@ def tampered(src, dst, fn, step=TAMPERED):
 def test_outputs_lines_follow_their_steps(trace):
     ds = lines(trace)
     kinds = [d["type"] for d in ds]
-    assert kinds == ["header"] + ["step", "outputs"] * len(SCRIPT)
+    assert kinds == ["header"] + ["step", "outputs"] * len(SCRIPT) + ["end"]
     assert [d["index"] for d in ds if d["type"] == "outputs"] == list(range(len(SCRIPT)))
     dg = ds[2]["digests"]
     assert list(dg["common"])[:2] == ["query_start_loc", "seq_lens"]
@@ -162,7 +163,7 @@ def test_digests_do_not_depend_on_padding_or_capacity(trace, tmp_path):
 
 
 def test_version_1_trace_replays_without_digests(trace, tmp_path, capsys):
-    ds = [d for d in lines(trace) if d["type"] != "outputs"]
+    ds = [d for d in lines(trace) if d["type"] not in ("outputs", "end")]
     ds[0]["version"] = 1
     del ds[0]["outputs"]
     old = write(tmp_path / "v1.jsonl", ds)
@@ -175,7 +176,7 @@ def test_version_1_trace_replays_without_digests(trace, tmp_path, capsys):
 
 def test_recorded_without_outputs(tmp_path):
     path = record(tmp_path / "plain.jsonl", outputs=False)
-    assert [d["type"] for d in lines(path)] == ["header"] + ["step"] * len(SCRIPT)
+    assert [d["type"] for d in lines(path)] == ["header"] + ["step"] * len(SCRIPT) + ["end"]
     res = replay_trace(path, device="cpu", backend="reference")
     assert res.ok and res.notes == ["no digests recorded (recorded with outputs=False): outputs compared with the "
                                     "reference only"], res.notes
@@ -183,33 +184,37 @@ def test_recorded_without_outputs(tmp_path):
 
 def test_other_format_version_is_a_clear_error(trace, tmp_path, capsys):
     ds = lines(trace)
-    ds[0]["version"] = 3
-    p = write(tmp_path / "v3.jsonl", ds)
-    with pytest.raises(TraceError, match=r"v3.jsonl:1: version: trace format version 3 \(written by dsv4_index "
-                                         r".*\); this dsv4_index reads versions 1, 2"):
+    ds[0]["version"] = 4
+    p = write(tmp_path / "v4.jsonl", ds)
+    with pytest.raises(TraceError, match=r"v4.jsonl:1: version: trace format version 4 \(written by dsv4_index "
+                                         r".*\); this dsv4_index reads versions 1, 2, 3"):
         replay_trace(p, device="cpu")
     assert main(["replay", str(p), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "trace format version 3" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "trace format version 4" in err and "Traceback" not in err
 
 
-def test_pipeline_record_argument_records_outputs(tmp_path):
+def test_recording_after_warmup_records_outputs(tmp_path):
     lay = layout()
     path = tmp_path / "rec.jsonl"
-    pipe = MetadataPipeline(lay, 4, 32, "cpu", 1, record=path, backend="reference")
+    pipe = MetadataPipeline(lay, 4, 32, "cpu", 1, backend="reference")
     pipe.warmup()                                    # NOTE: warm-up is not recorded
+    assert pipe.last_batch is None
     sched = ReferenceScheduler(lay, 64, max_num_batched_tokens=24, max_num_seqs=4, num_speculative_tokens=1)
-    for step, _ in scripted_trace(sched, SCRIPT[:3]):
-        pipe.update(step)
-        pipe.build()
-    assert [d["type"] for d in lines(path)] == ["header"] + ["step", "outputs"] * 3
+    with record_steps(pipe, path):
+        for step, _ in scripted_trace(sched, SCRIPT[:3]):
+            pipe.update(step)
+            pipe.build()
+    assert [d["type"] for d in lines(path)] == ["header"] + ["step", "outputs"] * 3 + ["end"]
     res = replay_trace(path, device="cpu", backend="reference")
     assert res.ok and res.stats["steps matching the recording"] == 3, res.report()
 
 
 def test_a_step_without_outputs_is_noted(trace, tmp_path):
     ds = lines(trace)
-    del ds[-1]                                        # the last step's outputs (its build crashed)
+    assert ds[-2]["type"] == "outputs" and ds[-1]["type"] == "end"
+    del ds[-2]                                        # the last step's outputs (its build crashed)
+    ds[-1]["outputs"] -= 1                            # NOTE: the recording closed after the crash
     res = replay_trace(write(tmp_path / "cut.jsonl", ds), device="cpu", backend="reference")
     assert res.ok and res.stats["steps matching the recording"] == len(SCRIPT) - 1
     assert any("1 accepted step(s) have no recorded outputs" in n for n in res.notes), res.notes

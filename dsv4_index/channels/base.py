@@ -50,7 +50,7 @@ class ChannelMetadata:
     ks, ke : int32 [T] — ragged indexer key ranges (``c4i``); cu : int32 [B + 1] — their request offsets.
     decode_lens : int32 [num_decodes, next_n] — right-aligned indexer lengths of decode rows (``c4i``).
     lens_clamped, decode_lens_clamped — ``max(x, 1)`` copies of ``lens`` / ``decode_lens`` (``c4i``), for
-        DeepGEMM-style consumers that crash on zero lengths (DESIGN §10); padded rows read 1.
+        DeepGEMM-style consumers that crash on zero lengths (docs/DESIGN.md §10); padded rows read 1.
     block_table : int32 [max_num_reqs, cols] — the group's device table, indexed by request slot
         (batch row ``b`` reads row ``idx_mapping[b]``); a ring for ring groups (``ring_cols > 0``).
     """
@@ -213,7 +213,7 @@ class ChannelBuilder:
     per-request host arrays staged with the step (declare them with :meth:`BuildContext.staged_input`
     in :meth:`allocate`),
     :attr:`int32_unit`, :meth:`expected` (used by :mod:`dsv4_index.validate`), :meth:`topk_to_slots`.
-    Device work must do no host sync, no allocation and have no data-dependent shape (DESIGN §7).
+    Device work must do no host sync, no allocation and have no data-dependent shape (docs/DESIGN.md §7).
     """
 
     def __init__(self, spec, layout):

@@ -1,6 +1,6 @@
 """Raw-token channel of a sliding or circular group (``swa``, compressor-state caches): the slot
 mapping and the window index lists; for a circular group also the write plan
-(``tail_slot_mapping``) and window lists split at the chunk start (DESIGN §4 "circular group")."""
+(``tail_slot_mapping``) and window lists split at the chunk start (docs/DESIGN.md §4 "circular group")."""
 
 from __future__ import annotations
 

@@ -22,12 +22,11 @@ from .tasks import (ESIZE, KINDS, NF, REQUEST_KINDS, TOKEN_KINDS, FusedTask, Til
 
 __all__ = ["FusedPlan", "TileConfig"]
 
-# NOTE: H200 sweep (BENCHMARKS.md, run h200_2026-12-01_kernel1): decode-sized steps want many small
-# programs (8 token rows x one 128-column chunk; 8 warps while the step is a handful of tokens, 16-row
+# NOTE: the three variants (measured: BENCHMARKS.md "How the kernel is cut"): decode-sized steps want many
+# small programs (8 token rows x one 128-column chunk; 8 warps while the step is a handful of tokens, 16-row
 # 1-D tiles and 4 warps from 64 tokens on); prefill-sized steps want fewer, larger programs that write
 # whole index-list rows (8 token rows, chunks past every token's length stored as -1). Causal lists
-# read one table entry per block only in the whole-row variant (run h200_2026-12-01_kernel3, same-run
-# arms: prefill 8K + 32K cached 17.90 -> 16.65 us; the small tiles lost 2-5 % with it)
+# read one table entry per block only in the whole-row variant (the small tiles are slower with it)
 TINY = TileConfig(bt1=8, bt2=8, bc=128, whole_row=False, num_warps=8)
 SMALL = TileConfig(bt1=16, bt2=8, bc=128, whole_row=False, num_warps=4)
 LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4, block_loads=True)

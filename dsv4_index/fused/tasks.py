@@ -166,7 +166,7 @@ class FusedTask:
     a, b : int — the kind's parameters (module table).
     width : int — row width of a 2-D output (its row stride); 0 for 1-D outputs.
     write_floor, window_floor : bool — apply ``replay_end`` to writes / ``replay_start`` to windows.
-    circular : bool — window task of a circular group (DESIGN §4): entries inside the step's chunk
+    circular : bool — window task of a circular group (docs/DESIGN.md §4): entries inside the step's chunk
         are in-step token rows ``-2 - row``; ``out3`` (when given) is the write plan.
     extra : int — index of a staged per-request array (the plan fills it from the builder's index).
     """

@@ -1,4 +1,4 @@
-"""Functional ops (DESIGN §6): one folder per op (``__init__`` checks and dispatches, ``kernel.py``
+"""Functional ops (docs/DESIGN.md §6): one folder per op (``__init__`` checks and dispatches, ``kernel.py``
 Triton, ``naive.py`` PyTorch reference); every index formula is one device function in
 :mod:`._device`, shared with the fused step kernel."""
 

@@ -105,7 +105,7 @@ def table_rows(block_table: torch.Tensor, idx_mapping: Optional[torch.Tensor], n
 
 # ring / circular tables
 def check_ring(ring: bool, circular_capacity: Optional[int], block_size: int, cp_world_size: int):
-    """Ring / circular table arguments (DESIGN §4 "Sliding tables as rings")."""
+    """Ring / circular table arguments (docs/DESIGN.md §4 "Sliding tables as rings")."""
     if circular_capacity is not None:
         check_int("circular_capacity", circular_capacity, lo=1)
         if circular_capacity % block_size:
@@ -157,7 +157,7 @@ def check_ring_span(name: str, ring_width: int, block_size: int, first: torch.Te
 
 def check_write_plan(name: str, plan: torch.Tensor, req: torch.Tensor) -> None:
     """A circular group's write plan (``tail_slot_mapping``, one slot or ``-1`` per token) must write
-    each slot at most once: two requests of one step sharing a ring block collide (DESIGN §4
+    each slot at most once: two requests of one step sharing a ring block collide (docs/DESIGN.md §4
     "circular group"). Checked under ``validate=True`` only, on every device."""
     live = plan >= 0
     if not bool(live.any()):

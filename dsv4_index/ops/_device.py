@@ -1,4 +1,4 @@
-"""Every index formula of DESIGN §4, once, as Triton device functions.
+"""Every index formula of docs/DESIGN.md §4, once, as Triton device functions.
 
 The per-op kernels (``ops/<op>/kernel.py``) and the fused step kernel (``dsv4_index/fused/kernel.py``)
 both call these; only the token prologue differs (a binary search over ``query_start_loc`` in the
@@ -15,7 +15,7 @@ Conventions
   checked to fit int32 by the callers' value checks).
 * Block tables: ``bt_ptr`` points at row 0 of an int32 table with row stride ``row_stride``;
   ``table_width`` bounds the *logical* block index (reads past it give ``-1``); ``ring_cols > 0``
-  makes the row a ring, logical block ``i`` living in column ``i % ring_cols`` (DESIGN §4 "Sliding
+  makes the row a ring, logical block ``i`` living in column ``i % ring_cols`` (docs/DESIGN.md §4 "Sliding
   tables as rings"; a circular group is a ring of one column whose block size is its capacity).
 * Overlay (``HAS_OVERLAY``, fused launch only): this step's staged block ids of logical blocks
   ``[ov_lo, ov_hi)`` of the row sit at ``stage[ov_pay + blk - ov_lo]``; the same launch writes them
@@ -211,7 +211,7 @@ def window_row(bt_ptr, row, first, n, j, block_size, table_width, ring_cols, row
 
 @triton.jit
 def circular_split(idx, t, pos, first, n, j, q_start):
-    """Window entries of a circular group (DESIGN §4 "circular group"): an entry whose position
+    """Window entries of a circular group (docs/DESIGN.md §4 "circular group"): an entry whose position
     ``p = first + j`` lies inside the request's chunk of this step is read from the step's own token
     row ``r = t - (pos - p)`` (in the chunk iff ``r >= q_start``, the request's ``query_start``) and
     encoded ``-2 - r``; earlier entries keep their ring slot. int32 ``[BT, BC]``."""

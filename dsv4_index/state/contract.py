@@ -1,4 +1,4 @@
-"""The contract checks of ``checks="full"`` (``validate=True`` implies it; DESIGN §5), on a plan that
+"""The contract checks of ``checks="full"`` (``validate=True`` implies it; docs/DESIGN.md §5), on a plan that
 passed every ``"safe"`` check of :mod:`.plan`:
 
 * **no null block where a step reads or writes.** The null block (allocation id 0, the scheduler's

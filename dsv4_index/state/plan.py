@@ -1,7 +1,7 @@
 """Every check of one step, before anything changes: :func:`plan_step` turns a :class:`StepBatch`
 into a :class:`StepPlan` or raises ``ValueError`` naming the culprit.
 
-Check levels (DESIGN §5):
+Check levels (docs/DESIGN.md §5):
 
 * ``"safe"`` (always): what keeps memory and other requests' KV intact — array shapes and integer
   dtypes; slots in range, distinct, occupied (new rows: free); counts ``>= 0``; capacities (rows,

@@ -2,20 +2,27 @@
 accepted step that lets any following step be checked incrementally, at the cost of what changed
 (:mod:`dsv4_index.state.steady`).
 
-The request id -> slot map of the id-keyed front ends is :class:`dsv4_index.batch.SlotMap`; block
-counts per (group, slot) live in :class:`~dsv4_index.state.tables.BlockTables`.
+Request identity (:class:`SlotMap`): the request id -> slot map of the id-keyed front ends
+(:mod:`dsv4_index.frontend`), its free slots, the ids of the last accepted batch in row order with
+their slots (so a step that repeats that order needs no lookup per request), and the delta a
+converted step carries (:class:`SlotMapDelta`, committed only once the pipeline accepted the step).
+Block counts per (group, slot) live in :class:`~dsv4_index.state.tables.BlockTables`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from bisect import bisect_left, insort
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Dict, List, Optional, Set
 
 import numpy as np
 
 from .plan import StepPlan, plan_step, plans_equal
 from .steady import BatchCache, FastGeometry, plan_fast
 
-__all__ = ["RequestState"]
+__all__ = ["RequestState", "SlotMap", "SlotMapDelta", "RowIds", "frozen", "EMPTY"]
 
 
 class RequestState:
@@ -91,3 +98,193 @@ class RequestState:
         """Equal between two steps of one batch (same rows, counts, order): the staging buffer then
         keeps their ``qsl`` / ``slots`` / ``tok_row``."""
         return None if self.cache is None else self.cache.generation
+
+
+# ----------------------------------------------------------------------------------------------
+# request identity: request id -> slot
+# ----------------------------------------------------------------------------------------------
+def frozen(a: np.ndarray) -> np.ndarray:
+    """``a``, made read-only (shared between steps without a copy)."""
+    a.flags.writeable = False
+    return a
+
+
+EMPTY = frozen(np.zeros(0, dtype=np.int64))  # NOTE: int64 [0], read-only
+
+
+@dataclass
+class SlotMapDelta:
+    """What a converted step changes in the :class:`SlotMap` (applied by :meth:`SlotMap.commit`)."""
+
+    freed: List[str] = field(default_factory=list)          # ids releasing their slot
+    preempted: List[str] = field(default_factory=list)      # ids remembered as preempted
+    forgotten: List[str] = field(default_factory=list)      # finished ids dropped from `preempted`
+    taken: Dict[str, int] = field(default_factory=dict)     # id -> slot it takes
+    order: List[str] = field(default_factory=list)          # ids of the batch rows
+    new: List[str] = field(default_factory=list)            # ids sent as new requests (for error messages)
+    slots: Optional[np.ndarray] = field(default=None, compare=False, repr=False)  # int64 [rows]: their slots
+
+
+class RowIds(Sequence):
+    """The request id of each device batch row (``order[rows[i]]``), built on first read.
+
+    ``order``: the ids of the batch rows (a list nobody mutates); ``rows``: int ``[B]``, the batch
+    row of each device row. Compares equal to a list of the same ids.
+    """
+
+    def __init__(self, order: List[str], rows: np.ndarray):
+        self._src = (order, rows if not rows.flags.writeable else rows.copy())
+        self._ids: Optional[List[str]] = None
+
+    def _list(self) -> List[str]:
+        if self._ids is None:
+            order, rows = self._src
+            self._ids = list(map(order.__getitem__, rows.tolist()))
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self._src[1])
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __contains__(self, rid) -> bool:
+        return rid in self._list()
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (RowIds, list, tuple)):
+            return self._list() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # NOTE: compares like a list, so unhashable like one
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
+class SlotMap:
+    """Request id -> slot, for the id-keyed front ends. Free slots are taken lowest first.
+
+    Change it only through :meth:`commit`. It keeps the ids of the last committed batch in row order
+    with their slots, so that a step listing the same rows (less finished or preempted ones) is
+    converted without a lookup per request (:meth:`held_slots`).
+
+    Parameters
+    ----------
+    max_num_reqs : int
+        Number of slots.
+
+    Attributes
+    ----------
+    slot_of : dict[str, int] — the slot each request in the batch holds (read only).
+    preempted : set[str] — preempted requests that may come back as resumed (read only).
+    """
+
+    def __init__(self, max_num_reqs: int):
+        self.max_num_reqs = max_num_reqs
+        self.slot_of: Dict[str, int] = {}
+        self.preempted: Set[str] = set()
+        self._free = list(range(max_num_reqs))  # NOTE: ascending; updated by bisection, never rebuilt
+        self._order: List[str] = []             # NOTE: rows of the last committed batch, and their slots
+        self._order_slots: Optional[np.ndarray] = EMPTY
+
+    @property
+    def num_free(self) -> int:
+        """Slots no request holds."""
+        return len(self._free)
+
+    @property
+    def free_slots(self) -> List[int]:
+        """The slots no request holds, ascending (a copy)."""
+        return list(self._free)
+
+    @property
+    def last_slots(self) -> Optional[np.ndarray]:
+        """int64 ``[rows]``, read-only: the slots of the last committed batch's rows (None when unknown)."""
+        return self._order_slots
+
+    @property
+    def last_order(self) -> List[str]:
+        """The request ids of the last committed batch, in row order (a copy)."""
+        return list(self._order)
+
+    def row_ids(self, rows: np.ndarray) -> RowIds:
+        """The ids of the last committed batch's rows ``rows`` (built when read)."""
+        return RowIds(self._order, rows)
+
+    def lowest_free(self, freed_slots: List[int], k: int) -> List[int]:
+        """The ``k`` lowest free slots once ``freed_slots`` are released, ascending (fewer when there
+        are not ``k``). Nothing changes."""
+        if not k:
+            return []
+        if not freed_slots:
+            return self._free[:k]
+        return sorted(self._free[:k] + freed_slots)[:k]
+
+    def gone(self, finished: Sequence, preempted: Sequence, d: SlotMapDelta) -> Set[str]:
+        """Fill the delta's freed / preempted / forgotten ids; return the finished or preempted ids."""
+        out: Set[str] = set()
+        slot_of = self.slot_of
+        for rid in chain(finished, preempted):
+            if rid not in out:
+                out.add(rid)
+                if rid in slot_of:
+                    d.freed.append(rid)
+        d.preempted = [r for r in preempted if r in slot_of or r in self.preempted]
+        d.forgotten = [r for r in finished if r in self.preempted] if self.preempted else []
+        return out
+
+    def held_slots(self, ids: list, freed: List[str]) -> Optional[np.ndarray]:
+        """int64 ``[len(ids)]``: the slots of the running rows ``ids`` (read-only); None unless every
+        one is held, distinct and not in ``freed``.
+
+        NOTE: every id of the last committed batch holds the slot at its position in the cached
+        slots, so ``ids`` equal to those rows, less the ``freed`` ones, needs no lookup.
+        """
+        order, cached = self._order, self._order_slots
+        if cached is not None and len(freed) <= 8:
+            pos = []
+            for rid in freed:  # NOTE: only a held id can be a row of the last batch
+                try:
+                    pos.append(order.index(rid))
+                except ValueError:
+                    pass
+            if not pos:
+                if ids == order:
+                    return cached
+            elif len(order) - len(pos) == len(ids):
+                pos.sort()
+                kept = order[:pos[0]]
+                for a, b in zip(pos, pos[1:] + [len(order)]):
+                    kept += order[a + 1:b]
+                if ids == kept:
+                    return frozen(np.concatenate([cached[:pos[0]], cached[pos[0] + 1:]]) if len(pos) == 1
+                                  else np.delete(cached, pos))
+        sl = list(map(self.slot_of.get, ids))
+        if None in sl or len(set(ids)) != len(ids) or (freed and not set(freed).isdisjoint(ids)):
+            return None
+        return frozen(np.array(sl, dtype=np.int64))
+
+    def commit(self, d: SlotMapDelta) -> None:
+        """Apply the delta of an accepted step: O(changes), plus one copy of the row ids."""
+        free, slot_of = self._free, self.slot_of
+        for rid in d.freed:
+            insort(free, slot_of.pop(rid))
+        if d.forgotten:
+            self.preempted.difference_update(d.forgotten)
+        if d.preempted:
+            self.preempted.update(d.preempted)
+        for rid, slot in d.taken.items():
+            i = bisect_left(free, slot)
+            if i < len(free) and free[i] == slot:
+                del free[i]
+            slot_of[rid] = slot
+            self.preempted.discard(rid)
+        self._order = list(d.order)
+        if d.slots is not None and len(d.slots) == len(d.order):
+            self._order_slots = d.slots if not d.slots.flags.writeable else frozen(d.slots.copy())
+        else:
+            self._order_slots = None

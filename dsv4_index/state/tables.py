@@ -7,7 +7,7 @@ block, ids) and are staged as ``(flat destination, value)`` pairs that the fused
 (:mod:`dsv4_index.state.staging`); the host mirror is updated at the same time.
 
 Column of logical (kernel) block ``i`` of group ``g``: ``i`` for plain tables, ``i % ring_cols`` for
-ring tables (sliding groups, DESIGN §4) and circular groups (``capacity // block_size`` blocks per
+ring tables (sliding groups, docs/DESIGN.md §4) and circular groups (``capacity // block_size`` blocks per
 request, a ring of that width: one column for a ring of one block).
 
 The tables own their writes: :meth:`BlockTables.commit` applies a checked step's block counts,

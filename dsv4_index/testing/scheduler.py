@@ -13,13 +13,13 @@ What it supports
   in the scheduler's view their entries become the null block 0, while the pipeline's rows keep
   the stale ids (``new_block_ids`` are append-only; nothing reads those entries). Entries never
   needed (below ``replay_start``) are appended as 0. Steps always carry logical block order, so a
-  pipeline storing sliding tables as rings (DESIGN §4) needs nothing else from the scheduler.
+  pipeline storing sliding tables as rings (docs/DESIGN.md §4) needs nothing else from the scheduler.
 * Circular groups (``kind == "circular"``, vLLM's ``CircularBufferSpec``: a ring of ``capacity``
   rows per request in ``k = capacity // block_size`` blocks, ``k = 1`` unless ``GroupSpec.capacity``
   says otherwise): ``k`` blocks per request, allocated at admission (a new or resumed request lists
   ``[b_0, .., b_{k-1}]`` for the group, a running one ``[]``), freed at finish or preemption, never
   trimmed. Chunks are not capped by the capacity (vLLM's ring,
-  DESIGN §4 "circular group": reads inside the chunk come from the step itself, only the chunk's
+  docs/DESIGN.md §4 "circular group": reads inside the chunk come from the step itself, only the chunk's
   last ``capacity`` tokens are written).
 * Hybrid blocks (``blocks_per_kv_block = f``): the pool hands out allocation blocks ``b``; steps
   carry those allocation ids (as a real scheduler does), while block tables (the pipeline's, and
@@ -48,7 +48,7 @@ What it supports
   string naming a shared prefix). A block is registered once its KV is computed (prompt blocks
   only, not generated tokens). A hit of ``N`` tokens (whole blocks, ``N < prompt_len``) shares those
   blocks, ref-counted, never freed while held. Sliding and circular groups do not have those
-  tokens, so the request uses bounded replay (DESIGN §4): ``replay_start = max(0, N - W_max)``
+  tokens, so the request uses bounded replay (docs/DESIGN.md §4): ``replay_start = max(0, N - W_max)``
   (``W_max`` the largest window of a sliding or circular group) and it is scheduled from
   ``num_computed_tokens = replay_start``; every step that schedules it carries
   ``replay_start[req_id]`` (the sliding-window floor), and every step that schedules positions
@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from .._common import cdiv, check_int, is_int
-from ..step import NewRequest, RunningRequest, StepInput
+from ..frontend import NewRequest, RunningRequest, StepInput
 
 __all__ = ["ReferenceScheduler", "ReqState", "ScheduledView", "CacheWrite", "random_trace", "scripted_trace",
            "cache_writes"]

@@ -26,6 +26,9 @@ def _config_path(name: str) -> str:
 
 
 DEFAULT_MAX_MODEL_LEN = 32768
+MAX_MODEL_LEN = 1 << 24          # NOTE: the trace reader's bound (trace_schema.LIMITS)
+SAMPLE_MAX_MODEL_LEN = 1 << 20   # NOTE: demo / inspect allocate a pipeline: DeepSeek-V4's longest context
+MAX_SAMPLE_REQUESTS = 4096       # NOTE: inspect's sample step: a picture of at most 4096 rows
 
 LAYOUT_COLUMNS = """\
 columns: gid = kv-cache group id; kind = full | sliding | circular; block = tokens per (kernel) block;
@@ -49,16 +52,34 @@ def max_model_len_of(args) -> int:
     return min(longest, DEFAULT_MAX_MODEL_LEN)
 
 
-def layout_cmd(args) -> int:
+class OptionError(ValueError):
+    """A bad command-line option: ``option`` (e.g. ``"--out"``) and the message, printed as one line."""
+
+    def __init__(self, option: str, message: str):
+        self.option = option
+        super().__init__(f"{option}: {message}")
+
+
+def _layout(args):
+    """The layout of ``--config`` / ``--max-model-len``; a config that cannot be used names ``--config``."""
     from .. import DSV4Layout
-    print(DSV4Layout.from_config(_config_path(args.config), max_model_len=max_model_len_of(args)))
+    from ..config import ConfigError
+
+    try:
+        return DSV4Layout.from_config(_config_path(args.config), max_model_len=max_model_len_of(args))
+    except ConfigError as e:
+        raise OptionError("--config", str(e)) from None
+
+
+def layout_cmd(args) -> int:
+    print(_layout(args))
     print(LAYOUT_COLUMNS)
     return 0
 
 
 def sample_step(layout, *, seed: int = 0):
     """One mixed step: 2 decodes (contexts 300 and 1000), 1 spec decode (2 tokens), one 40-token prefill chunk."""
-    from ..step import NewRequest, StepInput
+    from ..frontend import NewRequest, StepInput
 
     g = torch.Generator().manual_seed(seed)
     next_id = [1]
@@ -79,16 +100,19 @@ def sample_step(layout, *, seed: int = 0):
 
 
 def demo(args) -> int:
-    from .. import DSV4Layout, MetadataPipeline
+    from .. import MetadataPipeline
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
         print("(CPU: functional ops run their PyTorch reference; set TRITON_INTERPRET=1 to run the Triton "
               "kernels in the interpreter)")
-    layout = DSV4Layout.from_config(_config_path(args.config), max_model_len=max_model_len_of(args))
+    layout = _layout(args)
     print(layout)
-    pipe = MetadataPipeline(layout, max_num_reqs=8, max_num_batched_tokens=64, device=device,
-                            num_speculative_tokens=1)
+    try:
+        pipe = MetadataPipeline(layout, max_num_reqs=8, max_num_batched_tokens=64, device=device,
+                                num_speculative_tokens=1)
+    except ValueError as e:   # NOTE: the pipeline's capacities follow the layout's max_model_len
+        raise OptionError("--max-model-len", f"no sample pipeline of this size: {e}") from None
     pipe.warmup()
     pipe.update(sample_step(layout), pad_to=48)
     meta = pipe.build()
@@ -127,7 +151,8 @@ def demo(args) -> int:
 
 
 def inspect_step(args) -> int:
-    from .plot import draw_step, sample_step
+    from .plot import draw_step
+    from .sample import sample_step
 
     try:
         import matplotlib  # noqa: F401
@@ -135,83 +160,177 @@ def inspect_step(args) -> int:
         print("inspect draws with matplotlib, which is not installed: pip install 'dsv4-index[plot]' "
               "(or pip install matplotlib)", file=sys.stderr)
         return 2
-    pipe, meta = sample_step(_config_path(args.config), args.requests, max_model_len=max_model_len_of(args),
-                             device=args.device or "cpu", seed=args.seed)
-    draw_step(meta, args.out, seed=args.seed)
+    out = _out_path(args.out)
+    _layout(args)   # NOTE: a bad --config is named before the sample step is built
+    try:
+        pipe, meta = sample_step(_config_path(args.config), args.requests, max_model_len=max_model_len_of(args),
+                                 device=args.device or "cpu", seed=args.seed)
+    except ValueError as e:   # NOTE: the sample pipeline's capacities follow these two options
+        raise OptionError("--requests / --max-model-len", f"no sample step of this size: {e}") from None
+    try:
+        draw_step(meta, str(out), seed=args.seed)
+    except OSError as e:
+        raise OptionError("--out", f"cannot write {str(out)!r}: {e.strerror or e}") from None
     print(f"{args.config}: {meta.num_reqs} requests ({meta.num_decodes} decodes first), {meta.num_tokens} tokens "
-          f"+ {meta.num_tokens_padded - meta.num_tokens} padding -> {args.out} "
-          f"({os.path.getsize(args.out) // 1024} KiB)")
+          f"+ {meta.num_tokens_padded - meta.num_tokens} padding -> {out} ({os.path.getsize(out) // 1024} KiB)")
     return 0
+
+
+PICTURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")
+
+
+def _out_path(given: str) -> Path:
+    """The file ``inspect`` will write for ``--out given``: a name without an extension gets ``.png``;
+    a folder, an unknown extension or a place that cannot be written is an :class:`OptionError`
+    before anything is computed."""
+    p = Path(given)
+    if not given or p.is_dir() or given.endswith(os.sep):
+        raise OptionError("--out", f"{given!r} is a folder; give a file name such as "
+                          f"{str(p / 'step.png')!r}")
+    if not p.suffix:
+        p = p.with_name(p.name + ".png")
+    elif p.suffix[1:].lower() not in PICTURE_FORMATS:
+        raise OptionError("--out", f"unknown picture format {p.suffix!r} (one of {', '.join(PICTURE_FORMATS)})")
+    if p.is_dir():
+        raise OptionError("--out", f"{str(p)!r} is a folder")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OptionError("--out", f"cannot create {str(p)!r}: {str(parent)!r} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise OptionError("--out", f"cannot write {str(p)!r}: permission denied")
+    return p
 
 
 def replay(args) -> int:
     """Exit status: 0 when every step replays clean (and matches its recorded outputs), 1 at the first
     problem (printed), 2 for a trace or config that cannot be used (one line on stderr, see main)."""
-    from .trace import replay_trace
+    from ..config import ConfigError
+    from .replay import replay_trace
 
-    res = replay_trace(args.trace, config=_config_path(args.config) if args.config else None, device=args.device,
-                       backend=args.backend, topk_seed=args.seed, progress=not args.no_progress)
+    try:
+        res = replay_trace(args.trace, config=_config_path(args.config) if args.config else None,
+                           device=args.device, backend=args.backend, topk_seed=args.seed,
+                           progress=not args.no_progress)
+    except ConfigError as e:
+        raise OptionError("--config", str(e)) from None
     print(res.report())
     return 0 if res.ok else 1
 
 
 def _one_line_errors(fn):
-    """Bad input (a ``ValueError``: TraceError, ConfigError, ...; an unreadable file) -> its message on
-    one stderr line and exit status 2, never a traceback. ``DSV4_INDEX_TRACEBACK=1`` re-raises."""
+    """Every error -> one line on stderr and exit status 2, never a traceback: bad input (a
+    ``ValueError``: OptionError, TraceError, ConfigError, ...; an unreadable or unwritable file), an
+    interrupt (Ctrl-C), and anything else (named as an internal error). ``DSV4_INDEX_TRACEBACK=1``
+    re-raises."""
     import functools
-    import sys
 
     @functools.wraps(fn)
     def run(argv=None) -> int:
         try:
             return fn(argv)
-        except (ValueError, OSError) as e:
+        except KeyboardInterrupt:
+            if os.environ.get("DSV4_INDEX_TRACEBACK"):
+                raise
+            print("\npython -m dsv4_index: error: interrupted", file=sys.stderr)
+            return 2
+        except Exception as e:   # NOTE: SystemExit (argparse, --help) passes through
             if os.environ.get("DSV4_INDEX_TRACEBACK"):
                 raise
             msg = " ".join(str(e).split()) or type(e).__name__
+            if not isinstance(e, (ValueError, OSError)):
+                msg = f"internal error ({type(e).__name__}: {msg}); DSV4_INDEX_TRACEBACK=1 shows where"
             print(f"python -m dsv4_index: error: {msg}", file=sys.stderr)
             return 2
     return run
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (``PROG: error: argument --seed: ...``), exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (--help for usage)\n")
+
+
+def _int_in(lo: int, hi: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s[:40]!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s[:40]}")
+        return v
+    parse.__name__ = "integer"
+    return parse
+
+
+def _device(s: str) -> str:
+    """A ``--device`` that exists on this machine: ``cpu``, ``cuda`` or ``cuda:N``."""
+    try:
+        d = torch.device(s)
+    except (RuntimeError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{s[:40]!r} is not a device (cpu, cuda or cuda:N)") from None
+    if d.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{s[:40]!r}: only cpu and cuda devices are supported")
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise argparse.ArgumentTypeError(f"{s!r}: no CUDA device is available on this machine")
+        if d.index is not None and d.index >= n:
+            raise argparse.ArgumentTypeError(f"{s!r}: this machine has {n} CUDA device(s) (cuda:0 to cuda:{n - 1})")
+    return s
+
+
+SEED_MAX = (1 << 63) - 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    ap = argparse.ArgumentParser(prog="python -m dsv4_index", description=__doc__,
+    ap = _Parser(prog="python -m dsv4_index", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"dsv4-index {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
+    def command(name: str, help: str, description: str = "", longest: int = MAX_MODEL_LEN) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=description or help)
         p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json "
                        "(default: flash)")
-        p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+        p.add_argument("--max-model-len", type=_int_in(1, longest), default=None, metavar="N",
                        help="longest request in tokens; sizes every table (default: the config's "
-                       f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})")
+                       f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN}; largest: 2**20 for demo and "
+                       "inspect, 2**24 for layout)")
         return p
 
     command("layout", "print the kv-cache groups and channels a config gives, with a key to the columns")
     p = command("demo", "build one sample V4 step (2 decodes, 1 speculative decode, 1 prefill chunk) and "
-                "print its metadata")
-    p.add_argument("--device", default=None, help="pipeline device (default: cuda if available, else cpu)")
+                "print its metadata", longest=SAMPLE_MAX_MODEL_LEN)
+    p.add_argument("--device", type=_device, default=None,
+                   help="pipeline device (default: cuda if available, else cpu)")
     p = command("inspect", "draw one sample step (table occupancy, token order, zoomed requests) as a PNG",
-                "draw one sample step of a layout as a PNG (needs matplotlib: pip install 'dsv4-index[plot]')")
-    p.add_argument("--requests", type=int, default=None, metavar="N",
+                "draw one sample step of a layout as a PNG (needs matplotlib: pip install 'dsv4-index[plot]')",
+                longest=SAMPLE_MAX_MODEL_LEN)
+    p.add_argument("--requests", type=_int_in(1, MAX_SAMPLE_REQUESTS), default=None, metavar="N",
                    help="requests in the step (default: 300; tiny: 6)")
-    p.add_argument("--out", default="step.png", help="output PNG (default: step.png)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sample step and its top-k picks (default: 0)")
-    p.add_argument("--device", default=None, help="pipeline device (default: cpu, the PyTorch reference)")
+    p.add_argument("--out", default="step.png", help="output picture (default: step.png; no extension: .png "
+                   "added; the line printed names the file written)")
+    p.add_argument("--seed", type=_int_in(0, SEED_MAX), default=0,
+                   help="seed of the sample step and its top-k picks (default: 0)")
+    p.add_argument("--device", type=_device, default=None, help="pipeline device (default: cpu, the PyTorch reference)")
     p = sub.add_parser("replay", help="replay a recorded step trace through the checker and the reference",
                        description="replay a recorded step trace through a checked pipeline and the reference; "
                        "prints the first divergence, or a summary")
     p.add_argument("trace", help="JSONL trace written by dsv4_index.tools.trace.record_steps")
     p.add_argument("--config", default=None, help="replay with this config instead of the recorded layout "
                    "(flash | pro | tiny | path); the recorded block sizes, rings and DCP are kept")
-    p.add_argument("--device", default=None, help="device of the checked pipeline (default: cuda if available)")
+    p.add_argument("--device", type=_device, default=None,
+                   help="device of the checked pipeline (default: cuda if available)")
     p.add_argument("--backend", default=None, choices=("triton", "reference"),
                    help="backend of the checked pipeline (default: triton on CUDA or under TRITON_INTERPRET=1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random top-k picks compared every step")
+    p.add_argument("--seed", type=_int_in(0, SEED_MAX), default=0,
+                   help="seed of the random top-k picks compared every step")
     p.add_argument("--no-progress", action="store_true", default=not sys.stderr.isatty(),
                    help="no progress output (default: a bar on a terminal, nothing when stderr is not one)")
     return ap

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-__all__ = ["DIGEST", "output_digests", "first_difference", "COMMON_FIELDS", "CHANNEL_FIELDS"]
+__all__ = ["DIGEST", "output_digests", "first_difference", "values_match_digest", "COMMON_FIELDS", "CHANNEL_FIELDS"]
 
 DIGEST = "rowmix64"
 COMMON_FIELDS = ("query_start_loc", "seq_lens", "idx_mapping", "positions", "token_to_req", "is_valid_token")
@@ -70,12 +70,24 @@ def row_hashes(a: np.ndarray) -> np.ndarray:
         return _splitmix(s + np.uint64(w))
 
 
+def _digest(n: int, w: int, h: np.ndarray) -> str:
+    """The 64-bit hex digest of an entry from its shape and row hashes."""
+    return hashlib.blake2b(np.asarray([n, w], dtype="<i8").tobytes() + h.astype("<u8").tobytes(),
+                           digest_size=8).hexdigest()
+
+
+def values_match_digest(e: dict) -> bool:
+    """True when an entry's recorded values ``v`` hash to its digest ``h`` (an entry without
+    values: True). ValueError when ``v`` is not what its shape says (see :func:`_decode_values`)."""
+    v = _decode_values(e)
+    return v is None or _digest(e["n"], e["w"], row_hashes(v)) == e["h"]
+
+
 def _entry(a: np.ndarray, values_limit: int) -> dict:
     a = np.ascontiguousarray(a, dtype=np.int64)
     n, w = a.shape
     h = row_hashes(a)
-    d = hashlib.blake2b(np.asarray([n, w], dtype="<i8").tobytes() + h.astype("<u8").tobytes(), digest_size=8)
-    out = {"n": n, "w": w, "h": d.hexdigest()}
+    out = {"n": n, "w": w, "h": _digest(n, w, h)}
     if a.size <= values_limit:
         out["v"] = base64.b64encode(zlib.compress(a.astype("<i8").tobytes(), 1)).decode()
     else:

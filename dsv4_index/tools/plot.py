@@ -24,8 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .._common import cdiv
-from ..batch import StepBatch
+from .sample import sample_step, sample_step_batch  # noqa: F401  (re-exported: where they were)
 
 __all__ = ["draw_step", "sample_step_batch"]
 
@@ -52,63 +51,6 @@ def _plt():
 
 
 # a sample step
-def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] = None,
-                      max_num_batched_tokens: int = 4096, num_speculative_tokens: int = 1,
-                      prefill_chunk: int = 512, num_prefills: Optional[int] = None, min_context: Optional[int] = None,
-                      seed: int = 0) -> StepBatch:
-    """A synthetic serving step: ``num_requests`` new rows (~85 % decodes, ~10 % speculative decodes
-    of ``1 + num_speculative_tokens`` tokens, the rest prefill chunks), contexts log-uniform up to
-    ``layout.max_model_len``, in shuffled slots and batch order, with every block they need (sliding
-    groups: null ids below the window, as a scheduler frees them). ``min_context`` (default
-    ``max_model_len // 64``) is the shortest context.
-
-    Returns
-    -------
-    StepBatch (int64 arrays)
-    """
-    rng = np.random.default_rng(seed)
-    B = int(num_requests)
-    R = max_num_reqs or B
-    if not 1 <= B <= R:
-        raise ValueError(f"num_requests must be in [1, max_num_reqs = {R}], got {num_requests!r}")
-    n_pre = num_prefills if num_prefills is not None else max(1, B // 100) if B >= 3 else 0
-    n_spec = max(int(B - n_pre >= 2), (B - n_pre) // 10) if num_speculative_tokens else 0
-    q: np.ndarray = np.ones(B, dtype=np.int64)
-    q[n_pre:n_pre + n_spec] = 1 + num_speculative_tokens
-    budget = max_num_batched_tokens - int(q[n_pre:].sum())
-    for i in range(n_pre):
-        q[i] = max(num_speculative_tokens + 2, min(prefill_chunk, budget // (n_pre - i)))
-        budget -= int(q[i])
-    if budget < 0:
-        raise ValueError(f"max_num_batched_tokens = {max_num_batched_tokens} is too small for {B} requests")
-    L = layout.max_model_len
-    hi = np.maximum(L - q - num_speculative_tokens - 1, 1)
-    lo = np.minimum(hi, max(1, min_context or L // 64))
-    nc = np.minimum(np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64), hi)
-    order = rng.permutation(B)
-    q, nc = q[order], nc[order]
-    slots = rng.permutation(R)[:B].astype(np.int64)
-    next_id = 1 + rng.integers(0, 1000)
-    gids, wslots, cu, ids = [], [], [0], []
-    for b in range(B):
-        seq = int(nc[b] + q[b])
-        for g in layout.groups:
-            bs = g.alloc_block_size
-            n = g.ring_blocks if g.kind == "circular" else cdiv(seq, bs)
-            first = 0 if g.kind != "sliding" else max(int(nc[b]) - g.window + 1, 0) // bs
-            fresh = np.arange(next_id, next_id + n - first, dtype=np.int64)
-            next_id += n - first + int(rng.integers(0, 3))   # NOTE: gaps: ids are not consecutive rows
-            ids.append(np.concatenate([np.zeros(first, dtype=np.int64), fresh]))
-            gids.append(g.gid)
-            wslots.append(slots[b])
-            cu.append(cu[-1] + n)
-    return StepBatch(req_slots=slots, num_computed_tokens=nc, num_scheduled_tokens=q,
-                     is_new=np.ones(B, dtype=bool), write_gids=np.asarray(gids, dtype=np.int64),
-                     write_slots=np.asarray(wslots, dtype=np.int64), write_starts=np.zeros(len(gids), dtype=np.int64),
-                     write_cu=np.asarray(cu, dtype=np.int64), write_ids=np.concatenate(ids))
-
-
-# the picture
 def _occupancy(meta, g, qsl, seq, max_rows: int):
     """(categories int8 [rows, cols], ring head column per row or None, table ids [rows, cols])."""
     B = min(meta.num_reqs, max_rows)
@@ -187,23 +129,46 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
     str — ``path``.
     """
     plt = _plt()
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
     import os
     layout = meta.layout
-    B, T, Tp, nd = meta.num_reqs, meta.num_tokens, meta.num_tokens_padded, meta.num_decodes
+    B, T = meta.num_reqs, meta.num_tokens
     qsl = np.asarray(meta.host_query_start_loc, dtype=np.int64)
     seq = np.asarray(meta.host_seq_lens, dtype=np.int64)
-    q = np.diff(qsl)
     rows = _pick_rows(meta, requests)
     groups = layout.groups
     fig = plt.figure(figsize=(18, 10 + 3.3 * len(rows)))
     gs = fig.add_gridspec(2 + len(rows), max(len(groups), 2), height_ratios=[1.9, 4.4] + [1.5] * len(rows),
                           hspace=0.62, wspace=0.25, top=1 - 0.6 / fig.get_figheight(), bottom=0.03)
 
-    # 1. token order: decode rows | prefill rows (each panel as wide as it needs), the token axis below
+    _token_order(fig, gs, meta, qsl, seq)
+    _occupancy_panels(fig, gs, meta, qsl, seq, max_rows)
+
+    # 3. zoomed requests ----------------------------------------------------------------------
+    picks = _topk_picks(meta, topk, seed)
+    for k, b in enumerate(rows):
+        _zoom(fig, gs[2 + k, :], meta, b, qsl, seq, picks)
+
+    fig.suptitle(title or f"dsv4-index step: {B} requests, {T} tokens (layout: {len(groups)} groups, "
+                 f"window {layout.sliding_window}, ratios {layout.c4_ratio}/{layout.c128_ratio}, "
+                 f"max_model_len {layout.max_model_len})", fontsize=FS_SUPTITLE, y=0.995)
+    path = str(path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    finally:
+        plt.close(fig)   # NOTE: also when the file cannot be written
+    return path
+
+
+def _token_order(fig, gs, meta, qsl, seq) -> None:
+    """Part 1, token order: decode rows | prefill rows (each panel as wide as it needs), the token axis below."""
+    plt = _plt()
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    B, T, Tp, nd = meta.num_reqs, meta.num_tokens, meta.num_tokens_padded, meta.num_decodes
+    q = np.diff(qsl)
     kind_colors = ["#3182bd", "#9e9ac8", "#e6550d"]
     kind_names = ["decode (1 token)", "speculative decode", "prefill chunk"]
     top = gs[0, :].subgridspec(2, 2, height_ratios=[3, 1], width_ratios=[4.2, 1.0], hspace=1.0, wspace=0.12)
@@ -239,7 +204,13 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
         for a in (ax, ax2):
             a.tick_params(labelsize=FS_SMALL)
 
-    # 2. occupancy: per group, the decode rows and (in their own panel, so they stay visible) the prefill rows
+
+def _occupancy_panels(fig, gs, meta, qsl, seq, max_rows: int) -> None:
+    """Part 2, occupancy: per group, the decode rows and (in their own panel, so they stay visible) the prefill rows."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    B, nd, groups = meta.num_reqs, meta.num_decodes, meta.layout.groups
     cmap = ListedColormap(_CAT_COLORS)
     cat_all = {g.gid: _occupancy(meta, g, qsl, seq, B) for g in groups}
     spans = [(0, min(nd, max_rows))] + ([(nd, min(B, nd + max_rows))] if B > nd else [])
@@ -268,20 +239,6 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
     fig.legend(handles=[Patch(facecolor=c, edgecolor="0.6", label=n) for c, n in zip(_CAT_COLORS, _CAT_NAMES)],
                loc="upper center", ncol=5, fontsize=FS_LABEL, frameon=False,
                bbox_to_anchor=(0.5, _legend_y(fig, gs)))
-
-    # 3. zoomed requests ----------------------------------------------------------------------
-    picks = _topk_picks(meta, topk, seed)
-    for k, b in enumerate(rows):
-        _zoom(fig, gs[2 + k, :], meta, b, qsl, seq, picks)
-
-    fig.suptitle(title or f"dsv4-index step: {B} requests, {T} tokens (layout: {len(groups)} groups, "
-                 f"window {layout.sliding_window}, ratios {layout.c4_ratio}/{layout.c128_ratio}, "
-                 f"max_model_len {layout.max_model_len})", fontsize=FS_SUPTITLE, y=0.995)
-    path = str(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 def _legend_y(fig, gs) -> float:
@@ -433,35 +390,3 @@ def _label_blocks(ax, y, p, blk, xrange: float) -> None:
     for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(p)]):
         if blk[s] >= 0 and (e - s) / max(xrange, 1) > 0.07:
             ax.text((p[s] + p[e - 1]) / 2, y, f"blk {int(blk[s])}", ha="center", va="center", fontsize=FS_SMALL)
-
-
-def sample_step(config="flash", num_requests: Optional[int] = None, *, max_model_len: Optional[int] = None,
-                device="cpu", seed: int = 0):
-    """A pipeline and one built sample step of a shipped (or given) config, for pictures and demos.
-
-    ``"tiny"`` (and any config with a window below 64): 128-token contexts, mla / swa blocks of 32 / 4,
-    6 requests, 64 batched tokens. Anything else: V4-Flash-like, 32K contexts, 300 requests, 4096
-    batched tokens. The pipeline runs the Triton kernels on CUDA, the PyTorch reference on the CPU.
-    Returns ``(pipe, meta)``.
-    """
-    from ..geometry import DSV4Layout
-    from ..pipeline import MetadataPipeline
-
-    probe = DSV4Layout.from_config(config, max_model_len=max_model_len or 1024)
-    small = probe.sliding_window < 64
-    kw: dict = {}
-    if small:
-        L, kw, n, T, chunk = max_model_len or 128, dict(mla_block_size=32, swa_block_size=4), 6, 64, 13
-    else:
-        L, kw, n, T, chunk = max_model_len or 32768, {}, 300, 4096, 512
-    layout = DSV4Layout.from_config(config, max_model_len=L, **kw)
-    n = num_requests or n
-    device = torch.device(device)
-    # NOTE: on the CPU the reference (the Triton interpreter would take minutes at Flash scale)
-    pipe = MetadataPipeline(layout, max_num_reqs=max(n, 8), max_num_batched_tokens=max(T, 4 * n),
-                            device=device, num_speculative_tokens=1,
-                            backend=None if device.type == "cuda" else "reference")
-    batch = sample_step_batch(layout, n, max_num_reqs=pipe.max_num_reqs, max_num_batched_tokens=pipe.max_num_tokens,
-                              prefill_chunk=chunk, min_context=L // 4 if small else None, seed=seed)
-    pipe.update(batch, pad_to=min(pipe.max_num_tokens, cdiv(batch.num_tokens, 8) * 8))
-    return pipe, pipe.build()

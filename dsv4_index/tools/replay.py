@@ -13,6 +13,7 @@ import torch
 
 from ..batch import StepBatch
 from .digest import CHANNEL_FIELDS, COMMON_FIELDS, first_difference, output_digests
+from .trace import _read
 from .trace_schema import TraceError, rebuild_layout as _rebuild_layout
 
 __all__ = ["replay_trace", "ReplayResult", "Problem"]
@@ -24,7 +25,7 @@ class Problem:
 
     step: int                      # index of the step in the trace (0-based)
     line: int                      # its line in the file
-    kind: str                      # "rejected" | "accepted" | "invariant" | "divergence" | "recording"
+    kind: str                      # "rejected" | "accepted" | "invariant" | "divergence" | "recording" | "incomplete"
     message: str
     channel: Optional[str] = None
     field: Optional[str] = None
@@ -38,7 +39,8 @@ class Problem:
         head = {"rejected": "REJECTED (the recording accepted it)",
                 "accepted": "ACCEPTED (the recording rejected it)",
                 "invariant": "INVARIANT BROKEN", "divergence": "DIVERGES FROM THE REFERENCE",
-                "recording": "DIFFERS FROM THE RECORDING"}[self.kind]
+                "recording": "DIFFERS FROM THE RECORDING",
+                "incomplete": "THE TRACE IS INCOMPLETE"}[self.kind]
         lines = [f"step {self.step} (line {self.line}): {head}", f"  {self.message}"]
         where = [f"{k} {v!r}" for k, v in (("channel", self.channel), ("field", self.field), ("token", self.token),
                                             ("row", self.row), ("request", self.req_id)) if v is not None]
@@ -131,10 +133,8 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
     from ..pipeline import MetadataPipeline
     from ..validate import MetadataError, check_topk
 
-    from .trace import _read
-
     log = log or (lambda s: print(s, file=sys.stderr))
-    version, layout, p, header, steps = _read(path)
+    version, layout, p, header, steps, end = _read(path)
     if config is not None:
         new = _rebuild_layout(layout, config)
         if new != layout:
@@ -157,15 +157,7 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
     res.recorded_on = f"{p['device']} ({p['backend'] or 'default backend'})"
     st = res.stats = dict.fromkeys(("accepted steps", "rejected steps (as recorded)", "steps matching the recording",
                                     "live tokens", "padded tokens", "max batch rows", "top-k conversions"), 0)
-    n_out = sum(d["outputs"] is not None for d in steps)
-    n_acc = sum(d["type"] == "step" for d in steps)
-    if n_out == 0:
-        why = ("a version-1 trace" if version == 1 else "recorded with outputs=False" if header.get("outputs") is None
-               else "no step was built")
-        res.notes.append(f"no digests recorded ({why}): outputs compared with the reference only")
-    elif n_out < n_acc:
-        res.notes.append(f"{n_acc - n_out} accepted step(s) have no recorded outputs (never built, or the recording "
-                         "stopped first): those are compared with the reference only")
+    res.notes += _digest_notes(version, header, steps)
     gen = torch.Generator().manual_seed(topk_seed)
     for i, d in _progress(enumerate(steps), len(steps), progress):
         line = d["line"]
@@ -211,6 +203,34 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
         st["live tokens"] += meta.num_tokens
         st["padded tokens"] += meta.num_tokens_padded
         st["max batch rows"] = max(st["max batch rows"], meta.num_reqs)
+    return _complete(res, version, end, steps)
+
+
+def _digest_notes(version: int, header: dict, steps) -> List[str]:
+    """What the replay cannot compare with recorded outputs."""
+    n_out = sum(d["outputs"] is not None for d in steps)
+    n_acc = sum(d["type"] == "step" for d in steps)
+    if n_out == 0:
+        why = ("a version-1 trace" if version == 1 else "recorded with outputs=False" if header.get("outputs") is None
+               else "no step was built")
+        return [f"no digests recorded ({why}): outputs compared with the reference only"]
+    if n_out < n_acc:
+        return [f"{n_acc - n_out} accepted step(s) have no recorded outputs (never built, or the recording "
+                "stopped first): those are compared with the reference only"]
+    return []
+
+
+def _complete(res: ReplayResult, version: int, end, steps) -> ReplayResult:
+    """A clean replay of a trace without its end line is still a problem: the trace was cut."""
+    if version < 3:
+        res.notes.append(f"a version-{version} trace has no end line: a trace cut at a line boundary cannot be told "
+                         "from a complete one")
+    elif end is not None and end.get("error"):
+        res.notes.append(f"the recording ended with an error (line {end['line']}): {end['error']}")
+    elif end is None:
+        last = steps[-1]["line"] if steps else 1
+        res.problem = Problem(len(steps), last, "incomplete", f"the trace ends after line {last} without its end line "
+                              f"(cut, or its recording never closed): the {len(steps)} step(s) it holds replayed clean")
     return res
 
 

@@ -1,5 +1,5 @@
-"""Record the steps a pipeline accepts (and rejects) as a JSONL trace, and replay a trace through a
-fresh checked pipeline and the PyTorch reference to find where the metadata first goes wrong.
+"""Record the steps a pipeline accepts (and rejects) as a JSONL trace; the replay is
+:mod:`dsv4_index.tools.replay`.
 
 Recording::
 
@@ -8,14 +8,14 @@ Recording::
             pipe.update(step, pad_to=bucket(step))
             meta = pipe.build()
 
-Replaying (``python -m dsv4_index replay steps.jsonl``, or :func:`replay_trace`)::
+Replaying (``python -m dsv4_index replay steps.jsonl``, or :func:`dsv4_index.tools.replay.replay_trace`)::
 
     result = replay_trace("steps.jsonl", device="cuda")
     print(result.report())
 
-Trace format (one JSON object per line, UTF-8), version 2:
+Trace format (one JSON object per line, UTF-8), version 3:
 
-* line 1, ``{"type": "header", "version": 2, "dsv4_index": "0.2.0", "outputs": "rowmix64" or null,
+* line 1, ``{"type": "header", "version": 3, "dsv4_index": "0.2.0", "outputs": "rowmix64" or null,
   "layout": {...}, "pipeline": {...}}``
   — the layout itself (groups, channels and scalars of :class:`~dsv4_index.geometry.DSV4Layout`, so
   the replay needs no config file) and the pipeline's arguments (``max_num_reqs``,
@@ -23,18 +23,24 @@ Trace format (one JSON object per line, UTF-8), version 2:
   ``cp_interleave``, ``checks``, ``max_staged_blocks``, ``backend``, ``device``, ``fused``);
 * then one line per ``update()``: ``{"type": "step", "index": i, "pad_to": int or null, "step":
   StepBatch.to_json(), "req_ids": [...] or null}`` for an accepted step, or ``"type": "rejected"`` with
-  ``"error"`` (the ``ValueError`` text) for a rejected one (``"step"`` is null when the id-keyed step
-  could not even be converted). A :class:`~dsv4_index.step.StepInput` is recorded as the array-form
-  step the pipeline's own converter made of it (``req_ids``: the request id of each row);
+  ``"error"`` (the ``ValueError`` text) for a rejected one (``"step"`` is null unless the refused step
+  was a StepBatch). An accepted step is what the pipeline accepted (``pipe.last_batch``): a StepInput
+  or SchedulerOutput as the array-form step the pipeline converted it to (``req_ids``: the request id
+  of each row);
 * after an accepted step, once its ``build()`` returned: ``{"type": "outputs", "index": i, "digests":
   {...}}``, the digest of every output the step built (:mod:`dsv4_index.tools.digest`: per channel
   and field over the valid rows, and the block-table rows the step read). A replay recomputes them
-  and names the first step, channel, field and row that differ from the recording.
+  and names the first step, channel, field and row that differ from the recording;
+* last, written when the recording closes: ``{"type": "end", "steps": n, "rejected": r, "outputs": o}``,
+  the counts of the lines before it (and ``"error"``, the exception that ended the ``record_steps`` block,
+  if one did). A version-3 trace without it was cut (or its recording never
+  closed): the replay says so and exits non-zero.
 
-Version 1 traces (no ``outputs`` lines) still replay, compared with the reference only. Every file a
+Version 1 traces (no ``outputs`` lines) and version 2 (no ``end`` line) still replay. Every file a
 replay cannot use raises :class:`~dsv4_index.tools.trace_schema.TraceError` (a ``ValueError``) naming
 the file, the line and the field; sizes, nesting depth and capacities are bounded before parsing or
-allocating (:data:`~dsv4_index.tools.trace_schema.LIMITS`).
+allocating (:data:`~dsv4_index.tools.trace_schema.LIMITS`), and every ``outputs`` entry by what the
+header's pipeline can produce before it is decompressed (:func:`~dsv4_index.tools.trace_schema.entry_bounds`).
 """
 
 from __future__ import annotations
@@ -46,17 +52,17 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Union
 
 from .._json import BadJSON, decode_utf8, loads_bounded
-from ..batch import StepBatch, batch_from_step
+from ..batch import StepBatch
 from ..geometry import ChannelSpec, DSV4Layout, GroupSpec
-from ..step import StepInput
 from .digest import DIGEST, output_digests
+from .trace_outputs import check_end, check_outputs, entry_bounds
 from .trace_schema import TraceError, check_header, check_line
 
 __all__ = ["TRACE_VERSION", "READS_VERSIONS", "Recorder", "record_steps", "read_trace", "layout_to_json",
-           "layout_from_json", "replay_trace", "ReplayResult", "Problem", "TraceError"]
+           "layout_from_json", "TraceError"]
 
-TRACE_VERSION = 2
-READS_VERSIONS = (1, 2)
+TRACE_VERSION = 3
+READS_VERSIONS = (1, 2, 3)
 MAX_LINE_BYTES = 1 << 28
 
 
@@ -113,7 +119,7 @@ class Recorder:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "w", encoding="utf-8")
-        self.num_steps = self.num_rejected = 0
+        self.num_steps = self.num_rejected = self.num_outputs = 0
         self.values_limit = int(values_limit)
         self._pipe, self._pending, self._hook = pipe, None, None
         from .. import __version__
@@ -157,8 +163,10 @@ class Recorder:
         index, self._pending = self._pending, None
         self._write(dict(type="outputs", index=index,
                          digests=output_digests(meta, self._pipe, values_limit=self.values_limit)))
+        self.num_outputs += 1
 
-    def close(self) -> None:
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """Unhook ``build`` and write the end line (with ``error``: what ended the recording early)."""
         if self._hook is not None:
             prior, build = self._hook
             if self._pipe.__dict__.get("build") is build:
@@ -167,6 +175,11 @@ class Recorder:
                 else:
                     self._pipe.build = prior
             self._hook = None
+        if not self._f.closed:   # NOTE: the end line: a trace without it was cut or never closed
+            end = dict(type="end", steps=self.num_steps, rejected=self.num_rejected, outputs=self.num_outputs)
+            if error is not None:
+                end["error"] = f"{type(error).__name__}: {error}"
+            self._write(end)
         self._f.close()
 
     def __enter__(self):
@@ -180,36 +193,38 @@ class Recorder:
 def record_steps(pipe, path: Union[str, Path], *, outputs: bool = True, values_limit: int = 4096) -> Iterator[Recorder]:
     """Record every ``pipe.update(step, pad_to=...)`` inside the block into ``path`` and, with
     ``outputs``, the digests of what the following ``build()`` made (see the module docstring and
-    :class:`Recorder`). A :class:`StepInput` is converted with the pipeline's own converter (on its
-    current slot map, exactly as ``update()`` converts it) and recorded once ``update()`` accepted
-    it; a rejected step is recorded with its error, and the ``ValueError`` still propagates.
+    :class:`Recorder`). What is recorded is what the pipeline accepted (``pipe.last_batch``: the
+    array-form step, its pad size and, for id-keyed inputs, the request id of each row), so a
+    StepBatch, a StepInput and a SchedulerOutput of the same step record the same line. A rejected
+    step is recorded with its error (its ``step`` only when it was a StepBatch: an id-keyed step the
+    pipeline refused was never converted on the pipeline's behalf), and the ``ValueError`` still
+    propagates. Closing the block writes the trace's ``end`` line (its counts).
     """
     rec = Recorder(path, pipe, outputs=outputs, values_limit=values_limit)
     inner = pipe.update
 
     def update(step, *, pad_to=None):
-        batch, ids = step if isinstance(step, StepBatch) else None, None
-        if isinstance(step, StepInput):
-            try:
-                batch, delta = batch_from_step(step, pipe.slot_map, len(pipe.layout.groups))
-                ids = list(delta.order)
-            except ValueError:
-                pass  # NOTE: update() raises the same error below; recorded without a batch
         try:
             inner(step, pad_to=pad_to)
         except ValueError as e:
-            rec.record_rejected(batch, pad_to, e, ids)
+            rec.record_rejected(step if isinstance(step, StepBatch) else None, pad_to, e)
             raise
-        if batch is not None:
-            rec.record(batch, pad_to, ids)
+        accepted = pipe.last_batch
+        if accepted is not None:
+            batch, pad, ids = accepted
+            rec.record(batch, pad, None if ids is None else list(ids))
 
     pipe.update = update
+    error = None
     try:
         yield rec
+    except BaseException as e:   # NOTE: recorded in the end line, then re-raised
+        error = e
+        raise
     finally:
         if pipe.__dict__.get("update") is update:
             del pipe.update
-        rec.close()
+        rec.close(error)
 
 
 def _raw_lines(path):
@@ -239,43 +254,66 @@ def _raw_lines(path):
 
 
 def _read(path):
-    """(version, layout, pipeline args, header dict, step dicts) of a checked trace."""
-    version = layout = p = header = None
+    """(version, layout, pipeline args, header dict, step dicts, end dict or None) of a checked trace.
+    From version 3 on a trace ends with its ``end`` line; None when it is missing (a cut trace)."""
+    version = layout = p = header = bounds = end = None
     steps: List[dict] = []
+    num_outputs = 0
     for n, raw in _raw_lines(path):
         if not raw.strip():
             continue
         try:
             d = loads_bounded(decode_utf8(raw, str(path), n), str(path), first_line=n, raw=raw)
         except BadJSON as e:
-            raise TraceError(path, e.line, None, e.msg) from None
+            raise TraceError(path, e.line, e.key, e.msg) from None
         if header is None:
             if n != 1:
                 raise TraceError(path, 1, None, "the first line must be the trace header, got an empty line")
             version, layout, p = check_header(path, d, READS_VERSIONS)
+            bounds = entry_bounds(layout, p)
             header, prev = d, n
             continue
+        if end is not None:
+            raise TraceError(path, n, None, f"a line after the trace's end line (line {end['line']})")
         expected = len(steps)
-        d = check_line(path, n, d, expected, version)
-        if d["type"] == "outputs":
+        kind = d.get("type") if isinstance(d, dict) else None
+        if kind == "outputs" and version >= 2:
+            d = check_outputs(path, n, d, expected, bounds)
+        elif kind == "end" and version >= 3:
+            d = check_end(path, n, d)
+        else:
+            d = check_line(path, n, d, expected, version)
+        if d["type"] == "end":
+            end = _check_end(path, n, d, steps, num_outputs)
+        elif d["type"] == "outputs":
             last = steps[-1] if steps else None
             if last is None or last["type"] != "step" or last.get("outputs") is not None or last["line"] != prev:
                 raise TraceError(path, n, "type", "an 'outputs' line must follow the accepted step it belongs to")
             last["outputs"], last["outputs_line"] = d["digests"], n
+            num_outputs += 1
         else:
             steps.append(dict(d, line=n, outputs=None))
         prev = n
     if header is None:
         raise TraceError(path, 0, None, "empty trace (no header line)")
-    return version, layout, p, header, steps
+    return version, layout, p, header, steps, end
+
+
+def _check_end(path, n: int, d: dict, steps: List[dict], num_outputs: int) -> dict:
+    """The ``end`` line's counts must be what the lines before it hold."""
+    have = dict(steps=sum(s["type"] == "step" for s in steps), rejected=sum(s["type"] == "rejected" for s in steps),
+                outputs=num_outputs)
+    for k, v in have.items():
+        if d[k] != v:
+            raise TraceError(path, n, k, f"the end line counts {d[k]} {k} lines, the trace holds {v} (lines lost "
+                             "or added after recording?)")
+    return dict(d, line=n)
 
 
 def read_trace(path: Union[str, Path]):
     """(header dict, list of step dicts) of a trace, every line checked; each step dict gains ``line``
     and ``outputs`` (its recorded digests, or None). Raises :class:`TraceError` (a ``ValueError``)
     naming the file, the line and the field on anything a replay cannot use."""
-    _, _, _, header, steps = _read(path)
+    _, _, _, header, steps, _ = _read(path)
     return header, steps
 
-
-from .replay import Problem, ReplayResult, replay_trace  # noqa: E402  (re-exported: one module for users)

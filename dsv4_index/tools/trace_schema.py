@@ -4,10 +4,10 @@ file, the line and the field for anything a replay cannot use (types, bounds, ca
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Optional
 
 from .._json import one_line
+from ..capacity import check_capacities
 from ..group_plan import ROLES
 from ..geometry import DSV4Layout
 from ..specs import CHANNEL_OUTPUTS, GROUP_KINDS as KINDS, GROUP_ORDER, ChannelSpec, GroupSpec
@@ -26,8 +26,6 @@ _STEP_FIELDS = ("req_slots", "num_computed_tokens", "num_scheduled_tokens", "is_
 _OUTPUT_FIELDS = frozenset().union(*CHANNEL_OUTPUTS.values(), {"compact_slot_mapping", "compact_cu", "indices",
                                                                "lens_clamped", "decode_lens_clamped",
                                                                "tail_slot_mapping"})
-_HEX16 = re.compile(r"[0-9a-f]{16}\Z")
-_B64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
 
 
 class TraceError(ValueError):
@@ -325,8 +323,15 @@ def check_header(path, d, versions) -> tuple:
 
 
 def check_capacity(at: _At, layout: DSV4Layout, p: dict) -> None:
-    """Bound what a replay of ``layout`` / ``p`` allocates before anything is allocated."""
+    """Bound what a replay of ``layout`` / ``p`` allocates before anything is allocated: the pipeline's
+    own bounds (:func:`dsv4_index.capacity.check_capacities`), then the replay's tighter budget (a replay
+    builds two pipelines, on a machine that may not be the recording's)."""
     R, T = p["max_num_reqs"], p["max_num_batched_tokens"]
+    try:
+        check_capacities(layout, R, T, p["num_speculative_tokens"], p["max_staged_blocks"],
+                         (p["cp_world_size"], p["cp_rank"], p["cp_interleave"]))
+    except ValueError as e:
+        at.err("pipeline", str(e))
     table = sum(g.columns(T)[0] for g in layout.groups) * R
     per_token = T * (sum(c.index_width or 0 for c in layout.channels.values()) + (layout.index_topk or 0)
                      + 16 * (len(layout.channels) + 1))
@@ -348,17 +353,14 @@ def _ints(at: _At, v, field, *, boolean=False):
 
 
 def check_line(path, n: int, d, expected_index: int, version: int) -> dict:
-    """A step / rejected / outputs line (line ``n``), checked; returned as is."""
+    """A step / rejected line (line ``n``), checked; returned as is."""
     at = _At(path, n)
-    kinds = ("step", "rejected") + (("outputs",) if version >= 2 else ())
+    kinds = ("step", "rejected") + (("outputs",) if version >= 2 else ()) + (("end",) if version >= 3 else ())
     if not isinstance(d, dict):
         at.err(None, f"must be a JSON object (a trace line), got {_kind(d)}")
     kind = at.str(d.get("type"), "type", kinds)
-    if kind == "outputs":
-        at.dict(d, "", ("type", "index", "digests"))
-        at.int(d["index"], "index", expected_index - 1, expected_index - 1)
-        _digests(at, d["digests"])
-        return d
+    if kind not in ("step", "rejected"):   # NOTE: outputs and end lines: trace_outputs.check_outputs / check_end
+        at.err("type", f"a {kind!r} line is checked by tools.trace_outputs, not here")
     at.dict(d, "", ("type", "index", "pad_to", "step") + (("error",) if kind == "rejected" else ()), ("req_ids",))
     at.int(d["index"], "index", expected_index, expected_index)
     at.int(d["pad_to"], "pad_to", -LIMITS["value"], LIMITS["value"], none=True)
@@ -379,32 +381,3 @@ def check_line(path, n: int, d, expected_index: int, version: int) -> dict:
             if isinstance(r, bool) or not isinstance(r, (str, int)):
                 at.err(f"req_ids[{i}]", f"must be a string or an integer, got {_kind(r)}")
     return d
-
-
-def _entry(at: _At, e, field):
-    at.dict(e, field, ("n", "w", "h"), ("v", "r"))
-    at.int(e["n"], field + ".n", 0, LIMITS["max_num_batched_tokens"] + LIMITS["max_num_reqs"])
-    at.int(e["w"], field + ".w", 0, LIMITS["max_model_len"] + 1)
-    if not isinstance(e["h"], str) or not _HEX16.match(e["h"]):
-        at.err(field + ".h", f"must be 16 lower-case hex digits, got {_short(e['h'])}")
-    if ("v" in e) == ("r" in e):
-        at.err(field, "needs exactly one of 'v' (values) and 'r' (row hashes)")
-    k = "v" if "v" in e else "r"
-    if not isinstance(e[k], str) or not _B64.match(e[k]):
-        at.err(f"{field}.{k}", f"must be base64 text, got {_kind(e[k])} {_short(e[k])}")
-    if e["n"] * e["w"] > LIMITS["buffer_entries"]:
-        at.err(field, f"n * w = {e['n'] * e['w']} entries, more than the bound of {LIMITS['buffer_entries']}")
-
-
-def _digests(at: _At, d):
-    at.dict(d, "digests", ("common", "block_tables", "channels"))
-    for part in ("common", "block_tables"):
-        keys = tuple(d[part]) if isinstance(d[part], dict) else ()
-        for k, e in at.dict(d[part], f"digests.{part}", (), keys).items():
-            _entry(at, e, f"digests.{part}.{k}")
-    keys = tuple(d["channels"]) if isinstance(d["channels"], dict) else ()
-    chans = at.dict(d["channels"], "digests.channels", (), keys)
-    for ch, fields in chans.items():
-        at.dict(fields, f"digests.channels.{ch}", (), tuple(fields) if isinstance(fields, dict) else ())
-        for k, e in fields.items():
-            _entry(at, e, f"digests.channels.{ch}.{k}")

@@ -252,7 +252,7 @@ class DSV4Attention(nn.Module):
         """One whole sequence at positions ``0..L-1``: float [L, hidden] -> float [L, hidden].
 
         ``window_floor``: the sliding window of every token starts at this position at the earliest
-        (bounded replay after a prefix-cache hit, DESIGN §4: what a replayed token's window list holds;
+        (bounded replay after a prefix-cache hit, docs/DESIGN.md §4: what a replayed token's window list holds;
         tokens whose window stays above it are unaffected). Compressed rows are never floored.
         """
         L, W = x.shape[0], self.config.sliding_window

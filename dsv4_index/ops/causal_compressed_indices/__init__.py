@@ -58,7 +58,7 @@ def causal_compressed_indices(query_start_loc: torch.Tensor, seq_lens: torch.Ten
     Returns
     -------
     (indices int32 ``[T_out, width]``, lens int32 ``[T_out]``)
-        ``lens[t] = n_c(pos_t) = (pos_t + 1) // R`` (the owned count under DCP, DESIGN §4);
+        ``lens[t] = n_c(pos_t) = (pos_t + 1) // R`` (the owned count under DCP, docs/DESIGN.md §4);
         ``indices[t, j] = bt[j // S] * S + j % S`` for ``j < lens[t]`` (local rows), ``-1`` after.
         Padded tokens (``t >= query_start_loc[B]``) get ``-1`` rows and length 0. Unchecked CUDA
         inputs never read outside the table: rows are clamped to ``min(width, cols * S)``.

@@ -1,4 +1,4 @@
-"""Reference math of ``causal_compressed_indices`` (DESIGN §4 "Causal compressed indices", DCP):
+"""Reference math of ``causal_compressed_indices`` (docs/DESIGN.md §4 "Causal compressed indices", DCP):
 plain PyTorch, the spec."""
 
 from __future__ import annotations

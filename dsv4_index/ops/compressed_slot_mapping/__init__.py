@@ -49,7 +49,7 @@ def compressed_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tenso
     idx_mapping : int32 ``[B]``, optional
         Table row of each request (tables indexed by request slot, e.g. the pipeline's).
     replay_end : int32 ``[B]``, optional
-        Bounded replay (DESIGN §4): tokens at ``pos < replay_end[b]`` write nothing (``-1``); their
+        Bounded replay (docs/DESIGN.md §4): tokens at ``pos < replay_end[b]`` write nothing (``-1``); their
         rows are cached in blocks shared with other requests. In the compact form such rows are
         still listed (as ``-1``), like rows owned by another rank, so ``cu`` depends on neither.
     num_tokens : int, optional

@@ -1,4 +1,4 @@
-"""Reference math of ``compressed_slot_mapping`` (DESIGN §4 "Compressed slot mapping", bounded
+"""Reference math of ``compressed_slot_mapping`` (docs/DESIGN.md §4 "Compressed slot mapping", bounded
 replay, DCP, compact form): plain PyTorch, the spec."""
 
 from __future__ import annotations

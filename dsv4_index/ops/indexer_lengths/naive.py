@@ -1,4 +1,4 @@
-"""Reference math of ``indexer_lengths`` (DESIGN §4 "Indexer lengths", DCP): plain PyTorch, the spec."""
+"""Reference math of ``indexer_lengths`` (docs/DESIGN.md §4 "Indexer lengths", DCP): plain PyTorch, the spec."""
 
 from __future__ import annotations
 

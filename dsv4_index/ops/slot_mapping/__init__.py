@@ -40,7 +40,7 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     cp_world_size, cp_rank, cp_interleave : int
         DCP: tokens owned by other ranks get ``-1``; owned ones use their local position.
     circular_capacity : int, optional
-        Circular group (vLLM's ring, DESIGN §4 "circular group"): a ring of ``capacity`` rows per
+        Circular group (vLLM's ring, docs/DESIGN.md §4 "circular group"): a ring of ``capacity`` rows per
         request in ``k = capacity // block_size`` blocks (``block_size`` must divide it; ``k = 1`` in
         the pipeline's layouts; no DCP): row ``p = pos % capacity`` lives at
         ``bt[p // block_size] * block_size + p % block_size`` for every token — the *address map*; a
@@ -48,7 +48,7 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
         is no block (``-1``). With ``validate=True`` (on every device) the write plan of the step must be
         free of collisions between requests (two requests sharing a ring block).
     ring : bool
-        The table's columns form a ring: logical block ``i`` is in column ``i % cols`` (DESIGN §4
+        The table's columns form a ring: logical block ``i`` is in column ``i % cols`` (docs/DESIGN.md §4
         "Sliding tables as rings"); no logical width limit.
     idx_mapping : int32 ``[B]``, optional
         Table row of each request (tables indexed by request slot, e.g. the pipeline's).

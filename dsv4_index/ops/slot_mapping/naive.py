@@ -1,4 +1,4 @@
-"""Reference math of ``slot_mapping`` (DESIGN §4 "Slot of a raw position"): plain PyTorch, the spec."""
+"""Reference math of ``slot_mapping`` (docs/DESIGN.md §4 "Slot of a raw position"): plain PyTorch, the spec."""
 
 from __future__ import annotations
 

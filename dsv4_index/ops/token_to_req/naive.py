@@ -1,4 +1,4 @@
-"""Reference math of ``token_to_req`` (DESIGN §4 "Token → request"): plain PyTorch, the spec."""
+"""Reference math of ``token_to_req`` (docs/DESIGN.md §4 "Token → request"): plain PyTorch, the spec."""
 
 from __future__ import annotations
 

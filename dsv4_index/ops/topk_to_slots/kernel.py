@@ -32,11 +32,8 @@ def tile_config(K: int):
     """(BLOCK_T, BLOCK_K, num_warps) for rows of ``K`` picks: the whole row in one tile
     (``BLOCK_K = next_pow2(K)``) and ``BLOCK_T`` rows so that a tile holds ``TILE_ELEMS`` picks.
 
-    NOTE: measured on one H200 (K = 512, launch_rows, CUDA graph of 20 launches, per launch):
-    BLOCK_T = 1 / 2 / 4 / 8 with 4 warps took 1.82 / 2.03 / 2.54 / 3.90 us at 256 tokens and
-    2.44 / 3.04 / 3.49 / 4.34 us at 1024 (1 / 2 / 8 warps: no better): more, smaller programs win,
-    so K = 512 -> one token per program, 4 warps (4 picks per thread). K = 1024: 8 warps (1.98 /
-    3.50 us at 256 / 1024 tokens against 2.15 / 3.56 with 4).
+    NOTE: more, smaller programs win (BENCHMARKS.md "topk_to_slots per C4A layer", the tile sweep):
+    K = 512 -> one token per program, 4 warps (4 picks per thread); K = 1024: 8 warps.
     """
     block_k = max(16, triton.next_power_of_2(max(K, 1)))
     block_t = max(1, min(64, TILE_ELEMS // block_k))

@@ -1,4 +1,4 @@
-"""Reference math of ``topk_to_slots`` (DESIGN §4 "Top-k -> physical slots", DCP, compact form):
+"""Reference math of ``topk_to_slots`` (docs/DESIGN.md §4 "Top-k -> physical slots", DCP, compact form):
 plain PyTorch, the spec."""
 
 from __future__ import annotations

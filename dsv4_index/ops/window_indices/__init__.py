@@ -42,11 +42,11 @@ def window_indices(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
     cp_world_size, cp_rank, cp_interleave : int
         DCP: only the owned positions of the window, ascending, local slots, packed to the front.
     ring : bool
-        The table's columns form a ring: logical block ``i`` is in column ``i % cols`` (DESIGN §4
+        The table's columns form a ring: logical block ``i`` is in column ``i % cols`` (docs/DESIGN.md §4
         "Sliding tables as rings"). The ring must hold every position the request's tokens read
         in this step (value check).
     circular_capacity : int, optional
-        Circular group (vLLM's ring, DESIGN §4 "circular group"): a ring of ``capacity`` rows per
+        Circular group (vLLM's ring, docs/DESIGN.md §4 "circular group"): a ring of ``capacity`` rows per
         request in ``capacity // block_size`` blocks (as in :func:`slot_mapping`; no DCP). Reads split
         at the request's chunk start ``s`` (its first scheduled position): an entry at position
         ``p < s`` is the ring slot of ``p`` (``>= 0``; ``-1`` in a negative block id: no block); an

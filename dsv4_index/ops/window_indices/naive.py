@@ -1,4 +1,4 @@
-"""Reference math of ``window_indices`` (DESIGN §4 "Sliding-window indices", bounded replay, DCP,
+"""Reference math of ``window_indices`` (docs/DESIGN.md §4 "Sliding-window indices", bounded replay, DCP,
 ring and circular tables): plain PyTorch, the spec."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def window_range(query_start_loc, seq_lens, num_rows: int, window: int, replay_s
 
 
 def in_step_entries(query_start_loc, req, pos, lp, listed):
-    """Circular groups (DESIGN §4 "circular group"): which window entries lie inside the request's
+    """Circular groups (docs/DESIGN.md §4 "circular group"): which window entries lie inside the request's
     chunk of this step, and the step's token row holding each, ``query_start + (lp - chunk_start)``.
 
     ``req``, ``pos`` ``[T]`` (the token); ``lp`` ``[T, W]`` (entry positions); ``listed`` ``[T, W]``.

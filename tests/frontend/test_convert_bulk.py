@@ -1,5 +1,5 @@
-"""The steady-step conversion (``steady_step._fast``) accepts only what the row-by-row conversion
-(``frontend._convert``) accepts, and gives the same StepBatch (values and dtypes), with and without
+"""The repeat conversion (``frontend.fast.convert_repeat``) accepts only what the row-by-row conversion
+(``frontend.convert.convert``) accepts, and gives the same StepBatch (values and dtypes), with and without
 the slot map's cached rows."""
 
 import numpy as np
@@ -7,7 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_index.frontend import SCHED, SlotMap, SlotMapDelta, _convert, _fast
+from dsv4_index.frontend.convert import convert as _convert
+from dsv4_index.frontend.fast import convert_repeat as _fast
+from dsv4_index.frontend.rules import SCHED
+from dsv4_index.state.requests import SlotMap, SlotMapDelta
 
 G = 3
 BIG = st.sampled_from([2**31 - 1, 2**31, 2**62, 2**63 - 1, 2**63, 10**30, -(2**63), -1])
@@ -95,7 +98,7 @@ def test_fast_takes_the_common_step(cached):
     b, d = out
     assert b.req_slots.tolist() == [15, 14, 13] and b.write_gids.tolist() == [0, 1] and d.order == rids
     assert b.write_slots.tolist() == [15, 13] and b.write_ids.tolist() == [5, 6, 7] and b.write_cu.tolist() == [0, 1, 3]
-    assert (b.req_slots is sm._order_slots) == cached
+    assert (b.req_slots is sm.last_slots) == cached
 
 
 ids_set = st.lists(st.sampled_from([f"r{i}" for i in range(10)] + ["n0", "never"]), max_size=3)

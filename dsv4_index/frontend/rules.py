@@ -1,57 +1,61 @@
-"""The rules of an id-keyed step, in one place: the converters of :mod:`dsv4_index.frontend` run
-them, and ``StepInput.validate_static`` runs their stateless part (:func:`check_step`).
+"""The rules of an id-keyed step, in one place (imports nothing of the front door): the conversions
+of :mod:`dsv4_index.frontend.convert` and :mod:`dsv4_index.frontend.fast` run them, and
+``StepInput.validate_static`` runs their stateless part (:func:`dsv4_index.frontend.check_step`).
 
-* request ids are ``str``, each listed once (new or running) and not also finished / preempted;
-  the keys of ``num_scheduled_tokens`` are exactly the scheduled ids;
+* request ids are ``str``, each listed once (new or running); the keys of ``num_scheduled_tokens``
+  are exactly the scheduled ids;
+* contradictions are refused, naming the request and both fields: an id both finished and
+  preempted, or finished (or preempted) and scheduled in the same step. vLLM never schedules a
+  request in the step that preempts it (its waiting queue is skipped in a step that preempted), so
+  a resumed request may not be in the same step's ``preempted_req_ids`` either;
 * every count (``num_computed_tokens``, ``num_scheduled_tokens``, ``replay_start``, ``replay_end``)
   and every block id is a Python ``int`` (not a ``bool``, ``float`` or numpy scalar) in
   ``[0, LIMIT = 2**31 - 1]``, checked before any sum or array conversion, so no wrap can pass; the
   pipeline then bounds them by ``max_model_len`` and its capacities;
 * a request's block lists are a tuple (or list) with one list (or tuple) per gid; a running request's
   ``new_block_ids`` may be None (no new block; vLLM's form);
-* (slot map, :func:`dsv4_index.frontend._convert`) a running request holds a slot, or is resumed
-  after a preemption the map saw; a new request takes the lowest free slot; a finished or preempted
-  id the map never saw is a no-op (vLLM reports requests aborted while waiting).
+* (slot map, :func:`dsv4_index.frontend.convert.convert`) a running request holds a slot, or is
+  resumed after a preemption the map saw; a new request takes the lowest free slot; a finished or
+  preempted id the map never saw is a no-op (vLLM reports requests aborted while waiting).
 
-Errors are ``ValueError`` (:class:`~dsv4_index.step.StepTypeError`, also a ``TypeError``, for a wrong
-type) naming the scheduler's field and the request id. :func:`explain` names the pipeline's
-array-level errors (``write_ids[j]``, ``slot s``) the same way.
+Errors are ``ValueError`` (:class:`StepTypeError`, also a ``TypeError``, for a wrong type) naming
+the scheduler's field and the request id.
 """
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Mapping, Sequence
 from itertools import chain
 from operator import countOf
-from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ._common import INT32_MAX
-from .step import StepInput, StepTypeError
+from .._common import INT32_MAX
 
-if TYPE_CHECKING:
-    from .batch import StepBatch
-    from .frontend import SlotMapDelta
+__all__ = ["LIMIT", "StepTypeError", "Src", "STEP", "SCHED", "NEW", "RESUMED", "APPENDS", "LISTS", "ints",
+           "ints_of_lists", "pack", "id_set", "gone_ids", "Row", "Checked", "check_rows"]
 
-__all__ = ["LIMIT", "check_step", "explain"]
+
+class StepTypeError(ValueError, TypeError):
+    """A field of an id-keyed step has the wrong type (both a ``TypeError`` and a ``ValueError``: a
+    pipeline rejects it like any other bad step)."""
+
 
 LIMIT = INT32_MAX  # NOTE: every count and block id of an id-keyed step is in [0, LIMIT]
-_INT = {int}
-_LISTS = {list, tuple}
+LISTS = {list, tuple}
 _ID_SETS = {set, frozenset, list, tuple}
 NEW, RESUMED, APPENDS = 0, 1, 2  # row kinds
 
 
-class _Src(NamedTuple):
+class Src(NamedTuple):
     new: str   # where new requests are listed
     run: str   # where running requests are listed
 
 
-STEP = _Src("new_requests", "running_requests")
-SCHED = _Src("scheduled_new_reqs", "scheduled_cached_reqs")
+STEP = Src("new_requests", "running_requests")
+SCHED = Src("scheduled_new_reqs", "scheduled_cached_reqs")
 
 
 def _bad_int(name: str, v) -> None:
@@ -68,7 +72,7 @@ def _ok(v) -> bool:
     return type(v) is int and 0 <= v <= LIMIT
 
 
-def _ints(vals: list, tail: Sequence[int] = ()) -> Optional[np.ndarray]:
+def ints(vals: list, tail: Sequence[int] = ()) -> Optional[np.ndarray]:
     """Python ints in ``[0, LIMIT]`` -> a read-only int64 array; None when any is not (the caller
     names it). ``tail``: ints in ``[0, LIMIT]`` the caller made, appended unchecked (one conversion).
 
@@ -88,9 +92,33 @@ def _ints(vals: list, tail: Sequence[int] = ()) -> Optional[np.ndarray]:
     return a
 
 
-def _pack(a, b, c, d, t1: Sequence[int] = (), t2: Sequence[int] = (), t3: Sequence[int] = ()
+def ints_of_lists(lists: list) -> Optional[np.ndarray]:
+    """:func:`ints` of the concatenation of ``lists`` (lists of block ids), converted one list at a time
+    (one type pass and one ``struct.pack`` each, no Python-level concatenation of the ids) and checked
+    once, over these ids only. A read-only int64 array; None when any id is not an int in ``[0, LIMIT]``.
+
+    NOTE: measured on 52 K ids in 16 lists, warm: 0.8-0.9x one ``np.asarray(list, np.int32)`` per list
+    (the issue's floor), where ``np.asarray(list, np.int64)`` or ``np.fromiter`` per list took 1.4-1.6x
+    and one ``struct.pack`` of the concatenation 1.4-1.5x (``benchmarks/FRONTEND.md``).
+    """
+    parts = []
+    for x in lists:
+        n = len(x)
+        if countOf(map(type, x), int) != n:
+            return None
+        try:
+            parts.append(struct.pack(f"{n}q", *x))
+        except struct.error:
+            return None
+    a = np.frombuffer(b"".join(parts), dtype=np.int64)
+    if a.shape[0] and a.view(np.uint64).max() > LIMIT:
+        return None
+    return a
+
+
+def pack(a, b, c, d, t1: Sequence[int] = (), t2: Sequence[int] = (), t3: Sequence[int] = ()
           ) -> Optional[np.ndarray]:
-    """:func:`_ints` of the concatenation of ``a`` .. ``d`` (sized iterables, checked) and ``t1`` ..
+    """:func:`ints` of the concatenation of ``a`` .. ``d`` (sized iterables, checked) and ``t1`` ..
     ``t3`` (ints in ``[0, LIMIT]`` the caller made, unchecked), without building the concatenation."""
     if countOf(map(type, a), int) != len(a) or countOf(map(type, b), int) != len(b) \
             or countOf(map(type, c), int) != len(c) or countOf(map(type, d), int) != len(d):
@@ -105,7 +133,7 @@ def _pack(a, b, c, d, t1: Sequence[int] = (), t2: Sequence[int] = (), t3: Sequen
     return out
 
 
-def _id_set(name: str, ids) -> Sequence[str]:
+def id_set(name: str, ids) -> Sequence[str]:
     if ids is None or (not ids and type(ids) in _ID_SETS):
         return ()
     if isinstance(ids, (str, bytes)):
@@ -122,7 +150,7 @@ def _id_set(name: str, ids) -> Sequence[str]:
     return ids
 
 
-class _Row(NamedTuple):
+class Row(NamedTuple):
     where: str
     field: str
     rid: str
@@ -131,27 +159,44 @@ class _Row(NamedTuple):
     kind: int
 
 
-class _Checked(NamedTuple):
-    rows: List[_Row]
+class Checked(NamedTuple):
+    rows: List[Row]
     finished: Sequence[str]
     preempted: Sequence[str]
     num_groups: Optional[int]
 
 
-def _rows(src: _Src, num_groups: Optional[int], new, running, nst, finished, preempted, replay_start,
-          replay_end) -> _Checked:
+def gone_ids(finished, preempted) -> Tuple[Sequence[str], Sequence[str]]:
+    """``finished_req_ids`` and ``preempted_req_ids`` as sequences of ids; raise when one id is in both."""
+    finished = id_set("finished_req_ids", finished)
+    preempted = id_set("preempted_req_ids", preempted)
+    if finished and preempted and not set(finished).isdisjoint(preempted):
+        rid = next(r for r in preempted if r in set(finished))
+        raise ValueError(f"preempted_req_ids: request {rid!r} is also in finished_req_ids (a request either "
+                         f"finished or was preempted)")
+    return finished, preempted
+
+
+def check_rows(src: Src, num_groups: Optional[int], new, running, nst, finished, preempted, replay_start,
+               replay_end) -> Checked:
     """Every rule that needs no slot map; raise naming the field and request.
 
     ``new``: [(rid, block_ids, nc)]; ``running``: [(rid, new_block_ids or None, nc, resumed)].
+    Returns the rows in the order listed (new requests first).
     """
-    finished = _id_set("finished_req_ids", finished)
-    preempted = _id_set("preempted_req_ids", preempted)
+    finished, preempted = gone_ids(finished, preempted)
     if not isinstance(nst, Mapping):
         raise StepTypeError(f"num_scheduled_tokens must be a dict of request id -> int, got {type(nst).__name__}")
-    gone = set(finished) | set(preempted)
+    rows, width, seen = _entries(src, num_groups, new, running, nst, set(finished), set(preempted))
+    _counts(src, nst, seen, replay_start, replay_end)
+    return Checked(rows, finished, preempted, width)
+
+
+def _entries(src: Src, num_groups: Optional[int], new, running, nst, finished: set, preempted: set):
+    """The rows of the new and running requests (ids, kinds, block lists, computed counts)."""
     width = num_groups
     seen: Dict[str, int] = {}
-    rows: List[_Row] = []
+    rows: List[Row] = []
     all_ids: List[int] = []
     entries = chain(((src.new, "block_ids", rid, lists, nc, NEW) for rid, lists, nc in new),
                     ((src.run, "new_block_ids", rid, lists, nc, RESUMED if rs else APPENDS)
@@ -163,28 +208,20 @@ def _rows(src: _Src, num_groups: Optional[int], new, running, nst, finished, pre
             raise ValueError(f"{where}: request {rid!r} is listed more than once "
                              f"(in {src.new} and/or {src.run})")
         seen[rid] = nc
-        if rid in gone:
-            raise ValueError(f"{where}: request {rid!r} is also in finished_req_ids / preempted_req_ids")
+        for name, ids in (("finished_req_ids", finished), ("preempted_req_ids", preempted)):
+            if rid in ids:
+                raise ValueError(f"{where}: request {rid!r} is also in {name} (scheduled in {where} and "
+                                 f"listed in {name} in the same step)")
         if not _ok(nc):
             _bad_int(f"{where}: num_computed_tokens of {rid!r}", nc)
         if rid not in nst:
             raise ValueError(f"{where}: request {rid!r} has no entry in num_scheduled_tokens")
         if lists is not None or kind == NEW:
-            if isinstance(lists, (str, bytes)) or not isinstance(lists, (tuple, list)):
-                raise StepTypeError(f"{where}: {fld} of {rid!r} must be a tuple with one list per gid, "
-                                    f"got {type(lists).__name__}")
-            if width is None:
-                width = len(lists)
-            if len(lists) != width:
-                raise ValueError(f"{where}: {fld} of {rid!r} has {len(lists)} per-gid block lists, expected "
-                                 f"{width if num_groups is not None else f'{width} (as other requests)'}")
-            for g, ids in enumerate(lists):
-                if type(ids) not in _LISTS:
-                    raise StepTypeError(f"{where}: {fld} of {rid!r} gid {g} must be a list of block ids, "
-                                        f"got {type(ids).__name__}")
+            width = _lists(where, fld, rid, lists, width, num_groups)
+            for ids in lists:
                 all_ids.extend(ids)
-        rows.append(_Row(where, fld, rid, None if lists is None else tuple(lists), nc, kind))
-    if all_ids and _ints(all_ids) is None:
+        rows.append(Row(where, fld, rid, None if lists is None else tuple(lists), nc, kind))
+    if all_ids and ints(all_ids) is None:
         for r in rows:
             for g, ids in enumerate(r.lists or ()):
                 for k, b in enumerate(ids):
@@ -192,6 +229,28 @@ def _rows(src: _Src, num_groups: Optional[int], new, running, nst, finished, pre
                         msg = (f"{r.where}: {r.field} of {r.rid!r} gid {g} has a bad block id {b!r} at "
                                f"{r.field}[{g}][{k}] (block ids are Python ints in [0, {LIMIT}])")
                         raise (StepTypeError if type(b) is not int else ValueError)(msg)
+    return rows, width, seen
+
+
+def _lists(where: str, fld: str, rid: str, lists, width: Optional[int], num_groups: Optional[int]) -> int:
+    """Check the shape of one request's block lists; the number of lists every request must have."""
+    if isinstance(lists, (str, bytes)) or not isinstance(lists, (tuple, list)):
+        raise StepTypeError(f"{where}: {fld} of {rid!r} must be a tuple with one list per gid, "
+                            f"got {type(lists).__name__}")
+    if width is None:
+        width = len(lists)
+    if len(lists) != width:
+        raise ValueError(f"{where}: {fld} of {rid!r} has {len(lists)} per-gid block lists, expected "
+                         f"{width if num_groups is not None else f'{width} (as other requests)'}")
+    for g, ids in enumerate(lists):
+        if type(ids) not in LISTS:
+            raise StepTypeError(f"{where}: {fld} of {rid!r} gid {g} must be a list of block ids, "
+                                f"got {type(ids).__name__}")
+    return width
+
+
+def _counts(src: Src, nst, seen: Dict[str, int], replay_start, replay_end) -> None:
+    """``num_scheduled_tokens`` and the replay bounds: keys scheduled, values counts."""
     for rid, n in nst.items():
         if rid not in seen:
             raise ValueError(f"num_scheduled_tokens lists {rid!r}, which is in neither {src.new} nor {src.run}")
@@ -209,74 +268,3 @@ def _rows(src: _Src, num_groups: Optional[int], new, running, nst, finished, pre
                 _bad_int(f"{name}[{rid!r}]", v)
             if name == "replay_start" and nst[rid] > 0 and v > seen[rid]:
                 raise ValueError(f"replay_start[{rid!r}] = {v} is outside [0, num_computed_tokens = {seen[rid]}]")
-    return _Checked(rows, finished, preempted, width)
-
-
-def check_step(step: StepInput, num_groups: Optional[int] = None) -> None:
-    """The stateless rules of ``step`` (what ``StepInput.validate_static`` runs)."""
-    if not isinstance(step, StepInput):
-        raise StepTypeError(f"step must be a StepInput, got {type(step).__name__}")
-    _rows(STEP, num_groups, _new_of(step), _running_of(step), step.num_scheduled_tokens, step.finished_req_ids,
-          step.preempted_req_ids, step.replay_start, step.replay_end)
-
-
-def _new_of(step: StepInput):
-    return [(r.req_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests]
-
-
-def _running_of(step: StepInput):
-    return [(r.req_id, r.new_block_ids, r.num_computed_tokens, bool(r.resumed)) for r in step.running_requests]
-
-
-# ----------------------------------------------------------------------------------------------
-# the pipeline's array-level errors, in the scheduler's terms
-# ----------------------------------------------------------------------------------------------
-_POS = re.compile(r"write_ids\[(\d+)\]|write run (\d+)|\bslot (\d+)")
-
-
-def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str = "step") -> ValueError:
-    """``error`` (raised by the pipeline for a converted ``batch``) with its array positions named as
-    the scheduler's requests and fields, appended so the message keeps its words:
-    ``... write_ids[5] = 2147483647 in gid 0 ... [write_ids[5] = running_requests['a'].new_block_ids[0][0]]``,
-    ``write run r = new_requests['a'].block_ids[g]``, ``slot s = request 'a'``.
-
-    ``src``: ``"step"`` (a StepInput) or ``"scheduler_output"``. Returns a new exception of the same
-    type (raise it ``from error``), or ``error`` itself when it names no position it can map.
-    """
-    order, slots = delta.order, np.asarray(batch.req_slots).tolist()
-    if len(order) != len(slots):
-        return error
-    rid_of = dict(zip(slots, order))
-    new_where, run_where = (STEP if src == "step" else SCHED)
-    fresh = set(delta.new)
-
-    def run_field(r: int) -> Optional[str]:
-        if batch.write_gids is None or not 0 <= r < len(batch.write_gids):
-            return None
-        rid = rid_of.get(int(batch.write_slots[r]))
-        if rid is None:
-            return None
-        g = int(batch.write_gids[r])
-        return (f"{new_where}[{rid!r}].block_ids[{g}]" if rid in fresh else
-                f"{run_where}[{rid!r}].new_block_ids[{g}]")
-
-    def name(m: re.Match) -> Optional[str]:
-        if m.group(1) is not None and batch.write_cu is not None:
-            j = int(m.group(1))
-            cu = np.asarray(batch.write_cu)
-            r = int(np.searchsorted(cu, j, side="right")) - 1
-            f = run_field(r)
-            return None if f is None else f"{f}[{j - int(cu[r])}]"
-        if m.group(2) is not None:
-            return run_field(int(m.group(2)))
-        s = int(m.group(3))
-        return f"request {rid_of[s]!r}" if s in rid_of else None
-
-    names = {}
-    for m in _POS.finditer(str(error)):
-        n = name(m)
-        if n is not None:
-            names.setdefault(m.group(0), n)
-    if not names:
-        return error
-    return type(error)(f"{error} [{'; '.join(f'{k} = {v}' for k, v in names.items())}]")

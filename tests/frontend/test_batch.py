@@ -35,7 +35,7 @@ def arrays(b: StepBatch) -> dict:
 
 
 def state(sm: SlotMap):
-    return dict(sm.slot_of), set(sm.preempted), list(sm._free)
+    return dict(sm.slot_of), set(sm.preempted), sm.free_slots
 
 
 def commit(sm, step):
@@ -126,7 +126,7 @@ def test_finishing_a_preempted_request_forgets_it():
     commit(sm, StepInput([NewRequest("a", lists(1), 0)], [], {"a": 4}))
     commit(sm, StepInput([], [], {}, preempted_req_ids=["a"]))
     commit(sm, StepInput([], [], {}, finished_req_ids=["a"]))
-    assert sm.preempted == set() and sm.slot_of == {} and sorted(sm._free) == [0, 1]
+    assert sm.preempted == set() and sm.slot_of == {} and sm.free_slots == [0, 1]
     with pytest.raises(ValueError, match="resumed but was never preempted"):
         batch_from_step(StepInput([], [RunningRequest("a", lists(3), 0, resumed=True)], {"a": 1}), sm, G)
 
@@ -307,8 +307,9 @@ class HandSlots:
         gone = [r for r in (*step.finished_req_ids, *step.preempted_req_ids) if r in self.slot]
         freed = [self.slot.pop(r) for r in gone]
         self.free |= set(freed)
-        rows = [(r.req_id, r.block_ids, r.num_computed_tokens, True) for r in step.new_requests]
-        rows += [(r.req_id, r.new_block_ids, r.num_computed_tokens, r.resumed) for r in step.running_requests]
+        # NOTE: rows in vLLM's order, as the id-keyed conversion makes them: running, then new
+        rows = [(r.req_id, r.new_block_ids, r.num_computed_tokens, r.resumed) for r in step.running_requests]
+        rows += [(r.req_id, r.block_ids, r.num_computed_tokens, True) for r in step.new_requests]
         slots, runs = [], []
         for rid, ls, _, fresh in rows:
             if fresh:
@@ -393,18 +394,18 @@ def test_step_batch_rejections_name_the_array_and_change_nothing(over, match):
 def test_long_decode_trace_fast_path_equals_hand_built_batches(monkeypatch):
     """A decode-heavy trace (8 requests, 60 steps): the id-keyed path (mostly the fast path, with the
     slot map's cached rows) and hand-built StepBatches give the same metadata every step."""
-    from dsv4_index import frontend
+    from dsv4_index.frontend import convert as frontend
     from dsv4_index.testing.scheduler import random_trace
     trace = list(random_trace(LAYOUT, 60, 3, num_blocks=96, max_num_batched_tokens=40, max_num_seqs=4,
                               num_speculative_tokens=1, prompt_len=(1, 30), max_new_tokens=(8, 30),
                               arrival_prob=0.3))
     calls = {"general": 0}
-    general = frontend._convert
+    general = frontend.convert
 
     def counted(*a, **k):
         calls["general"] += 1
         return general(*a, **k)
-    monkeypatch.setattr(frontend, "_convert", counted)
+    monkeypatch.setattr(frontend, "convert", counted)
     ids, arr, hand = ref_pipe(), ref_pipe(), HandSlots(4)
     for i, (step, _) in enumerate(trace):
         batch = hand.convert(step)

@@ -62,7 +62,7 @@ def bad_steps(v):
 
 def _snapshot(p):
     sm = p.slot_map
-    return dict(sm.slot_of), set(sm.preempted), list(sm._free)
+    return dict(sm.slot_of), set(sm.preempted), sm.free_slots
 
 
 @pytest.mark.parametrize("form", ["step", "scheduler_output"])

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from dsv4_index import MetadataPipeline, NewRequest, RunningRequest, SlotMap, StepInput, batch_from_scheduler_output
-from dsv4_index import frontend
-from dsv4_index.batch import batch_from_step
+from dsv4_index.frontend import convert as frontend
+from dsv4_index.frontend import batch_from_step
 
 from _meta_helpers import assert_same, eventful_trace, meta_tensors, tiny_layout
 from _vllm_stub import CachedRequestData, NewRequestData, SchedulerOutput, from_step
@@ -35,7 +35,7 @@ def empty_lists():
 
 
 def state(sm: SlotMap):
-    return dict(sm.slot_of), set(sm.preempted), list(sm._free), list(sm._order)
+    return dict(sm.slot_of), set(sm.preempted), sm.free_slots, sm.last_order
 
 
 def _running(sm, rid="a", nc=40, new=None, q=1):
@@ -63,7 +63,7 @@ def _admitted():
 def test_scheduler_output_trace_equals_step_input(old, monkeypatch):
     trace = eventful_trace(LAYOUT, 14, need=("preempted", "resumed", "replay", "finished", "spec"), seeds=range(200))
     calls = {"fast": 0, "general": 0}
-    general = frontend._convert
+    general = frontend.convert
 
     def count(name, fn):
         def wrapped(*a, **k):
@@ -74,7 +74,7 @@ def test_scheduler_output_trace_equals_step_input(old, monkeypatch):
     for i, (step, _) in enumerate(trace):
         out = from_step(step, old=old)
         with monkeypatch.context() as m:
-            m.setattr(frontend, "_convert", count("general", general))
+            m.setattr(frontend, "convert", count("general", general))
             batch, delta = batch_from_scheduler_output(out, sm, G, replay_start=dict(step.replay_start),
                                                        replay_end=dict(step.replay_end))
         pad = step.total_tokens + i % 3
@@ -96,7 +96,7 @@ def test_none_new_block_ids_take_the_fast_path(monkeypatch):
 
     def no_general(*a, **k):
         raise AssertionError("the general path ran")
-    monkeypatch.setattr(frontend, "_convert", no_general)
+    monkeypatch.setattr(frontend, "convert", no_general)
     b, d = batch_from_scheduler_output(_running(sm), sm, G)
     assert b.num_runs == 0 and b.req_slots.tolist() == [0] and b.num_computed_tokens.tolist() == [40]
     b2, d2 = batch_from_step(StepInput([], [RunningRequest("a", None, 40)], {"a": 1}), sm, G)
@@ -265,7 +265,7 @@ def _admitted_output():
 # README "## vLLM integration" runs as written
 # ----------------------------------------------------------------------------------------------
 def readme_block() -> str:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text.split("\n## vLLM integration", 1)[1].split("\n## ", 1)[0]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 

@@ -1,6 +1,6 @@
 """Scheduler contract: what a serving engine's scheduler hands the metadata pipeline each step.
 
-The shapes mirror a vLLM-like scheduler output (INTERFACES.md "Scheduler contract"):
+The shapes mirror a vLLM-like scheduler output (docs/DESIGN.md §5, the README's "Steps" section):
 
 * a request's *computed* tokens are those whose KV is already in the cache before this step
   (``num_computed_tokens``); the step schedules positions
@@ -9,9 +9,9 @@ The shapes mirror a vLLM-like scheduler output (INTERFACES.md "Scheduler contrac
   listed per kv-cache group ``gid`` (order of :attr:`DSV4Layout.groups`);
 * the library never allocates block ids, it only mirrors them into block tables.
 
-The rules of a step live in one place, :mod:`dsv4_index.step_rules` (run by the converters of
-:mod:`dsv4_index.frontend`, which the pipeline calls);
-:meth:`StepInput.validate_static` runs the part that needs no pipeline state. The requests fix the
+The rules of a step live in one place, :mod:`dsv4_index.frontend.rules` (run by the conversions of
+:mod:`dsv4_index.frontend`, which the pipeline calls); :func:`check_step` (what
+:meth:`StepInput.validate_static` runs) is the part that needs no pipeline state. The requests fix the
 shape of their block lists at construction (a tuple of lists per gid); counts and ids are checked per
 step: Python ints (not bools, floats or numpy scalars) in ``[0, 2**31 - 1]``.
 """
@@ -21,14 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["NewRequest", "RunningRequest", "StepInput", "StepTypeError"]
+from .rules import LISTS, STEP, StepTypeError, check_rows
 
-_LIST_TYPES = {list, tuple}
-
-
-class StepTypeError(ValueError, TypeError):
-    """A field of an id-keyed step has the wrong type (both a ``TypeError`` and a ``ValueError``: a
-    pipeline rejects it like any other bad step)."""
+__all__ = ["NewRequest", "RunningRequest", "StepInput", "StepTypeError", "check_step", "new_of", "running_of"]
 
 IdSet = Union[AbstractSet[str], Sequence[str]]
 
@@ -45,8 +40,8 @@ def _as_block_lists(name: str, block_ids, allow_none: bool = False) -> Optional[
         raise StepTypeError(f"{name} must be a tuple with one list of block ids per gid, "
                             f"got {type(block_ids).__name__}")
     block_ids = tuple(block_ids)
-    if not set(map(type, block_ids)) <= _LIST_TYPES:
-        g, bad = next((g, x) for g, x in enumerate(block_ids) if type(x) not in _LIST_TYPES)
+    if not set(map(type, block_ids)) <= LISTS:
+        g, bad = next((g, x) for g, x in enumerate(block_ids) if type(x) not in LISTS)
         raise StepTypeError(f"{name} gid {g} must be a list of block ids, got {type(bad).__name__}")
     return block_ids
 
@@ -107,8 +102,6 @@ class RunningRequest:
                            _as_block_lists(f"new_block_ids of {self.req_id!r}", self.new_block_ids, True))
 
 
-
-
 @dataclass(frozen=True)
 class StepInput:
     """One scheduler step.
@@ -127,7 +120,9 @@ class StepInput:
         Requests that finished since the last step; their rows are dropped before this step.
     preempted_req_ids : set or list of str
         Requests preempted since the last step (blocks returned to the pool); their rows are
-        dropped; they come back later as ``RunningRequest(resumed=True)`` or as a ``NewRequest``.
+        dropped; they come back in a later step as ``RunningRequest(resumed=True)`` or as a
+        ``NewRequest``. An id in both ``finished_req_ids`` and ``preempted_req_ids``, or in either
+        and also scheduled in this step, is refused.
     replay_start : dict[str, int]
         Optional per-request floor of the sliding window (bounded replay): window lists start at
         ``max(pos - W + 1, replay_start)``. Requests not listed use 0.
@@ -157,7 +152,7 @@ class StepInput:
 
     def validate_static(self, num_groups: Optional[int] = None) -> None:
         """The checks of the id-keyed converter that need no pipeline state (the same code:
-        :func:`dsv4_index.step_rules.check_step`); raise ``ValueError`` naming the request and field.
+        :func:`check_step`); raise ``ValueError`` naming the request and field.
 
         Parameters
         ----------
@@ -165,8 +160,25 @@ class StepInput:
             Expected number of per-gid block lists (``len(layout.groups)``). When None, every request
             must simply carry the same number of lists.
 
-        NOTE: duplicate block ids are a ``checks="full"`` contract check of the pipeline (DESIGN §5),
+        NOTE: duplicate block ids are a ``checks="full"`` contract check of the pipeline (docs/DESIGN.md §5),
         not a rule of the step.
         """
-        from .step_rules import check_step
         check_step(self, num_groups)
+
+
+def check_step(step: StepInput, num_groups: Optional[int] = None) -> None:
+    """The stateless rules of ``step`` (what ``StepInput.validate_static`` runs)."""
+    if not isinstance(step, StepInput):
+        raise StepTypeError(f"step must be a StepInput, got {type(step).__name__}")
+    check_rows(STEP, num_groups, new_of(step), running_of(step), step.num_scheduled_tokens, step.finished_req_ids,
+               step.preempted_req_ids, step.replay_start, step.replay_end)
+
+
+def new_of(step: StepInput) -> list:
+    """``[(req_id, block_ids, num_computed_tokens)]`` of the new requests."""
+    return [(r.req_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests]
+
+
+def running_of(step: StepInput) -> list:
+    """``[(req_id, new_block_ids, num_computed_tokens, resumed)]`` of the running requests."""
+    return [(r.req_id, r.new_block_ids, r.num_computed_tokens, bool(r.resumed)) for r in step.running_requests]

@@ -1,51 +1,52 @@
-"""Id-keyed front ends: the conversions of a :class:`~dsv4_index.step.StepInput`
-(:func:`batch_from_step`) or of a vLLM-style ``SchedulerOutput`` (:func:`batch_from_scheduler_output`)
-into a :class:`~dsv4_index.batch.StepBatch`, through a request-id -> slot map
-(:class:`~dsv4_index.slot_map.SlotMap`).
+"""The id-keyed conversions: a :class:`~dsv4_index.frontend.step_input.StepInput`
+(:func:`batch_from_step`) or a vLLM-style ``SchedulerOutput`` (:func:`batch_from_scheduler_output`)
+into a :class:`~dsv4_index.batch.StepBatch` and a :class:`~dsv4_index.state.requests.SlotMapDelta`,
+through the request-id -> slot map (:class:`~dsv4_index.state.requests.SlotMap`).
 
-The rules of an id-keyed step live in :mod:`dsv4_index.step_rules` (the stateless part, which
-``StepInput.validate_static`` runs too); :func:`_convert` adds the slot-map part. Errors name the
+The rules of an id-keyed step live in :mod:`dsv4_index.frontend.rules` (the stateless part, which
+``StepInput.validate_static`` runs too); :func:`convert` adds the slot-map part. Errors name the
 scheduler's field and the request id, e.g. ``running_requests: new_block_ids of 'a' gid 1 has a bad
 block id 2147483648 at new_block_ids[1][0]``; a finished or preempted id the map never saw is a no-op.
+:func:`explain` names the pipeline's array-level errors (``write_ids[j]``, ``slot s``) the same way.
+
+Batch rows are in vLLM's order: the running requests as listed, then the new requests (vLLM appends
+admitted requests to its running list, so the next step lists them in that order). A new (or
+resumed) request takes the lowest free slot, in the order the step lists them.
 
 Speed (``benchmarks/FRONTEND.md``): a step without resumed requests or replay bounds (a steady decode,
-or one with a few new / finished requests) takes :func:`dsv4_index.steady_step._fast`: C-level passes
-over the scheduler's columns, the slots of the last committed batch reused when the request order
-repeats, no Python loop over requests. Anything unusual goes to :func:`_convert`, which gives the
-same batch or names the culprit (``tests/test_convert_bulk.py`` compares the two).
+or one with a few new / finished requests) takes :func:`dsv4_index.frontend.fast.convert_repeat`:
+C-level passes over the scheduler's columns, the slots of the last committed batch reused when the
+request order repeats, no Python loop over requests. Anything unusual goes to :func:`convert`, which
+gives the same batch or names the culprit (``tests/frontend/test_convert_bulk.py`` compares the two).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from itertools import compress
 from operator import attrgetter, countOf
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
-from .batch import APPEND, StepBatch
-from .slot_map import SlotMap, SlotMapDelta, _frozen, gone, lowest_free
-from .steady_step import _fast
-from .step import NewRequest, RunningRequest, StepInput, StepTypeError
-from .step_rules import (APPENDS, LIMIT, NEW, RESUMED, SCHED, STEP, _id_set, _new_of, _rows, _running_of, _Src,
-                         check_step, explain)
+from ..batch import APPEND, StepBatch
+from ..state.requests import SlotMap, SlotMapDelta, frozen
+from .fast import convert_repeat
+from .rules import APPENDS, NEW, RESUMED, SCHED, STEP, Src, StepTypeError, check_rows, id_set
+from .step_input import NewRequest, RunningRequest, StepInput, new_of, running_of
 
-__all__ = ["SlotMap", "SlotMapDelta", "batch_from_step", "batch_from_scheduler_output", "check_step", "explain",
-           "LIMIT"]
+__all__ = ["batch_from_step", "batch_from_scheduler_output", "convert", "explain"]
 
 
-def _convert(sm: SlotMap, num_groups: Optional[int], src: _Src, new, running, nst, finished, preempted,
-             replay_start, replay_end) -> Tuple[StepBatch, SlotMapDelta]:
-    """Any step, row by row (the general path): the rules, then the slots."""
-    c = _rows(src, num_groups, new, running, nst, finished, preempted, replay_start, replay_end)
+def convert(sm: SlotMap, num_groups: Optional[int], src: Src, new, running, nst, finished, preempted,
+            replay_start, replay_end) -> Tuple[StepBatch, SlotMapDelta]:
+    """Any step, row by row (the general path): the rules, then the slots. Pure (``sm`` unchanged)."""
+    c = check_rows(src, num_groups, new, running, nst, finished, preempted, replay_start, replay_end)
     G = c.num_groups
     d = SlotMapDelta()
-    gone(sm, c.finished, c.preempted, d)
-    free = lowest_free(sm, [sm.slot_of[r] for r in d.freed], len(c.rows))
-    slots: List[int] = []
-    runs_g, runs_s, runs_st, runs_ids, cu = [], [], [], [], [0]
-    for r in c.rows:
+    sm.gone(c.finished, c.preempted, d)
+    for r in c.rows:  # NOTE: the slot-map rules, in the order the step lists the requests
         rid, kind = r.rid, r.kind
         held = rid in sm.slot_of
         if kind == NEW and held:
@@ -57,34 +58,38 @@ def _convert(sm: SlotMap, num_groups: Optional[int], src: _Src, new, running, ns
         if kind == RESUMED and not held and rid not in sm.preempted:
             raise ValueError(f"{r.where}: request {rid!r} is resumed but was never preempted "
                              f"(unknown to the pipeline)")
-        if held:
-            slot = sm.slot_of[rid]
+    rows = [r for r in c.rows if r.kind != NEW] + [r for r in c.rows if r.kind == NEW]  # NOTE: vLLM's order
+    free = sm.lowest_free([sm.slot_of[r] for r in d.freed], len(rows))
+    slot_of = {}
+    for r in rows:  # NOTE: a request without a slot takes the lowest free one, in row order
+        if r.rid in sm.slot_of:
+            slot_of[r.rid] = sm.slot_of[r.rid]
         else:
-            if not free:
-                raise ValueError(f"{r.where}: no free request slot for {rid!r} (max_num_reqs = {sm.max_num_reqs})")
-            slot = free.pop()
-            d.taken[rid] = slot
-        slots.append(slot)
-        lists = r.lists if r.lists is not None else tuple([] for _ in range(G or 0))
-        for gid, ids in enumerate(lists):
-            if kind == APPENDS and not ids:
+            if len(d.taken) == len(free):
+                raise ValueError(f"{r.where}: no free request slot for {r.rid!r} (max_num_reqs = {sm.max_num_reqs})")
+            slot_of[r.rid] = d.taken[r.rid] = free[len(d.taken)]
+    runs_g, runs_s, runs_st, runs_ids, cu = [], [], [], [], [0]
+    for r in rows:
+        slot = slot_of[r.rid]
+        for gid, ids in enumerate(r.lists if r.lists is not None else tuple([] for _ in range(G or 0))):
+            if r.kind == APPENDS and not ids:
                 continue
             runs_g.append(gid)
             runs_s.append(slot)
-            runs_st.append(APPEND if kind == APPENDS else 0)
+            runs_st.append(APPEND if r.kind == APPENDS else 0)
             runs_ids.extend(ids)
             cu.append(len(runs_ids))
-    d.order = [r.rid for r in c.rows]
-    d.new = [r.rid for r in c.rows if r.kind == NEW]
-    n = len(c.rows)
+    d.order = [r.rid for r in rows]
+    d.new = [r.rid for r in rows if r.kind == NEW]
+    n = len(rows)
 
     def per_row(mapping):
         return np.fromiter((mapping.get(rid, 0) for rid in d.order), dtype=np.int64, count=n) if mapping else None
-    d.slots = _frozen(np.array(slots, dtype=np.int64))
+    d.slots = frozen(np.fromiter((slot_of[rid] for rid in d.order), dtype=np.int64, count=n))
     batch = StepBatch(
-        req_slots=d.slots, num_computed_tokens=np.fromiter((r.nc for r in c.rows), dtype=np.int64, count=n),
+        req_slots=d.slots, num_computed_tokens=np.fromiter((r.nc for r in rows), dtype=np.int64, count=n),
         num_scheduled_tokens=np.fromiter((nst[rid] for rid in d.order), dtype=np.int64, count=n),
-        is_new=np.fromiter((r.rid in d.taken for r in c.rows), dtype=bool, count=n),
+        is_new=np.fromiter((rid in d.taken for rid in d.order), dtype=bool, count=n),
         free_slots=np.fromiter((sm.slot_of[r] for r in d.freed), dtype=np.int64, count=len(d.freed)),
         write_gids=np.array(runs_g, dtype=np.int64), write_slots=np.array(runs_s, dtype=np.int64),
         write_starts=np.array(runs_st, dtype=np.int64), write_cu=np.array(cu, dtype=np.int64),
@@ -115,13 +120,13 @@ def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] =
         # NOTE: the block tuples' shape is trusted only from the library's own (frozen) request types
         trusted = countOf(map(type, run), RunningRequest) == len(run) and \
             countOf(map(type, step.new_requests), NewRequest) == len(step.new_requests)
-        done = _fast(slots, num_groups, _new_of(step), list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
+        done = convert_repeat(slots, num_groups, new_of(step), list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
                      list(map(_COMPUTED, run)), step.num_scheduled_tokens, step.finished_req_ids,
                      step.preempted_req_ids, trusted)
         if done is not None:
             return done
-    return _convert(slots, num_groups, STEP, _new_of(step), _running_of(step), step.num_scheduled_tokens,
-                    step.finished_req_ids, step.preempted_req_ids, step.replay_start, step.replay_end)
+    return convert(slots, num_groups, STEP, new_of(step), running_of(step), step.num_scheduled_tokens,
+                   step.finished_req_ids, step.preempted_req_ids, step.replay_start, step.replay_end)
 
 
 def _field(obj, name: str, where: str):
@@ -166,7 +171,7 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
     nbs = _column(c, "new_block_ids", S, "scheduled_cached_reqs")
     ncs = _column(c, "num_computed_tokens", S, "scheduled_cached_reqs")
     if hasattr(c, "resumed_req_ids"):
-        resumed = _id_set("scheduled_cached_reqs.resumed_req_ids", c.resumed_req_ids)
+        resumed = id_set("scheduled_cached_reqs.resumed_req_ids", c.resumed_req_ids)
         if resumed and not set(ids).issuperset(resumed):
             rid = next(r for r in resumed if r not in set(ids))
             raise ValueError(f"scheduled_cached_reqs.resumed_req_ids lists {rid!r}, which is not in "
@@ -188,12 +193,62 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
     new_rows = [(_field(r, "req_id", f"scheduled_new_reqs[{i}]"), _field(r, "block_ids", f"scheduled_new_reqs[{i}]"),
                  _field(r, "num_computed_tokens", f"scheduled_new_reqs[{i}]")) for i, r in enumerate(new)]
     if not replay_start and not replay_end and not resumed:
-        done = _fast(slots, num_groups, new_rows, ids, nbs, ncs, nst, finished, preempted, False)
+        done = convert_repeat(slots, num_groups, new_rows, ids, nbs, ncs, nst, finished, preempted, False)
         if done is not None:
             return done
-    resumed = set(resumed)
-    running = [(rid, nb, nc, rid in resumed) for rid, nb, nc in zip(ids, nbs, ncs)]
-    return _convert(slots, num_groups, SCHED, new_rows, running, nst, finished, preempted,
-                    replay_start or {}, replay_end or {})
+    back = set(resumed)
+    running = [(rid, nb, nc, rid in back) for rid, nb, nc in zip(ids, nbs, ncs)]
+    return convert(slots, num_groups, SCHED, new_rows, running, nst, finished, preempted,
+                   replay_start or {}, replay_end or {})
+# ----------------------------------------------------------------------------------------------
+# the pipeline's array-level errors, in the scheduler's terms
+# ----------------------------------------------------------------------------------------------
+_POS = re.compile(r"write_ids\[(\d+)\]|write run (\d+)|\bslot (\d+)")
 
 
+def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str = "step") -> ValueError:
+    """``error`` (raised by the pipeline for a converted ``batch``) with its array positions named as
+    the scheduler's requests and fields, appended so the message keeps its words:
+    ``... write_ids[5] = 2147483647 in gid 0 ... [write_ids[5] = running_requests['a'].new_block_ids[0][0]]``,
+    ``write run r = new_requests['a'].block_ids[g]``, ``slot s = request 'a'``.
+
+    ``src``: ``"step"`` (a StepInput) or ``"scheduler_output"``. Returns a new exception of the same
+    type (raise it ``from error``), or ``error`` itself when it names no position it can map.
+    """
+    order, slots = delta.order, np.asarray(batch.req_slots).tolist()
+    if len(order) != len(slots):
+        return error
+    rid_of = dict(zip(slots, order))
+    new_where, run_where = (STEP if src == "step" else SCHED)
+    fresh = set(delta.new)
+
+    def run_field(r: int) -> Optional[str]:
+        if batch.write_gids is None or batch.write_slots is None or not 0 <= r < len(batch.write_gids):
+            return None
+        rid = rid_of.get(int(batch.write_slots[r]))
+        if rid is None:
+            return None
+        g = int(batch.write_gids[r])
+        return (f"{new_where}[{rid!r}].block_ids[{g}]" if rid in fresh else
+                f"{run_where}[{rid!r}].new_block_ids[{g}]")
+
+    def name(m: re.Match) -> Optional[str]:
+        if m.group(1) is not None and batch.write_cu is not None:
+            j = int(m.group(1))
+            cu = np.asarray(batch.write_cu)
+            r = int(np.searchsorted(cu, j, side="right")) - 1
+            f = run_field(r)
+            return None if f is None else f"{f}[{j - int(cu[r])}]"
+        if m.group(2) is not None:
+            return run_field(int(m.group(2)))
+        s = int(m.group(3))
+        return f"request {rid_of[s]!r}" if s in rid_of else None
+
+    names: dict = {}
+    for m in _POS.finditer(str(error)):
+        n = name(m)
+        if n is not None:
+            names.setdefault(m.group(0), n)
+    if not names:
+        return error
+    return type(error)(f"{error} [{'; '.join(f'{k} = {v}' for k, v in names.items())}]")

@@ -3,7 +3,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dsv4_index.step import NewRequest, RunningRequest, StepInput
+from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
 
 def make_step(**over):

@@ -1,0 +1,225 @@
+"""The repeat conversion of the id-keyed front door (:func:`convert_repeat`): a step that repeats the
+last accepted batch's rows, plus a few new, finished or preempted requests and any appended blocks,
+converted in C-level passes over the scheduler's columns (vLLM's ``CachedRequestData`` is already
+columnar: ``req_ids``, ``new_block_ids``, ``num_computed_tokens``).
+
+It returns None whenever anything is unusual; :func:`dsv4_index.frontend.convert.convert` (row by
+row) then gives the same batch or names the culprit (``tests/frontend/test_convert_bulk.py`` compares
+the two). So every shortcut here only has to be *sufficient*:
+
+* rows are in vLLM's order: the running requests as listed, the new ones appended (as vLLM appends
+  admitted requests to its running list), so the step after an arrival repeats the committed order;
+* the request order of the last committed batch (kept by the :class:`~dsv4_index.state.requests.SlotMap`)
+  repeats, or repeats without the rows of finished / preempted requests (a list comparison): the slots
+  come from the cached array, distinct and held by construction; otherwise one lookup per request
+  (:meth:`SlotMap.held_slots`);
+* ``num_scheduled_tokens`` is read in dict order when its keys are the rows (running first, as vLLM
+  fills it, or new first), else looked up per id;
+* counts and block ids: one type pass, one int64 conversion (an error past int64), one unsigned max
+  against ``LIMIT`` (:func:`dsv4_index.frontend.rules.ints`); a new request's ids are checked once, with
+  the step's other new ids;
+* write runs: ``None`` entries skipped by ``list.count`` / ``compress``, the per-gid lists flattened
+  in C, positions -> (row, gid) by one ``divmod``.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+from itertools import compress
+from operator import countOf, iconcat, itemgetter
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..batch import APPEND, StepBatch
+from ..state.requests import EMPTY, SlotMap, SlotMapDelta, frozen
+from .rules import LISTS, gone_ids, ints_of_lists, pack
+
+__all__ = ["convert_repeat"]
+
+_CU0 = frozen(np.zeros(1, dtype=np.int64))
+_NO_RUNS = (EMPTY, EMPTY, EMPTY, _CU0, EMPTY)
+_STR = {str}
+_NOT_NEW, _APPENDS, _ARANGE = 0, 1, 2
+_SIZED: Dict[Tuple[int, int], np.ndarray] = {}
+
+
+def _sized(kind: int, n: int) -> np.ndarray:
+    """A frozen array of length ``n``, shared between steps: no new rows (bool zeros), ``APPEND``
+    starts, or ``arange(n)`` (the offsets of runs of one id each)."""
+    a = _SIZED.get((kind, n))
+    if a is None:
+        if len(_SIZED) > 192:
+            _SIZED.clear()
+        a = (np.zeros(n, dtype=bool) if kind == _NOT_NEW else
+             np.full(n, APPEND, dtype=np.int64) if kind == _APPENDS else np.arange(n, dtype=np.int64))
+        a = _SIZED[(kind, n)] = frozen(a)
+    return a
+
+
+def _scheduled(nst: dict, ids: list, new_ids: list, all_ids: list):
+    """``num_scheduled_tokens`` in row order (``all_ids``: running, then new), a list or the dict's
+    values (KeyError when a row has no entry)."""
+    keys = list(nst)
+    if keys == all_ids:  # NOTE: vLLM fills it running first, then the admitted requests
+        return nst.values()
+    K = len(new_ids)
+    if K and keys[:K] == new_ids and keys[K:] == ids:
+        v = list(nst.values())
+        return v[K:] + v[:K]
+    return list(map(nst.__getitem__, all_ids))
+
+
+def _ids_of(sm: SlotMap, ids: list, new: list, finished, preempted, d: SlotMapDelta):
+    """``(slots of the running rows, new ids)``; None when unusual (raises TypeError / KeyError /
+    ValueError for bad input, which the caller turns into None)."""
+    away = sm.gone(*gone_ids(finished, preempted), d) if finished or preempted else ()
+    slots = sm.held_slots(ids, d.freed) if ids else EMPTY
+    if slots is None:
+        return None
+    new_ids = [r[0] for r in new]
+    if new_ids:
+        # NOTE: the running rows are held and no new id is, so the two lists cannot overlap
+        if not set(map(type, new_ids)) <= _STR or len(set(new_ids)) != len(new_ids) \
+                or (away and not away.isdisjoint(new_ids)) or any(map(sm.slot_of.__contains__, new_ids)):
+            return None
+    return slots, new_ids
+
+
+def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: list, ncs: list, nst, finished,
+                   preempted, trusted: bool) -> Optional[Tuple[StepBatch, SlotMapDelta]]:
+    """A step without resumed requests or replay bounds; None whenever anything is unusual.
+
+    ``new``: [(rid, block_ids, nc)]; ``ids`` / ``lists`` / ``ncs``: the running rows' ids, new block
+    lists (per request a tuple per gid, or None) and computed tokens; ``trusted``: the block tuples
+    and their entries' types were fixed at construction (``NewRequest`` / ``RunningRequest``), only
+    the ids are checked. Batch rows: the running requests, then the new ones.
+    """
+    d = SlotMapDelta()
+    try:
+        S, K = len(ids), len(new)
+        if not S + K or type(nst) is not dict or len(nst) != S + K or type(ids) is not list \
+                or type(ncs) is not list or len(lists) != S or len(ncs) != S:
+            return None
+        got = _ids_of(sm, ids, new, finished, preempted, d)
+        if got is None:
+            return None
+        slots, new_ids = got
+        all_ids = ids + new_ids if K else ids
+        qs = _scheduled(nst, ids, new_ids, all_ids)
+    except (TypeError, KeyError, ValueError):
+        return None
+    appended = _appended(G, lists, trusted)
+    if appended is None:
+        return None
+    G, sel, nz, runs, ids_ = appended
+    n = S + K
+    tail = [r[2] for r in new]
+    if nz:
+        M, N = len(ids_), len(nz)
+        # NOTE: one conversion for the counts, the ids and (unchecked: ours) the runs' positions
+        a = pack(ncs, tail, qs, ids_, nz, sel, list(map(len, runs)) if M != N else ())
+        if a is None:
+            return None
+        row, w_g = np.divmod(a[2 * n + M:2 * n + M + N], G)
+        if sel:
+            row = a[2 * n + M + N:2 * n + M + N + len(sel)][row]
+        if M == N:
+            w_cu = _sized(_ARANGE, N + 1)
+        else:
+            w_cu = np.zeros(N + 1, dtype=np.int64)
+            np.cumsum(a[2 * n + M + N + len(sel):], out=w_cu[1:])
+        runs = (w_g, slots[row], _sized(_APPENDS, N), w_cu, a[2 * n:2 * n + M])
+    else:
+        a = pack(ncs, tail, qs, ())
+        if a is None:
+            return None
+        runs = _NO_RUNS
+    is_new = _sized(_NOT_NEW, S)
+    free_slots = np.array([sm.slot_of[r] for r in d.freed], dtype=np.int64) if d.freed else EMPTY
+    if K:
+        free = sm.lowest_free(free_slots.tolist(), K)
+        if len(free) < K:
+            return None
+        new_runs = _new_runs(G, new, free, trusted)
+        if new_runs is None:
+            return None
+        d.taken = dict(zip(new_ids, free))
+        d.new = new_ids
+        slots = frozen(np.concatenate([slots, np.array(free, dtype=np.int64)]))
+        is_new = np.concatenate([is_new, np.ones(K, dtype=bool)])
+        runs = tuple(np.concatenate([a_, b_]) for a_, b_ in zip(runs[:3], new_runs[:3])) + \
+            (np.concatenate([runs[3], new_runs[3][1:] + runs[3][-1]]), np.concatenate([runs[4], new_runs[4]]))
+    w_g, w_s, w_st, w_cu, w_ids = runs
+    batch = StepBatch(req_slots=slots, num_computed_tokens=a[:n], num_scheduled_tokens=a[n:2 * n],
+                      is_new=is_new, free_slots=free_slots, write_gids=w_g, write_slots=w_s, write_starts=w_st,
+                      write_cu=w_cu, write_ids=w_ids)
+    d.order, d.slots = all_ids, slots  # NOTE: SlotMap.commit copies the ids
+    return batch, d
+
+
+def _appended(G: Optional[int], lists: list, trusted: bool):
+    """What the running rows append, as Python lists: ``(G, sel, nz, runs, ids)`` (``G`` the number
+    of per-gid lists, ``sel`` the rows with a tuple (``[]``: all), ``nz`` the positions of the
+    non-empty lists ``runs`` among those rows' lists, ``ids`` their ids); None when anything is
+    unusual. ``trusted``: the tuples and their entries' types were fixed at construction.
+    """
+    S = len(lists)
+    n_none = lists.count(None)
+    if n_none == S:
+        return G, [], [], (), []
+    if n_none:
+        sel = list(compress(range(S), lists))
+        if len(sel) + n_none != S:
+            return None  # NOTE: a falsy entry that is not None (e.g. "" or ())
+        chosen = itemgetter(*sel)(lists) if len(sel) > 1 else (lists[sel[0]],)
+    else:
+        sel, chosen = [], lists
+    if not trusted and countOf(map(type, chosen), tuple) != len(chosen) and not set(map(type, chosen)) <= LISTS:
+        return None
+    if G is None or countOf(map(len, chosen), G) != len(chosen):
+        widths = set(map(len, chosen))
+        if len(widths) != 1 or (G is not None and G not in widths):
+            return None
+        G = widths.pop()
+    if trusted:
+        # NOTE: entries are lists / tuples (fixed at construction): any() finds the requests with ids
+        has = list(compress(range(len(chosen)), map(any, chosen)))
+        if not has:
+            return G, [], [], (), []
+        if len(has) < len(chosen):
+            sel = has if not sel else list(map(sel.__getitem__, has))
+            chosen = list(map(chosen.__getitem__, has))
+    flat: list = reduce(iconcat, chosen, [])  # NOTE: faster than chain.from_iterable on short tuples
+    if not trusted and countOf(map(type, flat), list) != len(flat) and not set(map(type, flat)) <= LISTS:
+        return None
+    nz = list(compress(range(len(flat)), flat))
+    if not nz:
+        return G, [], [], (), []
+    runs = itemgetter(*nz)(flat) if len(nz) > 1 else (flat[nz[0]],)
+    return G, sel, nz, runs, reduce(iconcat, runs, [])
+
+
+def _new_runs(G: Optional[int], new: list, free: Sequence[int], trusted: bool):
+    """Write runs of new rows (one per gid from block 0, empty ones included); None when unusual.
+    The ids: one conversion per block list, checked over the new ids only."""
+    g_: list = []
+    s_: list = []
+    every: list = []
+    for (rid, lists, _), slot in zip(new, free):
+        if not trusted and (type(lists) not in LISTS or not set(map(type, lists)) <= LISTS):
+            return None
+        if G is None:
+            G = len(lists)
+        if len(lists) != G:
+            return None
+        g_.extend(range(G))
+        s_.extend([slot] * G)
+        every.extend(lists)
+    w_ids = ints_of_lists(every)
+    if w_ids is None:
+        return None
+    N = len(g_)
+    cu = np.zeros(N + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, every), dtype=np.int64, count=N), out=cu[1:])
+    return (np.array(g_, dtype=np.int64), np.array(s_, dtype=np.int64), np.zeros(N, dtype=np.int64), cu, w_ids)
