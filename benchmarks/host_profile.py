@@ -2,6 +2,15 @@
 
     python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"]
                                       [--build | --build-only | --lines]
+    python benchmarks/host_profile.py --mix [--old /work/main] [--steps 300]   # issue 26: old vs new
+
+``--mix`` (issue 26): the serving mix, the churn stream (``serving_mix.py``) and steady decode B=256;
+arms ``safe`` / ``full`` of this tree and, with ``--old PATH``, of the tree at PATH (its ``dsv4_index``
+copied and imported as another package in the same process), interleaved step by step (the order
+rotating every step), ``torch.set_num_threads(1)``, GC off, nothing built. Unit: op-eq, one
+``np.add(a, b, out=c)`` on 256 int64, sampled before every step. Per arm: mean and p90 op-eq of
+``update()`` per step (each step the fastest of ``--replicas`` pipelines), and the fraction of steps
+planned on the incremental path.
 
 Unit: one numpy op, ``a + b`` on two int64 arrays of 256 entries (timed in the same run, interleaved
 with the arms, so that a noisy or slow host moves the unit with the arms). For each case of
@@ -156,7 +165,7 @@ def build_replay_host(layout, case, steps: int = 50, per_wait: int = 8) -> float
 
 
 def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
-    """Per-statement median µs of the steady path (``plan_steady``, ``stage``, ``_stage_appends``),
+    """Per-statement median µs of the incremental path (``plan_fast``, ``stage``, ``_stage_appends``),
     ``pipes`` pipelines of one case interleaved; a timer after every statement (≈ 0.15 µs each)."""
     import ast
     import collections
@@ -201,7 +210,7 @@ def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
         return env[name]
 
     if getattr(line_profile, "sources", None) is None:  # NOTE: instrument once per process
-        req_mod.plan_steady = instrument(steady_mod, steady_mod, "plan_steady")
+        req_mod.plan_fast = instrument(steady_mod, steady_mod, "plan_fast")
         instrument(tab_mod, tab_mod.BlockTables, "_stage_appends")
         instrument(stage_mod, stage_mod.StepStaging, "stage")
         line_profile.sources, line_profile.acc, line_profile.last = sources, acc, last
@@ -224,6 +233,86 @@ def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
             print(f"| {name} | {m:.2f} | `{sources[name][line - 1].strip()[:90]}` |")
 
 
+def op_eq_seconds(reps: int = 50) -> float:
+    a, b, c = (np.arange(256, dtype=np.int64) for _ in range(3))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.add(a, b, out=c)
+    return (time.perf_counter() - t0) / reps
+
+
+def load_old(path: str):
+    """The ``dsv4_index`` package of the tree at ``path``, imported as ``dsv4_old`` (a copy in a temp dir)."""
+    import importlib
+    import shutil
+    import tempfile
+    tmp = Path(tempfile.mkdtemp(prefix="dsv4_old_"))
+    shutil.copytree(Path(path) / "dsv4_index", tmp / "dsv4_old", ignore=shutil.ignore_patterns("__pycache__"))
+    sys.path.insert(0, str(tmp))
+    return importlib.import_module("dsv4_old")
+
+
+def mix_streams(layout, steps: int):
+    """``{case: [(StepBatch, pad_to)]}`` for the serving mix, the churn stream and steady decode B=256."""
+    from serving_mix import Stream
+    out = {}
+    for name, churn in (("serving mix", False), ("churn 1+1", True)):
+        st = Stream(layout, 256, 0, churn)
+        out[name] = [st.next_step() for _ in range(steps + 2)]
+        s = st.stats
+        print(f"{name}: {s['finishes'] / s['steps']:.2f} finishes and {s['arrivals'] / s['steps']:.2f} arrivals "
+              f"per step, {s['rejected'] / max(s['drafts'], 1):.2f} of drafts rejected, {s['runs'] / s['steps']:.0f} "
+              f"runs and {s['crossing'] / s['steps']:.0f} crossing runs per step")
+    wl = Workload(layout, CASES["decode B=256"], 0)
+    out["steady decode B=256"] = [(wl.next_step()[0], None) for _ in range(steps + 2)]
+    return out
+
+
+def mix_profile(steps: int, old_path, replicas: int) -> None:
+    import torch
+    torch.set_num_threads(1)
+    mods = {"new": sys.modules["dsv4_index"]}
+    if old_path:
+        mods["old"] = load_old(old_path)
+    layout = DSV4Layout.from_config("flash", max_model_len=131072)
+    streams = mix_streams(layout, steps)
+    print("| case | arm | mean op-eq | mean w/o top 2 % | p50 | p90 op-eq | mean µs | incremental steps |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for case, work in streams.items():
+        arms = {}
+        for tag, mod in mods.items():
+            lay = mod.DSV4Layout.from_config("flash", max_model_len=131072)
+            own = [(b if tag == "new" else mod.StepBatch(**vars(b)), pad) for b, pad in work]
+            for checks in ("safe", "full"):
+                pipes = [mod.MetadataPipeline(lay, 1024, 8192, "cpu", 1, backend="reference", fused=False,
+                                              checks=checks) for _ in range(replicas)]
+                arms[f"{tag} {checks}"] = (pipes, own)
+        times, units, fast = {k: [] for k in arms}, [], {k: 0 for k in arms}
+        names = list(arms)
+        for i in range(len(work)):
+            units.append(op_eq_seconds())
+            for k in names[i % len(names):] + names[:i % len(names)]:
+                pipes, own = arms[k]
+                best = None
+                for p in pipes:
+                    b, pad = own[i]
+                    t0 = time.perf_counter()
+                    p.update(b, pad_to=pad)
+                    dt = time.perf_counter() - t0
+                    p.staging.applied()
+                    best = dt if best is None else min(best, dt)
+                if i >= 2:
+                    times[k].append(best)
+                    fast[k] += bool(pipes[0].last_plan.steady)
+        u = statistics.median(units)
+        for k in names:
+            v = np.sort(np.asarray(times[k]) / u)
+            trim = v[:max(1, int(len(v) * 0.98))].mean()
+            print(f"| {case} | {k} | {v.mean():.0f} | {trim:.0f} | {np.median(v):.0f} | {np.percentile(v, 90):.0f} | "
+                  f"{np.mean(times[k]) * 1e6:.1f} | {fast[k]}/{len(v)} |", flush=True)
+        print(f"| {case} | unit (µs) | {u * 1e6:.3f} | | | | | |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=300)
@@ -233,9 +322,16 @@ def main():
     ap.add_argument("--lines", action="store_true", help="per-statement profile of the steady path (CPU)")
     ap.add_argument("--device", default="cpu", help="device of the update() arms' pipelines (pinned staging "
                                                    "and a real H2D copy on cuda)")
+    ap.add_argument("--mix", action="store_true", help="issue 26: serving mix, churn and steady decode, old vs new")
+    ap.add_argument("--old", default=None, help="with --mix: a tree whose dsv4_index is the old arm")
+    ap.add_argument("--steps", type=int, default=300, help="with --mix: steps per case")
+    ap.add_argument("--replicas", type=int, default=1, help="with --mix: pipelines per arm (fastest counts)")
     args = ap.parse_args()
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
     gc.disable()
+    if args.mix:
+        mix_profile(args.steps, args.old, args.replicas)
+        return
     print(f"numpy-op unit: a + b on 256 int64, timed interleaved with the arms (µs = this run's host only); "
           f"update() arms on {args.device}")
     print("| case | unit µs | safe | full | general (before) | change safe | change full | change ÷ safe | "

@@ -66,8 +66,9 @@ class MetadataPipeline:
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
-    steady : bool — check a steady step (the last batch again, one-id appends) on the steady path of
-        ``state/steady.py`` (same plan, same errors); False: every step takes the general checks.
+    steady : bool — plan steps on the incremental path of ``state/steady.py`` (any step, at the cost
+        of what changed since the last one; same plan, same errors; ``validate=True`` runs both planners
+        and raises ``AssertionError`` on a difference); False: every step takes the general checks.
     """
 
     def __init__(self, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
@@ -127,7 +128,7 @@ class MetadataPipeline:
                                    max_num_reqs)
         self.requests = RequestState(max_num_reqs, self.tables, cp=self.cp, max_num_tokens=T,
                                      max_writes=self.max_staged_blocks, decode_threshold=1 + num_speculative_tokens,
-                                     level=self.checks, steady=steady)
+                                     level=self.checks, steady=steady, cross_check=self.validate)
 
         self._fused: Optional[FusedPlan] = None
         self._unfused = list(self._builders.values())
@@ -355,7 +356,7 @@ class MetadataPipeline:
 
     @property
     def last_plan_was_steady(self) -> bool:
-        """True when the last accepted step was checked on the steady path (``state/steady.py``)."""
+        """True when the last accepted step was planned on the incremental path (``state/steady.py``)."""
         return self._plan is not None and self._plan.steady
 
     @property

@@ -17,15 +17,15 @@ Errors are one line naming the slot (and batch row), the group (gid, name, role)
 and its positions, and where the id came from (``write_ids[j]``: the id-keyed front end names the
 request's field from it; or held since an earlier step).
 
-NOTE: the steady path (:mod:`.steady`) needs only its appended ids (one per run, at or past the window
-start): held blocks from the window start on were checked when the row last took the general path.
+NOTE: the incremental path (:mod:`.steady`) checks only what a step changes (:mod:`.fast_full`): held
+blocks from the window start on were checked when the row was admitted or last scanned.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .._common import cp_owned_count
+from ._index import cp_owned, flat_offset, ring_col, window_start
 
 __all__ = ["full_checks"]
 
@@ -58,11 +58,10 @@ def _null_blocks(tables, plan, cp, write_cu) -> None:
     sharded = tables.sharded & (cp[0] > 1)
     # NOTE: the lowest position each (group, batch row) reads: the ring check's formula (plan.py)
     nc = plan.seq_lens - plan.num_scheduled
-    lo_pos = np.maximum(nc[None, :] - tables.window[:, None] + 1, 0)
-    if plan.replay_start is not None:
-        lo_pos = np.maximum(lo_pos, plan.replay_start[None, :])
+    lo_pos = window_start(nc[None, :], tables.window[:, None],
+                          None if plan.replay_start is None else plan.replay_start[None, :])
     if sharded.any():
-        lo_pos[sharded] = cp_owned_count(lo_pos[sharded], *cp)
+        lo_pos[sharded] = cp_owned(lo_pos[sharded], cp)
     lo = lo_pos // tables.bs[:, None]
     hits = []  # (group, slot, batch row, kernel logical block, raw write_ids index or None)
     gid, row, cu = plan.w_gid, plan.w_row, plan.w_cu
@@ -105,8 +104,8 @@ def _null_blocks(tables, plan, cp, write_cu) -> None:
                 continue
             k = np.arange(width, dtype=np.int64)
             ring, cols = int(tables.ring[g]), int(tables.cols[g])
-            first = lo[g] % ring if ring else lo[g]
-            col = np.add.outer(first + (plan.slots * cols + int(tables.base[g])), k)
+            first = ring_col(lo[g], ring)
+            col = np.add.outer(flat_offset(int(tables.base[g]), cols, plan.slots, first), k)
             if ring and int(first.max()) + width > ring:  # NOTE: rows whose range wraps (at most once)
                 w = np.flatnonzero(first + width > ring)
                 col[w] -= ring * (first[w, None] + k >= ring)

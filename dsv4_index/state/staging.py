@@ -113,12 +113,14 @@ class StepStaging:
         # NOTE: one reusable event per host buffer (recorded after that buffer's copy)
         self._events = [torch.cuda.Event() for _ in self.host] if self.async_copy else [None] * len(self.host)
         self._recorded = [False] * len(self.host)
-        self._host_sig = None
         self._cur = 0
         self._layouts = {}
         self._header = np.zeros(HEADER, dtype=np.int32)
         # NOTE: per host buffer, the batch signature whose qsl / slots / tok_row it holds
         self._holds = [None] * len(self.host)
+        self._q_holds = [None] * len(self.host)  # NOTE: per host buffer, the (T_pad, q bytes) its qsl / tok_row hold
+        self._host_q = None                      # NOTE: the (T_pad, q bytes) of host_qsl
+        self._host_sig = None                    # NOTE: the batch signature of host_qsl
         self._rows = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
         self.lay = None            # layout of the last staged step
         self.host_qsl = None       # int64 [B + 1] host query_start_loc of the last staged step
@@ -155,13 +157,21 @@ class StepStaging:
         sig = None if signature is None else (signature, lay.t_pad)
         qsl = h[lay.qsl:lay.qsl + B + 1]
         if sig is None or self._holds[self._cur] != sig:
-            qsl[0] = 0
-            np.cumsum(q, out=qsl[1:])
+            # NOTE: qsl and tok_row depend on (T_pad, q) only: kept while the counts repeat (rows may change)
+            qkey = (lay.t_pad, q.tobytes())
+            if self._q_holds[self._cur] != qkey:
+                qsl[0] = 0
+                qsl[1:] = np.add.accumulate(q)  # NOTE: int64 then one cast (an int32 out= of cumsum costs 3x)
+                h[lay.tok_row:lay.tok_row + T] = self._rows[:B] if T == B else np.repeat(self._rows[:B], q)
+                self._q_holds[self._cur] = qkey
+            if self._host_q != qkey:
+                self.host_qsl = qsl.astype(np.int64)
+                self._host_q = qkey
             h[lay.slots:lay.slots + B] = plan.slots
-            h[lay.tok_row:lay.tok_row + T] = self._rows[:B] if T == B else np.repeat(self._rows[:B], q)
             self._holds[self._cur] = sig
-        if sig is None or self.host_qsl is None or self.host_qsl.shape[0] != B + 1 or self._host_sig != sig:
+        elif self._host_sig != sig:  # NOTE: the buffer holds this batch; host_qsl was another step's
             self.host_qsl = qsl.astype(np.int64)
+            self._host_q = None
         self._host_sig = sig
         h[lay.seq_lens:lay.seq_lens + B] = plan.seq_lens
         if plan.replay_start is not None:
@@ -195,6 +205,7 @@ class StepStaging:
         h[w:w + N] = vals
         h[w + N:w + 2 * N] = dst
         self._holds[self._cur] = None  # NOTE: the step regions of this buffer were not written
+        self._q_holds[self._cur] = None
         used = w + 2 * N
         self.copy(used)
         self.lay, self.pending_writes = lay, N

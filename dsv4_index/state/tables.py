@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .._common import INT32_MAX
+from ._index import col_modulus, flat_offset, ring_col
 from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE
 
 __all__ = ["BlockTables"]
@@ -85,6 +86,7 @@ class BlockTables:
         self.window = np.asarray([g.window or 0 for g in groups], dtype=np.int64)
         self.sharded = np.asarray([g.sharded for g in groups], dtype=bool)
         self.full = np.asarray([g.kind == "full" for g in groups], dtype=bool)
+        self.full_gids = np.flatnonzero(self.full).tolist()
         self.ring_groups = np.flatnonzero((self.ring > 0) & ~self.circular)
         self.compressed = tuple(compressed)  # NOTE: (gid, compress ratio, rows per block) of compressed channels
         units = np.maximum(np.asarray(int32_units, dtype=np.int64), 1)
@@ -116,8 +118,9 @@ class BlockTables:
         self.iota_cols = self._iota.astype(np.int64)  # NOTE: column numbers (the full checks' row masks)
         self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
         self._trips = {}  # NOTE: layout -> preset overlay records (the steady path's one scatter)
-        self._row_base = (self.base[:, None] + np.arange(num_slots)[None, :] * self.cols[:, None]).ravel()
-        self._col_mod = np.repeat(np.where(self.ring > 0, self.ring, np.iinfo(np.int64).max), num_slots)
+        self._mixed = np.zeros((G * num_slots + 1, OVERLAY_STRIDE), dtype=np.int32)  # NOTE: _stage_mixed's records
+        self._row_base = flat_offset(self.base[:, None], self.cols[:, None], np.arange(num_slots)[None, :], 0).ravel()
+        self._col_mod = np.repeat(col_modulus(self.ring), num_slots)
 
     # ------------------------------------------------------------------------------------------
     def commit(self, plan) -> None:
@@ -141,8 +144,10 @@ class BlockTables:
         ov = ov.reshape(len(self.groups), lay.rows, OVERLAY_STRIDE)
         if not plan.w_gid.size:
             return 0
-        if plan.w_key is not None:  # NOTE: steady path: one kept id per run, every run on a batch row
-            return self._stage_appends(plan, h, lay, ov)
+        if plan.w_key is not None:  # NOTE: fast path: every run on a batch row
+            if plan.w_other is None:  # NOTE: one kept id per run
+                return self._stage_appends(plan, h, lay, ov)
+            return self._stage_mixed(plan, h, lay)
         w0 = lay.writes
         N = self._stage_runs(plan, h, w0) if plan.w_gid.shape[0] <= _FEW_RUNS else None
         keep = False
@@ -191,8 +196,8 @@ class BlockTables:
         vals, dsts, ids = h[w0:w0 + total], h[w0 + total:w0 + 2 * total], plan.w_ids
         pos = 0
         for g, slot, first, k, src, ring in runs:
-            row = self._base_list[g] + slot * self._cols_list[g]
-            col = first % ring if ring else first
+            row = flat_offset(self._base_list[g], self._cols_list[g], slot, 0)
+            col = ring_col(first, ring)
             a = min(k, ring - col) if ring else k
             run_ids = ids[src:src + k]
             vals[pos:pos + k] = run_ids
@@ -204,6 +209,55 @@ class BlockTables:
                 self.mirror[row:row + k - a] = run_ids[a:]
             pos += k
         return total
+
+    def _stage_mixed(self, plan, h: np.ndarray, lay) -> int:
+        """:meth:`stage_writes` of one-id appends (vectorised) and a few other runs ``plan.w_other``
+        (one or two slices each), every run on a batch row; the bytes of the general staging."""
+        other, a, cu, w0 = plan.w_other, plan.w_app, plan.w_cu, lay.writes
+        # NOTE: on the fast path start <= keep <= end and end - start is the run's length: every id from keep on
+        first = plan.w_keep
+        kept = plan.w_end - first
+        kept_cu = np.add.accumulate(kept)
+        N = int(kept_cu[-1])
+        pay = kept_cu - kept
+        vals, dsts = h[w0:w0 + N], h[w0 + N:w0 + 2 * N]
+        if a.shape[0]:
+            key, at = plan.w_key.take(a), pay.take(a)
+            dst = self._row_base.take(key)
+            dst += plan.w_start.take(a) % self._col_mod.take(key)
+            vals[at] = plan.w_ids.take(cu.take(a))
+            dsts[at] = dst
+            self.mirror[dst] = vals[at]
+        ids = plan.w_ids
+        for g, slot, f, k, p, c0, s0 in zip(plan.w_gid.take(other).tolist(), plan.w_slot.take(other).tolist(),
+                                            first.take(other).tolist(), kept.take(other).tolist(),
+                                            pay.take(other).tolist(), cu.take(other).tolist(),
+                                            plan.w_start.take(other).tolist()):
+            if not k:
+                continue
+            src = c0 + f - s0
+            row = flat_offset(self._base_list[g], self._cols_list[g], slot, 0)
+            ring = self._ring_list[g]
+            col = ring_col(f, ring)
+            n1 = min(k, ring - col) if ring else k
+            run_ids = ids[src:src + k]
+            vals[p:p + k] = run_ids
+            np.add(self._iota[:n1], row + col, out=dsts[p:p + n1])
+            self.mirror[row + col:row + col + n1] = vals[p:p + n1]
+            if n1 < k:  # NOTE: the ring wraps: the rest from column 0 (at most ring ids are kept)
+                np.add(self._iota[:k - n1], row, out=dsts[p + n1:p + k])
+                self.mirror[row:row + k - n1] = vals[p + n1:p + k]
+        # NOTE: the overlay as one scatter of 12-byte records
+        R = plan.w_gid.shape[0]
+        trip = self._mixed
+        trip[:R, OV_LO] = first
+        trip[:R, OV_HI] = plan.w_end
+        np.add(pay, w0, out=trip[:R, OV_PAY], casting="unsafe")
+        at = np.multiply(plan.w_gid, lay.rows)
+        at += plan.w_row
+        ov = h[lay.overlay:lay.overlay + OVERLAY_STRIDE * len(self.groups) * lay.rows]
+        ov.view(_RECORD)[at] = trip[:R].reshape(-1).view(_RECORD)
+        return N
 
     def _stage_appends(self, plan, h: np.ndarray, lay, ov: np.ndarray) -> int:
         """:meth:`stage_writes` of runs that append one id each to batch rows (run ``i``'s id is value ``i``)."""
@@ -242,7 +296,7 @@ class BlockTables:
         n = int(self.num_blocks[gid, slot])
         logical = np.arange(n)
         r = int(self.ring[gid])
-        col = logical % r if r else logical
+        col = ring_col(logical, r)
         out = self.mirrors[gid][slot, col].astype(np.int32)
         if r:
             out[logical < n - r] = -1
@@ -276,8 +330,7 @@ class BlockTables:
         ring = self.ring[gid]
         if n_ids == N and (keep_from <= start).all():
             # NOTE: fast path (steady decode): one id per run, all kept
-            col = np.where(ring > 0, start % np.maximum(ring, 1), start)
-            return None, self.base[gid] + slot * self.cols[gid] + col
+            return None, flat_offset(self.base[gid], self.cols[gid], slot, ring_col(start, ring))
         n = np.diff(cu)
         k = _ragged_arange(n)
         run = np.repeat(np.arange(N), n)
@@ -285,9 +338,8 @@ class BlockTables:
         keep = logical >= keep_from[run]
         logical, run = logical[keep], run[keep]
         r = ring[run]
-        col = np.where(r > 0, logical % np.maximum(r, 1), logical)
         g = gid[run]
-        return keep, self.base[g] + slot[run] * self.cols[g] + col
+        return keep, flat_offset(self.base[g], self.cols[g], slot[run], ring_col(logical, r))
 
 
 def _ragged_arange(n: np.ndarray) -> np.ndarray:

@@ -103,7 +103,7 @@ def _matrix(x: torch.Tensor, n: int) -> np.ndarray:
 
 def _table_rows(meta, pipe, g: int) -> np.ndarray:
     """``[B, 1 + m]`` int64: per batch row the count and the logical blocks the step can read."""
-    from ..state.plan import _owned
+    from ..state._index import cp_owned, window_start
     grp, tables = meta.layout.groups[g], pipe.tables
     slots = np.asarray(meta.req_slots, dtype=np.int64)
     B = slots.size
@@ -114,11 +114,10 @@ def _table_rows(meta, pipe, g: int) -> np.ndarray:
         lo = np.maximum(n - grp.ring_blocks, 0)
     else:
         q = np.diff(np.asarray(meta.host_query_start_loc, dtype=np.int64))
-        start = np.maximum(np.asarray(meta.host_seq_lens, dtype=np.int64) - q - grp.window + 1, 0)
-        if meta.replay_start is not None:
-            start = np.maximum(start, np.asarray(meta.replay_start, dtype=np.int64))
+        rs = None if meta.replay_start is None else np.asarray(meta.replay_start, dtype=np.int64)
+        start = window_start(np.asarray(meta.host_seq_lens, dtype=np.int64) - q, grp.window, rs)
         if grp.sharded and meta.cp[0] > 1:
-            start = _owned(start, meta.cp)
+            start = cp_owned(start, meta.cp)
         lo = np.minimum(start // grp.block_size, n)
     cnt = n - lo
     m = int(cnt.max()) if B else 0
