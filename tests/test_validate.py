@@ -15,7 +15,7 @@ from _meta_helpers import Pool, make_pipeline, tiny_layout, two_steps
 NUM_BLOCKS = 97  # two_steps hands out ids 1..96
 # NOTE: batch of the second step: 'a' decode (tokens 0-1), 'd' prefill with replay floor 6 (2-14),
 # 'b' prefill (15-31), padding 32-39
-A_DEC, D_PRE, B_PRE, PAD = 1, 8, 20, 35
+A_DEC, B_PRE, D_PRE, PAD = 1, 8, 20, 35  # NOTE: rows a (decode), b, d: running first, new appended
 PER_REQUEST = ("cu", "compact_cu", "compact_slot_mapping", "decode_lens", "decode_lens_clamped")
 FIELDS = ("slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "compact_cu", "indices", "lens",
           "ks", "ke", "cu", "decode_lens", "lens_clamped", "decode_lens_clamped")
@@ -69,7 +69,7 @@ def _raises(meta, channel, fragment, token="any", **kw) -> MetadataError:
 
 def test_real_metadata_passes(built, meta):
     pipe, m = built
-    assert m.req_ids == ["a", "d", "b"] and m.num_decodes == 1 and (m.num_tokens, m.num_tokens_padded) == (32, 40)
+    assert m.req_ids == ["a", "b", "d"] and m.num_decodes == 1 and (m.num_tokens, m.num_tokens_padded) == (32, 40)
     check_metadata(m, num_blocks=NUM_BLOCKS)
     check_metadata(meta, num_blocks=NUM_BLOCKS)
     _raises(meta, "c4a", "outside the cache", num_blocks=76)  # d's blocks (ids >= 76) lie outside such a pool
@@ -104,13 +104,13 @@ def _corrupt_field(m, name, field):
             x[i] += 10**6 if "slot" in field else 1
         return None
     if x.dim() == 2:  # an index list: the first entry of a token listing at least two
-        t = next(t for t in range(D_PRE, m.num_tokens) if int((x[t] != -1).sum()) >= 2)
+        t = next(t for t in range(B_PRE, m.num_tokens) if int((x[t] != -1).sum()) >= 2)
         x[t, 0] += 10**6
     elif "slot" in field:
-        t = next(t for t in range(D_PRE, m.num_tokens) if int(x[t]) != -1)
+        t = next(t for t in range(B_PRE, m.num_tokens) if int(x[t]) != -1)
         x[t] += 10**6
     else:
-        t = next(t for t in range(D_PRE, m.num_tokens) if int(x[t]) > 0)
+        t = next(t for t in range(B_PRE, m.num_tokens) if int(x[t]) > 0)
         x[t] += 1
     return t
 
@@ -153,8 +153,8 @@ def _swap01(x, t):
 
 # (name, corruption, channel named, fragment of the message, token named or "any")
 FAULTS = [
-    ("two tokens write one slot", lambda m: m["swa"].slot_mapping.__setitem__(D_PRE, m["swa"].slot_mapping[B_PRE]),
-     "swa", "two tokens write", B_PRE),
+    ("two tokens write one slot", lambda m: m["swa"].slot_mapping.__setitem__(B_PRE, m["swa"].slot_mapping[D_PRE]),
+     "swa", "two tokens write", D_PRE),
     ("two tokens write one compressed slot", lambda m: m["c4a"].compressed_slot_mapping.__setitem__(
         _completing(m, "c4a")[1], m["c4a"].compressed_slot_mapping[_completing(m, "c4a")[0]]),
      "c4a", "two tokens write", "any"),
@@ -207,7 +207,7 @@ def test_error_names_token_request_expected_found(meta):
     good = int(meta["swa"].slot_mapping[B_PRE])
     meta["swa"].slot_mapping[B_PRE] = good + 10**6
     err = _raises(meta, "swa", "slot_mapping", token=B_PRE)
-    assert (err.req_id, err.row) == ("b", 2)
+    assert (err.req_id, err.row) == ("b", 1)
     assert (err.expected, err.found) == (good, good + 10**6)
     assert isinstance(err, ValueError) and f"expected {good}, found {good + 10**6}" in str(err)
 
