@@ -58,7 +58,8 @@ class _Commit:
     """The shared store and its staging buffer (allocated at the first commit, at capacity)."""
 
     def __init__(self, store: BlockTables):
-        self.store, self.staging = store, None
+        self.store = store
+        self.staging: Optional[StepStaging] = None
 
     def send(self, tables) -> int:
         """Stage the dirty entries of ``tables`` (facades over ``store``) and apply them: one copy."""

@@ -203,7 +203,7 @@ def _decode_rows(e: dict) -> np.ndarray:
 
 def flat_entries(dg: dict) -> List[Tuple[Optional[str], str, dict]]:
     """``(channel or None, field, entry)`` in comparison order: common fields, block tables, channels."""
-    out = [(None, f, e) for f, e in dg.get("common", {}).items()]
+    out: List[Tuple[Optional[str], str, dict]] = [(None, f, e) for f, e in dg.get("common", {}).items()]
     out += [(None, f"block_table[{g}]", e) for g, e in dg.get("block_tables", {}).items()]
     for ch, fields in dg.get("channels", {}).items():
         out += [(ch, f, e) for f, e in fields.items()]

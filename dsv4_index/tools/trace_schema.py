@@ -4,7 +4,7 @@ file, the line and the field for anything a replay cannot use (types, bounds, ca
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NoReturn, Optional
 
 from .._json import one_line
 from ..capacity import check_capacities
@@ -45,7 +45,7 @@ class _At:
         self.path, self.line = path, line
         self.unchecked = False      # NOTE: a field this module does not know was passed on
 
-    def err(self, field, msg):
+    def err(self, field, msg) -> NoReturn:
         raise TraceError(self.path, self.line, field, msg)
 
     def dict(self, d, field, required=(), optional=()):
@@ -224,7 +224,7 @@ def rebuild_layout(recorded: DSV4Layout, config) -> DSV4Layout:
     g = {x.name: x for x in recorded.groups}
     circ = {n: x.block_size if x.capacity is None else (x.capacity, x.block_size)
             for n, x in g.items() if x.kind == "circular"}
-    sizes = {f"{n}_block_size": x.alloc_block_size for n, x in g.items() if n not in circ}
+    sizes: dict = {f"{n}_block_size": x.alloc_block_size for n, x in g.items() if n not in circ}
     if not set(g) <= set(GROUP_ORDER):  # NOTE: an engine's own groups (e.g. groups="vllm"): list them
         sizes = dict(groups=[dict(role=x.role, layers=None if x.layers is None else list(x.layers), name=x.name,
                                   block_size=x.alloc_block_size) for x in recorded.groups])
@@ -272,10 +272,10 @@ def layout_diff(a: DSV4Layout, b: DSV4Layout):
             for i, name in enumerate(x):
                 for k in dataclasses.fields(x[name]):
                     if getattr(x[name], k.name) != getattr(y[name], k.name):
-                        v = (getattr(x[name], k.name), getattr(y[name], k.name))
+                        u, w = getattr(x[name], k.name), getattr(y[name], k.name)
                         if k.name == "outputs":
-                            v = tuple(sorted(s) for s in v)
-                        return f"channels[{i}].{k.name}", v
+                            u, w = sorted(u), sorted(w)
+                        return f"channels[{i}].{k.name}", (u, w)
         return f.name, (x, y)
     return "", (None, None)
 
