@@ -3,7 +3,6 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from dsv4_index import block_table as bt_mod
 from dsv4_index.block_table import BlockTable, MultiGroupBlockTable
 from dsv4_index.geometry import DSV4Layout
 from dsv4_index.state import StepStaging
@@ -276,25 +275,6 @@ def test_commit_sends_only_new_columns_of_wide_rows():
     assert t.device_table[5, 100:102].tolist() == [7005, 8000]
 
 
-def test_pack_segments_pieces_and_apply():
-    t = BlockTable(4, 50, device="cpu", block_size=4)
-    t.add_row(list(range(1, 24)), 2)   # 23 entries -> pieces of 10: 10, 10, 3
-    t.add_row([5, 6], 0)
-    t.append_row([9], 0)
-    buf = np.full(200, -5, np.int32)
-    k, end = t.pack_segments(buf, 3, max_piece=10)
-    assert (k, end) == (4, 3 + 4 * 4 + 3 + 23) and t.num_dirty == 0
-    d = buf[3:3 + 16].reshape(4, 4)
-    pay = 3 + 16
-    assert d.tolist() == [[0, 0, 3, pay], [2, 0, 10, pay + 3], [2, 10, 10, pay + 13], [2, 20, 3, pay + 23]]
-    assert buf[pay:end].tolist() == [5, 6, 9] + list(range(1, 24))
-    assert (buf[:3] == -5).all() and (buf[end:] == -5).all()
-    table = torch.full((4, 50), -1, dtype=torch.int32)
-    bt_mod.apply_segments(table, torch.from_numpy(buf), 3, k, end - 3 - 16)
-    assert table[0, :3].tolist() == [5, 6, 9] and table[2, :23].tolist() == list(range(1, 24))
-    assert bool((table[[1, 3]] == -1).all()) and bool((table[2, 23:] == -1).all())
-
-
 def test_swap_and_clear_send_valid_prefixes_only():
     t = BlockTable(3, 1000, device="cpu", block_size=4)
     t.add_row(list(range(1, 501)), 0)
@@ -309,8 +289,8 @@ def test_swap_and_clear_send_valid_prefixes_only():
 @pytest.mark.parametrize("f", [1, 2])
 def test_append_rows_matches_append_row(f):
     rng = np.random.default_rng(f)
-    a = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f, pin_memory=False)
-    b = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f, pin_memory=False)
+    a = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f)
+    b = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f)
     for t in (a, b):
         t.add_row([7], 0)
         t.add_row([1, 2], 3)
@@ -332,7 +312,7 @@ def test_append_rows_matches_append_row(f):
 
 
 def test_append_rows_errors_write_nothing():
-    t = BlockTable(4, 3, device="cpu", block_size=4, pin_memory=False)
+    t = BlockTable(4, 3, device="cpu", block_size=4)
     t.add_row([1, 2], 0)
     before = (t.np.copy(), t.num_blocks.copy(), t.dirty_hi.copy())
     for args, match in [(([0, 0], [1, 1], [5, 6]), "rows"), (([4], [1], [5]), "rows"),
