@@ -246,7 +246,7 @@ def test_cuda_pinned_commit():
     t = BlockTable(64, 32, device="cuda", block_size=64, blocks_per_kv_block=2)
     assert t.device_table.is_cuda
     rng = np.random.default_rng(0)
-    for step in range(20):
+    for _step in range(20):
         for r in rng.choice(64, size=5, replace=False):
             t.add_row(rng.integers(1, 10_000, size=rng.integers(0, 17)).tolist(), int(r))
         t.swap_row(int(rng.integers(64)), int(rng.integers(64)))
@@ -303,7 +303,7 @@ def test_append_rows_matches_append_row(f):
         ids = np.arange(nxt, nxt + counts.sum())
         nxt += int(counts.sum())
         a.append_rows(rows, counts, ids)
-        for r, c, s in zip(rows.tolist(), counts.tolist(), (np.cumsum(counts) - counts).tolist()):
+        for r, c, s in zip(rows.tolist(), counts.tolist(), (np.cumsum(counts) - counts).tolist(), strict=True):
             b.append_row(ids[s:s + c].tolist(), r)
         assert np.array_equal(a.num_blocks, b.num_blocks)
         assert np.array_equal(a.dirty_lo, b.dirty_lo) and np.array_equal(a.dirty_hi, b.dirty_hi)
@@ -321,7 +321,7 @@ def test_append_rows_errors_write_nothing():
                         (([1, 0], [1, 2], [5, 6, 7]), "width")]:
         with pytest.raises(ValueError, match=match):
             t.append_rows(*args)
-        assert all(np.array_equal(x, y) for x, y in zip(before, (t.np, t.num_blocks, t.dirty_hi)))
+        assert all(np.array_equal(x, y) for x, y in zip(before, (t.np, t.num_blocks, t.dirty_hi), strict=True))
 
 
 def test_the_facade_stores_in_the_state_tables():

@@ -197,7 +197,7 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
         if done is not None:
             return done
     back = set(resumed)
-    running = [(rid, nb, nc, rid in back) for rid, nb, nc in zip(ids, nbs, ncs)]
+    running = [(rid, nb, nc, rid in back) for rid, nb, nc in zip(ids, nbs, ncs, strict=True)]
     return convert(slots, num_groups, SCHED, new_rows, running, nst, finished, preempted,
                    replay_start or {}, replay_end or {})
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +218,7 @@ def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str =
     order, slots = delta.order, np.asarray(batch.req_slots).tolist()
     if len(order) != len(slots):
         return error
-    rid_of = dict(zip(slots, order))
+    rid_of = dict(zip(slots, order, strict=True))
     new_where, run_where = (STEP if src == "step" else SCHED)
     fresh = set(delta.new)
 

@@ -144,11 +144,11 @@ def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: l
         new_runs = _new_runs(G, new, free, trusted)
         if new_runs is None:
             return None
-        d.taken = dict(zip(new_ids, free))
+        d.taken = dict(zip(new_ids, free, strict=True))
         d.new = new_ids
         slots = frozen(np.concatenate([slots, np.array(free, dtype=np.int64)]))
         is_new = np.concatenate([is_new, np.ones(K, dtype=bool)])
-        runs = tuple(np.concatenate([a_, b_]) for a_, b_ in zip(runs[:3], new_runs[:3])) + \
+        runs = tuple(np.concatenate([a_, b_]) for a_, b_ in zip(runs[:3], new_runs[:3], strict=True)) + \
             (np.concatenate([runs[3], new_runs[3][1:] + runs[3][-1]]), np.concatenate([runs[4], new_runs[4]]))
     w_g, w_s, w_st, w_cu, w_ids = runs
     batch = StepBatch(req_slots=slots, num_computed_tokens=a[:n], num_scheduled_tokens=a[n:2 * n],
@@ -206,7 +206,7 @@ def _new_runs(G: Optional[int], new: list, free: Sequence[int], trusted: bool):
     g_: list = []
     s_: list = []
     every: list = []
-    for (rid, lists, _), slot in zip(new, free):
+    for (_rid, lists, _), slot in zip(new, free, strict=True):
         if not trusted and (type(lists) not in LISTS or not set(map(type, lists)) <= LISTS):
             return None
         if G is None:

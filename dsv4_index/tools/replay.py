@@ -333,7 +333,7 @@ def _compare(meta, mref, slot_id, values: Dict[str, int]) -> Optional[Problem]:
         prob = _diff(meta, slot_id, None, name, getattr(meta, name), getattr(mref, name))
         if prob:
             return prob
-    for g, (a, b) in enumerate(zip(meta.block_tables, mref.block_tables)):
+    for g, (a, b) in enumerate(zip(meta.block_tables, mref.block_tables, strict=True)):
         prob = _diff(meta, slot_id, None, f"block_tables[{g}]", a, b)
         if prob:
             return prob

@@ -264,7 +264,7 @@ def layout_diff(a: DSV4Layout, b: DSV4Layout):
         if x == y:
             continue
         if f.name == "groups" and len(x) == len(y):
-            for i, (g, h) in enumerate(zip(x, y)):
+            for i, (g, h) in enumerate(zip(x, y, strict=True)):
                 for k in dataclasses.fields(g):
                     if getattr(g, k.name) != getattr(h, k.name):
                         return f"groups[{i}].{k.name}", (getattr(g, k.name), getattr(h, k.name))
