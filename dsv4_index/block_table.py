@@ -1,19 +1,19 @@
-"""Row-editing block tables (add / append / move / swap / clear rows, incremental commits) for engines
+"""Row-editing block tables (add / append / move / swap / clear rows, incremental uploads) for engines
 that keep their own rows: a thin facade over the pipeline's tables, :mod:`dsv4_index.state`.
 
 One implementation (the pipeline's): the storage is a :class:`dsv4_index.state.BlockTables` (host mirror,
 device table, block counts, one flat device buffer for every group of a
-:class:`MultiGroupBlockTable`) and a commit goes through the pipeline's staging buffer,
+:class:`MultiGroupBlockTable`) and an upload goes through the pipeline's staging buffer,
 :class:`dsv4_index.state.StepStaging` (``stage_writes_only``: the changed entries as ``(value, flat
 destination)`` pairs, ONE host-to-device copy, applied on the device by ``apply_pending``). This module
 adds only what the pipeline does not need: the row operations, whose rows may move, and their dirty
 ranges. :class:`~dsv4_index.MetadataPipeline` keeps rows in place (slots) and stages its writes itself.
 
 Dirty tracking is per row: one column range ``[lo, hi)`` (empty when ``lo >= hi``) covering every
-entry of the row's valid prefix ``[0, num_blocks)`` that changed since the last commit. ``append_row``
+entry of the row's valid prefix ``[0, num_blocks)`` that changed since the last upload. ``append_row``
 marks only the new columns; ``add_row`` / ``move_row`` / ``swap_row`` mark the new valid prefix of the
-rows they rewrite (stale columns past ``num_blocks`` are never read, so they are never sent). A commit
-sends ``4 * (W + 2 * n)`` bytes for ``n`` changed entries (``W``: the staging format's fixed part,
+rows they rewrite (stale columns past ``num_blocks`` are never read, so they are never sent). An upload
+sends ``4 * (H + 2 * n)`` bytes for ``n`` changed entries (``H``: the staging format's fixed part,
 ``state/staging.py``).
 
 The rules are the state's: integer arguments go through :func:`dsv4_index._common.check_int`, block
@@ -46,8 +46,8 @@ def _store(params, max_num_reqs: int, device: torch.device) -> BlockTables:
     return BlockTables(groups, max_num_reqs, 1, device, [1] * len(groups))
 
 
-class _Commit:
-    """The shared store and its staging buffer (allocated at the first commit, at capacity)."""
+class _Upload:
+    """The shared store and its staging buffer (allocated at the first upload, at capacity)."""
 
     def __init__(self, store: BlockTables):
         self.store = store
@@ -107,7 +107,7 @@ class BlockTable:
         NOTE: ``0 <= lo`` and ``hi <= num_blocks`` always; rows never read past ``num_blocks``.
     device_table : torch.Tensor
         int32 ``[max_num_reqs, width]`` on ``device`` (a view of the state tables' flat buffer),
-        allocated once; its valid prefix ``[r, :num_blocks[r]]`` equals the host's after ``commit()``.
+        allocated once; its valid prefix ``[r, :num_blocks[r]]`` equals the host's after ``upload()``.
     """
 
     def __init__(self, max_num_reqs: int, width: int, *, device, block_size: int,
@@ -118,10 +118,10 @@ class BlockTable:
         self.blocks_per_kv_block = _check_int("blocks_per_kv_block", blocks_per_kv_block)
         self.device = torch.device(device)
         if _shared is None:
-            _shared = (_Commit(_store([(self.width, self.block_size, self.blocks_per_kv_block)],
+            _shared = (_Upload(_store([(self.width, self.block_size, self.blocks_per_kv_block)],
                                       self.max_num_reqs, self.device)), 0)
-        self._commit, gid = _shared
-        store = self._store = self._commit.store
+        self._upload, gid = _shared
+        store = self._store = self._upload.store
         self._gid = np.full(1, gid, dtype=np.int64)
         f = self.blocks_per_kv_block
         self._id_max = (int(store.id_max[gid]) - (f - 1)) // f  # NOTE: the write runs' rule (state/plan.py)
@@ -140,13 +140,13 @@ class BlockTable:
 
     @property
     def staging(self) -> Optional[StepStaging]:
-        """The state staging buffer commits go through (shared by the groups of a
-        :class:`MultiGroupBlockTable`; None before the first commit)."""
-        return self._commit.staging
+        """The state staging buffer uploads go through (shared by the groups of a
+        :class:`MultiGroupBlockTable`; None before the first upload)."""
+        return self._upload.staging
 
     @property
     def num_dirty(self) -> int:
-        """Rows changed since the last commit."""
+        """Rows changed since the last upload."""
         return int(np.count_nonzero(self.dirty_hi > self.dirty_lo))
 
     def row(self, row: int) -> np.ndarray:
@@ -318,10 +318,10 @@ class BlockTable:
         gid = np.broadcast_to(self._gid, rows.shape)
         return self._store.destinations(gid, rows, r_lo, r_lo, cu)[1]
 
-    def commit(self) -> int:
-        """Send the entries changed since the last commit with one H2D copy through the state staging
+    def upload(self) -> int:
+        """Send the entries changed since the last upload with one H2D copy through the state staging
         buffer (applied on the device, no host sync); returns the bytes copied (0 when nothing changed)."""
-        return self._commit.send([self])
+        return self._upload.send([self])
 
 
 def _group_params(g) -> Tuple[int, int, int]:
@@ -352,11 +352,11 @@ class MultiGroupBlockTable:
         self.device = torch.device(device)
         params = [(_check_int("width", w), _check_int("block_size", bs), _check_int("blocks_per_kv_block", f))
                   for (w, bs, f) in params]
-        # NOTE: one state store (one flat device buffer) for every group: one copy per commit
-        self._commit = _Commit(_store(params, _check_int("max_num_reqs", max_num_reqs), self.device))
+        # NOTE: one state store (one flat device buffer) for every group: one copy per upload
+        self._upload = _Upload(_store(params, _check_int("max_num_reqs", max_num_reqs), self.device))
         self.tables: List[BlockTable] = [
             BlockTable(max_num_reqs, w, device=self.device, block_size=bs, blocks_per_kv_block=f,
-                       _shared=(self._commit, g)) for g, (w, bs, f) in enumerate(params)]
+                       _shared=(self._upload, g)) for g, (w, bs, f) in enumerate(params)]
         self.max_num_reqs = self.tables[0].max_num_reqs
 
     def __getitem__(self, gid: int) -> BlockTable:
@@ -395,6 +395,6 @@ class MultiGroupBlockTable:
     def device_tables(self) -> List[torch.Tensor]:
         return [t.device_table for t in self.tables]
 
-    def commit(self) -> int:
+    def upload(self) -> int:
         """Send the changed entries of every group with ONE H2D copy; returns the bytes copied."""
-        return self._commit.send(self.tables)
+        return self._upload.send(self.tables)

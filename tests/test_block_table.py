@@ -9,7 +9,7 @@ from dsv4_index.state import StepStaging
 
 
 def sent(n: int, groups: int = 1) -> int:
-    """Bytes a commit of ``n`` changed entries copies: the staging format of ``state/staging.py`` for
+    """Bytes an upload of ``n`` changed entries copies: the staging format of ``state/staging.py`` for
     ``T_pad = 0`` (header 8, five per-row regions of 2 and ``tok_row`` of 1, the overlay of 3 per
     group), then ``n`` values and ``n`` destinations; nothing when nothing changed."""
     return 4 * (8 + 5 * 2 + 1 + 3 * groups + 2 * n) if n else 0
@@ -69,7 +69,7 @@ class Model:
             self._prefix(a)
             self._prefix(b)
 
-    def commit_bytes(self):
+    def upload_bytes(self):
         """The changed entries only (as (value, destination) pairs in the staging format)."""
         return sent(sum(hi - lo for lo, hi in self.ranges.values()))
 
@@ -88,7 +88,7 @@ ops = st.one_of(
     st.tuples(st.just("clear"), st.integers(0, N - 1)),
     st.tuples(st.just("move"), st.integers(0, N - 1), st.integers(0, N - 1)),
     st.tuples(st.just("swap"), st.integers(0, N - 1), st.integers(0, N - 1)),
-    st.tuples(st.just("commit")),
+    st.tuples(st.just("upload")),
 )
 
 
@@ -109,9 +109,9 @@ def test_row_ops_match_model(f, width, seq):
                 with pytest.raises(ValueError, match=f"row {args[1]}"):
                     getattr(t, f"{name}_row")(*args)
                 assert np.array_equal(t.np, before[0]) and np.array_equal(t.num_blocks, before[1])
-        elif name == "commit":
-            nbytes = t.commit()
-            assert nbytes == m.commit_bytes()  # only the changed column ranges travel
+        elif name == "upload":
+            nbytes = t.upload()
+            assert nbytes == m.upload_bytes()  # only the changed column ranges travel
             for r, (lo, hi) in m.ranges.items():
                 sent[r] |= set(range(lo, hi))
             m.ranges = {}
@@ -128,20 +128,20 @@ def test_row_ops_match_model(f, width, seq):
         assert t.num_dirty == len(m.dirty)
 
 
-def test_commit_moves_only_changed_rows():
+def test_upload_moves_only_changed_rows():
     t = BlockTable(6, 4, device="cpu", block_size=64)
     for r in range(6):
         t.add_row([r + 1, r + 10], r)
-    assert t.commit() == sent(6 * 2)  # 6 rows of 2 entries
+    assert t.upload() == sent(6 * 2)  # 6 rows of 2 entries
     assert torch.equal(t.device_table[:, :2], t.host[:, :2])
-    assert t.commit() == 0
+    assert t.upload() == 0
     t.device_table.fill_(-3)
     t.append_row([99], 2)
     t.swap_row(4, 5)
     t.clear_row(1)  # length only; nothing to send
     t.append_row([], 0)  # no-op
     # row 2: only the appended column; rows 4, 5: their 2-entry prefixes
-    assert t.commit() == sent(1 + 2 * 2)
+    assert t.upload() == sent(1 + 2 * 2)
     for r in range(6):
         if r in (4, 5):
             assert torch.equal(t.device_table[r, :2], t.host[r, :2])
@@ -164,7 +164,7 @@ def test_hybrid_expansion():
         t.append_row([1], 0)
     with pytest.raises(ValueError, match="row 1"):
         t.add_row([1, 2, 3], 1)
-    t.commit()
+    t.upload()
     assert torch.equal(t.device_table, t.host)
 
 
@@ -204,7 +204,7 @@ def test_multi_group_one_copy(monkeypatch):
     m.add_row([[7], [], [8], []], 2)
     for t in m.tables:
         t.device_table.fill_(-9)
-    nbytes = m.commit()
+    nbytes = m.upload()
     assert copies == [nbytes // 4]
     # kernel-block entries per gid (f = 2 on gid 0): rows 0 / 2 = [4, 1, 2, 1] / [2, 0, 1, 0]
     assert nbytes == sent((4 + 1 + 2 + 1) + (2 + 1), groups=4)  # 6 non-empty rows over the 4 gids
@@ -220,8 +220,8 @@ def test_multi_group_one_copy(monkeypatch):
     m.clear_row(2)
     m.move_row(1, 2)
     # row 0 is empty after the swap; rows 1 and 2 send their whole valid prefixes (6 + 1 + 2 + 1)
-    assert m.commit() == sent(2 * (6 + 1 + 2 + 1), groups=4)
-    assert len(copies) == 2 and m.commit() == 0
+    assert m.upload() == sent(2 * (6 + 1 + 2 + 1), groups=4)
+    assert len(copies) == 2 and m.upload() == 0
     for t in m.tables:
         for r in range(3):
             n = int(t.num_blocks[r])
@@ -242,7 +242,7 @@ def test_multi_group_from_tuples():
 
 
 @pytest.mark.gpu
-def test_cuda_pinned_commit():
+def test_cuda_pinned_upload():
     t = BlockTable(64, 32, device="cuda", block_size=64, blocks_per_kv_block=2)
     assert t.device_table.is_cuda
     rng = np.random.default_rng(0)
@@ -250,7 +250,7 @@ def test_cuda_pinned_commit():
         for r in rng.choice(64, size=5, replace=False):
             t.add_row(rng.integers(1, 10_000, size=rng.integers(0, 17)).tolist(), int(r))
         t.swap_row(int(rng.integers(64)), int(rng.integers(64)))
-        t.commit()
+        t.upload()
     assert t.staging.async_copy and t.staging.host[0].is_pinned()  # NOTE: the transfer buffers are pinned
     torch.cuda.synchronize()
     dev = t.device_table.cpu()
@@ -259,16 +259,16 @@ def test_cuda_pinned_commit():
         assert torch.equal(dev[r, :n], t.host[r, :n])
 
 
-def test_commit_sends_only_new_columns_of_wide_rows():
+def test_upload_sends_only_new_columns_of_wide_rows():
     """A decode-like append to a very wide row moves one entry, not the row."""
     t = BlockTable(8, 32768, device="cpu", block_size=4)
     for r in range(8):
         t.add_row(list(range(1 + r, 1 + r + 100)), r)
-    assert t.commit() == sent(8 * 100)
+    assert t.upload() == sent(8 * 100)
     for r in (1, 5, 6):
         t.append_row([7000 + r], r)
     t.append_row([8000], 5)  # two appends to one row: one segment of 2 entries
-    assert t.commit() == sent(1 * 2 + 2)
+    assert t.upload() == sent(1 * 2 + 2)
     for r in range(8):
         n = int(t.num_blocks[r])
         assert torch.equal(t.device_table[r, :n], t.host[r, :n])
@@ -279,10 +279,10 @@ def test_swap_and_clear_send_valid_prefixes_only():
     t = BlockTable(3, 1000, device="cpu", block_size=4)
     t.add_row(list(range(1, 501)), 0)
     t.add_row([7, 8], 1)
-    t.commit()
+    t.upload()
     t.swap_row(0, 1)
     t.clear_row(2)
-    assert t.commit() == sent(2 + 500)
+    assert t.upload() == sent(2 + 500)
     assert t.device_table[0, :2].tolist() == [7, 8] and t.device_table[1, :500].tolist() == list(range(1, 501))
 
 
@@ -325,13 +325,13 @@ def test_append_rows_errors_write_nothing():
 
 
 def test_the_facade_stores_in_the_state_tables():
-    """One implementation: every group's device table is a view of one flat buffer, and a commit is
+    """One implementation: every group's device table is a view of one flat buffer, and an upload is
     one staged copy of (value, destination) pairs applied on the device by the state staging."""
     m = MultiGroupBlockTable([(4, 16, 1), (3, 8, 2)], 3, "cpu")
     ptrs = {t.device_table.untyped_storage().data_ptr() for t in m.tables}
     assert len(ptrs) == 1
     m.add_row([[1, 2], [5]], 1)
-    assert m.commit() == sent(2 + 2, groups=2)
+    assert m.upload() == sent(2 + 2, groups=2)
     assert isinstance(m[0].staging, StepStaging) and m[0].staging is m[1].staging
     assert m[0].device_table[1, :2].tolist() == [1, 2] and m[1].device_table[1, :2].tolist() == [10, 11]
-    assert m[0].staging.pending_writes == 0  # NOTE: applied by the commit itself
+    assert m[0].staging.pending_writes == 0  # NOTE: applied by the upload itself

@@ -326,20 +326,20 @@ def check_capacity(at: _At, layout: DSV4Layout, p: dict) -> None:
     """Bound what a replay of ``layout`` / ``p`` allocates before anything is allocated: the pipeline's
     own bounds (:func:`dsv4_index.capacity.check_capacities`), then the replay's tighter budget (a replay
     builds two pipelines, on a machine that may not be the recording's)."""
-    R, T = p["max_num_reqs"], p["max_num_batched_tokens"]
+    num_slots, T = p["max_num_reqs"], p["max_num_batched_tokens"]
     try:
-        check_capacities(layout, R, T, p["num_speculative_tokens"], p["max_staged_blocks"],
+        check_capacities(layout, num_slots, T, p["num_speculative_tokens"], p["max_staged_blocks"],
                          (p["cp_world_size"], p["cp_rank"], p["cp_interleave"]))
     except ValueError as e:
         at.err("pipeline", str(e))
-    table = sum(g.columns(T)[0] for g in layout.groups) * R
+    table = sum(g.columns(T)[0] for g in layout.groups) * num_slots
     per_token = T * (sum(c.index_width or 0 for c in layout.channels.values()) + (layout.index_topk or 0)
                      + 16 * (len(layout.channels) + 1))
     cap = LIMITS["buffer_entries"]
     for name, n in (("block tables", table), ("per-token buffers", per_token)):
         if n > cap:
-            at.err("pipeline", f"a replay needs {n} {name} entries (max_num_reqs {R}, max_num_batched_tokens {T}, "
-                   f"max_model_len {layout.max_model_len}), more than the bound of {cap}")
+            at.err("pipeline", f"a replay needs {n} {name} entries (max_num_reqs {num_slots}, "
+                   f"max_num_batched_tokens {T}, max_model_len {layout.max_model_len}), more than the bound of {cap}")
 
 
 def _ints(at: _At, v, field, *, boolean=False):
