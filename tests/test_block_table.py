@@ -335,3 +335,21 @@ def test_the_facade_stores_in_the_state_tables():
     assert isinstance(m[0].staging, StepStaging) and m[0].staging is m[1].staging
     assert m[0].device_table[1, :2].tolist() == [1, 2] and m[1].device_table[1, :2].tolist() == [10, 11]
     assert m[0].staging.pending_writes == 0  # NOTE: applied by the upload itself
+
+
+@pytest.mark.parametrize("f", [1, 2, 3])
+def test_block_id_bound_is_the_write_runs_bound(f):
+    """The largest allocation id whose kernel-block ids fit int32, ``(2**31 - 1 - (f - 1)) // f``, is
+    accepted by every entry point; one more is refused and nothing is written."""
+    top = (2 ** 31 - 1 - (f - 1)) // f
+    t = BlockTable(2, 8, device="cpu", block_size=4, blocks_per_kv_block=f)
+    t.add_row([top], 0)
+    t.append_rows([1], [1], [top])
+    assert t.row(0).tolist() == t.row(1).tolist() == [top * f + j for j in range(f)]
+    assert int(t.row(0)[-1]) <= 2 ** 31 - 1 < (top + 1) * f  # the next id's first kernel block would not fit
+    before = (t.np.copy(), t.num_blocks.copy())
+    for op in (lambda: t.add_row([top + 1], 0), lambda: t.add_row(np.array([top + 1]), 0),
+               lambda: t.append_row([top + 1], 1), lambda: t.append_rows([1], [1], [top + 1])):
+        with pytest.raises(ValueError, match="block_ids"):
+            op()
+        assert np.array_equal(t.np, before[0]) and np.array_equal(t.num_blocks, before[1])
