@@ -346,7 +346,7 @@ def test_block_id_bound_is_the_write_runs_bound(f):
     t.add_row([top], 0)
     t.append_rows([1], [1], [top])
     assert t.row(0).tolist() == t.row(1).tolist() == [top * f + j for j in range(f)]
-    assert int(t.row(0)[-1]) <= 2 ** 31 - 1 < (top + 1) * f  # the next id's first kernel block would not fit
+    assert int(t.row(0)[-1]) <= 2 ** 31 - 1 < (top + 1) * f + f - 1  # the next id's last kernel block would not
     before = (t.np.copy(), t.num_blocks.copy())
     for op in (lambda: t.add_row([top + 1], 0), lambda: t.add_row(np.array([top + 1]), 0),
                lambda: t.append_row([top + 1], 1), lambda: t.append_rows([1], [1], [top + 1])):
