@@ -18,7 +18,8 @@ sends ``4 * (H + 2 * n)`` bytes for ``n`` changed entries (``H``: the staging fo
 
 The rules are the state's: integer arguments go through :func:`dsv4_index._common.check_int`, block
 ids are bounded like the pipeline's write runs (kernel-block ids fit int32, ``BlockTables.id_max``),
-expanded by :meth:`BlockTables.expand` and placed by :meth:`BlockTables.destinations`.
+expanded as :meth:`BlockTables.expand` expands them (block ``b``'s kernel ids are ``b * f`` plus those of
+block 0, taken from it once) and placed at :func:`dsv4_index.state._index.flat_offset`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from ._common import check_int
 from .geometry import GroupSpec
 from .state import BlockTables, StepStaging
+from .state._index import flat_offset
 
 __all__ = ["BlockTable", "MultiGroupBlockTable"]
 
@@ -121,10 +123,12 @@ class BlockTable:
             _shared = (_Upload(_store([(self.width, self.block_size, self.blocks_per_kv_block)],
                                       self.max_num_reqs, self.device)), 0)
         self._upload, gid = _shared
-        store = self._store = self._upload.store
-        self._gid = np.full(1, gid, dtype=np.int64)
+        store = self._upload.store
+        self._base, self._cols = int(store.base[gid]), int(store.cols[gid])
         f = self.blocks_per_kv_block
         self._id_max = (int(store.id_max[gid]) - (f - 1)) // f  # NOTE: the write runs' rule (state/plan.py)
+        zero = np.zeros(1, dtype=np.int64)  # NOTE: the state's kernel ids of allocation block 0 (arange(f))
+        self._kernel_offsets = store.expand(np.full(1, gid), zero, np.array([0, 1]), zero)[2]
         self.np = store.mirrors[gid]
         self.host = torch.from_numpy(self.np)
         self.num_blocks = store.num_blocks[gid]
@@ -162,12 +166,10 @@ class BlockTable:
         if ids.size and (ids.min() < 0 or ids.max() > self._id_max):
             raise ValueError(f"{what} must be >= 0 and fit int32 as kernel-block ids")
 
-    def _kernel_ids(self, ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Allocation ids (runs of ``counts``) -> kernel-block ids (:meth:`BlockTables.expand`)."""
-        cu = np.zeros(counts.size + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        gid = np.broadcast_to(self._gid, counts.shape)
-        return self._store.expand(gid, np.zeros(counts.size, dtype=np.int64), cu, ids)[2]
+    def _kernel_ids(self, ids: np.ndarray) -> np.ndarray:
+        """int64 allocation ids ``[n]`` -> their kernel-block ids ``[n * f]``, as :meth:`BlockTables.expand`."""
+        f = self.blocks_per_kv_block
+        return ids if f == 1 else (ids[:, None] * f + self._kernel_offsets).reshape(-1)
 
     def _expand(self, block_ids, row: int):
         if self.blocks_per_kv_block == 1 and type(block_ids) is list and len(block_ids) <= 8:
@@ -177,11 +179,10 @@ class BlockTable:
             return block_ids
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         self._check_ids(ids, f"block_ids of row {row}")
-        return self._kernel_ids(ids, np.full(1, ids.size, dtype=np.int64))
+        return self._kernel_ids(ids)
 
     def _mark_prefix(self, row: int, n: int) -> None:
-        self.dirty_lo[row] = 0
-        self.dirty_hi[row] = n
+        self.dirty_lo[row], self.dirty_hi[row] = 0, n
 
     def add_row(self, block_ids: Sequence[int], row: int) -> None:
         """Set row ``row`` to ``block_ids`` (allocation block ids; expanded when ``f > 1``)."""
@@ -266,7 +267,7 @@ class BlockTable:
             n = counts * f
             first = np.cumsum(n) - n
             col = np.repeat(start - first, n) + np.arange(int(n.sum()))
-            self.np[np.repeat(rows, n), col] = self._kernel_ids(ids, counts)
+            self.np[np.repeat(rows, n), col] = self._kernel_ids(ids)
             end = start + n
         self.num_blocks[rows] = end
         lo, hi = self.dirty_lo, self.dirty_hi
@@ -313,10 +314,9 @@ class BlockTable:
         if rows.size == 0:
             return None
         r_lo = lo[rows].astype(np.int64)
-        cu = np.zeros(rows.size + 1, dtype=np.int64)
-        np.cumsum(hi[rows] - r_lo, out=cu[1:])
-        gid = np.broadcast_to(self._gid, rows.shape)
-        return self._store.destinations(gid, rows, r_lo, r_lo, cu)[1]
+        n = hi[rows] - r_lo
+        first = np.cumsum(n) - n
+        return np.repeat(flat_offset(self._base, self._cols, rows, r_lo - first), n) + np.arange(int(n.sum()))
 
     def upload(self) -> int:
         """Send the entries changed since the last upload with one H2D copy through the state staging

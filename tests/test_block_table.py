@@ -353,3 +353,22 @@ def test_block_id_bound_is_the_write_runs_bound(f):
         with pytest.raises(ValueError, match="block_ids"):
             op()
         assert np.array_equal(t.np, before[0]) and np.array_equal(t.num_blocks, before[1])
+
+
+@pytest.mark.parametrize("f", [1, 2, 4])
+def test_rows_are_the_state_expansion_at_the_state_destinations(f):
+    """What an upload stores equals ``BlockTables.expand`` of the allocation ids, at the offsets
+    ``BlockTables.destinations`` gives for the same (slot, first block) runs."""
+    rng = np.random.default_rng(f)
+    m = MultiGroupBlockTable([(12, 16, 1), (12, 8, f)], 5, "cpu")
+    t, store = m[1], m[1]._upload.store
+    ids = {r: rng.integers(0, 10 ** 6, size=int(rng.integers(1, 12 // f + 1))) for r in (0, 2, 4)}
+    for r, x in ids.items():
+        t.add_row(x.tolist(), r)
+    m.upload()
+    flat = store.flat.numpy()
+    for r, x in ids.items():
+        gid = np.ones(1, dtype=np.int64)
+        _, cu, want = store.expand(gid, np.zeros(1, dtype=np.int64), np.array([0, x.size]), x.astype(np.int64))
+        _, dst = store.destinations(gid, np.array([r]), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), cu)
+        assert flat[dst].tolist() == want.tolist() == t.row(r).tolist()
