@@ -89,7 +89,8 @@ def _pairs(pairs):
     return d
 
 
-def loads_bounded(text: str, where: str, *, first_line: int = 1, max_depth: int = MAX_DEPTH, raw: bytes = None):
+def loads_bounded(text: str, where: str, *, first_line: int = 1, max_depth: int = MAX_DEPTH,
+                  raw: Optional[bytes] = None):
     """Parse one JSON document (``where``: the file, for messages; ``first_line``: its first line;
     ``raw``: the bytes ``text`` was decoded from, when the caller has them)."""
     raw = text.encode("utf-8", "surrogatepass") if raw is None else raw

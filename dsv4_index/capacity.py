@@ -90,7 +90,7 @@ def check_capacities(layout, max_num_reqs: int, max_num_batched_tokens: int, num
     """Every capacity within its bound (:data:`BOUNDS`), the block tables and each per-token buffer
     within int32 offsets; ``ValueError`` naming the argument, the largest allowed value and why. Runs
     before the pipeline allocates anything (the per-token shapes come from the builders on ``meta``)."""
-    R = _bound("max_num_reqs", max_num_reqs, 1)
+    num_slots = _bound("max_num_reqs", max_num_reqs, 1)
     T = _bound("max_num_batched_tokens", max_num_batched_tokens, 1)
     _bound("num_speculative_tokens", num_speculative_tokens, 0)
     if max_staged_blocks is not None:
@@ -101,11 +101,11 @@ def check_capacities(layout, max_num_reqs: int, max_num_batched_tokens: int, num
             raise ValueError(f"layout group {g.name!r}: block_size must be at most {hi} ({why}), got "
                              f"{g.alloc_block_size}")
     per_slot = sum(_table_columns(layout, T))
-    if R * per_slot > INT32_MAX:
+    if num_slots * per_slot > INT32_MAX:
         raise ValueError(f"max_num_reqs must be at most {INT32_MAX // per_slot} for this layout (max_model_len "
                          f"{layout.max_model_len}: {per_slot} block-table columns per request, int32 table offsets "
-                         f"in the kernels), got {R}")
-    ctx, builders = _meta_builders(layout, R, T, num_speculative_tokens, cp)
+                         f"in the kernels), got {num_slots}")
+    ctx, builders = _meta_builders(layout, num_slots, T, num_speculative_tokens, cp)
     for name, t in _buffers(ctx, builders).items():
         if t.numel() > INT32_MAX:
             per_token = max(1, t.numel() // T)
@@ -131,23 +131,23 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
 
     cp = (cp_world_size, cp_rank, cp_interleave)
     check_capacities(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks, cp)
-    R, T, G = max_num_reqs, max_num_batched_tokens, len(layout.groups)
+    num_slots, T, G = max_num_reqs, max_num_batched_tokens, len(layout.groups)
     dev = torch.device(device)
     cols = _table_columns(layout, T)
-    total = R * sum(cols)
-    ctx, builders = _meta_builders(layout, R, T, num_speculative_tokens, cp)
+    total = num_slots * sum(cols)
+    ctx, builders = _meta_builders(layout, num_slots, T, num_speculative_tokens, cp)
     staged = min(total, 1 << 20 if max_staged_blocks is None else max_staged_blocks)
-    capacity = StageLayout.for_tokens(T, G, len(ctx.staged_inputs), R).writes + 2 * max(int(staged), 1)
+    capacity = StageLayout.for_tokens(T, G, len(ctx.staged_inputs), num_slots).writes + 2 * max(int(staged), 1)
     pinned = dev.type == "cuda"
     parts: Dict[str, Tuple[str, int]] = {
         "block tables": ("device", 4 * max(total, 1)),
         "block table mirror": ("host", 4 * max(total, 1)),
-        "per-slot table state": ("host", 8 * (4 * G * R + 1) + 12 * (max(cols, default=0) + 1)),
-        "request slots": ("host", R),
+        "per-slot table state": ("host", 8 * (4 * G * num_slots + 1) + 12 * (max(cols, default=0) + 1)),
+        "request slots": ("host", num_slots),
         "staging": ("device", 4 * capacity),
         "staging (host)": ("pinned" if pinned else "host", 4 * capacity * (2 if pinned else 1)
-                           + 8 * (max(T, R) + 1)),
-        "steady-path geometry": ("host", 24 * G * R),
+                           + 8 * (max(T, num_slots) + 1)),
+        "steady-path geometry": ("host", 24 * G * num_slots),
     }
     for name, t in _buffers(ctx, builders).items():
         parts[name] = ("device", t.numel() * t.element_size())

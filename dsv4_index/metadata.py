@@ -140,7 +140,7 @@ class DSV4Metadata:
         ``extra_indices [Td, 1, K or Wc]`` + ``extra_topk_length [Td]`` (converted top-k for ``"c4"``,
         the causal C128A list for ``"c128"``, None for ``"swa"``). Widths are multiples of 128.
         """
-        from .consumers import swa_channel
+        from .consumers import swa_channel  # NOTE: lazy: consumers sits above metadata in the layer table
         idx, lens = self.decode_view(swa_channel(self.layout, layer_kind, layer), padded=padded)
         n = idx.shape[0]
         extra = extra_len = None
@@ -154,10 +154,6 @@ class DSV4Metadata:
         elif layer_kind != "swa":
             raise ValueError(f"layer_kind must be 'swa', 'c4' or 'c128', got {layer_kind!r}")
         return dict(indices=idx, topk_length=lens, extra_indices=extra, extra_topk_length=extra_len)
-
-    def batch_block_table(self, gid: int) -> torch.Tensor:
-        """int32 ``[B, cols]`` rows of group ``gid`` in batch order (a gather: allocates; debugging)."""
-        return self.block_tables[gid][self.idx_mapping.long()]
 
 
 @dataclass

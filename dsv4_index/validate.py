@@ -223,13 +223,12 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
         _compare(s, name, field, found, want, "(docs/DESIGN.md §4, from the reference)")
 
 
-def check_metadata(meta, layout=None, *, num_blocks: Optional[int] = None, null_block: Optional[int] = 0) -> None:
+def check_metadata(meta, *, num_blocks: Optional[int] = None, null_block: Optional[int] = 0) -> None:
     """Check one step's metadata; raise :class:`MetadataError` on the first violation.
 
     Parameters
     ----------
     meta : DSV4Metadata — as returned by ``build()`` (check it before the next build overwrites it).
-    layout : ignored (the metadata carries its layout; kept for callers of the earlier signature).
     num_blocks : int, optional — pool size (allocation blocks); listed slots must lie below
         ``num_blocks * blocks_per_kv_block * rows``. Default: only non-negative.
     null_block : int or None — no listed slot may lie in this block (None: skip).

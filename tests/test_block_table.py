@@ -3,14 +3,13 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from dsv4_index import block_table as bt_mod
 from dsv4_index.block_table import BlockTable, MultiGroupBlockTable
 from dsv4_index.geometry import DSV4Layout
 from dsv4_index.state import StepStaging
 
 
 def sent(n: int, groups: int = 1) -> int:
-    """Bytes a commit of ``n`` changed entries copies: the staging format of ``state/staging.py`` for
+    """Bytes an upload of ``n`` changed entries copies: the staging format of ``state/staging.py`` for
     ``T_pad = 0`` (header 8, five per-row regions of 2 and ``tok_row`` of 1, the overlay of 3 per
     group), then ``n`` values and ``n`` destinations; nothing when nothing changed."""
     return 4 * (8 + 5 * 2 + 1 + 3 * groups + 2 * n) if n else 0
@@ -70,7 +69,7 @@ class Model:
             self._prefix(a)
             self._prefix(b)
 
-    def commit_bytes(self):
+    def upload_bytes(self):
         """The changed entries only (as (value, destination) pairs in the staging format)."""
         return sent(sum(hi - lo for lo, hi in self.ranges.values()))
 
@@ -89,7 +88,7 @@ ops = st.one_of(
     st.tuples(st.just("clear"), st.integers(0, N - 1)),
     st.tuples(st.just("move"), st.integers(0, N - 1), st.integers(0, N - 1)),
     st.tuples(st.just("swap"), st.integers(0, N - 1), st.integers(0, N - 1)),
-    st.tuples(st.just("commit")),
+    st.tuples(st.just("upload")),
 )
 
 
@@ -110,9 +109,9 @@ def test_row_ops_match_model(f, width, seq):
                 with pytest.raises(ValueError, match=f"row {args[1]}"):
                     getattr(t, f"{name}_row")(*args)
                 assert np.array_equal(t.np, before[0]) and np.array_equal(t.num_blocks, before[1])
-        elif name == "commit":
-            nbytes = t.commit()
-            assert nbytes == m.commit_bytes()  # only the changed column ranges travel
+        elif name == "upload":
+            nbytes = t.upload()
+            assert nbytes == m.upload_bytes()  # only the changed column ranges travel
             for r, (lo, hi) in m.ranges.items():
                 sent[r] |= set(range(lo, hi))
             m.ranges = {}
@@ -129,20 +128,20 @@ def test_row_ops_match_model(f, width, seq):
         assert t.num_dirty == len(m.dirty)
 
 
-def test_commit_moves_only_changed_rows():
+def test_upload_moves_only_changed_rows():
     t = BlockTable(6, 4, device="cpu", block_size=64)
     for r in range(6):
         t.add_row([r + 1, r + 10], r)
-    assert t.commit() == sent(6 * 2)  # 6 rows of 2 entries
+    assert t.upload() == sent(6 * 2)  # 6 rows of 2 entries
     assert torch.equal(t.device_table[:, :2], t.host[:, :2])
-    assert t.commit() == 0
+    assert t.upload() == 0
     t.device_table.fill_(-3)
     t.append_row([99], 2)
     t.swap_row(4, 5)
     t.clear_row(1)  # length only; nothing to send
     t.append_row([], 0)  # no-op
     # row 2: only the appended column; rows 4, 5: their 2-entry prefixes
-    assert t.commit() == sent(1 + 2 * 2)
+    assert t.upload() == sent(1 + 2 * 2)
     for r in range(6):
         if r in (4, 5):
             assert torch.equal(t.device_table[r, :2], t.host[r, :2])
@@ -165,7 +164,7 @@ def test_hybrid_expansion():
         t.append_row([1], 0)
     with pytest.raises(ValueError, match="row 1"):
         t.add_row([1, 2, 3], 1)
-    t.commit()
+    t.upload()
     assert torch.equal(t.device_table, t.host)
 
 
@@ -205,7 +204,7 @@ def test_multi_group_one_copy(monkeypatch):
     m.add_row([[7], [], [8], []], 2)
     for t in m.tables:
         t.device_table.fill_(-9)
-    nbytes = m.commit()
+    nbytes = m.upload()
     assert copies == [nbytes // 4]
     # kernel-block entries per gid (f = 2 on gid 0): rows 0 / 2 = [4, 1, 2, 1] / [2, 0, 1, 0]
     assert nbytes == sent((4 + 1 + 2 + 1) + (2 + 1), groups=4)  # 6 non-empty rows over the 4 gids
@@ -221,8 +220,8 @@ def test_multi_group_one_copy(monkeypatch):
     m.clear_row(2)
     m.move_row(1, 2)
     # row 0 is empty after the swap; rows 1 and 2 send their whole valid prefixes (6 + 1 + 2 + 1)
-    assert m.commit() == sent(2 * (6 + 1 + 2 + 1), groups=4)
-    assert len(copies) == 2 and m.commit() == 0
+    assert m.upload() == sent(2 * (6 + 1 + 2 + 1), groups=4)
+    assert len(copies) == 2 and m.upload() == 0
     for t in m.tables:
         for r in range(3):
             n = int(t.num_blocks[r])
@@ -243,15 +242,15 @@ def test_multi_group_from_tuples():
 
 
 @pytest.mark.gpu
-def test_cuda_pinned_commit():
+def test_cuda_pinned_upload():
     t = BlockTable(64, 32, device="cuda", block_size=64, blocks_per_kv_block=2)
     assert t.device_table.is_cuda
     rng = np.random.default_rng(0)
-    for step in range(20):
+    for _step in range(20):
         for r in rng.choice(64, size=5, replace=False):
             t.add_row(rng.integers(1, 10_000, size=rng.integers(0, 17)).tolist(), int(r))
         t.swap_row(int(rng.integers(64)), int(rng.integers(64)))
-        t.commit()
+        t.upload()
     assert t.staging.async_copy and t.staging.host[0].is_pinned()  # NOTE: the transfer buffers are pinned
     torch.cuda.synchronize()
     dev = t.device_table.cpu()
@@ -260,57 +259,38 @@ def test_cuda_pinned_commit():
         assert torch.equal(dev[r, :n], t.host[r, :n])
 
 
-def test_commit_sends_only_new_columns_of_wide_rows():
+def test_upload_sends_only_new_columns_of_wide_rows():
     """A decode-like append to a very wide row moves one entry, not the row."""
     t = BlockTable(8, 32768, device="cpu", block_size=4)
     for r in range(8):
         t.add_row(list(range(1 + r, 1 + r + 100)), r)
-    assert t.commit() == sent(8 * 100)
+    assert t.upload() == sent(8 * 100)
     for r in (1, 5, 6):
         t.append_row([7000 + r], r)
     t.append_row([8000], 5)  # two appends to one row: one segment of 2 entries
-    assert t.commit() == sent(1 * 2 + 2)
+    assert t.upload() == sent(1 * 2 + 2)
     for r in range(8):
         n = int(t.num_blocks[r])
         assert torch.equal(t.device_table[r, :n], t.host[r, :n])
     assert t.device_table[5, 100:102].tolist() == [7005, 8000]
 
 
-def test_pack_segments_pieces_and_apply():
-    t = BlockTable(4, 50, device="cpu", block_size=4)
-    t.add_row(list(range(1, 24)), 2)   # 23 entries -> pieces of 10: 10, 10, 3
-    t.add_row([5, 6], 0)
-    t.append_row([9], 0)
-    buf = np.full(200, -5, np.int32)
-    k, end = t.pack_segments(buf, 3, max_piece=10)
-    assert (k, end) == (4, 3 + 4 * 4 + 3 + 23) and t.num_dirty == 0
-    d = buf[3:3 + 16].reshape(4, 4)
-    pay = 3 + 16
-    assert d.tolist() == [[0, 0, 3, pay], [2, 0, 10, pay + 3], [2, 10, 10, pay + 13], [2, 20, 3, pay + 23]]
-    assert buf[pay:end].tolist() == [5, 6, 9] + list(range(1, 24))
-    assert (buf[:3] == -5).all() and (buf[end:] == -5).all()
-    table = torch.full((4, 50), -1, dtype=torch.int32)
-    bt_mod.apply_segments(table, torch.from_numpy(buf), 3, k, end - 3 - 16)
-    assert table[0, :3].tolist() == [5, 6, 9] and table[2, :23].tolist() == list(range(1, 24))
-    assert bool((table[[1, 3]] == -1).all()) and bool((table[2, 23:] == -1).all())
-
-
 def test_swap_and_clear_send_valid_prefixes_only():
     t = BlockTable(3, 1000, device="cpu", block_size=4)
     t.add_row(list(range(1, 501)), 0)
     t.add_row([7, 8], 1)
-    t.commit()
+    t.upload()
     t.swap_row(0, 1)
     t.clear_row(2)
-    assert t.commit() == sent(2 + 500)
+    assert t.upload() == sent(2 + 500)
     assert t.device_table[0, :2].tolist() == [7, 8] and t.device_table[1, :500].tolist() == list(range(1, 501))
 
 
 @pytest.mark.parametrize("f", [1, 2])
 def test_append_rows_matches_append_row(f):
     rng = np.random.default_rng(f)
-    a = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f, pin_memory=False)
-    b = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f, pin_memory=False)
+    a = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f)
+    b = BlockTable(6, 24, device="cpu", block_size=4, blocks_per_kv_block=f)
     for t in (a, b):
         t.add_row([7], 0)
         t.add_row([1, 2], 3)
@@ -323,7 +303,7 @@ def test_append_rows_matches_append_row(f):
         ids = np.arange(nxt, nxt + counts.sum())
         nxt += int(counts.sum())
         a.append_rows(rows, counts, ids)
-        for r, c, s in zip(rows.tolist(), counts.tolist(), (np.cumsum(counts) - counts).tolist()):
+        for r, c, s in zip(rows.tolist(), counts.tolist(), (np.cumsum(counts) - counts).tolist(), strict=True):
             b.append_row(ids[s:s + c].tolist(), r)
         assert np.array_equal(a.num_blocks, b.num_blocks)
         assert np.array_equal(a.dirty_lo, b.dirty_lo) and np.array_equal(a.dirty_hi, b.dirty_hi)
@@ -332,7 +312,7 @@ def test_append_rows_matches_append_row(f):
 
 
 def test_append_rows_errors_write_nothing():
-    t = BlockTable(4, 3, device="cpu", block_size=4, pin_memory=False)
+    t = BlockTable(4, 3, device="cpu", block_size=4)
     t.add_row([1, 2], 0)
     before = (t.np.copy(), t.num_blocks.copy(), t.dirty_hi.copy())
     for args, match in [(([0, 0], [1, 1], [5, 6]), "rows"), (([4], [1], [5]), "rows"),
@@ -341,17 +321,54 @@ def test_append_rows_errors_write_nothing():
                         (([1, 0], [1, 2], [5, 6, 7]), "width")]:
         with pytest.raises(ValueError, match=match):
             t.append_rows(*args)
-        assert all(np.array_equal(x, y) for x, y in zip(before, (t.np, t.num_blocks, t.dirty_hi)))
+        assert all(np.array_equal(x, y) for x, y in zip(before, (t.np, t.num_blocks, t.dirty_hi), strict=True))
 
 
 def test_the_facade_stores_in_the_state_tables():
-    """One implementation: every group's device table is a view of one flat buffer, and a commit is
+    """One implementation: every group's device table is a view of one flat buffer, and an upload is
     one staged copy of (value, destination) pairs applied on the device by the state staging."""
     m = MultiGroupBlockTable([(4, 16, 1), (3, 8, 2)], 3, "cpu")
     ptrs = {t.device_table.untyped_storage().data_ptr() for t in m.tables}
     assert len(ptrs) == 1
     m.add_row([[1, 2], [5]], 1)
-    assert m.commit() == sent(2 + 2, groups=2)
+    assert m.upload() == sent(2 + 2, groups=2)
     assert isinstance(m[0].staging, StepStaging) and m[0].staging is m[1].staging
     assert m[0].device_table[1, :2].tolist() == [1, 2] and m[1].device_table[1, :2].tolist() == [10, 11]
-    assert m[0].staging.pending_writes == 0  # NOTE: applied by the commit itself
+    assert m[0].staging.pending_writes == 0  # NOTE: applied by the upload itself
+
+
+@pytest.mark.parametrize("f", [1, 2, 3])
+def test_block_id_bound_is_the_write_runs_bound(f):
+    """The largest allocation id whose kernel-block ids fit int32, ``(2**31 - 1 - (f - 1)) // f``, is
+    accepted by every entry point; one more is refused and nothing is written."""
+    top = (2 ** 31 - 1 - (f - 1)) // f
+    t = BlockTable(2, 8, device="cpu", block_size=4, blocks_per_kv_block=f)
+    t.add_row([top], 0)
+    t.append_rows([1], [1], [top])
+    assert t.row(0).tolist() == t.row(1).tolist() == [top * f + j for j in range(f)]
+    assert int(t.row(0)[-1]) <= 2 ** 31 - 1 < (top + 1) * f + f - 1  # the next id's last kernel block would not
+    before = (t.np.copy(), t.num_blocks.copy())
+    for op in (lambda: t.add_row([top + 1], 0), lambda: t.add_row(np.array([top + 1]), 0),
+               lambda: t.append_row([top + 1], 1), lambda: t.append_rows([1], [1], [top + 1])):
+        with pytest.raises(ValueError, match="block_ids"):
+            op()
+        assert np.array_equal(t.np, before[0]) and np.array_equal(t.num_blocks, before[1])
+
+
+@pytest.mark.parametrize("f", [1, 2, 4])
+def test_rows_are_the_state_expansion_at_the_state_destinations(f):
+    """What an upload stores equals ``BlockTables.expand`` of the allocation ids, at the offsets
+    ``BlockTables.destinations`` gives for the same (slot, first block) runs."""
+    rng = np.random.default_rng(f)
+    m = MultiGroupBlockTable([(12, 16, 1), (12, 8, f)], 5, "cpu")
+    t, store = m[1], m[1]._upload.store
+    ids = {r: rng.integers(0, 10 ** 6, size=int(rng.integers(1, 12 // f + 1))) for r in (0, 2, 4)}
+    for r, x in ids.items():
+        t.add_row(x.tolist(), r)
+    m.upload()
+    flat = store.flat.numpy()
+    for r, x in ids.items():
+        gid = np.ones(1, dtype=np.int64)
+        _, cu, want = store.expand(gid, np.zeros(1, dtype=np.int64), np.array([0, x.size]), x.astype(np.int64))
+        _, dst = store.destinations(gid, np.array([r]), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), cu)
+        assert flat[dst].tolist() == want.tolist() == t.row(r).tolist()

@@ -145,7 +145,7 @@ class Caches:
             ch = meta[name]
             sm = (ch.slot_mapping if name == "swa" else ch.compressed_slot_mapping)[:len(tok)].tolist()
             flat = cache.view(-1, cache.shape[-1])
-            for (rid, pos, _), s in zip(tok, sm):
+            for (rid, pos, _), s in zip(tok, sm, strict=True):
                 if s >= 0:
                     if name == "swa":
                         flat[s] = content.raw(rid, pos)
@@ -195,7 +195,7 @@ def indexer_logits(meta, tok, caches, content, g, lens="decode_lens"):
     wi = torch.randn(nd * n, HI, generator=g, dtype=DT)
     where = [(t, b, n - int(qsl[b + 1] - qsl[b]) + i)  # (token, batch row, right-aligned row)
              for b in range(nd) for i, t in enumerate(range(qsl[b], qsl[b + 1]))]
-    for t, b, j in where:
+    for _t, b, j in where:
         qi[b, j] = torch.randn(HI, DI, generator=g, dtype=DT)
     bt = c4i.block_table[meta.idx_mapping[:nd].long()]        # slot-indexed table -> batch rows
     ctx = getattr(c4i, lens)
@@ -269,7 +269,7 @@ def check_prefill(meta, views, tok, caches, content, q, sink, picks, rng, seen):
             assert c.indices.dtype == c.topk_length.dtype == torch.int32
             n_c = [min((p + 1) // R, Kc) if R else 0 for _, p, _ in toks]
             n_w = [p + 1 - max(p - W + 1, f, 0) for _, p, f in toks]
-            assert c.topk_length.tolist() == [x + y for x, y in zip(n_c, n_w)], kind
+            assert c.topk_length.tolist() == [x + y for x, y in zip(n_c, n_w, strict=True)], kind
             past = torch.arange(c.indices.shape[2])[None] >= c.topk_length[:, None]
             assert (c.indices[:, 0][past] == -1).all()
             ws = torch.full((c.num_reqs, c.M, D), NAN, dtype=DT)  # the engine's gather, page by page
@@ -291,7 +291,7 @@ def check_prefill(meta, views, tok, caches, content, q, sink, picks, rng, seen):
                 for t in range(c.tok_start, c.tok_end)], sink)
             bad = torch.nonzero(~((out - ref).abs().amax((1, 2)) <= TOL))[:, 0]
             assert not len(bad), (kind, [toks[i] for i in bad])
-            for t, (rid, pos, _) in zip(range(c.tok_start, c.tok_end), toks):
+            for t, (rid, pos, _) in zip(range(c.tok_start, c.tok_end), toks, strict=True):
                 v = views[rid]
                 seen["replayed"] += bool(v.replay_start) and pos < v.replay_end
                 seen["with_prefix"] += v.num_computed_tokens > v.replay_start
@@ -415,7 +415,7 @@ def test_paged_mqa_logits_64_row_pages_and_clamped_lens():
         assert (raw == 0).any() and (clamped >= 1).all()
         assert torch.equal(clamped[raw >= 1], raw[raw >= 1])
         for lens in ("decode_lens", "decode_lens_clamped"):
-            for t, row, vis in indexer_logits(meta, tok, caches, content, g, lens):
+            for _t, _row, vis in indexer_logits(meta, tok, caches, content, g, lens):
                 seen_two_pages |= vis > 64
         if i == 2:  # capture-like: every length is 0, every clamped length 1
             assert (raw == 0).all() and (clamped == 1).all()

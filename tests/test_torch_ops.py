@@ -99,7 +99,8 @@ def test_ops_equal_the_public_ops():
     assert s[8:].eq(-1).all() and (s[:8] >= 0).all()
     lens, dec, ks, ke, cu = OPS.indexer_lengths(qsl, seq, 4, num_tokens=12, next_n=2, num_decodes=2)
     r = reference.indexer_lengths(qsl, seq, 4, next_n=2, num_decodes=2, num_tokens=12)
-    assert all(torch.equal(a, b) for a, b in zip((lens, dec, ks, ke, cu), (r.lens, r.decode_lens, r.ks, r.ke, r.cu)))
+    want = (r.lens, r.decode_lens, r.ks, r.ke, r.cu)
+    assert all(torch.equal(a, b) for a, b in zip((lens, dec, ks, ke, cu), want, strict=True))
     assert OPS.indexer_lengths(qsl, seq, 4, num_tokens=12)[1].shape == (0, 0)
     slots, n = OPS.topk_to_slots(c["topk_to_slots"][1][0], qsl, seq, bt, 2, 2, idx, num_tokens=12)
     rs, rn = reference.topk_to_slots(c["topk_to_slots"][1][0], qsl, seq, bt, 2, 2, idx_mapping=idx, num_tokens=12)
@@ -207,7 +208,7 @@ def test_inductor_cuda_fullgraph():
     assert _graph_breaks(forward, x, qsl, seq, bt, idx, topk) == 0
     cf = torch.compile(forward, fullgraph=True, backend="inductor")
     torch.testing.assert_close(cf(x, qsl, seq, bt, idx, topk), forward(x, qsl, seq, bt, idx, topk))
-    for name, (op, args, kwargs) in cases("cuda", backend=None).items():
+    for _name, (op, args, kwargs) in cases("cuda", backend=None).items():
         torch.library.opcheck(op, args, kwargs)
 
 

@@ -82,7 +82,7 @@ def test_replay_clean_prints_a_summary(trace, capsys):
 def test_replay_reports_a_missing_block(trace, tmp_path, capsys):
     """Step 3: drop the last id of request a's mla run -> its tokens are not covered."""
     def drop(s):
-        for r, (g, slot) in enumerate(zip(s["write_gids"], s["write_slots"])):
+        for r, (g, slot) in enumerate(zip(s["write_gids"], s["write_slots"], strict=True)):
             if g == 0 and slot == 0:
                 del s["write_ids"][s["write_cu"][r + 1] - 1]
                 s["write_cu"][r + 1:] = [c - 1 for c in s["write_cu"][r + 1:]]

@@ -92,7 +92,7 @@ def _first_accepted(src, tmp_path, name, change, backend=None):
     pad and capacity) is the one tested. Returns (result, row index, recorded step line)."""
     d0 = next(d for d in lines(src) if d["type"] == "step" and d["index"] == TAMPERED)
     for r in range(len(d0["step"]["req_slots"])):
-        def fn(d):
+        def fn(d, r=r):
             change(d["step"], r)
             d["pad_to"] = None if d["pad_to"] is None else d["pad_to"] + 3
         res = replay_trace(tampered(src, tmp_path / f"{name}{r}.jsonl", fn), device="cpu", backend=backend)
@@ -124,7 +124,7 @@ def test_a_swapped_block_id_is_named(trace, tmp_path, capsys):
     """Step 2 admits request c: swap two of the block ids it writes into one group."""
     def swap(d):
         s = d["step"]
-        for run, g in enumerate(s["write_gids"]):
+        for run, _g in enumerate(s["write_gids"]):
             lo, hi = s["write_cu"][run], s["write_cu"][run + 1]
             if hi - lo >= 2:
                 s["write_ids"][lo], s["write_ids"][lo + 1] = s["write_ids"][lo + 1], s["write_ids"][lo]

@@ -15,7 +15,7 @@ resumed) request takes the lowest free slot, in the order the step lists them.
 
 Speed (``benchmarks/FRONTEND.md``): a step without resumed requests or replay bounds (a steady decode,
 or one with a few new / finished requests) takes :func:`dsv4_index.frontend.fast.convert_repeat`:
-C-level passes over the scheduler's columns, the slots of the last committed batch reused when the
+C-level passes over the scheduler's columns, the request slots of the last committed batch reused when the
 request order repeats, no Python loop over requests. Anything unusual goes to :func:`convert`, which
 gives the same batch or names the culprit (``tests/frontend/test_convert_bulk.py`` compares the two).
 """
@@ -105,9 +105,9 @@ _REQ_ID, _NEW_BLOCKS, _COMPUTED, _RESUMED = (attrgetter(a) for a in ("req_id", "
                                                                       "num_computed_tokens", "resumed"))
 
 
-def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] = None
+def batch_from_step(step: StepInput, slot_map: SlotMap, num_groups: Optional[int] = None
                     ) -> Tuple[StepBatch, SlotMapDelta]:
-    """Convert a :class:`StepInput` (pure: ``slots`` is not changed; commit the delta after the
+    """Convert a :class:`StepInput` (pure: ``slot_map`` is not changed; commit the delta after the
     pipeline accepted the batch).
 
     Raises ValueError naming the request and field for anything a scheduler could get wrong (the
@@ -120,12 +120,12 @@ def batch_from_step(step: StepInput, slots: SlotMap, num_groups: Optional[int] =
         # NOTE: the block tuples' shape is trusted only from the library's own (frozen) request types
         trusted = countOf(map(type, run), RunningRequest) == len(run) and \
             countOf(map(type, step.new_requests), NewRequest) == len(step.new_requests)
-        done = convert_repeat(slots, num_groups, new_of(step), list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
+        done = convert_repeat(slot_map, num_groups, new_of(step), list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
                      list(map(_COMPUTED, run)), step.num_scheduled_tokens, step.finished_req_ids,
                      step.preempted_req_ids, trusted)
         if done is not None:
             return done
-    return convert(slots, num_groups, STEP, new_of(step), running_of(step), step.num_scheduled_tokens,
+    return convert(slot_map, num_groups, STEP, new_of(step), running_of(step), step.num_scheduled_tokens,
                    step.finished_req_ids, step.preempted_req_ids, step.replay_start, step.replay_end)
 
 
@@ -147,7 +147,7 @@ def _column(obj, name: str, n: int, where: str) -> list:
     return v if type(v) is list else list(v)
 
 
-def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] = None, *,
+def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int] = None, *,
                                 replay_start: Optional[dict] = None, replay_end: Optional[dict] = None
                                 ) -> Tuple[StepBatch, SlotMapDelta]:
     """Build a :class:`StepBatch` from a vLLM-style ``SchedulerOutput`` (duck-typed; pure: commit
@@ -193,12 +193,12 @@ def batch_from_scheduler_output(out, slots: SlotMap, num_groups: Optional[int] =
     new_rows = [(_field(r, "req_id", f"scheduled_new_reqs[{i}]"), _field(r, "block_ids", f"scheduled_new_reqs[{i}]"),
                  _field(r, "num_computed_tokens", f"scheduled_new_reqs[{i}]")) for i, r in enumerate(new)]
     if not replay_start and not replay_end and not resumed:
-        done = convert_repeat(slots, num_groups, new_rows, ids, nbs, ncs, nst, finished, preempted, False)
+        done = convert_repeat(slot_map, num_groups, new_rows, ids, nbs, ncs, nst, finished, preempted, False)
         if done is not None:
             return done
     back = set(resumed)
-    running = [(rid, nb, nc, rid in back) for rid, nb, nc in zip(ids, nbs, ncs)]
-    return convert(slots, num_groups, SCHED, new_rows, running, nst, finished, preempted,
+    running = [(rid, nb, nc, rid in back) for rid, nb, nc in zip(ids, nbs, ncs, strict=True)]
+    return convert(slot_map, num_groups, SCHED, new_rows, running, nst, finished, preempted,
                    replay_start or {}, replay_end or {})
 # ----------------------------------------------------------------------------------------------
 # the pipeline's array-level errors, in the scheduler's terms
@@ -215,10 +215,10 @@ def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str =
     ``src``: ``"step"`` (a StepInput) or ``"scheduler_output"``. Returns a new exception of the same
     type (raise it ``from error``), or ``error`` itself when it names no position it can map.
     """
-    order, slots = delta.order, np.asarray(batch.req_slots).tolist()
-    if len(order) != len(slots):
+    order, req_slots = delta.order, np.asarray(batch.req_slots).tolist()
+    if len(order) != len(req_slots):
         return error
-    rid_of = dict(zip(slots, order))
+    rid_of = dict(zip(req_slots, order, strict=True))
     new_where, run_where = (STEP if src == "step" else SCHED)
     fresh = set(delta.new)
 

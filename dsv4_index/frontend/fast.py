@@ -10,7 +10,7 @@ the two). So every shortcut here only has to be *sufficient*:
 * rows are in vLLM's order: the running requests as listed, the new ones appended (as vLLM appends
   admitted requests to its running list), so the step after an arrival repeats the committed order;
 * the request order of the last committed batch (kept by the :class:`~dsv4_index.state.requests.SlotMap`)
-  repeats, or repeats without the rows of finished / preempted requests (a list comparison): the slots
+  repeats, or repeats without the rows of finished / preempted requests (a list comparison): the request slots
   come from the cached array, distinct and held by construction; otherwise one lookup per request
   (:meth:`SlotMap.held_slots`);
 * ``num_scheduled_tokens`` is read in dict order when its keys are the rows (running first, as vLLM
@@ -71,11 +71,11 @@ def _scheduled(nst: dict, ids: list, new_ids: list, all_ids: list):
 
 
 def _ids_of(sm: SlotMap, ids: list, new: list, finished, preempted, d: SlotMapDelta):
-    """``(slots of the running rows, new ids)``; None when unusual (raises TypeError / KeyError /
+    """``(request slots of the running rows, new ids)``; None when unusual (raises TypeError / KeyError /
     ValueError for bad input, which the caller turns into None)."""
     away = sm.gone(*gone_ids(finished, preempted), d) if finished or preempted else ()
-    slots = sm.held_slots(ids, d.freed) if ids else EMPTY
-    if slots is None:
+    req_slots = sm.held_slots(ids, d.freed) if ids else EMPTY
+    if req_slots is None:
         return None
     new_ids = [r[0] for r in new]
     if new_ids:
@@ -83,7 +83,7 @@ def _ids_of(sm: SlotMap, ids: list, new: list, finished, preempted, d: SlotMapDe
         if not set(map(type, new_ids)) <= _STR or len(set(new_ids)) != len(new_ids) \
                 or (away and not away.isdisjoint(new_ids)) or any(map(sm.slot_of.__contains__, new_ids)):
             return None
-    return slots, new_ids
+    return req_slots, new_ids
 
 
 def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: list, ncs: list, nst, finished,
@@ -104,7 +104,7 @@ def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: l
         got = _ids_of(sm, ids, new, finished, preempted, d)
         if got is None:
             return None
-        slots, new_ids = got
+        req_slots, new_ids = got
         all_ids = ids + new_ids if K else ids
         qs = _scheduled(nst, ids, new_ids, all_ids)
     except (TypeError, KeyError, ValueError):
@@ -129,7 +129,7 @@ def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: l
         else:
             w_cu = np.zeros(N + 1, dtype=np.int64)
             np.cumsum(a[2 * n + M + N + len(sel):], out=w_cu[1:])
-        runs = (w_g, slots[row], _sized(_APPENDS, N), w_cu, a[2 * n:2 * n + M])
+        runs = (w_g, req_slots[row], _sized(_APPENDS, N), w_cu, a[2 * n:2 * n + M])
     else:
         a = pack(ncs, tail, qs, ())
         if a is None:
@@ -144,17 +144,17 @@ def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: l
         new_runs = _new_runs(G, new, free, trusted)
         if new_runs is None:
             return None
-        d.taken = dict(zip(new_ids, free))
+        d.taken = dict(zip(new_ids, free, strict=True))
         d.new = new_ids
-        slots = frozen(np.concatenate([slots, np.array(free, dtype=np.int64)]))
+        req_slots = frozen(np.concatenate([req_slots, np.array(free, dtype=np.int64)]))
         is_new = np.concatenate([is_new, np.ones(K, dtype=bool)])
-        runs = tuple(np.concatenate([a_, b_]) for a_, b_ in zip(runs[:3], new_runs[:3])) + \
+        runs = tuple(np.concatenate([a_, b_]) for a_, b_ in zip(runs[:3], new_runs[:3], strict=True)) + \
             (np.concatenate([runs[3], new_runs[3][1:] + runs[3][-1]]), np.concatenate([runs[4], new_runs[4]]))
     w_g, w_s, w_st, w_cu, w_ids = runs
-    batch = StepBatch(req_slots=slots, num_computed_tokens=a[:n], num_scheduled_tokens=a[n:2 * n],
+    batch = StepBatch(req_slots=req_slots, num_computed_tokens=a[:n], num_scheduled_tokens=a[n:2 * n],
                       is_new=is_new, free_slots=free_slots, write_gids=w_g, write_slots=w_s, write_starts=w_st,
                       write_cu=w_cu, write_ids=w_ids)
-    d.order, d.slots = all_ids, slots  # NOTE: SlotMap.commit copies the ids
+    d.order, d.slots = all_ids, req_slots  # NOTE: SlotMap.commit copies the ids
     return batch, d
 
 
@@ -206,7 +206,7 @@ def _new_runs(G: Optional[int], new: list, free: Sequence[int], trusted: bool):
     g_: list = []
     s_: list = []
     every: list = []
-    for (rid, lists, _), slot in zip(new, free):
+    for (_rid, lists, _), slot in zip(new, free, strict=True):
         if not trusted and (type(lists) not in LISTS or not set(map(type, lists)) <= LISTS):
             return None
         if G is None:

@@ -105,9 +105,9 @@ def _table_rows(meta, pipe, g: int) -> np.ndarray:
     """``[B, 1 + m]`` int64: per batch row the count and the logical blocks the step can read."""
     from ..state._index import cp_owned, window_start
     grp, tables = meta.layout.groups[g], pipe.tables
-    slots = np.asarray(meta.req_slots, dtype=np.int64)
-    B = slots.size
-    n = tables.num_blocks[g, slots].astype(np.int64) if B else np.zeros(0, np.int64)
+    req_slots = np.asarray(meta.req_slots, dtype=np.int64)
+    B = req_slots.size
+    n = tables.num_blocks[g, req_slots].astype(np.int64) if B else np.zeros(0, np.int64)
     if grp.kind == "full":
         lo = np.zeros(B, dtype=np.int64)
     elif grp.kind == "circular":
@@ -126,7 +126,10 @@ def _table_rows(meta, pipe, g: int) -> np.ndarray:
     if B and m:
         t = meta.block_tables[g]
         # NOTE: one gather and one copy of the B rows (on the CPU a numpy gather: torch's is slower)
-        rows = t.numpy()[slots] if t.device.type == "cpu" else t.index_select(0, meta.idx_mapping.long()).cpu().numpy()
+        if t.device.type == "cpu":
+            rows = t.numpy()[req_slots]
+        else:
+            rows = t.index_select(0, meta.idx_mapping.long()).cpu().numpy()
         logical = lo[:, None] + np.arange(m)[None, :]
         ring = rows.shape[1]
         col = logical % ring if grp.kind != "full" and ring < grp.table_width else np.minimum(logical, ring - 1)
@@ -203,7 +206,7 @@ def _decode_rows(e: dict) -> np.ndarray:
 
 def flat_entries(dg: dict) -> List[Tuple[Optional[str], str, dict]]:
     """``(channel or None, field, entry)`` in comparison order: common fields, block tables, channels."""
-    out = [(None, f, e) for f, e in dg.get("common", {}).items()]
+    out: List[Tuple[Optional[str], str, dict]] = [(None, f, e) for f, e in dg.get("common", {}).items()]
     out += [(None, f"block_table[{g}]", e) for g, e in dg.get("block_tables", {}).items()]
     for ch, fields in dg.get("channels", {}).items():
         out += [(ch, f, e) for f, e in fields.items()]

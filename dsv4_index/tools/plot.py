@@ -175,7 +175,7 @@ def _token_order(fig, gs, meta, qsl, seq) -> None:
     _token_strip(fig.add_subplot(top[1, 0]), meta, qsl)
     key = fig.add_subplot(top[1, 1])
     key.axis("off")
-    key.legend(handles=[Patch(color=c, label=n) for c, n in zip(kind_colors, kind_names)]
+    key.legend(handles=[Patch(color=c, label=n) for c, n in zip(kind_colors, kind_names, strict=True)]
                + [plt.Line2D([], [], ls="", marker=".", ms=9, color="0.25", label="context after the step")],
                loc="center", fontsize=FS_SMALL, frameon=False)
     kind = np.where(np.arange(B) >= nd, 2, np.where(q > 1, 1, 0))
@@ -236,7 +236,8 @@ def _occupancy_panels(fig, gs, meta, qsl, seq, max_rows: int) -> None:
                 ax.set_xlabel("table column", fontsize=FS_LABEL)
             else:
                 ax.tick_params(labelbottom=False)
-    fig.legend(handles=[Patch(facecolor=c, edgecolor="0.6", label=n) for c, n in zip(_CAT_COLORS, _CAT_NAMES)],
+    cats = zip(_CAT_COLORS, _CAT_NAMES, strict=True)
+    fig.legend(handles=[Patch(facecolor=c, edgecolor="0.6", label=n) for c, n in cats],
                loc="upper center", ncol=5, fontsize=FS_LABEL, frameon=False,
                bbox_to_anchor=(0.5, _legend_y(fig, gs)))
 
@@ -330,7 +331,7 @@ def _zoom(fig, spec, meta, b: int, qsl, seq, picks) -> None:
                 keep = p >= zoom_lo
                 p, blk, ok = p[keep], blk[keep], ok[keep]
             col = _block_colors(np.where(blk >= 0, blk, 0))
-            col = [c if v >= 0 and o else (0.6, 0.6, 0.6) for c, v, o in zip(col, blk, ok)]
+            col = [c if v >= 0 and o else (0.6, 0.6, 0.6) for c, v, o in zip(col, blk, ok, strict=True)]
             if k == 0 and len(p) > 0:
                 ax.scatter(np.where(ok, p, np.minimum(p, seq[b] + 1)), np.full(len(p), y), c=col,
                            marker="|", s=90, linewidths=1.0)
@@ -387,6 +388,6 @@ def _label_blocks(ax, y, p, blk, xrange: float) -> None:
     if len(p) == 0:
         return
     cuts = np.flatnonzero(np.diff(blk)) + 1
-    for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(p)]):
+    for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(p)], strict=True):
         if blk[s] >= 0 and (e - s) / max(xrange, 1) > 0.07:
             ax.text((p[s] + p[e - 1]) / 2, y, f"blk {int(blk[s])}", ha="center", va="center", fontsize=FS_SMALL)

@@ -130,18 +130,41 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
     ReplayResult
     """
     from .._common import use_triton
-    from ..pipeline import MetadataPipeline
-    from ..validate import MetadataError, check_topk
 
     log = log or (lambda s: print(s, file=sys.stderr))
     version, layout, p, header, steps, end = _read(path)
     if config is not None:
-        new = _rebuild_layout(layout, config)
-        if new != layout:
-            log(f"note: the layout of config {config!r} differs from the recorded one; replaying with it "
-                "(the recorded outputs are compared all the same)")
-        layout = new
+        layout = _with_config(layout, config, log)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    checked, ref = _pipelines(path, layout, p, device, backend)
+    name = "triton" if use_triton(device, backend) else "reference"
+    res = ReplayResult(str(path), len(steps), str(device), name)
+    res.recorded_on = f"{p['device']} ({p['backend'] or 'default backend'})"
+    res.stats = dict.fromkeys(("accepted steps", "rejected steps (as recorded)", "steps matching the recording",
+                               "live tokens", "padded tokens", "max batch rows", "top-k conversions"), 0)
+    res.notes += _digest_notes(version, header, steps)
+    gen = torch.Generator().manual_seed(topk_seed)
+    for i, d in _progress(enumerate(steps), len(steps), progress):
+        prob = _replay_step(path, i, d, checked, ref, gen, res)
+        if prob is not None:
+            res.problem = prob
+            return res
+    return _complete(res, version, end, steps)
+
+
+def _with_config(layout, config, log):
+    """The recorded layout rebuilt from ``config`` (a note when it differs)."""
+    new = _rebuild_layout(layout, config)
+    if new != layout:
+        log(f"note: the layout of config {config!r} differs from the recorded one; replaying with it "
+            "(the recorded outputs are compared all the same)")
+    return new
+
+
+def _pipelines(path, layout, p: dict, device: torch.device, backend: Optional[str]):
+    """The checked pipeline (``validate=True``) and the CPU reference one, from the header's arguments."""
+    from ..pipeline import MetadataPipeline
+
     common = dict(num_speculative_tokens=p["num_speculative_tokens"], cp_world_size=p["cp_world_size"],
                   cp_rank=p["cp_rank"], cp_interleave=p["cp_interleave"], max_staged_blocks=p["max_staged_blocks"])
     args = (layout, p["max_num_reqs"], p["max_num_batched_tokens"])
@@ -152,58 +175,61 @@ def replay_trace(path: Union[str, Path], *, config=None, device=None, backend: O
         ref = MetadataPipeline(*args, "cpu", checks="full", backend="reference", **common)
     except (ValueError, TypeError, OverflowError) as e:
         raise TraceError(path, 1, "pipeline", f"the recorded pipeline cannot be built: {e}") from None
-    name = "triton" if use_triton(device, backend) else "reference"
-    res = ReplayResult(str(path), len(steps), str(device), name)
-    res.recorded_on = f"{p['device']} ({p['backend'] or 'default backend'})"
-    st = res.stats = dict.fromkeys(("accepted steps", "rejected steps (as recorded)", "steps matching the recording",
-                                    "live tokens", "padded tokens", "max batch rows", "top-k conversions"), 0)
-    res.notes += _digest_notes(version, header, steps)
-    gen = torch.Generator().manual_seed(topk_seed)
-    for i, d in _progress(enumerate(steps), len(steps), progress):
-        line = d["line"]
-        if d["step"] is None:   # rejected before conversion: nothing to feed
-            st["rejected steps (as recorded)"] += 1
-            continue
-        batch, pad = StepBatch.from_json(d["step"]), d.get("pad_to")
-        ids = d.get("req_ids")
-        slot_id = {} if ids is None else dict(zip(batch.req_slots.tolist(), ids))
-        errors = [_update(pipe, batch, pad) for pipe in (checked, ref)]
-        if d["type"] == "rejected":
-            if errors[0] is None or errors[1] is None:
-                res.problem = Problem(i, line, "accepted", f"the recording rejected it with {d['error']}; "
-                                      f"the replay {'checked' if errors[0] is None else 'reference'} pipeline "
-                                      "accepted it")
-                return res
-            st["rejected steps (as recorded)"] += 1
-            continue
-        if errors[0] is not None or errors[1] is not None:
-            e = errors[0] if errors[0] is not None else errors[1]
-            res.problem = Problem(i, line, "rejected", f"{type(e).__name__}: {e}")
-            return res
-        try:
-            meta = checked.build()
-        except MetadataError as e:
-            res.problem = Problem(i, line, "invariant", str(e), channel=e.channel, token=e.token,
-                                  req_id=_req(slot_id, e.req_id), expected=e.expected, found=e.found)
-            return res
-        except ValueError as e:   # NOTE: the header's checks should leave none; name the line if one is left
-            raise TraceError(path, line, None, f"build() of this step failed: {e}") from e
-        mref = ref.build()
-        prob = _compare(meta, mref, slot_id, res.values)
-        if prob is None and meta.channels:
-            prob = _compare_topk(meta, mref, gen, slot_id, check_topk, st)
-        if prob is None and d["outputs"] is not None:
-            prob = _compare_recording(path, d, meta, checked, slot_id)
-            st["steps matching the recording"] += prob is None
-        if prob is not None:
-            prob.step, prob.line = i, line
-            res.problem = prob
-            return res
-        st["accepted steps"] += 1
-        st["live tokens"] += meta.num_tokens
-        st["padded tokens"] += meta.num_tokens_padded
-        st["max batch rows"] = max(st["max batch rows"], meta.num_reqs)
-    return _complete(res, version, end, steps)
+    return checked, ref
+
+
+def _replay_step(path, i: int, d: dict, checked, ref, gen, res: ReplayResult) -> Optional[Problem]:
+    """Feed step ``i`` (trace line ``d``) to both pipelines, build and compare; the step's problem or None
+    (``res.stats`` and ``res.values`` counted)."""
+    from ..validate import MetadataError
+
+    line, st = d["line"], res.stats
+    if d["step"] is None:   # rejected before conversion: nothing to feed
+        st["rejected steps (as recorded)"] += 1
+        return None
+    batch, pad = StepBatch.from_json(d["step"]), d.get("pad_to")
+    ids = d.get("req_ids")
+    slot_id = {} if ids is None else dict(zip(batch.req_slots.tolist(), ids, strict=True))
+    errors = [_update(pipe, batch, pad) for pipe in (checked, ref)]
+    if d["type"] == "rejected":
+        if errors[0] is None or errors[1] is None:
+            return Problem(i, line, "accepted", f"the recording rejected it with {d['error']}; "
+                           f"the replay {'checked' if errors[0] is None else 'reference'} pipeline accepted it")
+        st["rejected steps (as recorded)"] += 1
+        return None
+    err = errors[0] if errors[0] is not None else errors[1]
+    if err is not None:
+        return Problem(i, line, "rejected", f"{type(err).__name__}: {err}")
+    try:
+        meta = checked.build()
+    except MetadataError as e:
+        return Problem(i, line, "invariant", str(e), channel=e.channel, token=e.token,
+                       req_id=_req(slot_id, e.req_id), expected=e.expected, found=e.found)
+    except ValueError as e:   # NOTE: the header's checks should leave none; name the line if one is left
+        raise TraceError(path, line, None, f"build() of this step failed: {e}") from e
+    prob = _compare_step(path, d, meta, checked, ref, gen, slot_id, res)
+    if prob is not None:
+        prob.step, prob.line = i, line
+        return prob
+    st["accepted steps"] += 1
+    st["live tokens"] += meta.num_tokens
+    st["padded tokens"] += meta.num_tokens_padded
+    st["max batch rows"] = max(st["max batch rows"], meta.num_reqs)
+    return None
+
+
+def _compare_step(path, d, meta, checked, ref, gen, slot_id, res: ReplayResult) -> Optional[Problem]:
+    """The built step against the reference pipeline's, its top-k conversions, then the recorded digests."""
+    from ..validate import check_topk
+
+    mref = ref.build()
+    prob = _compare(meta, mref, slot_id, res.values)
+    if prob is None and meta.channels:
+        prob = _compare_topk(meta, mref, gen, slot_id, check_topk, res.stats)
+    if prob is None and d["outputs"] is not None:
+        prob = _compare_recording(path, d, meta, checked, slot_id)
+        res.stats["steps matching the recording"] += prob is None
+    return prob
 
 
 def _digest_notes(version: int, header: dict, steps) -> List[str]:
@@ -307,7 +333,7 @@ def _compare(meta, mref, slot_id, values: Dict[str, int]) -> Optional[Problem]:
         prob = _diff(meta, slot_id, None, name, getattr(meta, name), getattr(mref, name))
         if prob:
             return prob
-    for g, (a, b) in enumerate(zip(meta.block_tables, mref.block_tables)):
+    for g, (a, b) in enumerate(zip(meta.block_tables, mref.block_tables, strict=True)):
         prob = _diff(meta, slot_id, None, f"block_tables[{g}]", a, b)
         if prob:
             return prob

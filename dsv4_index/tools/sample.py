@@ -20,7 +20,7 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
                       seed: int = 0) -> StepBatch:
     """A synthetic serving step: ``num_requests`` new rows (~85 % decodes, ~10 % speculative decodes
     of ``1 + num_speculative_tokens`` tokens, the rest prefill chunks), contexts log-uniform up to
-    ``layout.max_model_len``, in shuffled slots and batch order, with every block they need (sliding
+    ``layout.max_model_len``, in shuffled request slots and batch order, with every block they need (sliding
     groups: null ids below the window, as a scheduler frees them). ``min_context`` (default
     ``max_model_len // 64``) is the shortest context.
 
@@ -30,13 +30,13 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
     """
     rng = np.random.default_rng(seed)
     B = int(num_requests)
-    R = max_num_reqs or B
-    if not 1 <= B <= R:
-        raise ValueError(f"num_requests must be in [1, max_num_reqs = {R}], got {num_requests!r}")
+    num_slots = max_num_reqs or B
+    if not 1 <= B <= num_slots:
+        raise ValueError(f"num_requests must be in [1, max_num_reqs = {num_slots}], got {num_requests!r}")
     n_pre = num_prefills if num_prefills is not None else max(1, B // 100) if B >= 3 else 0
-    n_spec = max(int(B - n_pre >= 2), (B - n_pre) // 10) if num_speculative_tokens else 0
+    n_verify = max(int(B - n_pre >= 2), (B - n_pre) // 10) if num_speculative_tokens else 0
     q: np.ndarray = np.ones(B, dtype=np.int64)
-    q[n_pre:n_pre + n_spec] = 1 + num_speculative_tokens
+    q[n_pre:n_pre + n_verify] = 1 + num_speculative_tokens
     budget = max_num_batched_tokens - int(q[n_pre:].sum())
     for i in range(n_pre):
         q[i] = max(num_speculative_tokens + 2, min(prefill_chunk, budget // (n_pre - i)))
@@ -49,7 +49,7 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
     nc = np.minimum(np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64), hi)
     order = rng.permutation(B)
     q, nc = q[order], nc[order]
-    slots = rng.permutation(R)[:B].astype(np.int64)
+    req_slots = rng.permutation(num_slots)[:B].astype(np.int64)
     next_id = 1 + rng.integers(0, 1000)
     gids, wslots, cu, ids = [], [], [0], []
     for b in range(B):
@@ -62,9 +62,9 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
             next_id += n - first + int(rng.integers(0, 3))   # NOTE: gaps: ids are not consecutive rows
             ids.append(np.concatenate([np.zeros(first, dtype=np.int64), fresh]))
             gids.append(g.gid)
-            wslots.append(slots[b])
+            wslots.append(req_slots[b])
             cu.append(cu[-1] + n)
-    return StepBatch(req_slots=slots, num_computed_tokens=nc, num_scheduled_tokens=q,
+    return StepBatch(req_slots=req_slots, num_computed_tokens=nc, num_scheduled_tokens=q,
                      is_new=np.ones(B, dtype=bool), write_gids=np.asarray(gids, dtype=np.int64),
                      write_slots=np.asarray(wslots, dtype=np.int64), write_starts=np.zeros(len(gids), dtype=np.int64),
                      write_cu=np.asarray(cu, dtype=np.int64), write_ids=np.concatenate(ids))

@@ -121,7 +121,8 @@ class Recorder:
         self._f = open(self.path, "w", encoding="utf-8")
         self.num_steps = self.num_rejected = self.num_outputs = 0
         self.values_limit = int(values_limit)
-        self._pipe, self._pending, self._hook = pipe, None, None
+        self._pipe, self._hook = pipe, None
+        self._pending: Optional[int] = None
         from .. import __version__
         self._write(dict(type="header", version=TRACE_VERSION, dsv4_index=__version__,
                          outputs=DIGEST if outputs else None, layout=layout_to_json(pipe.layout),

@@ -25,18 +25,19 @@ def entry_bounds(layout: DSV4Layout, p: dict) -> Dict[Tuple, Tuple[int, int]]:
     pipeline of ``layout`` with the header's arguments ``p`` can record (:func:`output_digests`):
     per-token fields ``max_num_batched_tokens`` rows, per-request ones ``max_num_reqs`` (+ 1), block
     tables ``1 + blocks a row can hold`` values, index lists their channel's width."""
-    R, T = p["max_num_reqs"], p["max_num_batched_tokens"]
+    num_slots, T = p["max_num_reqs"], p["max_num_batched_tokens"]
     next_n = 1 + p["num_speculative_tokens"]
     out: Dict[Tuple, Tuple[int, int]] = {}
     for f in COMMON_FIELDS:
-        out[(None, f)] = (R + 1 if f == "query_start_loc" else R if f in ("seq_lens", "idx_mapping") else T, 1)
+        rows = num_slots + 1 if f == "query_start_loc" else num_slots if f in ("seq_lens", "idx_mapping") else T
+        out[(None, f)] = (rows, 1)
     for g in layout.groups:
         held = max(g.table_width, g.ring_blocks) * g.blocks_per_kv_block
-        out[(None, f"block_table[{g.name}]")] = (R, 1 + held)
+        out[(None, f"block_table[{g.name}]")] = (num_slots, 1 + held)
     for name, c in layout.channels.items():
         width = max(1, c.index_width or 0, c.window or 0)
         for f in CHANNEL_FIELDS:
-            rows = R + 1 if f in _PER_REQUEST_PLUS_1 else T
+            rows = num_slots + 1 if f in _PER_REQUEST_PLUS_1 else T
             out[(name, f)] = (rows, next_n if f in _NEXT_N else width if f == "indices" else 1)
     return out
 

@@ -4,7 +4,7 @@ file, the line and the field for anything a replay cannot use (types, bounds, ca
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NoReturn, Optional
 
 from .._json import one_line
 from ..capacity import check_capacities
@@ -45,7 +45,7 @@ class _At:
         self.path, self.line = path, line
         self.unchecked = False      # NOTE: a field this module does not know was passed on
 
-    def err(self, field, msg):
+    def err(self, field, msg) -> NoReturn:
         raise TraceError(self.path, self.line, field, msg)
 
     def dict(self, d, field, required=(), optional=()):
@@ -224,7 +224,7 @@ def rebuild_layout(recorded: DSV4Layout, config) -> DSV4Layout:
     g = {x.name: x for x in recorded.groups}
     circ = {n: x.block_size if x.capacity is None else (x.capacity, x.block_size)
             for n, x in g.items() if x.kind == "circular"}
-    sizes = {f"{n}_block_size": x.alloc_block_size for n, x in g.items() if n not in circ}
+    sizes: dict = {f"{n}_block_size": x.alloc_block_size for n, x in g.items() if n not in circ}
     if not set(g) <= set(GROUP_ORDER):  # NOTE: an engine's own groups (e.g. groups="vllm"): list them
         sizes = dict(groups=[dict(role=x.role, layers=None if x.layers is None else list(x.layers), name=x.name,
                                   block_size=x.alloc_block_size) for x in recorded.groups])
@@ -264,7 +264,7 @@ def layout_diff(a: DSV4Layout, b: DSV4Layout):
         if x == y:
             continue
         if f.name == "groups" and len(x) == len(y):
-            for i, (g, h) in enumerate(zip(x, y)):
+            for i, (g, h) in enumerate(zip(x, y, strict=True)):
                 for k in dataclasses.fields(g):
                     if getattr(g, k.name) != getattr(h, k.name):
                         return f"groups[{i}].{k.name}", (getattr(g, k.name), getattr(h, k.name))
@@ -272,10 +272,10 @@ def layout_diff(a: DSV4Layout, b: DSV4Layout):
             for i, name in enumerate(x):
                 for k in dataclasses.fields(x[name]):
                     if getattr(x[name], k.name) != getattr(y[name], k.name):
-                        v = (getattr(x[name], k.name), getattr(y[name], k.name))
+                        u, w = getattr(x[name], k.name), getattr(y[name], k.name)
                         if k.name == "outputs":
-                            v = tuple(sorted(s) for s in v)
-                        return f"channels[{i}].{k.name}", v
+                            u, w = sorted(u), sorted(w)
+                        return f"channels[{i}].{k.name}", (u, w)
         return f.name, (x, y)
     return "", (None, None)
 
@@ -326,20 +326,20 @@ def check_capacity(at: _At, layout: DSV4Layout, p: dict) -> None:
     """Bound what a replay of ``layout`` / ``p`` allocates before anything is allocated: the pipeline's
     own bounds (:func:`dsv4_index.capacity.check_capacities`), then the replay's tighter budget (a replay
     builds two pipelines, on a machine that may not be the recording's)."""
-    R, T = p["max_num_reqs"], p["max_num_batched_tokens"]
+    num_slots, T = p["max_num_reqs"], p["max_num_batched_tokens"]
     try:
-        check_capacities(layout, R, T, p["num_speculative_tokens"], p["max_staged_blocks"],
+        check_capacities(layout, num_slots, T, p["num_speculative_tokens"], p["max_staged_blocks"],
                          (p["cp_world_size"], p["cp_rank"], p["cp_interleave"]))
     except ValueError as e:
         at.err("pipeline", str(e))
-    table = sum(g.columns(T)[0] for g in layout.groups) * R
+    table = sum(g.columns(T)[0] for g in layout.groups) * num_slots
     per_token = T * (sum(c.index_width or 0 for c in layout.channels.values()) + (layout.index_topk or 0)
                      + 16 * (len(layout.channels) + 1))
     cap = LIMITS["buffer_entries"]
     for name, n in (("block tables", table), ("per-token buffers", per_token)):
         if n > cap:
-            at.err("pipeline", f"a replay needs {n} {name} entries (max_num_reqs {R}, max_num_batched_tokens {T}, "
-                   f"max_model_len {layout.max_model_len}), more than the bound of {cap}")
+            at.err("pipeline", f"a replay needs {n} {name} entries (max_num_reqs {num_slots}, "
+                   f"max_num_batched_tokens {T}, max_model_len {layout.max_model_len}), more than the bound of {cap}")
 
 
 def _ints(at: _At, v, field, *, boolean=False):

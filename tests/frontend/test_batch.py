@@ -277,7 +277,7 @@ def test_scheduler_output_equals_step_input_over_a_trace(form):
         assert b.pop("req_ids") is None and sorted(a.pop("req_ids")) == sorted(r for r in delta.order
                                                                              if step.num_scheduled_tokens[r])
         assert_same(a, b, i)
-        for x, y in zip(by_step.tables.tables, by_out.tables.tables):
+        for x, y in zip(by_step.tables.tables, by_out.tables.tables, strict=True):
             assert torch.equal(x, y), i
 
 

@@ -17,6 +17,11 @@ BIG = st.sampled_from([2**31 - 1, 2**31, 2**62, 2**63 - 1, 2**63, 10**30, -(2**6
 ODD = st.sampled_from([True, False, 1.5, 2.0, np.int64(3), None, "4"])
 
 
+def _running(rids, lists, ncs):
+    """Running rows ``(req_id, block lists, num_computed_tokens, resumed=False)``."""
+    return [(rid, x, nc, False) for rid, x, nc in zip(rids, lists, ncs, strict=True)]
+
+
 def strategies(bad: bool, n_held: int = 10):
     """Valid steps (``bad`` False), or steps where any value may be out of the rules."""
     value = st.one_of(st.integers(0, 100), BIG, ODD) if bad else st.integers(0, 100)
@@ -75,7 +80,7 @@ def test_fast_equals_general(data, bad, extra, n_held, cached, trusted):
     ncs = [r[2] for r in reqs]
     trusted = trusted and all(map(_trusted, lists))
     try:
-        slow = _convert(sm, G, SCHED, [], [(rid, x, nc, False) for rid, x, nc in zip(rids, lists, ncs)], dict(nst),
+        slow = _convert(sm, G, SCHED, [], _running(rids, lists, ncs), dict(nst),
                         (), (), {}, {})
     except ValueError:  # NOTE: StepTypeError is a ValueError too
         slow = None
@@ -120,7 +125,7 @@ def test_fast_with_new_finished_preempted_equals_general(data, bad, finished, pr
     rids, lists, ncs = [r[0] for r in reqs], [r[1] for r in reqs], [r[2] for r in reqs]
     trusted = trusted and all(map(_trusted, lists)) and all(_trusted(r[1]) for r in new)
     try:
-        slow = _convert(sm, G, SCHED, list(new), [(rid, x, nc, False) for rid, x, nc in zip(rids, lists, ncs)],
+        slow = _convert(sm, G, SCHED, list(new), _running(rids, lists, ncs),
                         dict(nst), finished, preempted, {}, {})
     except ValueError:
         slow = None
@@ -174,7 +179,7 @@ def test_last_rows_less_finished_equals_general(data, n_held, bad, running_first
     if not ids and not new:
         return
     try:
-        slow = _convert(sm, G, SCHED, list(new), [(rid, x, nc, False) for rid, x, nc in zip(ids, lists, ncs)],
+        slow = _convert(sm, G, SCHED, list(new), _running(ids, lists, ncs),
                         dict(nst), fin, pre, {}, {})
     except ValueError:
         slow = None

@@ -36,7 +36,7 @@ def _record(path: Path, steps, pads):
     pipe = MetadataPipeline(_layout(), 4, 32, "cpu", 1, backend="reference")
     accepted = []
     with record_steps(pipe, path) as rec:
-        for step, pad in zip(steps, pads):
+        for step, pad in zip(steps, pads, strict=True):
             pipe.update(step, pad_to=pad)
             pipe.build()
             accepted.append(pipe.last_batch[0])
