@@ -12,6 +12,7 @@ from typing import Optional
 
 import numpy as np
 
+from .owners import BlockOwners
 from .plan import StepPlan, plan_step
 from .steady import SteadyCache, SteadyGeometry, plan_steady
 
@@ -51,19 +52,23 @@ class RequestState:
         self.cache: Optional[SteadyCache] = None
         self._geometry = SteadyGeometry(tables) if self.use_steady else None
         self._generation = 0
+        self.owners = BlockOwners(tables, cp=cp, level=level, num_speculative_tokens=decode_threshold - 1)
 
     def plan(self, batch, pad_to: Optional[int]) -> StepPlan:
         """Check ``batch`` against this state and the tables; the plan, or ``ValueError`` (nothing
         changes either way)."""
+        plan = None
         if self.cache is not None:
             plan = plan_steady(batch, self.cache, self._tables, pad_to, self._kw["max_num_tokens"],
                                self._kw["max_writes"], self.level)
-            if plan is not None:
-                return plan
-        return plan_step(batch, occupied=self.occupied, tables=self._tables, pad_to=pad_to, **self._kw)
+        if plan is None:
+            plan = plan_step(batch, occupied=self.occupied, tables=self._tables, pad_to=pad_to, **self._kw)
+        self.owners.check(plan)  # NOTE: block ownership, rings, no jump (state/owners.py)
+        return plan
 
     def commit(self, plan: StepPlan) -> None:
         """Apply an accepted plan (after :meth:`BlockTables.commit`: the cache reads block counts)."""
+        self.owners.commit(plan)  # NOTE: applies what owners.check(plan) computed
         if plan.steady:
             if not self.cache.advance(plan, self._tables):
                 self.cache = None

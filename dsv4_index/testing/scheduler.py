@@ -9,7 +9,8 @@ What it supports
 * Full groups hold ``ceil(n / alloc_block_size)`` blocks for KV positions ``[0, n)``. Sliding groups
   (window ``W``) hold blocks only for positions ``>= max(c - W + 1, replay_start)`` when the step
   schedules ``[c, c + k)`` (every scheduled token is written, and the oldest reads down to
-  ``c - W + 1``). Blocks wholly below that are released at the start of the next ``schedule()``;
+  ``c - W + 1``). Blocks wholly below that are released when the next ``schedule()`` schedules the
+  request (vLLM frees them in ``allocate_slots``, so a request left out of a step keeps them);
   in the scheduler's view their entries become the null block 0, while the pipeline's rows keep
   the stale ids (``new_block_ids`` are append-only; nothing reads those entries). Entries never
   needed (below ``replay_start``) are appended as 0. Steps always carry logical block order, so a
@@ -413,8 +414,6 @@ class ReferenceScheduler:
         if self._pending:
             raise RuntimeError("schedule() called twice without update_after_step()")
         budget, order, preempted = self.max_num_batched_tokens, [], []
-        for rid in self._running:
-            self._trim(self._reqs[rid])
         running = [self._reqs[rid] for rid in self._running]
         scheduled = set()
         for r in [r for r in running if r.is_decode] + [r for r in running if not r.is_decode]:
@@ -422,6 +421,7 @@ class ReferenceScheduler:
                 break
             if r.status != "running":
                 continue  # preempted earlier in this step
+            self._trim(r)  # NOTE: like vLLM's allocate_slots: only a request it schedules releases blocks
             n = self._chunk(r, budget)
             plan = self._plan(r, n)
             while sum(map(sum, plan)) > len(self._free):

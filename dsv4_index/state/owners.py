@@ -1,0 +1,190 @@
+"""Who holds each block: the host proof that no step writes into another live request's KV
+(DESIGN §5 "What update() proves about a step"), kept incrementally.
+
+State, per pipeline (``G`` groups, ``R`` request slots):
+
+* ``count`` int32, keyed ``kernel_id * G + gid``: how many live (slot, block position) pairs hold the id
+  in that group. The null block (kernel ids ``0 .. f - 1``) is never counted.
+* ``floor`` int64 ``[G, R]``: the lowest logical block a sliding row still holds *and* whose ring column
+  still holds it. It rises as the row's window moves on (blocks wholly behind the window of the step's
+  first token, ``max(nc - W + 1, replay_start)``, are released: vLLM frees them when it schedules the
+  request) and when a write run rewrites ring columns (the ring then holds ``[max(e - ring, keep), e)``
+  of a run writing logical ``[s, e)`` and storing from ``keep``); it never falls. Full and circular rows
+  hold every block they have.
+* ``frontier`` int64 ``[R]``: positions a slot's steps ever wrote (largest ``seq_len``), and the write
+  floors ``wf`` int64 ``[2, R]``: the largest first written position of a step (``[0]``: ``nc``, what
+  sliding and circular groups write from; ``[1]``: ``max(nc, replay_end)``, what full groups write from).
+
+The rules (``checks="safe"``), each checked on what a step changes only:
+
+1. **Reads stay in held columns.** A batch row reads a sliding group from the block of its window start;
+   that block must be at or above the row's floor (else the window lists would read a ring column that
+   now holds a later block, or a block the scheduler may have given to someone else).
+2. **No jump.** ``num_computed_tokens`` of a running row is at most its ``frontier``: it may rewind
+   (rejected drafts), never skip positions nobody wrote.
+3. **A block is filled by one request.** A block id a row acquires at a block position the row writes
+   (from its write start on: ``(j + 1) * block_size > write start``; every ring block of a circular
+   group) is a *fill*: legal only when no other live row holds the id after this step's releases, other
+   than rows that acquire it in this same step below their own write start (a *hit*: vLLM registers a
+   block in the prefix cache when it schedules the tokens that fill it, so a request admitted later in
+   the same step shares the block its allocator fills in that step). An id acquired below the row's
+   write start is a prefix *hit*: always legal to hold, never written by that row.
+4. **Writes below a row's own write floor touch no shared block.** A row writes from its write start on;
+   at or beyond its write floor those positions are its filled mark and beyond: only the filler writes
+   there (rule 3). A step that writes below the floor (``nc`` rewound below an earlier step's, or
+   ``replay_end`` dropped) writes into blocks it already held: each must have no other holder after the
+   step. This is also what keeps bounded replay off prefix-shared full-group blocks.
+
+So a write into a shared block is legal exactly when the writer is the block's filler and the positions
+are at or beyond its filled mark (the filler's largest write start), the pattern vLLM's prefix cache
+produces; every other write into a block another live request holds is rejected, naming both holders.
+A row holding one id at two positions (its own duplicate) is the ``"full"`` level's to reject.
+
+``"full"`` adds, for sliding groups: no id twice in a row from the window start on, and no null block in
+the held blocks a step reads, scanned only below the per-row ``checked`` mark (the lowest block position
+from which the row's held ids were verified; a row's window only moves up, so a steady row scans none).
+
+Memory: ``count`` grows with the largest kernel id seen (4 bytes x ``G`` per id); ids beyond
+``2**28 / G`` are refused.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from .._common import cp_owned_count
+from .contract import held_and_duplicates
+from .ownership_rules import Step, check_rewinds, check_runs, plan_step_ownership
+
+__all__ = ["BlockOwners", "check_ring_capacity"]
+
+_MAX_KEYS = 1 << 28
+
+
+def check_ring_capacity(groups, num_speculative_tokens: int) -> None:
+    """Circular groups need ``capacity >= window - 1 + num_speculative_tokens`` (a verify step's writes
+    must never reach rows the next step reads after a rejection; DESIGN §4, ``from_config(circular=)``)."""
+    for g in groups:
+        if g.kind == "circular" and g.window is not None:
+            need = g.window - 1 + num_speculative_tokens
+            if g.ring_capacity < need:
+                raise ValueError(f"circular group gid {g.gid} ({g.name!r}): capacity {g.ring_capacity} is below "
+                                 f"window - 1 + num_speculative_tokens = {g.window} - 1 + "
+                                 f"{num_speculative_tokens} = {need}")
+
+
+class BlockOwners:
+    """Block holders per (group, id), sliding floors and write floors of every slot (module docstring).
+
+    Parameters
+    ----------
+    tables : BlockTables — geometry, block counts and host mirror (read only).
+    cp : (world, rank, interleave) of the sharded groups.
+    level : ``"safe"`` or ``"full"``.
+    num_speculative_tokens : int — the ring capacity rule (:func:`check_ring_capacity`).
+    """
+
+    def __init__(self, tables, *, cp, level: str, num_speculative_tokens: int = 0):
+        check_ring_capacity(tables.groups, num_speculative_tokens)
+        G, R = len(tables.groups), tables.max_num_reqs
+        self.tables, self.G, self.R, self.cp = tables, G, R, cp
+        self.full = level == "full"
+        self.sliding = ~tables.full & ~tables.circular
+        self.S = np.flatnonzero(self.sliding)
+        self.sharded = tables.sharded & (cp[0] > 1)
+        self.count = np.zeros(max(G, 1) << 10, dtype=np.int32)
+        self.floor = np.zeros((G, R), dtype=np.int64)
+        self.checked = np.zeros((G, R), dtype=np.int64)
+        self.frontier = np.zeros(R, dtype=np.int64)
+        self.wf = np.zeros((2, R), dtype=np.int64)
+        self.nc = np.zeros(R, dtype=np.int64)           # NOTE: scratch: this step's nc by slot
+        self.fa = np.zeros(G * R, dtype=np.int64)       # NOTE: scratch: floors after the runs, by pair key
+        self.S_key = (self.S * R)[:, None]
+        self._pending: Optional[Tuple[object, Step]] = None
+
+    def owned(self, x: np.ndarray, groups: np.ndarray) -> np.ndarray:
+        """Rank-local counts of global positions ``x`` for the sharded ones of ``groups`` (broadcast)."""
+        sh = self.sharded[groups]
+        if not sh.any():
+            return x
+        return np.where(sh, cp_owned_count(np.maximum(x, 0), *self.cp), x)
+
+    def grow(self, max_key: int) -> None:
+        """Room for keys up to ``max_key`` (zeros: ids never seen have no holder)."""
+        if max_key < self.count.shape[0]:
+            return
+        if max_key >= _MAX_KEYS:
+            raise ValueError(f"write_ids: block id {max_key // max(self.G, 1)} is beyond the ownership table's "
+                             f"limit of {_MAX_KEYS // max(self.G, 1)} ids per group")
+        n = 1 << int(max_key).bit_length()
+        grown = np.zeros(n, dtype=np.int32)
+        grown[:self.count.shape[0]] = self.count
+        self.count = grown
+
+    # ------------------------------------------------------------------------------------------
+    def check(self, plan) -> None:
+        """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes
+        nothing observable (the count table may grow, with zeros)."""
+        self._pending = None
+        st = plan_step_ownership(self, plan)
+        check_runs(self, st)
+        check_rewinds(self, st)
+        if self.full:
+            held_and_duplicates(self, st)
+        self._pending = (plan, st)
+
+    def commit(self, plan) -> None:
+        """Apply the accepted ``plan`` checked by the last :meth:`check`."""
+        if self._pending is None or self._pending[0] is not plan:
+            raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
+        st = self._pending[1]
+        self._pending = None
+        if st.rel.size:
+            np.subtract.at(self.count, st.rel, 1)
+        if st.acq.size:
+            np.add.at(self.count, st.acq, 1)
+        for s in (st.free, st.new):
+            if s.size:
+                self.floor[:, s] = 0
+                self.checked[:, s] = 0
+                self.frontier[s] = 0
+                self.wf[:, s] = 0
+        fl, ck = self.floor.reshape(-1), self.checked.reshape(-1)
+        if st.kb is not None:
+            fl[st.kb] = st.F1b
+            ck[st.kb] = st.F1b
+        if st.kr_s.size:
+            fl[st.kr_s] = st.F1r_s
+            ck[st.kr_s] = np.where(st.inb_s, st.F1r_s, st.e_s)
+        sl = st.all_slots
+        if sl.size:
+            self.frontier[sl] = np.maximum(self.frontier[sl], st.all_nc)
+            self.wf[0, sl] = np.maximum(self.wf[0, sl], st.all_nc)
+            self.wf[1, sl] = np.maximum(self.wf[1, sl], st.all_nc)
+        b = st.b
+        if b.size:
+            self.frontier[b] = np.maximum(self.frontier[b], st.seq)
+            self.wf[1, b] = np.maximum(self.wf[1, b], st.ws_full)
+
+    def holders(self, g: int, kid: int, st: Optional[Step] = None) -> List[Tuple[int, int, str]]:
+        """``(slot, block position, how)`` of every holder of kernel id ``kid`` in group ``g`` after the step
+        being checked (``how``: ``"held"``, or ``"acquired"`` in this step); slow (error path)."""
+        t = self.tables
+        out = []
+        rows, cols = np.nonzero(t.mirrors[g] == kid)
+        ring = int(t.ring[g])
+        for slot, col in zip(rows.tolist(), cols.tolist()):
+            n0 = int(t.num_blocks[g, slot])
+            if st is not None and st.gone(slot):
+                continue
+            pos = (n0 - 1 - (n0 - 1 - col) % ring) if ring else col
+            lo, hi = int(self.floor[g, slot]), n0
+            if st is not None:
+                lo, hi = st.kept(g, slot, lo, hi)
+            if lo <= pos < hi:
+                out.append((slot, pos, "held"))
+        if st is not None:
+            out += st.acquirers(kid * self.G + g)
+        return out

@@ -1,0 +1,337 @@
+"""The checks of :mod:`.owners` on one step: what the step releases and acquires, and the rules of the
+``owners`` module docstring. Nothing here changes :class:`~.owners.BlockOwners` state except its
+scratch buffers; :meth:`BlockOwners.commit` applies the returned :class:`Step`.
+
+Arrays: ``N`` write runs (``plan.w_*``, kernel blocks), ``B`` batch rows, ``Gs`` sliding groups; pair key
+``gid * R + slot`` (``R`` slots), id key ``kernel_id * G + gid``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import numpy as np
+
+__all__ = ["Step", "plan_step_ownership", "check_runs", "check_rewinds"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class Step:
+    """One checked step's ownership changes (``rel`` / ``acq``: id keys released / acquired, with
+    repetition) and the values the commit stores."""
+
+    def gone(self, slot: int) -> bool:
+        """The slot's old rows are released in this step (freed, or taken by a new request)."""
+        return bool(slot in self.gone_set)
+
+    def kept(self, g: int, slot: int, lo: int, hi: int) -> Tuple[int, int]:
+        """Old block positions ``[lo, hi)`` of ``(g, slot)`` still held after the step."""
+        key = g * self.R + slot
+        hit = np.flatnonzero(self.kr == key)
+        if hit.size:
+            i = int(hit[0])
+            return int(self.klo[i]), int(self.khi[i])
+        if self.kb is not None:
+            where = np.argwhere(self.kb == key)
+            if where.size:
+                j, b = (int(x) for x in where[0])
+                return max(lo, int(self.F1b[j, b])), hi
+        return lo, hi
+
+    def acquirers(self, key: int) -> List[Tuple[int, int, str]]:
+        """``(slot, block position, "fill" | "hit")`` of this step's acquisitions of id key ``key``."""
+        m = np.flatnonzero(self.acq == key)
+        return [(int(self.acq_slot[i]), int(self.acq_pos[i]), "fill" if self.acq_fill[i] else "hit")
+                for i in m.tolist()]
+
+
+def plan_step_ownership(o, plan) -> Step:
+    """Releases, acquisitions, floors and write starts of ``plan``; raises on a jump or a stale read."""
+    st, R = Step(), o.R
+    st.R, st.plan = R, plan
+    st.free, st.new = plan.free_slots, plan.new_slots
+    st.fresh = None
+    if st.new.size:
+        st.fresh = np.zeros(R, dtype=bool)
+        st.fresh[st.new] = True
+    st.gone_set = set(st.free.tolist()) | set(st.new.tolist()) if (st.free.size or st.new.size) else ()
+    st.all_slots, st.all_nc = plan.all_slots, plan.all_computed
+    if st.all_slots.size:
+        o.nc[st.all_slots] = st.all_nc
+        _no_jump(o, st)
+    st.b, st.seq = plan.slots, plan.seq_lens
+    st.nc_b = o.nc.take(st.b) if st.b.size else _EMPTY
+    re = plan.replay_end
+    st.ws_full = st.nc_b if re is None or not st.b.size else np.maximum(st.nc_b, re)
+    _runs(o, st, plan)
+    _batch_floors(o, st, plan)
+    _releases(o, st)
+    _acquisitions(o, st, plan)
+    return st
+
+
+def _no_jump(o, st: Step) -> None:
+    lim = o.frontier.take(st.all_slots)
+    if st.fresh is not None:
+        lim = np.where(st.fresh.take(st.all_slots), np.iinfo(np.int64).max, lim)
+    bad = st.all_nc > lim
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        nc, f = int(st.all_nc[i]), int(lim[i])
+        raise ValueError(f"num_computed_tokens[{i}] = {nc} of slot {int(st.all_slots[i])} jumps past what its "
+                         f"steps wrote: positions {f}..{nc - 1} were never written (a running request may "
+                         f"rewind, never skip ahead)")
+
+
+def _runs(o, st: Step, plan) -> None:
+    t, R = o.tables, o.R
+    gid = plan.w_gid
+    st.N = N = gid.shape[0]
+    if not N:
+        st.kr = st.kr_s = st.F1r_s = st.Fr_s = _EMPTY
+        st.inb_s = np.zeros(0, dtype=bool)
+        st.e_s = _EMPTY
+        return
+    slot, s, e, keep = plan.w_slot, plan.w_start, plan.w_end, plan.w_keep
+    st.gid, st.slot, st.s, st.e = gid, slot, s, e
+    st.kr = kr = gid * R + slot
+    F0r, N0r = o.floor.reshape(-1).take(kr), t.num_blocks.reshape(-1).take(kr)
+    if st.fresh is not None:
+        f = st.fresh.take(slot)
+        if f.any():
+            F0r, N0r = np.where(f, 0, F0r), np.where(f, 0, N0r)
+    st.F0r, st.N0r = F0r, N0r
+    st.sl = sl = o.sliding.take(gid)
+    ring = t.ring.take(gid)
+    Fr = np.where(sl, F0r, 0)
+    rr = sl & (ring > 0)
+    if rr.any():  # NOTE: the ring then holds [max(e - ring, keep), e) (and older blocks only for an append)
+        Fr = np.where(rr, np.maximum(np.maximum(Fr, e - ring), np.where(keep > s, keep, 0)), Fr)
+    st.kr_s, st.Fr_s = kr[sl], Fr[sl]
+    st.inb_s, st.e_s = plan.w_row[sl] >= 0, e[sl]
+    st.F1r_s = st.Fr_s
+
+
+def _batch_floors(o, st: Step, plan) -> None:
+    t, S, b = o.tables, o.S, st.b
+    st.kb = None
+    if not (b.size and S.size):
+        return
+    kb = o.S_key + b[None, :]
+    F0b, N0b = o.floor.reshape(-1).take(kb), t.num_blocks.reshape(-1).take(kb)
+    if st.fresh is not None:
+        fb = st.fresh.take(b)
+        if fb.any():
+            F0b[:, fb] = 0
+            N0b[:, fb] = 0
+    fa = o.fa
+    fa[kb] = F0b
+    if st.kr_s.size:
+        fa[st.kr_s] = st.Fr_s
+    Fa = fa.take(kb)
+    lo_pos = np.maximum(st.nc_b[None, :] - t.window[S, None] + 1, 0)
+    if plan.replay_start is not None:
+        lo_pos = np.maximum(lo_pos, plan.replay_start[None, :])
+    lo = o.owned(lo_pos, S[:, None]) // t.bs[S, None]
+    bad = lo < Fa
+    if bad.any():
+        j, i = (int(x) for x in np.argwhere(bad)[0])
+        g = int(S[j])
+        grp = t.groups[g]
+        why = ("a write run of this step rewrote its ring columns" if st.kr_s.size and (st.kr_s == kb[j, i]).any()
+               else "they hold later blocks, or the scheduler may have freed earlier ones")
+        raise ValueError(f"slot {int(b[i])} reads gid {g} ({grp.name}) from block {int(lo[j, i])} (position "
+                         f"{int(lo_pos[j, i])}, num_computed_tokens {int(st.nc_b[i])}) but holds only blocks "
+                         f"{int(Fa[j, i])} and up in its columns ({why}): the window lists would read stale blocks")
+    F1b = np.maximum(Fa, lo)
+    fa[kb] = F1b
+    if st.kr_s.size:
+        st.F1r_s = fa.take(st.kr_s)
+    st.kb, st.F0b, st.N0b, st.F1b, st.lo, st.lo_pos = kb, F0b, N0b, F1b, lo, lo_pos
+
+
+def _releases(o, st: Step) -> None:
+    """Old ids no longer held: cut-back and window-passed run pairs, moved batch floors, freed slots."""
+    t, R = o.tables, o.R
+    parts = []  # (gid, slot, lo, hi) of released old block positions
+    if st.N:
+        F1r = np.zeros(st.N, dtype=np.int64)
+        F1r[st.sl] = st.F1r_s
+        st.F1r = F1r
+        st.klo = klo = np.maximum(st.F0r, F1r)
+        st.khi = khi = np.maximum(np.minimum(st.s, st.N0r), klo)
+        parts += [(st.gid, st.slot, st.F0r, np.minimum(klo, st.N0r)), (st.gid, st.slot, khi, st.N0r)]
+    if st.kb is not None:
+        moved = st.F1b > st.F0b
+        if moved.any() and st.N:
+            hasrun = np.zeros(o.G * R, dtype=bool) if st.kr_s.size else None
+            if hasrun is not None:
+                hasrun[st.kr_s] = True
+                moved &= ~hasrun.take(st.kb)
+        if moved.any():
+            j, i = np.nonzero(moved)
+            parts.append((o.S[j], st.b[i], st.F0b[j, i], np.minimum(st.F1b[j, i], st.N0b[j, i])))
+    if st.free.size:
+        G, k = o.G, st.free.shape[0]
+        g = np.repeat(np.arange(G), k)
+        f = np.tile(st.free, G)
+        parts.append((g, f, o.floor[g, f], t.num_blocks[g, f]))
+    rel = [_old_keys(o, *p) for p in parts]
+    st.rel = np.concatenate(rel) if len(rel) > 1 else (rel[0] if rel else _EMPTY)
+    st.rel_sorted = np.sort(st.rel) if st.rel.size > 1 else st.rel
+
+
+def _ragged(n: np.ndarray):
+    """(owner, offset) of every entry of ragged lengths ``n >= 0``."""
+    rep = np.repeat(np.arange(n.shape[0]), n)
+    start = np.cumsum(n) - n
+    return rep, np.arange(rep.shape[0], dtype=np.int64) - start[rep]
+
+
+def _old_keys(o, g, slot, lo, hi) -> np.ndarray:
+    """Id keys of the non-null ids at block positions ``[lo, hi)`` of each ``(g, slot)``, from the mirror."""
+    n = np.maximum(hi - lo, 0)
+    if not n.any():
+        return _EMPTY
+    t = o.tables
+    rep, k = _ragged(n)
+    gg = g[rep]
+    pos = lo[rep] + k
+    ring = t.ring.take(gg)
+    col = np.where(ring > 0, pos % np.maximum(ring, 1), pos)
+    ids = t.mirror.take(t.base.take(gg) + slot[rep] * t.cols.take(gg) + col).astype(np.int64)
+    live = ids >= t.f.take(gg)
+    return ids[live] * o.G + gg[live]
+
+
+def _acquisitions(o, st: Step, plan) -> None:
+    """Ids the runs put at held positions, and whether each is a fill (the row writes there)."""
+    t = o.tables
+    if not st.N:
+        st.acq = st.acq_slot = st.acq_pos = st.acq_run = _EMPTY
+        st.acq_fill = np.zeros(0, dtype=bool)
+        return
+    gid, slot, s, cu = st.gid, st.slot, st.s, plan.w_cu
+    n = cu[1:] - cu[:-1]
+    off = np.maximum(st.F1r - s, 0)
+    rep, k = _ragged(np.maximum(n - off, 0))
+    if off.any():
+        k = k + off[rep]
+    ids = plan.w_ids.take(cu[:-1].take(rep) + k)
+    gg = gid.take(rep)
+    live = ids >= t.f.take(gg)
+    if not live.all():
+        rep, k, ids, gg = rep[live], k[live], ids[live], gg[live]
+    pos = s.take(rep) + k
+    key = ids * o.G + gg
+    if key.size:
+        o.grow(int(key.max()))
+    # write start of each run's row in its group: this step's (batch rows, new rows) or the committed floor
+    full = t.full.take(gid)
+    ws = np.where(full, o.wf[1].take(slot), o.wf[0].take(slot))
+    if st.fresh is not None:
+        ws = np.where(st.fresh.take(slot), o.nc.take(slot), ws)
+    row = plan.w_row
+    inb = row >= 0
+    if inb.any():
+        r = row[inb]
+        ws[inb] = np.where(full[inb], st.ws_full.take(r), st.nc_b.take(r))
+    ws = o.owned(ws, gid)
+    fill = t.circular.take(gg) | ((pos + 1) * t.bs.take(gg) > ws.take(rep))
+    st.acq, st.acq_slot, st.acq_pos, st.acq_run, st.acq_fill = key, slot.take(rep), pos, rep, fill
+
+
+def _count_in(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    return np.searchsorted(sorted_keys, keys, side="right") - np.searchsorted(sorted_keys, keys, side="left")
+
+
+def check_runs(o, st: Step) -> None:
+    """Rule 3: a fill acquisition has no other live holder (same-step hits aside)."""
+    fill = np.flatnonzero(st.acq_fill)
+    if not fill.size:
+        return
+    fk = st.acq.take(fill)
+    base = o.count.take(fk)
+    if st.rel.size:
+        base = base - _count_in(st.rel_sorted, fk)
+    bad = base > 0
+    if fk.size > 1:
+        srt = np.sort(fk)
+        d = srt[1:] == srt[:-1]
+        if d.any():
+            bad |= _count_in(srt, fk) > 1
+    for i in fill[bad].tolist():
+        _judge(o, st, i)
+
+
+def _judge(o, st: Step, i: int) -> None:
+    """Slow path of one suspicious fill acquisition ``i``: name the other holder, or accept an own duplicate."""
+    key, slot, pos = int(st.acq[i]), int(st.acq_slot[i]), int(st.acq_pos[i])
+    g, kid = key % o.G, key // o.G
+    hs = o.holders(g, kid, st)
+    others = [h for h in hs if h[0] != slot and h[2] != "hit"]
+    mine = [h for h in hs if h[0] == slot and h[1] != pos]
+    if not others and not (mine and o.full):
+        return  # NOTE: its own duplicate under "safe" (the "full" level rejects it)
+    t = o.tables
+    grp, f = t.groups[g], int(t.f[g])
+    r = int(st.acq_run[i])
+    raw = _raw_index(o, st, r, pos)
+    what = (f"write_ids[{raw}] = {kid // f} gives slot {slot} block position {pos // f} of gid {g} ({grp.name}), "
+            f"where it writes")
+    if others:
+        h = others[0]
+        when = " since this step" if h[2] == "fill" else ""
+        raise ValueError(f"{what}, but slot {h[0]} holds block {kid // f} too (block position {h[1] // f}{when}): "
+                         f"a token would write into a block another live request holds")
+    raise ValueError(f"{what}, but the row holds block {kid // f} at block position {mine[0][1] // f} too: "
+                     f"one block id twice in gid {g} of slot {slot}")
+
+
+def _raw_index(o, st: Step, r: int, pos: int) -> int:
+    """``write_ids`` index (allocation ids) of run ``r``'s kernel block at logical position ``pos``."""
+    f = o.tables.f.take(st.gid)
+    n_raw = (st.plan.w_cu[1:] - st.plan.w_cu[:-1]) // f
+    return int(n_raw[:r].sum()) + (pos - int(st.s[r])) // int(f[r])
+
+
+def check_rewinds(o, st: Step) -> None:
+    """Rule 4: rows writing below their write floor write only blocks nobody else holds."""
+    b = st.b
+    if not b.size:
+        return
+    low = (st.nc_b < o.wf[0].take(b)) | (st.ws_full < o.wf[1].take(b))
+    if st.fresh is not None:
+        low &= ~st.fresh.take(b)
+    for i in np.flatnonzero(low).tolist():
+        _rewound_row(o, st, i)
+
+
+def _rewound_row(o, st: Step, i: int) -> None:
+    t, slot, seq = o.tables, int(st.b[i]), int(st.seq[i])
+    for g, grp in enumerate(t.groups):
+        kind = 1 if grp.kind == "full" else 0
+        ws, floor = (int(st.ws_full[i]) if kind else int(st.nc_b[i])), int(o.wf[kind, slot])
+        if ws >= floor:
+            continue
+        bs = int(t.bs[g])
+        if grp.kind == "circular":
+            a, z = 0, int(t.num_blocks[g, slot])
+        else:
+            lo, hi = (int(x) for x in o.owned(np.array([ws, min(seq, floor)]), np.array([g, g])))
+            a, z = lo // bs, -(-hi // bs)
+        lo, hi = st.kept(g, slot, int(o.floor[g, slot]), int(t.num_blocks[g, slot]))
+        for p in range(max(a, lo), min(z, hi)):
+            ring = int(t.ring[g])
+            kid = int(t.mirrors[g][slot, p % ring if ring else p])
+            if kid < int(t.f[g]):
+                continue
+            others = [h for h in o.holders(g, kid, st) if h[0] != slot]
+            if others:
+                f = int(t.f[g])
+                raise ValueError(f"slot {slot} writes gid {g} ({grp.name}) from position {ws}, below the position "
+                                 f"{floor} its steps already wrote from (num_computed_tokens {int(st.nc_b[i])}), "
+                                 f"into block {kid // f} (block position {p // f}), but slot {others[0][0]} holds "
+                                 f"that block too (block position {others[0][1] // f}): a token would write into "
+                                 f"a block another live request holds")
