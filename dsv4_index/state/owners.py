@@ -5,12 +5,12 @@ State, per pipeline (``G`` groups, ``R`` request slots):
 
 * ``count`` int32, keyed ``kernel_id * G + gid``: how many live (slot, block position) pairs hold the id
   in that group. The null block (kernel ids ``0 .. f - 1``) is never counted.
-* ``floor`` int64 ``[G, R]``: the lowest logical block a sliding row still holds *and* whose ring column
-  still holds it. It rises as the row's window moves on (blocks wholly behind the window of the step's
-  first token, ``max(nc - W + 1, replay_start)``, are released: vLLM frees them when it schedules the
-  request) and when a write run rewrites ring columns (the ring then holds ``[max(e - ring, keep), e)``
-  of a run writing logical ``[s, e)`` and storing from ``keep``); it never falls. Full and circular rows
-  hold every block they have.
+* ``floor`` int64 ``[G, R]``: the lowest logical block a sliding row holds: the block of its last
+  step's window start (``max(nc - W + 1, replay_start)`` of the first token; blocks wholly behind it are
+  released: vLLM frees them when it schedules the request). Full and circular rows hold every block.
+* ``ring_lo`` int64 ``[G, R]``: the lowest logical block a ring row's columns still hold: a run writing
+  logical ``[s, e)`` and storing from ``keep`` leaves ``[max(e - ring, keep), e)`` (older blocks too
+  only for a plain append).
 * ``frontier`` int64 ``[R]``: positions a slot's steps ever wrote (largest ``seq_len``), and the write
   floors ``wf`` int64 ``[2, R]``: the largest first written position of a step (``[0]``: ``nc``, what
   sliding and circular groups write from; ``[1]``: ``max(nc, replay_end)``, what full groups write from).
@@ -18,8 +18,9 @@ State, per pipeline (``G`` groups, ``R`` request slots):
 The rules (``checks="safe"``), each checked on what a step changes only:
 
 1. **Reads stay in held columns.** A batch row reads a sliding group from the block of its window start;
-   that block must be at or above the row's floor (else the window lists would read a ring column that
-   now holds a later block, or a block the scheduler may have given to someone else).
+   that block must be at or above the row's ``ring_lo`` (else the window lists would read a ring column
+   that now holds a later block). A row whose window moved back holds the blocks it left again: each
+   must have no other holder (the scheduler may have given it to someone else).
 2. **No jump.** ``num_computed_tokens`` of a running row is at most its ``frontier``: it may rewind
    (rejected drafts), never skip positions nobody wrote.
 3. **A block is filled by one request.** A block id a row acquires at a block position the row writes
@@ -96,6 +97,7 @@ class BlockOwners:
         self.sharded = tables.sharded & (cp[0] > 1)
         self.count = np.zeros(max(G, 1) << 10, dtype=np.int32)
         self.floor = np.zeros((G, R), dtype=np.int64)
+        self.ring_lo = np.zeros((G, R), dtype=np.int64)
         self.checked = np.zeros((G, R), dtype=np.int64)
         self.frontier = np.zeros(R, dtype=np.int64)
         self.wf = np.zeros((2, R), dtype=np.int64)
@@ -145,19 +147,24 @@ class BlockOwners:
             np.subtract.at(self.count, st.rel, 1)
         if st.acq.size:
             np.add.at(self.count, st.acq, 1)
+        if st.reacq.size:
+            np.add.at(self.count, st.reacq, 1)
         for s in (st.free, st.new):
             if s.size:
                 self.floor[:, s] = 0
+                self.ring_lo[:, s] = 0
                 self.checked[:, s] = 0
                 self.frontier[s] = 0
                 self.wf[:, s] = 0
-        fl, ck = self.floor.reshape(-1), self.checked.reshape(-1)
+        fl, ck, rl = self.floor.reshape(-1), self.checked.reshape(-1), self.ring_lo.reshape(-1)
         if st.kb is not None:
             fl[st.kb] = st.F1b
             ck[st.kb] = st.F1b
+            rl[st.kb] = st.La
         if st.kr_s.size:
             fl[st.kr_s] = st.F1r_s
             ck[st.kr_s] = np.where(st.inb_s, st.F1r_s, st.e_s)
+            rl[st.kr_s] = st.Lr_s
         sl = st.all_slots
         if sl.size:
             self.frontier[sl] = np.maximum(self.frontier[sl], st.all_nc)

@@ -36,7 +36,7 @@ class Step:
             where = np.argwhere(self.kb == key)
             if where.size:
                 j, b = (int(x) for x in where[0])
-                return max(lo, int(self.F1b[j, b])), hi
+                return int(self.F1b[j, b]), hi
         return lo, hi
 
     def acquirers(self, key: int) -> List[Tuple[int, int, str]]:
@@ -89,7 +89,7 @@ def _runs(o, st: Step, plan) -> None:
     gid = plan.w_gid
     st.N = N = gid.shape[0]
     if not N:
-        st.kr = st.kr_s = st.F1r_s = st.Fr_s = _EMPTY
+        st.kr = st.kr_s = st.F1r_s = st.Lr_s = _EMPTY
         st.inb_s = np.zeros(0, dtype=bool)
         st.e_s = _EMPTY
         return
@@ -97,20 +97,22 @@ def _runs(o, st: Step, plan) -> None:
     st.gid, st.slot, st.s, st.e = gid, slot, s, e
     st.kr = kr = gid * R + slot
     F0r, N0r = o.floor.reshape(-1).take(kr), t.num_blocks.reshape(-1).take(kr)
+    L0r = o.ring_lo.reshape(-1).take(kr)
     if st.fresh is not None:
         f = st.fresh.take(slot)
         if f.any():
-            F0r, N0r = np.where(f, 0, F0r), np.where(f, 0, N0r)
+            F0r, N0r, L0r = np.where(f, 0, F0r), np.where(f, 0, N0r), np.where(f, 0, L0r)
     st.F0r, st.N0r = F0r, N0r
     st.sl = sl = o.sliding.take(gid)
     ring = t.ring.take(gid)
-    Fr = np.where(sl, F0r, 0)
     rr = sl & (ring > 0)
-    if rr.any():  # NOTE: the ring then holds [max(e - ring, keep), e) (and older blocks only for an append)
-        Fr = np.where(rr, np.maximum(np.maximum(Fr, e - ring), np.where(keep > s, keep, 0)), Fr)
-    st.kr_s, st.Fr_s = kr[sl], Fr[sl]
+    Lr = L0r
+    if rr.any():  # NOTE: the ring then holds [max(e - ring, keep), e), and older blocks only for an append
+        append = (keep == s) & (s >= L0r)
+        Lr = np.where(rr, np.maximum(e - ring, np.where(append, L0r, keep)), L0r)
+    st.kr_s, st.Lr_s = kr[sl], Lr[sl]
+    st.F1r_s = np.maximum(F0r[sl], st.Lr_s)  # NOTE: rows outside the batch: what the columns still hold
     st.inb_s, st.e_s = plan.w_row[sl] >= 0, e[sl]
-    st.F1r_s = st.Fr_s
 
 
 def _batch_floors(o, st: Step, plan) -> None:
@@ -120,41 +122,44 @@ def _batch_floors(o, st: Step, plan) -> None:
         return
     kb = o.S_key + b[None, :]
     F0b, N0b = o.floor.reshape(-1).take(kb), t.num_blocks.reshape(-1).take(kb)
+    L0b = o.ring_lo.reshape(-1).take(kb)
     if st.fresh is not None:
         fb = st.fresh.take(b)
         if fb.any():
             F0b[:, fb] = 0
             N0b[:, fb] = 0
-    fa = o.fa
-    fa[kb] = F0b
+            L0b[:, fb] = 0
+    la = o.fa
+    la[kb] = L0b
     if st.kr_s.size:
-        fa[st.kr_s] = st.Fr_s
-    Fa = fa.take(kb)
+        la[st.kr_s] = st.Lr_s
+    La = la.take(kb)
     lo_pos = np.maximum(st.nc_b[None, :] - t.window[S, None] + 1, 0)
     if plan.replay_start is not None:
         lo_pos = np.maximum(lo_pos, plan.replay_start[None, :])
     lo = o.owned(lo_pos, S[:, None]) // t.bs[S, None]
-    bad = lo < Fa
+    bad = lo < La
     if bad.any():
         j, i = (int(x) for x in np.argwhere(bad)[0])
         g = int(S[j])
-        grp = t.groups[g]
-        why = ("a write run of this step rewrote its ring columns" if st.kr_s.size and (st.kr_s == kb[j, i]).any()
-               else "they hold later blocks, or the scheduler may have freed earlier ones")
-        raise ValueError(f"slot {int(b[i])} reads gid {g} ({grp.name}) from block {int(lo[j, i])} (position "
-                         f"{int(lo_pos[j, i])}, num_computed_tokens {int(st.nc_b[i])}) but holds only blocks "
-                         f"{int(Fa[j, i])} and up in its columns ({why}): the window lists would read stale blocks")
-    F1b = np.maximum(Fa, lo)
-    fa[kb] = F1b
+        run = st.kr_s.size and (st.kr_s == kb[j, i]).any()
+        why = "a write run of this step rewrote them" if run else "earlier write runs rewrote them"
+        raise ValueError(f"slot {int(b[i])} reads gid {g} ({t.groups[g].name}) from block {int(lo[j, i])} "
+                         f"(position {int(lo_pos[j, i])}, num_computed_tokens {int(st.nc_b[i])}), but its ring "
+                         f"columns hold blocks {int(La[j, i])} and up only ({why}; write_starts): the window "
+                         f"lists would read columns that now hold later blocks")
     if st.kr_s.size:
-        st.F1r_s = fa.take(st.kr_s)
-    st.kb, st.F0b, st.N0b, st.F1b, st.lo, st.lo_pos = kb, F0b, N0b, F1b, lo, lo_pos
+        fa = o.fa
+        fa[kb] = lo
+        st.F1r_s = np.where(st.inb_s, fa.take(st.kr_s), st.F1r_s)
+    st.kb, st.F0b, st.N0b, st.F1b, st.La, st.lo, st.lo_pos = kb, F0b, N0b, lo, La, lo, lo_pos
 
 
 def _releases(o, st: Step) -> None:
-    """Old ids no longer held: cut-back and window-passed run pairs, moved batch floors, freed slots."""
+    """Old ids no longer held (cut back, behind the window, freed slots), and old ids held again (a
+    row whose window moved back: ``reacq``)."""
     t, R = o.tables, o.R
-    parts = []  # (gid, slot, lo, hi) of released old block positions
+    parts, back = [], []  # (gid, slot, lo, hi) of old block positions released / held again
     if st.N:
         F1r = np.zeros(st.N, dtype=np.int64)
         F1r[st.sl] = st.F1r_s
@@ -162,24 +167,33 @@ def _releases(o, st: Step) -> None:
         st.klo = klo = np.maximum(st.F0r, F1r)
         st.khi = khi = np.maximum(np.minimum(st.s, st.N0r), klo)
         parts += [(st.gid, st.slot, st.F0r, np.minimum(klo, st.N0r)), (st.gid, st.slot, khi, st.N0r)]
+        if (F1r < st.F0r).any():
+            st.klo = np.minimum(klo, np.maximum(F1r, 0))
+            back.append((st.gid, st.slot, F1r, np.minimum(np.minimum(st.F0r, st.s), st.N0r)))
     if st.kb is not None:
-        moved = st.F1b > st.F0b
-        if moved.any() and st.N:
-            hasrun = np.zeros(o.G * R, dtype=bool) if st.kr_s.size else None
-            if hasrun is not None:
-                hasrun[st.kr_s] = True
-                moved &= ~hasrun.take(st.kb)
+        moved = st.F1b != st.F0b
+        if moved.any() and st.kr_s.size:
+            hasrun = np.zeros(o.G * R, dtype=bool)
+            hasrun[st.kr_s] = True
+            moved &= ~hasrun.take(st.kb)
         if moved.any():
             j, i = np.nonzero(moved)
-            parts.append((o.S[j], st.b[i], st.F0b[j, i], np.minimum(st.F1b[j, i], st.N0b[j, i])))
+            g, slot, f0, f1, n0 = o.S[j], st.b[i], st.F0b[j, i], st.F1b[j, i], st.N0b[j, i]
+            parts.append((g, slot, f0, np.minimum(f1, n0)))
+            back.append((g, slot, f1, np.minimum(f0, n0)))
     if st.free.size:
         G, k = o.G, st.free.shape[0]
         g = np.repeat(np.arange(G), k)
         f = np.tile(st.free, G)
         parts.append((g, f, o.floor[g, f], t.num_blocks[g, f]))
-    rel = [_old_keys(o, *p) for p in parts]
-    st.rel = np.concatenate(rel) if len(rel) > 1 else (rel[0] if rel else _EMPTY)
+    st.rel = _keys_of(o, parts)
     st.rel_sorted = np.sort(st.rel) if st.rel.size > 1 else st.rel
+    st.reacq, st.back = _keys_of(o, back), back
+
+
+def _keys_of(o, parts) -> np.ndarray:
+    keys = [_old_keys(o, *p) for p in parts]
+    return np.concatenate(keys) if len(keys) > 1 else (keys[0] if keys else _EMPTY)
 
 
 def _ragged(n: np.ndarray):
@@ -189,11 +203,12 @@ def _ragged(n: np.ndarray):
     return rep, np.arange(rep.shape[0], dtype=np.int64) - start[rep]
 
 
-def _old_keys(o, g, slot, lo, hi) -> np.ndarray:
-    """Id keys of the non-null ids at block positions ``[lo, hi)`` of each ``(g, slot)``, from the mirror."""
+def _old_keys(o, g, slot, lo, hi, detail: bool = False):
+    """Id keys of the non-null ids at block positions ``[lo, hi)`` of each ``(g, slot)``, from the mirror
+    (``detail``: also their slots and block positions)."""
     n = np.maximum(hi - lo, 0)
     if not n.any():
-        return _EMPTY
+        return (_EMPTY, _EMPTY, _EMPTY) if detail else _EMPTY
     t = o.tables
     rep, k = _ragged(n)
     gg = g[rep]
@@ -202,6 +217,8 @@ def _old_keys(o, g, slot, lo, hi) -> np.ndarray:
     col = np.where(ring > 0, pos % np.maximum(ring, 1), pos)
     ids = t.mirror.take(t.base.take(gg) + slot[rep] * t.cols.take(gg) + col).astype(np.int64)
     live = ids >= t.f.take(gg)
+    if detail:
+        return ids[live] * o.G + gg[live], slot[rep][live], pos[live]
     return ids[live] * o.G + gg[live]
 
 
@@ -247,7 +264,10 @@ def _count_in(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 
 def check_runs(o, st: Step) -> None:
-    """Rule 3: a fill acquisition has no other live holder (same-step hits aside)."""
+    """Rule 3: a fill acquisition has no other live holder (same-step hits aside); an old block a row
+    holds again (its window moved back) has no other holder at all."""
+    if st.reacq.size:
+        _check_reacquired(o, st)
     fill = np.flatnonzero(st.acq_fill)
     if not fill.size:
         return
@@ -335,3 +355,25 @@ def _rewound_row(o, st: Step, i: int) -> None:
                                  f"into block {kid // f} (block position {p // f}), but slot {others[0][0]} holds "
                                  f"that block too (block position {others[0][1] // f}): a token would write into "
                                  f"a block another live request holds")
+
+
+def _check_reacquired(o, st: Step) -> None:
+    base = o.count.take(st.reacq)
+    if st.rel.size:
+        base = base - _count_in(st.rel_sorted, st.reacq)
+    bad = base > 0
+    if st.acq.size:
+        bad |= _count_in(np.sort(st.acq), st.reacq) > 0
+    if not bad.any():
+        return
+    keys, slots, pos = (np.concatenate(x) for x in zip(*(_old_keys(o, *p, detail=True) for p in st.back)))
+    t = o.tables
+    for key, slot, p in zip(keys.tolist(), slots.tolist(), pos.tolist()):
+        g, kid = key % o.G, key // o.G
+        others = [h for h in o.holders(g, kid, st) if h[0] != slot]
+        if others:
+            f = int(t.f[g])
+            raise ValueError(f"slot {slot} reads gid {g} ({t.groups[g].name}) at block position {p // f} again (its "
+                             f"window moved back to blocks it had left; num_computed_tokens), but slot "
+                             f"{others[0][0]} holds that block ({kid // f}) now: it would read another live "
+                             f"request's KV")
