@@ -26,9 +26,9 @@ The rules (``checks="safe"``), each checked on what a step changes only:
 3. **A block is filled by one request.** A block id a row acquires at a block position the row writes
    (from its write start on: ``(j + 1) * block_size > write start``; every ring block of a circular
    group) is a *fill*: legal only when no other live row holds the id after this step's releases, other
-   than rows that acquire it in this same step below their own write start (a *hit*: vLLM registers a
-   block in the prefix cache when it schedules the tokens that fill it, so a request admitted later in
-   the same step shares the block its allocator fills in that step). An id acquired below the row's
+   than rows that acquire it in this same step, at the same block position, below their own write start
+   (a *hit*: vLLM registers a block in the prefix cache when it schedules the tokens that fill it, so a
+   request admitted later in the same step shares the block its allocator fills in that step). An id acquired below the row's
    write start is a prefix *hit*: always legal to hold, never written by that row.
 4. **Writes below a row's own write floor touch no shared block.** A row writes from its write start on;
    at or beyond its write floor those positions are its filled mark and beyond: only the filler writes

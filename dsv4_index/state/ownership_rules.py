@@ -290,7 +290,8 @@ def _judge(o, st: Step, i: int) -> None:
     key, slot, pos = int(st.acq[i]), int(st.acq_slot[i]), int(st.acq_pos[i])
     g, kid = key % o.G, key // o.G
     hs = o.holders(g, kid, st)
-    others = [h for h in hs if h[0] != slot and h[2] != "hit"]
+    # NOTE: a same-step hit is the vLLM pattern only at the filler's block position (prefix sharing)
+    others = [h for h in hs if h[0] != slot and not (h[2] == "hit" and h[1] == pos)]
     mine = [h for h in hs if h[0] == slot and h[1] != pos]
     if not others and not (mine and o.full):
         return  # NOTE: its own duplicate under "safe" (the "full" level rejects it)
