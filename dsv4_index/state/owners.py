@@ -11,9 +11,8 @@ State, per pipeline (``G`` groups, ``R`` request slots):
 * ``ring_lo`` int64 ``[G, R]``: the lowest logical block a ring row's columns still hold: a run writing
   logical ``[s, e)`` and storing from ``keep`` leaves ``[max(e - ring, keep), e)`` (older blocks too
   only for a plain append).
-* ``frontier`` int64 ``[R]``: positions a slot's steps ever wrote (largest ``seq_len``), and the write
-  floors ``wf`` int64 ``[2, R]``: the largest first written position of a step (``[0]``: ``nc``, what
-  sliding and circular groups write from; ``[1]``: ``max(nc, replay_end)``, what full groups write from).
+* ``frontier`` int64 ``[R]``: positions a slot's steps ever wrote (the largest ``seq_len``): the *filled
+  mark* of every block the slot filled.
 
 The rules (``checks="safe"``), each checked on what a step changes only:
 
@@ -28,16 +27,16 @@ The rules (``checks="safe"``), each checked on what a step changes only:
    group) is a *fill*: legal only when no other live row holds the id after this step's releases, other
    than rows that acquire it in this same step, at the same block position, below their own write start
    (a *hit*: vLLM registers a block in the prefix cache when it schedules the tokens that fill it, so a
-   request admitted later in the same step shares the block its allocator fills in that step). An id acquired below the row's
-   write start is a prefix *hit*: always legal to hold, never written by that row.
-4. **Writes below a row's own write floor touch no shared block.** A row writes from its write start on;
-   at or beyond its write floor those positions are its filled mark and beyond: only the filler writes
-   there (rule 3). A step that writes below the floor (``nc`` rewound below an earlier step's, or
-   ``replay_end`` dropped) writes into blocks it already held: each must have no other holder after the
-   step. This is also what keeps bounded replay off prefix-shared full-group blocks.
+   request admitted later in the same step shares the block its allocator fills in that step). An id
+   acquired below the row's write start is a prefix *hit*: always legal to hold, never written by that row.
+4. **Writes below a row's frontier touch no shared block.** A row writes from its write start on (``nc``;
+   ``max(nc, replay_end)`` in full groups). Below its frontier (rejected drafts rewritten, ``nc``
+   rewound, ``replay_end`` dropped) it rewrites blocks it already held: each must have no other holder
+   after the step (vLLM shares only blocks of known tokens, never one holding a draft). This is also what
+   keeps bounded replay off prefix-shared full-group blocks.
 
 So a write into a shared block is legal exactly when the writer is the block's filler and the positions
-are at or beyond its filled mark (the filler's largest write start), the pattern vLLM's prefix cache
+are at or beyond its filled mark (the filler's frontier), the pattern vLLM's prefix cache
 produces; every other write into a block another live request holds is rejected, naming both holders.
 A row holding one id at two positions (its own duplicate) is the ``"full"`` level's to reject.
 
@@ -100,9 +99,9 @@ class BlockOwners:
         self.ring_lo = np.zeros((G, R), dtype=np.int64)
         self.checked = np.zeros((G, R), dtype=np.int64)
         self.frontier = np.zeros(R, dtype=np.int64)
-        self.wf = np.zeros((2, R), dtype=np.int64)
         self.nc = np.zeros(R, dtype=np.int64)           # NOTE: scratch: this step's nc by slot
         self.fa = np.zeros(G * R, dtype=np.int64)       # NOTE: scratch: floors after the runs, by pair key
+        self.cut = np.full(G * R, np.iinfo(np.int64).max, dtype=np.int64)  # NOTE: scratch, kept at max
         self.S_key = (self.S * R)[:, None]
         self._pending: Optional[Tuple[object, Step]] = None
 
@@ -155,7 +154,6 @@ class BlockOwners:
                 self.ring_lo[:, s] = 0
                 self.checked[:, s] = 0
                 self.frontier[s] = 0
-                self.wf[:, s] = 0
         fl, ck, rl = self.floor.reshape(-1), self.checked.reshape(-1), self.ring_lo.reshape(-1)
         if st.kb is not None:
             fl[st.kb] = st.F1b
@@ -168,12 +166,9 @@ class BlockOwners:
         sl = st.all_slots
         if sl.size:
             self.frontier[sl] = np.maximum(self.frontier[sl], st.all_nc)
-            self.wf[0, sl] = np.maximum(self.wf[0, sl], st.all_nc)
-            self.wf[1, sl] = np.maximum(self.wf[1, sl], st.all_nc)
         b = st.b
         if b.size:
             self.frontier[b] = np.maximum(self.frontier[b], st.seq)
-            self.wf[1, b] = np.maximum(self.wf[1, b], st.ws_full)
 
     def holders(self, g: int, kid: int, st: Optional[Step] = None) -> List[Tuple[int, int, str]]:
         """``(slot, block position, how)`` of every holder of kernel id ``kid`` in group ``g`` after the step

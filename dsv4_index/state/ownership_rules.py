@@ -246,7 +246,7 @@ def _acquisitions(o, st: Step, plan) -> None:
         o.grow(int(key.max()))
     # write start of each run's row in its group: this step's (batch rows, new rows) or the committed floor
     full = t.full.take(gid)
-    ws = np.where(full, o.wf[1].take(slot), o.wf[0].take(slot))
+    ws = o.frontier.take(slot)
     if st.fresh is not None:
         ws = np.where(st.fresh.take(slot), o.nc.take(slot), ws)
     row = plan.w_row
@@ -318,44 +318,53 @@ def _raw_index(o, st: Step, r: int, pos: int) -> int:
 
 
 def check_rewinds(o, st: Step) -> None:
-    """Rule 4: rows writing below their write floor write only blocks nobody else holds."""
+    """Rule 4: blocks a row rewrites below its frontier (old ids, not replaced by a run) have no other holder."""
     b = st.b
     if not b.size:
         return
-    low = (st.nc_b < o.wf[0].take(b)) | (st.ws_full < o.wf[1].take(b))
+    front = o.frontier.take(b)
+    low = (st.nc_b < front) | (st.ws_full < front)
     if st.fresh is not None:
         low &= ~st.fresh.take(b)
-    for i in np.flatnonzero(low).tolist():
-        _rewound_row(o, st, i)
-
-
-def _rewound_row(o, st: Step, i: int) -> None:
-    t, slot, seq = o.tables, int(st.b[i]), int(st.seq[i])
-    for g, grp in enumerate(t.groups):
-        kind = 1 if grp.kind == "full" else 0
-        ws, floor = (int(st.ws_full[i]) if kind else int(st.nc_b[i])), int(o.wf[kind, slot])
-        if ws >= floor:
-            continue
-        bs = int(t.bs[g])
-        if grp.kind == "circular":
-            a, z = 0, int(t.num_blocks[g, slot])
-        else:
-            lo, hi = (int(x) for x in o.owned(np.array([ws, min(seq, floor)]), np.array([g, g])))
-            a, z = lo // bs, -(-hi // bs)
-        lo, hi = st.kept(g, slot, int(o.floor[g, slot]), int(t.num_blocks[g, slot]))
-        for p in range(max(a, lo), min(z, hi)):
-            ring = int(t.ring[g])
-            kid = int(t.mirrors[g][slot, p % ring if ring else p])
-            if kid < int(t.f[g]):
-                continue
-            others = [h for h in o.holders(g, kid, st) if h[0] != slot]
-            if others:
-                f = int(t.f[g])
-                raise ValueError(f"slot {slot} writes gid {g} ({grp.name}) from position {ws}, below the position "
-                                 f"{floor} its steps already wrote from (num_computed_tokens {int(st.nc_b[i])}), "
-                                 f"into block {kid // f} (block position {p // f}), but slot {others[0][0]} holds "
-                                 f"that block too (block position {others[0][1] // f}): a token would write into "
-                                 f"a block another live request holds")
+    if not low.any():
+        return
+    t, rows = o.tables, np.flatnonzero(low)
+    slots, top = b[rows], np.minimum(st.seq[rows], front[rows])
+    if st.N:
+        o.cut[st.kr] = st.s
+    try:
+        parts = []
+        for g in np.flatnonzero(~t.circular).tolist():  # NOTE: circular blocks are never shared (always fills)
+            ws = (st.ws_full if t.full[g] else st.nc_b)[rows]
+            gg = np.full(rows.shape[0], g)
+            lo = o.owned(ws, gg) // t.bs[g]
+            hi = -(-o.owned(top, gg) // t.bs[g])
+            key = g * o.R + slots
+            held_lo = o.floor[g].take(slots) if o.sliding[g] else 0
+            held_hi = np.minimum(t.num_blocks[g].take(slots), o.cut.take(key))
+            parts.append((gg, slots, np.maximum(lo, held_lo), np.minimum(hi, held_hi)))
+    finally:
+        if st.N:
+            o.cut[st.kr] = np.iinfo(np.int64).max
+    keys, who, pos = (np.concatenate(x) for x in zip(*(_old_keys(o, *p, detail=True) for p in parts)))
+    if not keys.size:
+        return
+    maybe = o.count.take(keys) > 1
+    if st.acq.size:
+        maybe |= _count_in(np.sort(st.acq), keys) > 0
+    for j in np.flatnonzero(maybe).tolist():
+        key, slot, p = int(keys[j]), int(who[j]), int(pos[j])
+        g, kid = key % o.G, key // o.G
+        others = [h for h in o.holders(g, kid, st) if h[0] != slot]
+        if others:
+            i = int(np.flatnonzero(b == slot)[0])
+            ws = int(st.ws_full[i] if t.full[g] else st.nc_b[i])
+            f, grp = int(t.f[g]), t.groups[g]
+            raise ValueError(f"slot {slot} writes gid {g} ({grp.name}) from position {ws}, below the position "
+                             f"{int(o.frontier[slot])} its steps already wrote (num_computed_tokens "
+                             f"{int(st.nc_b[i])}), into block {kid // f} (block position {p // f}), but slot "
+                             f"{others[0][0]} holds that block too (block position {others[0][1] // f}): a "
+                             f"token would write into a block another live request holds")
 
 
 def _check_reacquired(o, st: Step) -> None:
