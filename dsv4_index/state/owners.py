@@ -8,9 +8,9 @@ State, per pipeline (``G`` groups, ``R`` request slots):
 * ``floor`` int64 ``[G, R]``: the lowest logical block a sliding row holds: the block of its last
   step's window start (``max(nc - W + 1, replay_start)`` of the first token; blocks wholly behind it are
   released: vLLM frees them when it schedules the request). Full and circular rows hold every block.
-* ``ring_lo`` int64 ``[G, R]``: the lowest logical block a ring row's columns still hold: a run writing
-  logical ``[s, e)`` and storing from ``keep`` leaves ``[max(e - ring, keep), e)`` (older blocks too
-  only for a plain append).
+* ``ring_lo`` int64 ``[G, R]``: with the plan's ring check (``blocks - window block <= ring``), the lowest
+  logical block a ring row's columns still hold: a run writing logical ``[s, e)`` and storing from
+  ``keep`` leaves ``[max(e - ring, keep), e)``; a plain append (``keep == s``) leaves it as it was.
 * ``frontier`` int64 ``[R]``: positions a slot's steps ever wrote (the largest ``seq_len``): the *filled
   mark* of every block the slot filled.
 
@@ -56,7 +56,8 @@ import numpy as np
 
 from .._common import cp_owned_count
 from .contract import held_and_duplicates
-from .ownership_rules import Step, check_rewinds, check_runs, plan_step_ownership
+from .ownership_fast import commit_fast, plan_fast
+from .ownership_rules import Step, begin, check_rewinds, check_runs, plan_general, rewind_suspects
 
 __all__ = ["BlockOwners", "check_ring_capacity"]
 
@@ -103,6 +104,14 @@ class BlockOwners:
         self.fa = np.zeros(G * R, dtype=np.int64)       # NOTE: scratch: floors after the runs, by pair key
         self.cut = np.full(G * R, np.iinfo(np.int64).max, dtype=np.int64)  # NOTE: scratch, kept at max
         self.S_key = (self.S * R)[:, None]
+        # NOTE: the fast path's geometry (state/ownership_fast.py)
+        self.slow_geometry = bool(self.sharded.any()) or tables.fmax > 1
+        self.wm1_S = (tables.window[self.S] - 1)[:, None]
+        self.bs_S = tables.bs[self.S][:, None]
+        self.gpos = np.full(G, -1, dtype=np.int64)
+        self.gpos[self.S] = np.arange(self.S.size)
+        self.pair_base = (tables.base[:, None] + np.arange(R)[None, :] * tables.cols[:, None]).reshape(-1)
+        self.ring_mod_S = np.where(tables.ring[self.S] > 0, tables.ring[self.S], np.iinfo(np.int64).max)
         self._pending: Optional[Tuple[object, Step]] = None
 
     def owned(self, x: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -129,11 +138,13 @@ class BlockOwners:
         """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes
         nothing observable (the count table may grow, with zeros)."""
         self._pending = None
-        st = plan_step_ownership(self, plan)
-        check_runs(self, st)
-        check_rewinds(self, st)
-        if self.full:
-            held_and_duplicates(self, st)
+        st = begin(self, plan)
+        if plan_fast(self, plan, st) is None or rewind_suspects(self, st) is not None:
+            st = plan_general(self, plan, begin(self, plan))
+            check_runs(self, st)
+            check_rewinds(self, st, rewind_suspects(self, st))
+            if self.full:
+                held_and_duplicates(self, st)
         self._pending = (plan, st)
 
     def commit(self, plan) -> None:
@@ -142,6 +153,18 @@ class BlockOwners:
             raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
         st = self._pending[1]
         self._pending = None
+        if st.fast:
+            commit_fast(self, st)
+        else:
+            self._commit_general(st)
+        sl = st.all_slots
+        if sl.size:
+            self.frontier[sl] = np.maximum(self.frontier[sl], st.all_nc)
+        b = st.b
+        if b.size:
+            self.frontier[b] = np.maximum(self.frontier[b], st.seq)
+
+    def _commit_general(self, st: Step) -> None:
         if st.rel.size:
             np.subtract.at(self.count, st.rel, 1)
         if st.acq.size:
@@ -163,12 +186,6 @@ class BlockOwners:
             fl[st.kr_s] = st.F1r_s
             ck[st.kr_s] = np.where(st.inb_s, st.F1r_s, st.e_s)
             rl[st.kr_s] = st.Lr_s
-        sl = st.all_slots
-        if sl.size:
-            self.frontier[sl] = np.maximum(self.frontier[sl], st.all_nc)
-        b = st.b
-        if b.size:
-            self.frontier[b] = np.maximum(self.frontier[b], st.seq)
 
     def holders(self, g: int, kid: int, st: Optional[Step] = None) -> List[Tuple[int, int, str]]:
         """``(slot, block position, how)`` of every holder of kernel id ``kid`` in group ``g`` after the step

@@ -12,7 +12,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-__all__ = ["Step", "plan_step_ownership", "check_runs", "check_rewinds"]
+__all__ = ["Step", "begin", "plan_general", "check_runs", "check_rewinds", "rewind_suspects"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -46,8 +46,8 @@ class Step:
                 for i in m.tolist()]
 
 
-def plan_step_ownership(o, plan) -> Step:
-    """Releases, acquisitions, floors and write starts of ``plan``; raises on a jump or a stale read."""
+def begin(o, plan) -> Step:
+    """What every path needs of ``plan`` (slots, this step's ``nc`` by slot, write starts); raises on a jump."""
     st, R = Step(), o.R
     st.R, st.plan = R, plan
     st.free, st.new = plan.free_slots, plan.new_slots
@@ -64,6 +64,13 @@ def plan_step_ownership(o, plan) -> Step:
     st.nc_b = o.nc.take(st.b) if st.b.size else _EMPTY
     re = plan.replay_end
     st.ws_full = st.nc_b if re is None or not st.b.size else np.maximum(st.nc_b, re)
+    st.fast = False
+    return st
+
+
+def plan_general(o, plan, st: Step) -> Step:
+    """Releases, acquisitions and floors of any step (after :func:`begin`); raises on a stale read."""
+    st.fast = False
     _runs(o, st, plan)
     _batch_floors(o, st, plan)
     _releases(o, st)
@@ -107,9 +114,9 @@ def _runs(o, st: Step, plan) -> None:
     ring = t.ring.take(gid)
     rr = sl & (ring > 0)
     Lr = L0r
-    if rr.any():  # NOTE: the ring then holds [max(e - ring, keep), e), and older blocks only for an append
-        append = (keep == s) & (s >= L0r)
-        Lr = np.where(rr, np.maximum(e - ring, np.where(append, L0r, keep)), L0r)
+    if rr.any():  # NOTE: the ring then holds [max(e - ring, keep), e), and older blocks too for an append
+        append = (keep == s) & (s >= L0r)  # NOTE: e - ring is the plan's ring check's, not stored for appends
+        Lr = np.where(rr & ~append, np.maximum(e - ring, keep), L0r)
     st.kr_s, st.Lr_s = kr[sl], Lr[sl]
     st.F1r_s = np.maximum(F0r[sl], st.Lr_s)  # NOTE: rows outside the batch: what the columns still hold
     st.inb_s, st.e_s = plan.w_row[sl] >= 0, e[sl]
@@ -317,43 +324,55 @@ def _raw_index(o, st: Step, r: int, pos: int) -> int:
     return int(n_raw[:r].sum()) + (pos - int(st.s[r])) // int(f[r])
 
 
-def check_rewinds(o, st: Step) -> None:
-    """Rule 4: blocks a row rewrites below its frontier (old ids, not replaced by a run) have no other holder."""
+def rewind_suspects(o, st: Step):
+    """Rule 4's candidates: ``(keys, slots, block positions)`` of old blocks rows rewrite below their
+    frontier that another row may hold (count above one, or acquired in this step), or None."""
     b = st.b
     if not b.size:
-        return
+        return None
     front = o.frontier.take(b)
     low = (st.nc_b < front) | (st.ws_full < front)
     if st.fresh is not None:
         low &= ~st.fresh.take(b)
     if not low.any():
-        return
+        return None
     t, rows = o.tables, np.flatnonzero(low)
-    slots, top = b[rows], np.minimum(st.seq[rows], front[rows])
+    G = np.flatnonzero(~t.circular)  # NOTE: circular blocks are never shared (always fills)
+    n = rows.shape[0]
+    gg = np.repeat(G, n)
+    slots = np.tile(st.b[rows], G.shape[0])
+    top = np.tile(np.minimum(st.seq[rows], front[rows]), G.shape[0])
+    ws = np.where(t.full[gg], np.tile(st.ws_full[rows], G.shape[0]), np.tile(st.nc_b[rows], G.shape[0]))
+    bs = t.bs.take(gg)
+    lo, hi = o.owned(ws, gg) // bs, -(-o.owned(top, gg) // bs)
+    key = gg * o.R + slots
+    held_hi = t.num_blocks.reshape(-1).take(key)  # NOTE: old ids only: below a run's start
     if st.N:
         o.cut[st.kr] = st.s
-    try:
-        parts = []
-        for g in np.flatnonzero(~t.circular).tolist():  # NOTE: circular blocks are never shared (always fills)
-            ws = (st.ws_full if t.full[g] else st.nc_b)[rows]
-            gg = np.full(rows.shape[0], g)
-            lo = o.owned(ws, gg) // t.bs[g]
-            hi = -(-o.owned(top, gg) // t.bs[g])
-            key = g * o.R + slots
-            held_lo = o.floor[g].take(slots) if o.sliding[g] else 0
-            held_hi = np.minimum(t.num_blocks[g].take(slots), o.cut.take(key))
-            parts.append((gg, slots, np.maximum(lo, held_lo), np.minimum(hi, held_hi)))
-    finally:
-        if st.N:
-            o.cut[st.kr] = np.iinfo(np.int64).max
-    keys, who, pos = (np.concatenate(x) for x in zip(*(_old_keys(o, *p, detail=True) for p in parts)))
+        held_hi = np.minimum(held_hi, o.cut.take(key))
+        o.cut[st.kr] = np.iinfo(np.int64).max
+    keys, who, pos = _old_keys(o, gg, slots, np.maximum(lo, o.floor.reshape(-1).take(key)),
+                               np.minimum(hi, held_hi), detail=True)
     if not keys.size:
-        return
+        return None
     maybe = o.count.take(keys) > 1
-    if st.acq.size:
-        maybe |= _count_in(np.sort(st.acq), keys) > 0
-    for j in np.flatnonzero(maybe).tolist():
-        key, slot, p = int(keys[j]), int(who[j]), int(pos[j])
+    if st.acq.size:  # NOTE: acquired in this step by anyone (few keys: search the acquisitions into them)
+        ks = np.sort(keys)
+        at = np.minimum(np.searchsorted(ks, st.acq), ks.shape[0] - 1)
+        found = ks[at[ks[at] == st.acq]]
+        if found.size:
+            maybe |= _count_in(np.sort(found), keys) > 0
+    if not maybe.any():
+        return None
+    return keys[maybe], who[maybe], pos[maybe]
+
+
+def check_rewinds(o, st: Step, suspects) -> None:
+    """Rule 4: blocks a row rewrites below its frontier (old ids, not replaced by a run) have no other holder."""
+    if suspects is None:
+        return
+    t, b = o.tables, st.b
+    for key, slot, p in zip(*(x.tolist() for x in suspects)):
         g, kid = key % o.G, key // o.G
         others = [h for h in o.holders(g, kid, st) if h[0] != slot]
         if others:
