@@ -194,3 +194,35 @@ def test_every_write_into_another_holders_block_is_rejected(kind):
             pipe.update(step)
             before = _held(sched)
     assert tried > 30, tried
+
+
+def test_fast_path_and_general_path_agree(monkeypatch):
+    """The same trace through a pipeline whose ownership checks always take the general path: the same
+    accepted steps and the same holder counts, floors, ring columns and frontiers after every step; the
+    fast path is really taken."""
+    import dsv4_index.state.owners as owners
+
+    lay = layout("rings")
+    sched = ReferenceScheduler(lay, 36, max_num_batched_tokens=24, max_num_seqs=5, num_speculative_tokens=2,
+                               long_prefill_threshold=16, seed=5, cache_when_scheduled=True)
+    fast = MetadataPipeline(lay, 6, 32, "cpu", 2, backend="reference", checks="full")
+    slow = MetadataPipeline(lay, 6, 32, "cpu", 2, backend="reference", checks="full")
+    real, taken = owners.plan_fast, []
+
+    def spy(o, plan, st):
+        got = real(o, plan, st)
+        if o is fast.requests.owners:
+            taken.append(got is not None)
+            return got
+        return None
+
+    monkeypatch.setattr(owners, "plan_fast", spy)
+    for step, _ in sched.random_trace(200, 5, prompt_len=(1, 120), max_new_tokens=(20, 60), prefix_prob=0.4,
+                                      arrival_prob=0.15):
+        fast.update(step)
+        slow.update(step)
+        a, b = fast.requests.owners, slow.requests.owners
+        assert counts(fast) == counts(slow)
+        for k in ("floor", "ring_lo", "checked", "frontier"):
+            assert np.array_equal(getattr(a, k), getattr(b, k)), k
+    assert sum(taken) >= 5 and not all(taken), (sum(taken), len(taken))
