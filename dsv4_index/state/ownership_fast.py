@@ -34,8 +34,8 @@ def plan_fast(o, plan, st: Step) -> Optional[Step]:
     np.maximum(lo, 0, out=lo)
     lo //= o.bs_S
     kb = o.S_key + b
-    if (lo < o.ring_lo.reshape(-1).take(kb)).any():
-        return None
+    # NOTE: ring_lo <= floor always (a commit stores floor = the window block >= ring_lo), so a window that
+    # did not move back reads nothing below ring_lo
     F0b = o.floor.reshape(-1).take(kb)
     moved = lo != F0b
     rel = None
