@@ -12,7 +12,8 @@ State, per pipeline (``G`` groups, ``R`` request slots):
   logical block a ring row's columns still hold: a run writing logical ``[s, e)`` and storing from
   ``keep`` leaves ``[max(e - ring, keep), e)``; a plain append (``keep == s``) leaves it as it was.
 * ``frontier`` int64 ``[R]``: positions a slot's steps ever wrote (the largest ``seq_len``): the *filled
-  mark* of every block the slot filled.
+  mark* of every block the slot filled; ``mark_full`` int64 ``[R]``: the same for full groups, where a
+  row's prefix hits end at its ``replay_end`` (the largest of ``seq_len`` and ``replay_end``).
 
 The rules (``checks="safe"``), each checked on what a step changes only:
 
@@ -25,14 +26,16 @@ The rules (``checks="safe"``), each checked on what a step changes only:
 3. **A block is filled by one request.** A block id a row acquires at a block position the row writes
    (from its write start on: ``(j + 1) * block_size > write start``; every ring block of a circular
    group) is a *fill*: legal only when no other live row holds the id after this step's releases, other
-   than rows that acquire it in this same step, at the same block position, below their own write start
-   (a *hit*: vLLM registers a block in the prefix cache when it schedules the tokens that fill it, so a
-   request admitted later in the same step shares the block its allocator fills in that step). An id
+   than rows that acquire it in this same step, at the same block position, below their own write start,
+   while the filler writes the whole block (a *hit* of a fresh block: vLLM registers a block in the prefix
+   cache when it schedules the tokens that fill it, so a request admitted later in the same step shares
+   the block its allocator fills in that step; a filler whose write start falls inside the block claims
+   its head computed, so the block has content and is not fresh). An id
    acquired below the row's write start is a prefix *hit*: always legal to hold, never written by that row.
 4. **Writes below a row's frontier touch no shared block.** A row writes from its write start on (``nc``;
-   ``max(nc, replay_end)`` in full groups). Below its frontier (rejected drafts rewritten, ``nc``
-   rewound, ``replay_end`` dropped) it rewrites blocks it already held: each must have no other holder
-   after the step (vLLM shares only blocks of known tokens, never one holding a draft). This is also what
+   ``max(nc, replay_end)`` in full groups). Below its frontier (``mark_full`` in full groups: rejected
+   drafts rewritten, ``nc`` rewound, ``replay_end`` dropped during a replay) it writes blocks it already
+   held, its own or prefix hits: each must have no other holder after the step (vLLM shares only blocks of known tokens, never one holding a draft). This is also what
    keeps bounded replay off prefix-shared full-group blocks.
 
 So a write into a shared block is legal exactly when the writer is the block's filler and the positions
@@ -100,6 +103,7 @@ class BlockOwners:
         self.ring_lo = np.zeros((G, R), dtype=np.int64)
         self.checked = np.zeros((G, R), dtype=np.int64)
         self.frontier = np.zeros(R, dtype=np.int64)
+        self.mark_full = np.zeros(R, dtype=np.int64)
         self.nc = np.zeros(R, dtype=np.int64)           # NOTE: scratch: this step's nc by slot
         self.fa = np.zeros(G * R, dtype=np.int64)       # NOTE: scratch: floors after the runs, by pair key
         self.cut = np.full(G * R, np.iinfo(np.int64).max, dtype=np.int64)  # NOTE: scratch, kept at max
@@ -160,9 +164,12 @@ class BlockOwners:
         sl = st.all_slots
         if sl.size:
             self.frontier[sl] = np.maximum(self.frontier[sl], st.all_nc)
+            self.mark_full[sl] = np.maximum(self.mark_full[sl], st.all_nc)
         b = st.b
         if b.size:
             self.frontier[b] = np.maximum(self.frontier[b], st.seq)
+            top = st.seq if st.re is None else np.maximum(st.seq, st.re)
+            self.mark_full[b] = np.maximum(self.mark_full[b], top)
 
     def _commit_general(self, st: Step) -> None:
         if st.rel.size:
@@ -177,6 +184,7 @@ class BlockOwners:
                 self.ring_lo[:, s] = 0
                 self.checked[:, s] = 0
                 self.frontier[s] = 0
+                self.mark_full[s] = 0
         fl, ck, rl = self.floor.reshape(-1), self.checked.reshape(-1), self.ring_lo.reshape(-1)
         if st.kb is not None:
             fl[st.kb] = st.F1b

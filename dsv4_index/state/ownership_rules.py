@@ -62,8 +62,8 @@ def begin(o, plan) -> Step:
         _no_jump(o, st)
     st.b, st.seq = plan.slots, plan.seq_lens
     st.nc_b = o.nc.take(st.b) if st.b.size else _EMPTY
-    re = plan.replay_end
-    st.ws_full = st.nc_b if re is None or not st.b.size else np.maximum(st.nc_b, re)
+    st.re = re = plan.replay_end if st.b.size else None
+    st.ws_full = st.nc_b if re is None else np.maximum(st.nc_b, re)
     st.fast = False
     return st
 
@@ -234,7 +234,7 @@ def _acquisitions(o, st: Step, plan) -> None:
     t = o.tables
     if not st.N:
         st.acq = st.acq_slot = st.acq_pos = st.acq_run = _EMPTY
-        st.acq_fill = np.zeros(0, dtype=bool)
+        st.acq_fill = st.acq_fresh = np.zeros(0, dtype=bool)
         return
     gid, slot, s, cu = st.gid, st.slot, st.s, plan.w_cu
     n = cu[1:] - cu[:-1]
@@ -253,7 +253,7 @@ def _acquisitions(o, st: Step, plan) -> None:
         o.grow(int(key.max()))
     # write start of each run's row in its group: this step's (batch rows, new rows) or the committed floor
     full = t.full.take(gid)
-    ws = o.frontier.take(slot)
+    ws = np.where(t.full.take(gid), o.mark_full.take(slot), o.frontier.take(slot))
     if st.fresh is not None:
         ws = np.where(st.fresh.take(slot), o.nc.take(slot), ws)
     row = plan.w_row
@@ -261,9 +261,11 @@ def _acquisitions(o, st: Step, plan) -> None:
     if inb.any():
         r = row[inb]
         ws[inb] = np.where(full[inb], st.ws_full.take(r), st.nc_b.take(r))
-    ws = o.owned(ws, gid)
-    fill = t.circular.take(gg) | ((pos + 1) * t.bs.take(gg) > ws.take(rep))
+    ws = o.owned(ws, gid).take(rep)
+    circ, bs = t.circular.take(gg), t.bs.take(gg)
+    fill = circ | ((pos + 1) * bs > ws)
     st.acq, st.acq_slot, st.acq_pos, st.acq_run, st.acq_fill = key, slot.take(rep), pos, rep, fill
+    st.acq_fresh = circ | (pos * bs >= ws)  # NOTE: the row writes the whole block (a fresh allocation)
 
 
 def _count_in(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -297,8 +299,10 @@ def _judge(o, st: Step, i: int) -> None:
     key, slot, pos = int(st.acq[i]), int(st.acq_slot[i]), int(st.acq_pos[i])
     g, kid = key % o.G, key // o.G
     hs = o.holders(g, kid, st)
-    # NOTE: a same-step hit is the vLLM pattern only at the filler's block position (prefix sharing)
-    others = [h for h in hs if h[0] != slot and not (h[2] == "hit" and h[1] == pos)]
+    # NOTE: a same-step hit is the vLLM pattern only at the filler's block position (prefix sharing) and
+    # when the filler writes the whole block (a fresh block; one whose head it claims computed has content)
+    fresh = bool(st.acq_fresh[i])
+    others = [h for h in hs if h[0] != slot and not (h[2] == "hit" and h[1] == pos and fresh)]
     mine = [h for h in hs if h[0] == slot and h[1] != pos]
     if not others and not (mine and o.full):
         return  # NOTE: its own duplicate under "safe" (the "full" level rejects it)
@@ -330,8 +334,8 @@ def rewind_suspects(o, st: Step):
     b = st.b
     if not b.size:
         return None
-    front = o.frontier.take(b)
-    low = (st.nc_b < front) | (st.ws_full < front)
+    front, mark = o.frontier.take(b), o.mark_full.take(b)
+    low = (st.nc_b < front) | (st.ws_full < mark)
     if st.fresh is not None:
         low &= ~st.fresh.take(b)
     if not low.any():
@@ -341,8 +345,10 @@ def rewind_suspects(o, st: Step):
     n = rows.shape[0]
     gg = np.repeat(G, n)
     slots = np.tile(st.b[rows], G.shape[0])
-    top = np.tile(np.minimum(st.seq[rows], front[rows]), G.shape[0])
-    ws = np.where(t.full[gg], np.tile(st.ws_full[rows], G.shape[0]), np.tile(st.nc_b[rows], G.shape[0]))
+    full = t.full[gg]
+    top = np.where(full, np.tile(np.minimum(st.seq[rows], mark[rows]), G.shape[0]),
+                   np.tile(np.minimum(st.seq[rows], front[rows]), G.shape[0]))
+    ws = np.where(full, np.tile(st.ws_full[rows], G.shape[0]), np.tile(st.nc_b[rows], G.shape[0]))
     bs = t.bs.take(gg)
     lo, hi = o.owned(ws, gg) // bs, -(-o.owned(top, gg) // bs)
     key = gg * o.R + slots
@@ -379,8 +385,9 @@ def check_rewinds(o, st: Step, suspects) -> None:
             i = int(np.flatnonzero(b == slot)[0])
             ws = int(st.ws_full[i] if t.full[g] else st.nc_b[i])
             f, grp = int(t.f[g]), t.groups[g]
+            mark = int(o.mark_full[slot] if t.full[g] else o.frontier[slot])
             raise ValueError(f"slot {slot} writes gid {g} ({grp.name}) from position {ws}, below the position "
-                             f"{int(o.frontier[slot])} its steps already wrote (num_computed_tokens "
+                             f"{mark} its steps already wrote or hold as a prefix (num_computed_tokens "
                              f"{int(st.nc_b[i])}), into block {kid // f} (block position {p // f}), but slot "
                              f"{others[0][0]} holds that block too (block position {others[0][1] // f}): a "
                              f"token would write into a block another live request holds")
