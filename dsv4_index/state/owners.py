@@ -8,9 +8,10 @@ State, per pipeline (``G`` groups, ``R`` request slots):
 * ``floor`` int64 ``[G, R]``: the lowest logical block a sliding row holds: the block of its last
   step's window start (``max(nc - W + 1, replay_start)`` of the first token; blocks wholly behind it are
   released: vLLM frees them when it schedules the request). Full and circular rows hold every block.
-* ``ring_lo`` int64 ``[G, R]``: with the plan's ring check (``blocks - window block <= ring``), the lowest
-  logical block a ring row's columns still hold: a run writing logical ``[s, e)`` and storing from
-  ``keep`` leaves ``[max(e - ring, keep), e)``; a plain append (``keep == s``) leaves it as it was.
+* ``ring_lo`` int64 ``[G, R]``: a ring row's columns hold logical blocks ``[max(ring_lo, blocks - ring),
+  blocks)`` (the plan's ring check bounds the second term). An append (``s == blocks``) keeps it; a run
+  cutting the row back to ``s`` and storing from ``keep`` leaves the old valid blocks below ``s`` when
+  ``keep == s`` and ``s`` is not below them, else ``[max(keep, e - ring), e)`` only.
 * ``frontier`` int64 ``[R]``: positions a slot's steps ever wrote (the largest ``seq_len``): the *filled
   mark* of every block the slot filled; ``mark_full`` int64 ``[R]``: the same for full groups, where a
   row's prefix hits end at its ``replay_end`` (the largest of ``seq_len`` and ``replay_end``).

@@ -114,9 +114,13 @@ def _runs(o, st: Step, plan) -> None:
     ring = t.ring.take(gid)
     rr = sl & (ring > 0)
     Lr = L0r
-    if rr.any():  # NOTE: the ring then holds [max(e - ring, keep), e), and older blocks too for an append
-        append = (keep == s) & (s >= L0r)  # NOTE: e - ring is the plan's ring check's, not stored for appends
-        Lr = np.where(rr & ~append, np.maximum(e - ring, keep), L0r)
+    if rr.any():
+        # NOTE: stored: the cut floor; the columns hold [max(ring_lo, blocks - ring), blocks) (the plan's ring
+        # check bounds the second term). An append keeps it; a cut back to s keeps the old valid blocks below s
+        # when it stores from s and s is not below them, else the ring holds [max(keep, e - ring), e) only
+        true_old = np.maximum(L0r, N0r - ring)
+        kept_old = (keep == s) & (s >= true_old)
+        Lr = np.where(rr & (s != N0r), np.where(kept_old, true_old, keep), L0r)
     st.kr_s, st.Lr_s = kr[sl], Lr[sl]
     st.F1r_s = np.maximum(F0r[sl], st.Lr_s)  # NOTE: rows outside the batch: what the columns still hold
     st.inb_s, st.e_s = plan.w_row[sl] >= 0, e[sl]

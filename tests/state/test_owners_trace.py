@@ -226,3 +226,112 @@ def test_fast_path_and_general_path_agree(monkeypatch):
         for k in ("floor", "ring_lo", "checked", "frontier"):
             assert np.array_equal(getattr(a, k), getattr(b, k)), k
     assert sum(taken) >= 5 and not all(taken), (sum(taken), len(taken))
+
+
+# ----------------------------------------------------------------------------------------------
+# mutations: a running row rewound and its sliding rows cut back; a read of a lost ring column
+# ----------------------------------------------------------------------------------------------
+class RingShadow:
+    """Which logical block each ring column of each (gid, slot) holds, from the accepted StepBatches alone
+    (DESIGN §4: a ring row keeps its newest blocks, from the lowest block its request can still read)."""
+
+    def __init__(self, pipe):
+        self.lay, self.ring = pipe.layout, [int(r) for r in pipe.tables.ring]
+        self.cols, self.nb = {}, {}
+
+    def apply(self, b):
+        for s in (b.free_slots if b.free_slots is not None else []):
+            self._clear(int(s))
+        new = b.is_new if b.is_new is not None else np.zeros(len(b.req_slots), bool)
+        for s, n in zip(b.req_slots.tolist(), new.tolist()):
+            if n:
+                self._clear(s)
+        row = {int(s): i for i, s in enumerate(b.req_slots.tolist()) if b.num_scheduled_tokens[i]}
+        for r in range(0 if b.write_gids is None else len(b.write_gids)):
+            g, s, start = int(b.write_gids[r]), int(b.write_slots[r]), int(b.write_starts[r])
+            n = int(b.write_cu[r + 1] - b.write_cu[r])
+            first = self.nb.get((g, s), 0) if start == APPEND else start
+            e, ring = first + n, self.ring[g]
+            self.nb[(g, s)] = e
+            if not ring or self.lay.groups[g].kind != "sliding":
+                continue
+            keep = max(first, e - ring)
+            if s in row:
+                i = row[s]
+                lo = max(int(b.num_computed_tokens[i]) - self.lay.groups[g].window + 1, 0)
+                if b.replay_start is not None:
+                    lo = max(lo, int(b.replay_start[i]))
+                keep = max(keep, lo // self.lay.groups[g].block_size)
+            cols = self.cols.setdefault((g, s), {})
+            for p in range(keep, e):
+                cols[p % ring] = p
+
+    def _clear(self, s):
+        for k in [k for k in self.cols if k[1] == s] + [k for k in self.nb if k[1] == s]:
+            self.cols.pop(k, None)
+            self.nb.pop(k, None)
+
+    def stale(self, b) -> bool:
+        """Does a batch row of ``b`` (applied to a copy) read a ring column holding another block?"""
+        cp = RingShadow.__new__(RingShadow)
+        cp.lay, cp.ring = self.lay, self.ring
+        cp.cols, cp.nb = {k: dict(v) for k, v in self.cols.items()}, dict(self.nb)
+        cp.apply(b)
+        for i, s in enumerate(b.req_slots.tolist()):
+            nc, q = int(b.num_computed_tokens[i]), int(b.num_scheduled_tokens[i])
+            for g, grp in enumerate(self.lay.groups):
+                if not q or grp.kind != "sliding" or not self.ring[g]:
+                    continue
+                lo = max(nc - grp.window + 1, 0)
+                if b.replay_start is not None:
+                    lo = max(lo, int(b.replay_start[i]))
+                cols = cp.cols.get((g, s), {})
+                if any(cols.get(p % self.ring[g]) != p for p in range(lo // grp.block_size, -(-(nc + q) // grp.block_size))):
+                    return True
+        return False
+
+
+def test_every_read_of_a_lost_ring_column_is_rejected():
+    lay = layout("rings")
+    rng = random.Random(11)
+    stale = fine = 0
+    for seed in (0, 1, 2):
+        sched = ReferenceScheduler(lay, 60, max_num_batched_tokens=24, max_num_seqs=4, num_speculative_tokens=2,
+                                   long_prefill_threshold=16, seed=seed, enable_prefix_caching=False)
+        pipe = MetadataPipeline(lay, 6, 32, "cpu", 2, backend="reference", checks="safe")
+        shadow, fresh_id = RingShadow(pipe), 50_000
+        for n, (step, _) in enumerate(sched.random_trace(150, seed, prompt_len=(20, 160), max_new_tokens=(10, 60))):
+            b, _ = batch_from_step(step, pipe.slot_map, 4)
+            rows = [i for i in range(len(b.req_slots)) if b.num_scheduled_tokens[i] and not
+                    (b.is_new is not None and b.is_new[i]) and b.num_computed_tokens[i] > 24]
+            if rows and n % 2:
+                i = rng.choice(rows)
+                slot, nc, q = int(b.req_slots[i]), int(b.num_computed_tokens[i]), int(b.num_scheduled_tokens[i])
+                nc2 = rng.randint(max(nc - 120, 1), nc - 1)
+                runs = [(int(g), int(s), int(st), b.write_ids[b.write_cu[r]:b.write_cu[r + 1]].tolist())
+                        for r, (g, s, st) in enumerate(zip(b.write_gids, b.write_slots, b.write_starts))
+                        if not (int(s) == slot and lay.groups[int(g)].kind == "sliding")]
+                for g, grp in enumerate(lay.groups):
+                    if grp.kind == "sliding":
+                        e = -(-(nc2 + q) // grp.block_size)
+                        k = rng.randint(1, 3)
+                        runs.append((g, slot, max(e - k, 0), list(range(fresh_id, fresh_id + min(k, e)))))
+                        fresh_id += 3
+                cu = np.cumsum([0] + [len(r[3]) for r in runs])
+                nc_all = b.num_computed_tokens.copy()
+                nc_all[i] = nc2
+                bad = dataclasses.replace(
+                    b, num_computed_tokens=nc_all, write_gids=np.array([r[0] for r in runs]),
+                    write_slots=np.array([r[1] for r in runs]), write_starts=np.array([r[2] for r in runs]),
+                    write_cu=cu, write_ids=np.array([x for r in runs for x in r[3]], dtype=np.int64))
+                if shadow.stale(bad):
+                    stale += 1
+                    before = state(pipe)
+                    with pytest.raises(ValueError):
+                        pipe.update(bad)
+                    assert not _diff(before, state(pipe))
+                else:
+                    fine += 1
+            pipe.update(step)
+            shadow.apply(b)
+    assert stale > 20, (stale, fine)
