@@ -36,8 +36,8 @@ The rules (``checks="safe"``), each checked on what a step changes only:
 4. **Writes below a row's frontier touch no shared block.** A row writes from its write start on (``nc``;
    ``max(nc, replay_end)`` in full groups). Below its frontier (``mark_full`` in full groups: rejected
    drafts rewritten, ``nc`` rewound, ``replay_end`` dropped during a replay) it writes blocks it already
-   held, its own or prefix hits: each must have no other holder after the step (vLLM shares only blocks of known tokens, never one holding a draft). This is also what
-   keeps bounded replay off prefix-shared full-group blocks.
+   held, its own or prefix hits: each must have no other holder after the step (vLLM shares only blocks
+   of known tokens, never one holding a draft). This also keeps bounded replay off prefix-shared blocks.
 
 So a write into a shared block is legal exactly when the writer is the block's filler and the positions
 are at or beyond its filled mark (the filler's frontier), the pattern vLLM's prefix cache

@@ -286,7 +286,8 @@ class RingShadow:
                 if b.replay_start is not None:
                     lo = max(lo, int(b.replay_start[i]))
                 cols = cp.cols.get((g, s), {})
-                if any(cols.get(p % self.ring[g]) != p for p in range(lo // grp.block_size, -(-(nc + q) // grp.block_size))):
+                read = range(lo // grp.block_size, -(-(nc + q) // grp.block_size))
+                if any(cols.get(p % self.ring[g]) != p for p in read):
                     return True
         return False
 
