@@ -9,7 +9,7 @@ State, per pipeline (``G`` groups, ``R`` request slots):
   step's window start (``max(nc - W + 1, replay_start)`` of the first token; blocks wholly behind it are
   released: vLLM frees them when it schedules the request). Full and circular rows hold every block.
 * ``ring_lo`` int64 ``[G, R]``: a ring row's columns hold logical blocks ``[max(ring_lo, blocks - ring),
-  blocks)`` (the plan's ring check bounds the second term). An append (``s == blocks``) keeps it; a run
+  blocks)`` (the plan's ring check bounds the second term). An append (``s == keep == blocks``) keeps it; a run
   cutting the row back to ``s`` and storing from ``keep`` leaves the old valid blocks below ``s`` when
   ``keep == s`` and ``s`` is not below them, else ``[max(keep, e - ring), e)`` only.
 * ``frontier`` int64 ``[R]``: positions a slot's steps ever wrote (the largest ``seq_len``): the *filled

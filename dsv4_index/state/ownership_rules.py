@@ -120,7 +120,8 @@ def _runs(o, st: Step, plan) -> None:
         # when it stores from s and s is not below them, else the ring holds [max(keep, e - ring), e) only
         true_old = np.maximum(L0r, N0r - ring)
         kept_old = (keep == s) & (s >= true_old)
-        Lr = np.where(rr & (s != N0r), np.where(kept_old, true_old, keep), L0r)
+        append = (s == N0r) & (keep == s)
+        Lr = np.where(rr & ~append, np.where(kept_old, true_old, keep), L0r)
     st.kr_s, st.Lr_s = kr[sl], Lr[sl]
     st.F1r_s = np.maximum(F0r[sl], st.Lr_s)  # NOTE: rows outside the batch: what the columns still hold
     st.inb_s, st.e_s = plan.w_row[sl] >= 0, e[sl]
