@@ -61,7 +61,8 @@ import numpy as np
 from .._common import cp_owned_count
 from .contract import held_and_duplicates
 from .ownership_fast import commit_fast, plan_fast
-from .ownership_rules import Step, begin, check_rewinds, check_runs, plan_general, rewind_suspects
+from .ownership_checks import check_rewinds, check_runs, rewind_suspects
+from .ownership_rules import Step, begin, plan_general
 
 __all__ = ["BlockOwners", "check_ring_capacity"]
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from .ownership_rules import Step, _count_in, _old_keys
+from .ownership_rules import Step, count_in, old_keys
 
 __all__ = ["plan_fast", "commit_fast"]
 
@@ -45,7 +45,7 @@ def plan_fast(o, plan, st: Step) -> Optional[Step]:
         j, i = np.nonzero(moved)
         rel = _left_behind(o, j, kb[j, i], F0b[j, i], lo[j, i])
         if rel is None:
-            rel = _old_keys(o, o.S[j], b[i], F0b[j, i],
+            rel = old_keys(o, o.S[j], b[i], F0b[j, i],
                             np.minimum(lo[j, i], o.tables.num_blocks.reshape(-1).take(kb[j, i])))
     st.rel = rel if rel is not None else np.zeros(0, dtype=np.int64)
     st.rel_sorted = np.sort(st.rel) if st.rel.size > 1 else st.rel
@@ -70,7 +70,7 @@ def _appends(o, plan, st: Step, lo: np.ndarray, R: int) -> bool:
     o.grow(int(keys.max()))
     base = o.count.take(keys)
     if st.rel.size:
-        base = base - _count_in(st.rel_sorted, keys)
+        base = base - count_in(st.rel_sorted, keys)
     if base.any():
         return False                                    # NOTE: held by someone: the general path judges it
     if _has_duplicate(keys):
