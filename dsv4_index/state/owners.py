@@ -13,8 +13,8 @@ State, per pipeline (``G`` groups, ``R`` request slots):
   cutting the row back to ``s`` and storing from ``keep`` leaves the old valid blocks below ``s`` when
   ``keep == s`` and ``s`` is not below them, else ``[max(keep, e - ring), e)`` only.
 * ``frontier`` int64 ``[R]``: positions a slot's steps ever wrote (the largest ``seq_len``): the *filled
-  mark* of every block the slot filled; ``mark_full`` int64 ``[R]``: the same for full groups, where a
-  row's prefix hits end at its ``replay_end`` (the largest of ``seq_len`` and ``replay_end``).
+  mark* of every block the slot filled; in full groups a row's prefix hits end at its ``replay_end``:
+  their mark is ``max(frontier, replay_mark)``, ``replay_mark`` int64 ``[R]`` the largest ``replay_end``.
 
 The rules (``checks="safe"``), each checked on what a step changes only:
 
@@ -34,7 +34,7 @@ The rules (``checks="safe"``), each checked on what a step changes only:
    its head computed, so the block has content and is not fresh). An id
    acquired below the row's write start is a prefix *hit*: always legal to hold, never written by that row.
 4. **Writes below a row's frontier touch no shared block.** A row writes from its write start on (``nc``;
-   ``max(nc, replay_end)`` in full groups). Below its frontier (``mark_full`` in full groups: rejected
+   ``max(nc, replay_end)`` in full groups). Below its frontier (its full-group mark in full groups: rejected
    drafts rewritten, ``nc`` rewound, ``replay_end`` dropped during a replay) it writes blocks it already
    held, its own or prefix hits: each must have no other holder after the step (vLLM shares only blocks
    of known tokens, never one holding a draft). This also keeps bounded replay off prefix-shared blocks.
@@ -105,7 +105,7 @@ class BlockOwners:
         self.ring_lo = np.zeros((G, R), dtype=np.int64)
         self.checked = np.zeros((G, R), dtype=np.int64)
         self.frontier = np.zeros(R, dtype=np.int64)
-        self.mark_full = np.zeros(R, dtype=np.int64)
+        self.replay_mark = np.zeros(R, dtype=np.int64)
         self.nc = np.zeros(R, dtype=np.int64)           # NOTE: scratch: this step's nc by slot
         self.fa = np.zeros(G * R, dtype=np.int64)       # NOTE: scratch: floors after the runs, by pair key
         self.cut = np.full(G * R, np.iinfo(np.int64).max, dtype=np.int64)  # NOTE: scratch, kept at max
@@ -163,15 +163,13 @@ class BlockOwners:
             commit_fast(self, st)
         else:
             self._commit_general(st)
-        sl = st.all_slots
-        if sl.size:
-            self.frontier[sl] = np.maximum(self.frontier[sl], st.all_nc)
-            self.mark_full[sl] = np.maximum(self.mark_full[sl], st.all_nc)
-        b = st.b
+        sl, b = st.all_slots, st.b
+        if sl.shape[0] != b.shape[0]:  # NOTE: rows without tokens (batch rows: seq_len >= nc)
+            self.frontier[sl] = np.maximum(self.frontier.take(sl), st.all_nc)
         if b.size:
-            self.frontier[b] = np.maximum(self.frontier[b], st.seq)
-            top = st.seq if st.re is None else np.maximum(st.seq, st.re)
-            self.mark_full[b] = np.maximum(self.mark_full[b], top)
+            self.frontier[b] = np.maximum(self.frontier.take(b), st.seq)
+            if st.re is not None:
+                self.replay_mark[b] = np.maximum(self.replay_mark.take(b), st.re)
 
     def _commit_general(self, st: Step) -> None:
         if st.rel.size:
@@ -186,7 +184,7 @@ class BlockOwners:
                 self.ring_lo[:, s] = 0
                 self.checked[:, s] = 0
                 self.frontier[s] = 0
-                self.mark_full[s] = 0
+                self.replay_mark[s] = 0
         fl, ck, rl = self.floor.reshape(-1), self.checked.reshape(-1), self.ring_lo.reshape(-1)
         if st.kb is not None:
             fl[st.kb] = st.F1b

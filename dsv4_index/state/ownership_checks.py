@@ -75,7 +75,8 @@ def rewind_suspects(o, st: Step):
     b = st.b
     if not b.size:
         return None
-    front, mark = o.frontier.take(b), o.mark_full.take(b)
+    front = o.frontier.take(b)
+    mark = np.maximum(front, o.replay_mark.take(b))
     low = (st.nc_b < front) | (st.ws_full < mark)
     if st.fresh is not None:
         low &= ~st.fresh.take(b)
@@ -126,7 +127,7 @@ def check_rewinds(o, st: Step, suspects) -> None:
             i = int(np.flatnonzero(b == slot)[0])
             ws = int(st.ws_full[i] if t.full[g] else st.nc_b[i])
             f, grp = int(t.f[g]), t.groups[g]
-            mark = int(o.mark_full[slot] if t.full[g] else o.frontier[slot])
+            mark = int(max(o.frontier[slot], o.replay_mark[slot]) if t.full[g] else o.frontier[slot])
             raise ValueError(f"slot {slot} writes gid {g} ({grp.name}) from position {ws}, below the position "
                              f"{mark} its steps already wrote or hold as a prefix (num_computed_tokens "
                              f"{int(st.nc_b[i])}), into block {kid // f} (block position {p // f}), but slot "

@@ -258,7 +258,8 @@ def _acquisitions(o, st: Step, plan) -> None:
         o.grow(int(key.max()))
     # write start of each run's row in its group: this step's (batch rows, new rows) or the committed floor
     full = t.full.take(gid)
-    ws = np.where(t.full.take(gid), o.mark_full.take(slot), o.frontier.take(slot))
+    front = o.frontier.take(slot)
+    ws = np.where(t.full.take(gid), np.maximum(front, o.replay_mark.take(slot)), front)
     if st.fresh is not None:
         ws = np.where(st.fresh.take(slot), o.nc.take(slot), ws)
     row = plan.w_row
