@@ -204,8 +204,12 @@ def _releases(o, st: Step) -> None:
 
 
 def _keys_of(o, parts) -> np.ndarray:
-    keys = [old_keys(o, *p) for p in parts]
-    return np.concatenate(keys) if len(keys) > 1 else (keys[0] if keys else _EMPTY)
+    """:func:`old_keys` of several ``(gid, slot, lo, hi)`` interval lists at once."""
+    if not parts:
+        return _EMPTY
+    if len(parts) == 1:
+        return old_keys(o, *parts[0])
+    return old_keys(o, *(np.concatenate(x) for x in zip(*parts)))
 
 
 def _ragged(n: np.ndarray):
