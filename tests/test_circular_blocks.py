@@ -100,8 +100,8 @@ def test_host_checks_k_ids(device):
     gid = lay.group("c128_state").gid
     pipe = MetadataPipeline(lay, 2, 96, device, 0, backend="reference", validate=True)
 
-    def lists(ring):
-        out = [[1 + 100 * g.gid + j for j in range(-(-40 // g.alloc_block_size))] for g in lay.groups]
+    def lists(ring, off=0):  # NOTE: off: another request's own blocks (sharing them is a "safe" rejection)
+        out = [[1 + 100 * g.gid + off + j for j in range(-(-40 // g.alloc_block_size))] for g in lay.groups]
         out[gid] = ring
         return tuple(out)
 
@@ -125,13 +125,13 @@ def test_host_checks_k_ids(device):
     run = RunningRequest("a", tuple([9999] if g.gid == c4 else [] for g in lay.groups), 40)
     other = [2000 + j for j in range(7)] + [1003]
     with pytest.raises(ValueError, match=r"block id 1003 is in the rings of slots 0 and 1 of circular group gid 3"):
-        pipe.update(StepInput([NewRequest("b", lists(other), 0)], [run], {"a": 1, "b": 39}))
+        pipe.update(StepInput([NewRequest("b", lists(other, 50), 0)], [run], {"a": 1, "b": 39}))
     pipe3 = MetadataPipeline(lay, 2, 96, device, 0, backend="reference", validate=True)
     with pytest.raises(ValueError, match=r"block id 3000 is in the rings of slots 0 and 1 of circular group gid 3"):
         pipe3.update(StepInput([NewRequest("x", lists([3000 + j for j in range(8)]), 0),
-                                NewRequest("z", lists([3100 + j for j in range(7)] + [3000]), 0)], [],
+                                NewRequest("z", lists([3100 + j for j in range(7)] + [3000], 50), 0)], [],
                                {"x": 39, "z": 39}))
-    pipe.update(StepInput([NewRequest("b", lists([2000 + j for j in range(8)]), 0)], [run], {"a": 1, "b": 39}))
+    pipe.update(StepInput([NewRequest("b", lists([2000 + j for j in range(8)], 50), 0)], [run], {"a": 1, "b": 39}))
     m = pipe.build()
     assert m["c128_state"].slot_mapping[0].item() == _slot(list(range(1000, 1008)), 40, 32, 4)
     assert m["c128_state"].slot_mapping[1:40].tolist() == [_slot(list(range(2000, 2008)), p, 32, 4) for p in range(39)]

@@ -342,17 +342,17 @@ def _id_already_in_row(c):
     for r in filter(_appending, c.step.running_requests):
         s = c.pipe.slot_of(r.req_id)
         row = c.pipe.tables.row(0, s)
-        if _lists(r)[0] and row.size:
-            return (_edit(c, r, 0, lambda ids: [int(row[0])] + ids[1:]), None,
-                    esc(f"block id {int(row[0])} twice in gid 0 of slot {s}"))
+        if _lists(r)[0] and row.size:  # NOTE: its last block: its own (a prefix-shared one is a "safe" rejection)
+            return (_edit(c, r, 0, lambda ids: [int(row[-1])] + ids[1:]), None,
+                    esc(f"block id {int(row[-1])} twice in gid 0 of slot {s}"))
     return None
 
 
 K("full_check_block_id_already_in_row", _id_already_in_row, checks="full")
 K("full_check_block_id_twice_in_new_request", lambda c: _on(
     _pick(c.step, lambda r: len(_lists(r)[0]) >= 2, running=False), lambda r: (
-        _edit(c, r, 0, lambda ids: ids[:1] * 2 + ids[2:]), None,
-        rf"block id {_lists(r)[0][0]} twice in gid 0 of slot")),
+        _edit(c, r, 0, lambda ids: ids[:-2] + ids[-1:] * 2), None,  # NOTE: its own last block, not a shared one
+        rf"block id {_lists(r)[0][-1]} twice in gid 0 of slot")),
   checks="full")
 K("full_check_null_block_in_full_group", lambda c: _on(_pick(c.step, lambda r: bool(_lists(r)[0])), lambda r: (
     _edit(c, r, 0, lambda ids: ids[:-1] + [0]), None, esc("the null block 0 in full group gid 0"))), checks="full")

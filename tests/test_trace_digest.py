@@ -111,12 +111,13 @@ def test_one_more_scheduled_token_is_named(trace, tmp_path):
     assert "more field(s) differ: seq_lens" in p.message and "positions" in p.message   # the others that differ
 
 
-def test_three_more_computed_tokens_are_named(trace, tmp_path):
+def test_three_fewer_computed_tokens_are_named(trace, tmp_path):
+    # NOTE: three fewer (a rewind): three more would skip positions nobody wrote, a rejected step
     res, r, d0 = _first_accepted(trace, tmp_path, "comp", lambda s, r: s["num_computed_tokens"].__setitem__(
-        r, s["num_computed_tokens"][r] + 3))
+        r, s["num_computed_tokens"][r] - 3))
     p = res.problem
     assert p is not None and p.kind == "recording" and p.step == TAMPERED, res.report()
-    assert (p.channel, p.field) == (None, "seq_lens") and p.found[0] == p.expected[0] + 3, p
+    assert (p.channel, p.field) == (None, "seq_lens") and p.found[0] == p.expected[0] - 3, p
     assert p.req_id == d0["req_ids"][r]
 
 
@@ -147,7 +148,7 @@ def test_row_hashes_only_still_name_the_row(tmp_path):
     src = record(tmp_path / "hashes.jsonl", values_limit=0)
     assert "v" not in lines(src)[2]["digests"]["common"]["seq_lens"]
     res, r, d0 = _first_accepted(src, tmp_path, "comp", lambda s, r: s["num_computed_tokens"].__setitem__(
-        r, s["num_computed_tokens"][r] + 3), backend="reference")
+        r, s["num_computed_tokens"][r] - 3), backend="reference")
     p = res.problem
     assert p.kind == "recording" and p.field == "seq_lens" and p.req_id == d0["req_ids"][r], res.report()
     assert p.expected.startswith("row hash 0x") and isinstance(p.found, list)

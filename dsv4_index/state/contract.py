@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._index import cp_owned, flat_offset, ring_col, window_start
+from ._index import cp_owned, window_start
 
 __all__ = ["full_checks"]
 
@@ -87,37 +87,6 @@ def _null_blocks(tables, plan, cp, write_cu) -> None:
             count = 0
     else:
         count = 0
-    if B:
-        # held blocks [lo, upto) of each sliding group: upto = blocks held before the step, cut at the
-        # start of a run on that row; one [B, widest] gather per group (the ring check bounds the width)
-        fresh = np.isin(plan.slots, plan.new_slots) if plan.new_slots.size else None
-        for g in np.flatnonzero(sliding).tolist():
-            upto = tables.num_blocks[g].take(plan.slots)
-            if fresh is not None:
-                upto[fresh] = 0
-            m = (gid == g) & (row >= 0)
-            if m.any():
-                upto[row[m]] = np.minimum(upto[row[m]], plan.w_start[m])
-            n = upto - lo[g]
-            width = int(n.max())
-            if width <= 0:
-                continue
-            k = np.arange(width, dtype=np.int64)
-            ring, cols = int(tables.ring[g]), int(tables.cols[g])
-            first = ring_col(lo[g], ring)
-            col = np.add.outer(flat_offset(int(tables.base[g]), cols, plan.slots, first), k)
-            if ring and int(first.max()) + width > ring:  # NOTE: rows whose range wraps (at most once)
-                w = np.flatnonzero(first + width > ring)
-                col[w] -= ring * (first[w, None] + k >= ring)
-            # NOTE: entries past a row's n may lie outside it (clip keeps them in the mirror): masked below
-            bad = tables.mirror.take(col, mode="clip") < int(tables.f[g])
-            if bad.any():
-                bad &= k < n[:, None]
-            nbad = int(np.count_nonzero(bad))
-            if nbad and not hits:
-                b, j = (int(x) for x in np.argwhere(bad)[0])
-                hits.append((g, int(plan.slots[b]), b, int(lo[g, b]) + j, None))
-            count += nbad
     if hits:
         g, slot, b, logical, raw = hits[0]
         b_lo = int(lo_pos[g, b]) if b >= 0 else None
@@ -194,3 +163,74 @@ def _shared_rings(tables, plan) -> None:
             raise ValueError(f"block id {int(ids[j])} is in the rings of slots {int(owner[j])} and "
                              f"{int(owner[j + 1])} of circular group gid {g} ({grp.name}): two requests "
                              f"would write the same ring rows")
+
+
+# ----------------------------------------------------------------------------------------------
+# the incremental part of "full", run by state/owners.py with its per-row marks
+# ----------------------------------------------------------------------------------------------
+def held_and_duplicates(o, st) -> None:
+    """``checks="full"`` on sliding rows, incrementally (``o``: :class:`~.owners.BlockOwners`, ``st``: its
+    checked :class:`~.ownership_rules.Step`): no null block among the held blocks a batch row reads
+    from its window start on, scanned only below the row's ``checked`` mark (positions there were
+    verified by an earlier step; a row's window only moves up); no block id twice in a sliding row."""
+    if st.kb is not None:
+        _held_nulls(o, st)
+    _sliding_duplicates(o, st)
+
+
+def _held_nulls(o, st) -> None:
+    t, num_slots = o.tables, o.num_slots
+    kb = st.kb
+    upto = np.minimum(st.N0b, o.checked.reshape(-1).take(kb))
+    if st.kr_s.size:  # NOTE: a run's own ids were checked as write ids: held ones below its start only
+        sl = np.flatnonzero(st.sl)
+        cut = np.full(o.G * num_slots, np.iinfo(np.int64).max, dtype=np.int64)
+        cut[st.kr_s] = st.s[sl]
+        upto = np.minimum(upto, cut.take(kb))
+    n = upto - st.lo
+    if not (n > 0).any():
+        return
+    j, i = np.nonzero(n > 0)
+    g, slot, lo = o.S[j], st.b[i], st.lo[j, i]
+    rep, k = _ragged(n[j, i])
+    gg, pos = g[rep], lo[rep] + k
+    ring = t.ring.take(gg)
+    col = np.where(ring > 0, pos % np.maximum(ring, 1), pos)
+    ids = t.mirror.take(t.base.take(gg) + slot[rep] * t.cols.take(gg) + col)
+    bad = np.flatnonzero(ids < t.f.take(gg))
+    if bad.size:
+        x = int(bad[0])
+        r, gx = int(rep[x]), int(gg[x])
+        b = int(i[r])
+        raise ValueError(_message(t, gx, int(slot[r]), b, int(pos[x]), None, int(st.lo_pos[j[r], b]),
+                                  int(st.seq[b]), bool(o.sharded[gx]), bad.size - 1))
+
+
+def _sliding_duplicates(o, st) -> None:
+    """No id twice among a sliding row's acquisitions, nor a hit already held by the row (own fills
+    are judged by the ownership check)."""
+    if not st.acq.size:
+        return
+    sl = o.sliding.take(st.acq % o.G)
+    if not sl.any():
+        return
+    key2 = st.acq[sl] * o.num_slots + st.acq_slot[sl]
+    srt = np.sort(key2)
+    d = np.flatnonzero(srt[1:] == srt[:-1])
+    if d.size:
+        k2 = int(srt[d[0]])
+        key, slot = k2 // o.num_slots, k2 % o.num_slots
+        _twice(o, key, slot)
+    hits = np.flatnonzero(sl & ~st.acq_fill)
+    for h in hits.tolist():
+        key, slot = int(st.acq[h]), int(st.acq_slot[h])
+        if st.N0r[int(st.acq_run[h])] and any(s == slot for s, _, how in o.holders(key % o.G, key // o.G, st)
+                                                  if how == "held"):
+            _twice(o, key, slot)
+
+
+def _twice(o, key: int, slot: int) -> None:
+    g = key % o.G
+    f = int(o.tables.f[g])
+    raise ValueError(f"block id {key // o.G // f} twice in sliding gid {g} ({o.tables.groups[g].name}) of slot "
+                     f"{slot} from its window start on (one block would hold two positions)")

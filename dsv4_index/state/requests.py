@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Set
 
 import numpy as np
 
+from .owners import BlockOwners
 from .plan import StepPlan, plan_step, plans_equal
 from .steady import BatchCache, FastGeometry, plan_fast
 
@@ -61,10 +62,12 @@ class RequestState:
         self.cache: Optional[BatchCache] = None
         self._geometry = FastGeometry(tables) if self.use_steady else None
         self._generation = 0
+        self.owners = BlockOwners(tables, cp=cp, level=level, num_speculative_tokens=decode_threshold - 1)
 
     def plan(self, batch, pad_to: Optional[int]) -> StepPlan:
         """Check ``batch`` against this state and the tables; the plan, or ``ValueError`` (nothing
         changes either way)."""
+        plan = None
         if self.cache is not None:
             kw = self._kw
             plan = plan_fast(batch, self.cache, self._tables, self.occupied, pad_to, kw["max_num_tokens"],
@@ -75,11 +78,14 @@ class RequestState:
                     diff = plans_equal(plan, ref)
                     if diff:
                         raise AssertionError(f"the incremental plan differs from the general one in {diff}")
-                return plan
-        return plan_step(batch, occupied=self.occupied, tables=self._tables, pad_to=pad_to, **self._kw)
+        if plan is None:
+            plan = plan_step(batch, occupied=self.occupied, tables=self._tables, pad_to=pad_to, **self._kw)
+        self.owners.check(plan)  # NOTE: block ownership, rings, no jump (state/owners.py)
+        return plan
 
     def commit(self, plan: StepPlan) -> None:
         """Apply an accepted plan (after :meth:`BlockTables.commit`: the cache reads block counts)."""
+        self.owners.commit(plan)  # NOTE: applies what owners.check(plan) computed
         occ = self.occupied
         if plan.free_slots.size:
             occ[plan.free_slots] = False

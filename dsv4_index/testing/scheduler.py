@@ -9,7 +9,8 @@ What it supports
 * Full groups hold ``ceil(n / alloc_block_size)`` blocks for KV positions ``[0, n)``. Sliding groups
   (window ``W``) hold blocks only for positions ``>= max(c - W + 1, replay_start)`` when the step
   schedules ``[c, c + k)`` (every scheduled token is written, and the oldest reads down to
-  ``c - W + 1``). Blocks wholly below that are released at the start of the next ``schedule()``;
+  ``c - W + 1``). Blocks wholly below that are released when the next ``schedule()`` schedules the
+  request (vLLM frees them in ``allocate_slots``, so a request left out of a step keeps them);
   in the scheduler's view their entries become the null block 0, while the pipeline's rows keep
   the stale ids (``new_block_ids`` are append-only; nothing reads those entries). Entries never
   needed (below ``replay_start``) are appended as 0. Steps always carry logical block order, so a
@@ -178,11 +179,15 @@ class ReferenceScheduler:
     enable_prefix_caching : bool
     seed : int
         Seeds :meth:`random_acceptance` (and :meth:`random_trace` when given no seed).
+    cache_when_scheduled : bool
+        Register a prompt block in the prefix cache when the step that fills it is scheduled (vLLM's
+        ``cache_blocks`` in ``allocate_slots``), not once it is computed: a request admitted later in the
+        same step then shares the block its allocator is filling in that step.
     """
 
     def __init__(self, groups, num_blocks: int, *, max_num_batched_tokens: int, max_num_seqs: int,
                  num_speculative_tokens: int = 0, long_prefill_threshold: Optional[int] = None,
-                 enable_prefix_caching: bool = True, seed: int = 0):
+                 enable_prefix_caching: bool = True, seed: int = 0, cache_when_scheduled: bool = False):
         groups = tuple(getattr(groups, "groups", groups))
         if not groups:
             raise ValueError("groups must not be empty")
@@ -202,6 +207,7 @@ class ReferenceScheduler:
             _int("long_prefill_threshold", long_prefill_threshold, 1)
         self.long_prefill_threshold = long_prefill_threshold
         self.seed = seed
+        self._cache_when_scheduled = bool(cache_when_scheduled)
         self._f = [getattr(g, "blocks_per_kv_block", 1) for g in groups]
         self._abs = [g.block_size * f for g, f in zip(groups, self._f)]  # allocation block sizes
         self.max_model_len = min((g.table_width * g.block_size for g in groups if g.kind != "circular"),
@@ -371,11 +377,11 @@ class ReferenceScheduler:
                     self._release(b)
         r.blocks = None
 
-    def _register(self, r: _Req) -> None:
+    def _register(self, r: _Req, upto: Optional[int] = None) -> None:
         if self._pg is None or not r.blocks:
             return
         ids = r.blocks[self._pg]
-        for j in range(min(r.num_computed, r.prompt_len) // self._abs[self._pg]):
+        for j in range(min(r.num_computed if upto is None else upto, r.prompt_len) // self._abs[self._pg]):
             key, b = r.keys[j], ids[j]
             if key not in self._cache and b not in self._block_key:
                 self._cache[key] = b
@@ -413,8 +419,6 @@ class ReferenceScheduler:
         if self._pending:
             raise RuntimeError("schedule() called twice without update_after_step()")
         budget, order, preempted = self.max_num_batched_tokens, [], []
-        for rid in self._running:
-            self._trim(self._reqs[rid])
         running = [self._reqs[rid] for rid in self._running]
         scheduled = set()
         for r in [r for r in running if r.is_decode] + [r for r in running if not r.is_decode]:
@@ -422,6 +426,7 @@ class ReferenceScheduler:
                 break
             if r.status != "running":
                 continue  # preempted earlier in this step
+            self._trim(r)  # NOTE: like vLLM's allocate_slots: only a request it schedules releases blocks
             n = self._chunk(r, budget)
             plan = self._plan(r, n)
             while sum(map(sum, plan)) > len(self._free):
@@ -433,6 +438,8 @@ class ReferenceScheduler:
             if r.status != "running":
                 continue
             self._allocate(r, plan)
+            if self._cache_when_scheduled:
+                self._register(r, r.num_computed + n)
             order.append((r, n, r.is_decode))
             scheduled.add(r.req_id)
             budget -= n
@@ -452,6 +459,8 @@ class ReferenceScheduler:
             for b in hits:
                 self._hold(b)
             self._allocate(r, plan)
+            if self._cache_when_scheduled:
+                self._register(r, r.num_computed + n)
             self._waiting.pop(0)
             self._running.append(r.req_id)
             r.status = "running"
@@ -611,13 +620,14 @@ def cache_writes(meta, holders: Dict[int, Set[str]], channels: Optional[Sequence
 def random_trace(groups, num_steps: int, seed: int = 0, *, num_blocks: int = 48,
                  max_num_batched_tokens: int = 64, max_num_seqs: int = 6, num_speculative_tokens: int = 2,
                  long_prefill_threshold: Optional[int] = None, enable_prefix_caching: bool = True,
-                 **trace_kwargs) -> Iterator[Tuple[StepInput, List[ScheduledView]]]:
+                 cache_when_scheduled: bool = False, **trace_kwargs) -> Iterator[Tuple[StepInput, List[ScheduledView]]]:
     """A fresh :class:`ReferenceScheduler` over ``groups`` (or a layout) driven by
     :meth:`ReferenceScheduler.random_trace`; yields ``(step, views)``."""
     sched = ReferenceScheduler(groups, num_blocks, max_num_batched_tokens=max_num_batched_tokens,
                                max_num_seqs=max_num_seqs, num_speculative_tokens=num_speculative_tokens,
                                long_prefill_threshold=long_prefill_threshold,
-                               enable_prefix_caching=enable_prefix_caching, seed=seed)
+                               enable_prefix_caching=enable_prefix_caching, seed=seed,
+                               cache_when_scheduled=cache_when_scheduled)
     return sched.random_trace(num_steps, seed, **trace_kwargs)
 
 
