@@ -129,8 +129,8 @@ class DSV4Layout:
             block_size`` blocks (vLLM's Triton ring, vllm-ascend; e.g. ``(256, 8)``: 32 blocks of 8),
             ``capacity`` a multiple of ``block_size``, the group's table ``k`` columns and the
             scheduler giving ``k`` block ids per request at admission; row ``p = pos % capacity``
-            lives at ``bt[p // block_size] * block_size + p % block_size``. The fused launch takes
-            one-block rings only (``MetadataPipeline(fused=True)`` rejects ``k > 1``). vLLM's ring
+            lives at ``bt[p // block_size] * block_size + p % block_size`` (a ``kernel_block_size`` for
+            the group splits each ring block into kernel blocks: the same slots). vLLM's ring
             semantics (DESIGN §4 "circular group"): any chunk length;
             ``slot_mapping`` is the address map, ``tail_slot_mapping`` the write plan, window lists
             split at the chunk start. With speculative decoding use ``capacity >= window - 1 +
@@ -278,9 +278,7 @@ class DSV4Layout:
             a = p.block_size or alloc[role]
             kb = kbs.get(name, kbs.get(role))
             if kind == "circular" and cap is not None:  # NOTE: kind is circular exactly when cap is set
-                if kb is not None:
-                    raise ValueError(f"kernel_block_size: circular group {name!r} has no kernel blocks")
-                a = ring_bs.get(cap_key, cap)
+                a = ring_bs.get(cap_key, cap)  # NOTE: a kernel block size splits each ring block in f
                 if cap < gwin[role]:
                     raise ValueError(f"circular[{cap_key!r}]: capacity {cap} is below the window "
                                      f"{gwin[role]} of group {name!r}")
