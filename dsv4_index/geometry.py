@@ -5,9 +5,8 @@ groups in :mod:`dsv4_index.group_plan`; this module sizes them (block sizes, tab
 Group order is part of the contract: ``mla``, ``swa``, ``c4_state``, ``c128_state``; groups the config
 has no layer for are omitted and the remaining ones numbered ``0..G-1`` in that order.
 
-Compress-ratio kinds: the smaller non-zero ratio of ``compress_ratios`` is the indexed "c4" kind
-(channels ``c4a`` + ``c4i``), the larger one the "c128" kind (``c128a``), whatever their values. When
-the config has a single non-zero ratio ``R``, it is the c4 kind if ``R <= 4``, else the c128 kind.
+Compress-ratio kinds (:func:`dsv4_index.specs.ratio_kinds`): V4's smaller ratio is the indexed "c4" kind
+(``c4a`` + ``c4i``), the larger the "c128" kind (``c128a``); V4.1's ratios 1 and 2 are indexed (``c1a`` ...).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import Dict, List, Mapping, Optional, Tuple, Union
 from ._common import cdiv, check_int, is_int, round_up
 from .group_plan import plan_groups
 from .group_plan import PlannedGroup
-from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, INDEX_ALIGN, ChannelSpec, GroupSpec, ratio_kinds
+from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, INDEX_ALIGN, ChannelSpec, GroupSpec, parse_circular, ratio_kinds
 
 __all__ = ["GroupSpec", "ChannelSpec", "DSV4Layout", "GROUP_ORDER", "CHANNEL_OUTPUTS"]
 
@@ -150,16 +149,12 @@ class DSV4Layout:
             :meth:`layer_channels` says which channels a layer reads. ``kernel_block_size`` and
             ``circular`` keys may name a role (all its groups) or a group.
         swa_group_per_layer : bool
-            One sliding group per layer (``swa_0`` .. ``swa_{L-1}``, layer order, where the ``swa`` group
-            stands), as DeepSeek-V4.1 engines may plan them (vLLM ``deepseek_v41/swa_metadata.py``: every
-            sliding-window cache in its own KV-cache group); needs ``groups=None``. The fused launch stays
-            one launch whatever the number of groups.
+            One sliding group per layer (``swa_0`` .. ``swa_{L-1}`` where ``swa`` stands), as V4.1 engines
+            may plan them (vLLM ``deepseek_v41/swa_metadata.py``); needs ``groups=None``. Still one launch.
 
-        DeepSeek-V4.1 (ratios 1 and 2, :func:`dsv4_index.specs.ratio_kinds`): channels ``c1a`` / ``c1i``
-        (ratio 1: no compressor state) and ``c2a`` / ``c2i`` read the mla group; the ratio-2 compressor
-        state is the circular group ``c2_state`` (window 4), one block of 8 rows per request by default
-        (vLLM's ``CompressorStateCache``: ``max(8, pow2(num_speculative_tokens + 2))`` rows; pass
-        ``circular={"c2_state": 16}`` with 3 draft tokens).
+        DeepSeek-V4.1: ``c1a`` / ``c1i`` (ratio 1, no state) and ``c2a`` / ``c2i`` read the mla group; the
+        ratio-2 state is the circular group ``c2_state`` (window 4), one block of 8 rows by default (vLLM's
+        ``CompressorStateCache``: ``max(8, pow2(num_speculative_tokens + 2))``; ``circular={"c2_state": 16}``).
 
         Returns
         -------
@@ -200,26 +195,7 @@ class DSV4Layout:
         max_model_len = check_int("max_model_len", max_model_len, lo=1)
         if sliding_tables not in ("ring", "full"):
             raise ValueError(f"sliding_tables must be 'ring' or 'full', got {sliding_tables!r}")
-        circular = dict(circular or {})
-        ring_bs = {}  # NOTE: group -> block size of a ring of several blocks
-        for g, capacity in circular.items():
-            if g in ("mla",) or not isinstance(g, str):
-                raise ValueError(f"circular names {g!r}; only sliding groups (swa, c4_state, c128_state) "
-                                 f"can be circular")
-            if isinstance(capacity, (tuple, list)):
-                if len(capacity) != 2:
-                    raise ValueError(f"circular[{g!r}] must be a capacity or (capacity, block_size), "
-                                     f"got {capacity!r}")
-                cap = check_int(f"circular[{g!r}][0] (capacity)", capacity[0], lo=1)
-                bs = check_int(f"circular[{g!r}][1] (block_size)", capacity[1], lo=1)
-                if cap % bs:
-                    raise ValueError(f"circular[{g!r}] = {tuple(capacity)!r}: capacity {cap} is not a "
-                                     f"multiple of block_size {bs}")
-                circular[g] = cap
-                if bs != cap:
-                    ring_bs[g] = bs
-            else:
-                check_int(f"circular[{g!r}]", capacity, lo=1)
+        circular, ring_bs = parse_circular(circular)
         cp_world_size = check_int("cp_world_size", cp_world_size, lo=1)
         cp_interleave = check_int("cp_interleave", cp_interleave, lo=1)
         alloc = {"mla": check_int("mla_block_size", mla_block_size, lo=1),

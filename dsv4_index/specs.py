@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Tuple
 
-from ._common import cdiv, is_int
+from ._common import cdiv, check_int, is_int
 
 __all__ = ["GroupSpec", "ChannelSpec", "RatioKind", "ratio_kinds", "GROUP_ORDER", "GROUP_KINDS", "CHANNEL_OUTPUTS",
-           "INDEX_ALIGN", "LOW_RATIOS"]
+           "INDEX_ALIGN", "LOW_RATIOS", "parse_circular"]
 
 GROUP_ORDER = ("mla", "swa", "c4_state", "c128_state")
 GROUP_KINDS = ("full", "sliding", "circular")
@@ -266,3 +266,29 @@ def ratio_kinds(ratios) -> Tuple[RatioKind, ...]:
     if distinct[0] <= INDEXED_MAX_RATIO:
         return (c4,)
     return (RatioKind(distinct[0], "c128", "c128a", None, "c128_state", distinct[0]),)
+
+
+def parse_circular(circular) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """``from_config(circular=...)`` checked: (group -> capacity, group -> block size of a ring of
+    several blocks). ValueError naming the entry."""
+    circular = dict(circular or {})
+    ring_bs = {}  # NOTE: group -> block size of a ring of several blocks
+    for g, capacity in circular.items():
+        if g in ("mla",) or not isinstance(g, str):
+            raise ValueError(f"circular names {g!r}; only sliding groups (swa, c4_state, c128_state) "
+                             f"can be circular")
+        if isinstance(capacity, (tuple, list)):
+            if len(capacity) != 2:
+                raise ValueError(f"circular[{g!r}] must be a capacity or (capacity, block_size), "
+                                 f"got {capacity!r}")
+            cap = check_int(f"circular[{g!r}][0] (capacity)", capacity[0], lo=1)
+            bs = check_int(f"circular[{g!r}][1] (block_size)", capacity[1], lo=1)
+            if cap % bs:
+                raise ValueError(f"circular[{g!r}] = {tuple(capacity)!r}: capacity {cap} is not a "
+                                 f"multiple of block_size {bs}")
+            circular[g] = cap
+            if bs != cap:
+                ring_bs[g] = bs
+        else:
+            check_int(f"circular[{g!r}]", capacity, lo=1)
+    return circular, ring_bs
