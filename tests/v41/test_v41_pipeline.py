@@ -181,3 +181,37 @@ def test_v41_trace_with_prefix_hits_replays(device):
                                  indexer_causal_indices=True, swa_group_per_layer=True)
     seen = _run_trace(lay, device, 10, 1)
     assert seen["replays"] > 0, seen
+
+
+def test_engine_groups_by_layer_names():
+    # an engine's own plan in vLLM's layer names: one sliding group per layer, the mla caches, the C2 state
+    names = [f"model.layers.{i}.attn.swa_cache" for i in range(6)]
+    groups = [{"layer_names": [n]} for n in names] + [
+        {"layer_names": [f"model.layers.{i}.attn.kv_cache" for i in (1, 2, 3, 4)]},
+        {"layer_names": [f"model.layers.{i}.attn.compressor.state_cache" for i in (1, 3)]
+         + [f"model.layers.{i}.attn.indexer.compressor.state_cache" for i in (1, 3)]}]
+    lay = DSV4Layout.from_config("tiny_v41", 512, mla_block_size=16, groups=groups)
+    assert [(g.name, g.role, g.kind) for g in lay.groups][5:] == \
+        [("swa_5", "swa", "sliding"), ("mla", "mla", "full"), ("c2_state", "c2_state", "circular")]
+    assert lay.layer_channels(3) == {"swa": "swa_3", "c4a": "c2a", "c4i": "c2i", "c4_state": "c2_state"}
+    bad = groups[:-1] + [{"layer_names": ["model.layers.2.attn.compressor.state_cache"]}]
+    with pytest.raises(ValueError, match=r"layer 2 \(ratio 1\) has none"):
+        DSV4Layout.from_config("tiny_v41", 512, mla_block_size=16, groups=bad)
+
+
+def test_trace_record_and_replay(tmp_path):
+    from dsv4_index.testing.scheduler import scripted_trace
+    from dsv4_index.tools.trace import record_steps, replay_trace
+
+    lay = DSV4Layout.from_config("tiny_v41", 256, mla_block_size=16, swa_group_per_layer=True)
+    pipe = MetadataPipeline(lay, 4, 64, "cpu", 1, backend="reference")
+    sched = ReferenceScheduler(lay, 300, max_num_batched_tokens=64, max_num_seqs=4, num_speculative_tokens=1)
+    script = [{"add": [dict(req_id="a", prompt_len=60, max_new_tokens=4)]},
+              {"add": [dict(req_id="b", prompt_len=50, max_new_tokens=3)]}, {"accept": {"a": 1}}, {}, {}]
+    path = tmp_path / "v41.jsonl"
+    with record_steps(pipe, path):
+        for step, _ in scripted_trace(sched, script):
+            pipe.update(step)
+            pipe.build()
+    res = replay_trace(path, device="cpu")
+    assert res.ok and res.num_steps == len(script), res.report()
