@@ -95,7 +95,7 @@ def _expected(meta, views, lay):
         g = lay.groups[c.gid]
         R, S, bs = c.compress_ratio, c.rows_per_block, g.block_size
         out = {}
-        if c.role in ("swa", "c4_state"):
+        if c.role in ("swa", "c4_state", "c128_state"):
             W, cap = c.window, g.ring_capacity
             sm, tail = [-1] * Tp, [-1] * Tp
             idx, lens = [[-1] * W for _ in range(Tp)], [0] * Tp
@@ -136,8 +136,10 @@ def _expected(meta, views, lay):
             out = dict(compressed_slot_mapping=cm)
             if c.role == "c4i":
                 out.update(lens=n_c, ks=ks, ke=ke)
-                if width:
-                    out["indices"] = causal
+            if c.role == "c128a":
+                out.update(lens=n_c)
+            if width:
+                out["indices"] = causal
         exp[name] = out
     return exp
 
@@ -172,6 +174,20 @@ def test_v41_trace_equals_design_formulas(device, seed, per_layer):
     assert {"c1a", "c1i", "c2a", "c2i", "c2_state"} <= set(lay.channels)
     seen = _run_trace(lay, device, 8, seed)
     assert seen["long"] > lay.group("c2_state").ring_capacity      # chunks longer than the state ring ran
+
+
+MIXED = dict(num_hidden_layers=6, num_nextn_predict_layers=1, sliding_window=8, index_topk=4,
+             compress_ratios=[0, 1, 2, 4, 16, 2, 0])
+
+
+@pytest.mark.slow
+def test_mixed_ratios_trace(device):
+    # R in {1, 2, 4, 16} in one layout: c1a/c1i, c2a/c2i + c2_state ring, c4a/c4i + c4_state, c16a + c16_state
+    lay = DSV4Layout.from_config(MIXED, max_model_len=512, mla_block_size=16, swa_block_size=8,
+                                 indexer_causal_indices=True)
+    assert {"c1a", "c1i", "c2a", "c2i", "c2_state", "c4a", "c4i", "c4_state", "c16a", "c16_state"} <= set(lay.channels)
+    assert lay.layer_channels(4) == {"swa": "swa", "c128a": "c16a", "c128_state": "c16_state"}
+    _run_trace(lay, device, 6, 3)
 
 
 @pytest.mark.slow
