@@ -69,13 +69,13 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         pipe, meta, setup = decode_step(lay, args.B, args.ctx, 8192, "cuda")
         lay_s = pipe.stage_layout
-        g, s1 = graph_time(lambda: pipe.fused_plan.launch(lay_s), args.k, args.replays)
+        g, s1 = graph_time(lambda plan=pipe.fused_plan, st=lay_s: plan.launch(st), args.k, args.replays)
         rows.append((label, lay.num_groups, pipe.num_launches, meta.num_tokens, g, s1, time.perf_counter() - t0))
         print(f"{label}: groups {lay.num_groups}, launches {pipe.num_launches}, T {meta.num_tokens}, "
               f"build {g:.2f} us (graph) / {s1:.2f} us (single), wall {rows[-1][-1]:.0f} s", flush=True)
     print(f"\ndecode B={args.B}, ctx {args.ctx}: fused build GPU time")
     base = rows[0][4]
-    for label, G, n, T, g, s1, _ in rows:
+    for label, G, n, _T, g, s1, _ in rows:
         print(f"  {label:<28} groups {G:>3}  launches {n}  {g:7.2f} us graph ({g / base:4.2f}x V4)  "
               f"{s1:7.2f} us single")
     return 0
