@@ -48,11 +48,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ._common import is_int
 from ._json import BadJSON, decode_utf8, line_of_key, loads_bounded, one_line
+from .specs import ratio_kinds
 
 __all__ = ["SHIPPED", "CONFIG_DIR", "LAYER_TYPES", "DEFAULT_COMPRESS_RATES", "BOUNDS", "MAX_CONFIG_BYTES",
            "ConfigError", "normalize_config", "shipped_config", "shipped_config_path"]
 
-SHIPPED = ("flash", "pro", "tiny")
+SHIPPED = ("flash", "pro", "tiny", "v41_flash", "tiny_v41")
 """Names of the configs shipped as package data."""
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -308,10 +309,8 @@ def _normalize_dict(raw: Dict[str, Any], where: str) -> Dict[str, Any]:
     out["num_hidden_layers"] = n_hidden
     out["num_nextn_predict_layers"] = n_mtp
 
-    distinct = sorted({x for x in ratios if x > 0})
-    # same rule as DSV4Layout.from_config: the smaller of two ratios, or a single ratio <= 4, is the
-    # indexed c4 kind that needs index_topk
-    has_c4 = len(distinct) == 2 or (len(distinct) == 1 and distinct[0] <= 4)
+    # NOTE: the rule of DSV4Layout.from_config (dsv4_index.specs.ratio_kinds): indexed kinds need index_topk
+    has_c4 = any(k.kind == "c4" for k in ratio_kinds(ratios))
     if raw.get("index_topk") is None:
         if has_c4:
             raise ConfigError(f"{src} is missing key(s) ['index_topk'] (needed by c4 layers)", where,

@@ -1,4 +1,4 @@
-"""An engine's own KV-cache plan as data (DESIGN §3 "The engine's plan is data"), and the rule that
+"""An engine's own KV-cache plan as data (docs/DESIGN.md §3 "The engine's plan is data"), and the rule that
 a step's block lists can belong to the groups of a layout.
 
 :func:`read_engine_plan` reads vLLM's ``KVCacheConfig`` duck-typed (no vLLM import): an object or dict

@@ -5,9 +5,8 @@ groups in :mod:`dsv4_index.group_plan`; this module sizes them (block sizes, tab
 Group order is part of the contract: ``mla``, ``swa``, ``c4_state``, ``c128_state``; groups the config
 has no layer for are omitted and the remaining ones numbered ``0..G-1`` in that order.
 
-Compress-ratio kinds: the smaller non-zero ratio of ``compress_ratios`` is the indexed "c4" kind
-(channels ``c4a`` + ``c4i``), the larger one the "c128" kind (``c128a``), whatever their values. When
-the config has a single non-zero ratio ``R``, it is the c4 kind if ``R <= 4``, else the c128 kind.
+Compress-ratio kinds (:func:`dsv4_index.specs.ratio_kinds`): V4's smaller ratio is the indexed "c4" kind
+(``c4a`` + ``c4i``), the larger the "c128" kind (``c128a``); V4.1's ratios 1 and 2 are indexed (``c1a`` ...).
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ from typing import Dict, List, Mapping, Optional, Tuple, Union
 from ._common import cdiv, check_int, is_int, round_up
 from .engine_plan import EnginePlan, layout_from_kv_cache_config
 from .group_plan import plan_groups
-from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, INDEX_ALIGN, ChannelSpec, GroupSpec
+from .group_plan import PlannedGroup
+from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, INDEX_ALIGN, ChannelSpec, GroupSpec, parse_circular, ratio_kinds
 
 __all__ = ["GroupSpec", "ChannelSpec", "DSV4Layout", "GROUP_ORDER", "CHANNEL_OUTPUTS"]
 
@@ -94,7 +94,8 @@ class DSV4Layout:
                     kernel_block_size: Union[None, int, Mapping[str, int]] = None,
                     cp_world_size: int = 1, cp_interleave: int = 1, sliding_tables: str = "ring",
                     circular: Optional[Mapping[str, Union[int, Tuple[int, int]]]] = None,
-                    compact_compressed: bool = False, groups=None) -> "DSV4Layout":
+                    compact_compressed: bool = False, groups=None,
+                    swa_group_per_layer: bool = False) -> "DSV4Layout":
         """Derive the layout of docs/DESIGN.md §3 from a model config.
 
         Parameters
@@ -130,8 +131,8 @@ class DSV4Layout:
             block_size`` blocks (vLLM's Triton ring, vllm-ascend; e.g. ``(256, 8)``: 32 blocks of 8),
             ``capacity`` a multiple of ``block_size``, the group's table ``k`` columns and the
             scheduler giving ``k`` block ids per request at admission; row ``p = pos % capacity``
-            lives at ``bt[p // block_size] * block_size + p % block_size``. The fused launch takes
-            one-block rings only (``MetadataPipeline(fused=True)`` rejects ``k > 1``). vLLM's ring
+            lives at ``bt[p // block_size] * block_size + p % block_size`` (a ``kernel_block_size`` for
+            the group splits each ring block into kernel blocks: the same slots). vLLM's ring
             semantics (docs/DESIGN.md §4 "circular group"): any chunk length;
             ``slot_mapping`` is the address map, ``tail_slot_mapping`` the write plan, window lists
             split at the chunk start. With speculative decoding use ``capacity >= window - 1 +
@@ -148,6 +149,13 @@ class DSV4Layout:
             ``name``). Every sliding group gets a window channel of its name;
             :meth:`layer_channels` says which channels a layer reads. ``kernel_block_size`` and
             ``circular`` keys may name a role (all its groups) or a group.
+        swa_group_per_layer : bool
+            One sliding group per layer (``swa_0`` .. ``swa_{L-1}`` where ``swa`` stands), as V4.1 engines
+            may plan them (vLLM ``deepseek_v41/swa_metadata.py``); needs ``groups=None``. Still one launch.
+
+        DeepSeek-V4.1: ``c1a`` / ``c1i`` (ratio 1, no state) and ``c2a`` / ``c2i`` read the mla group; the
+        ratio-2 state is the circular group ``c2_state`` (window 4), one block of 8 rows by default (vLLM's
+        ``CompressorStateCache``: ``max(8, pow2(num_speculative_tokens + 2))``; ``circular={"c2_state": 16}``).
 
         Returns
         -------
@@ -169,7 +177,8 @@ class DSV4Layout:
                 c4_state_block_size=c4_state_block_size, c128_state_block_size=c128_state_block_size,
                 indexer_causal_indices=indexer_causal_indices, kernel_block_size=kernel_block_size,
                 cp_world_size=cp_world_size, cp_interleave=cp_interleave, sliding_tables=sliding_tables,
-                circular=circular, compact_compressed=compact_compressed, groups=groups)
+                circular=circular, compact_compressed=compact_compressed, groups=groups,
+                swa_group_per_layer=swa_group_per_layer)
         except ValueError as e:
             from .config import ConfigError, key_path
 
@@ -188,32 +197,14 @@ class DSV4Layout:
     @classmethod
     def _from_normalized(cls, cfg: dict, max_model_len: int, *, mla_block_size, swa_block_size, c4_state_block_size,
                          c128_state_block_size, indexer_causal_indices, kernel_block_size, cp_world_size,
-                         cp_interleave, sliding_tables, circular, compact_compressed, groups) -> "DSV4Layout":
+                         cp_interleave, sliding_tables, circular, compact_compressed, groups,
+                         swa_group_per_layer=False) -> "DSV4Layout":
         """:meth:`from_config` on a normalised config dict (its errors name the argument or field; the
         caller adds the config)."""
         max_model_len = check_int("max_model_len", max_model_len, lo=1)
         if sliding_tables not in ("ring", "full"):
             raise ValueError(f"sliding_tables must be 'ring' or 'full', got {sliding_tables!r}")
-        circular = dict(circular or {})
-        ring_bs = {}  # NOTE: group -> block size of a ring of several blocks
-        for g, capacity in circular.items():
-            if g in ("mla",) or not isinstance(g, str):
-                raise ValueError(f"circular names {g!r}; only sliding groups (swa, c4_state, c128_state) "
-                                 f"can be circular")
-            if isinstance(capacity, (tuple, list)):
-                if len(capacity) != 2:
-                    raise ValueError(f"circular[{g!r}] must be a capacity or (capacity, block_size), "
-                                     f"got {capacity!r}")
-                cap = check_int(f"circular[{g!r}][0] (capacity)", capacity[0], lo=1)
-                bs = check_int(f"circular[{g!r}][1] (block_size)", capacity[1], lo=1)
-                if cap % bs:
-                    raise ValueError(f"circular[{g!r}] = {tuple(capacity)!r}: capacity {cap} is not a "
-                                     f"multiple of block_size {bs}")
-                circular[g] = cap
-                if bs != cap:
-                    ring_bs[g] = bs
-            else:
-                check_int(f"circular[{g!r}]", capacity, lo=1)
+        circular, ring_bs = parse_circular(circular)
         cp_world_size = check_int("cp_world_size", cp_world_size, lo=1)
         cp_interleave = check_int("cp_interleave", cp_interleave, lo=1)
         alloc = {"mla": check_int("mla_block_size", mla_block_size, lo=1),
@@ -234,16 +225,9 @@ class DSV4Layout:
             raise ValueError(f"config['compress_ratios'] has {len(ratios)} entries, expected "
                              f"num_hidden_layers + num_nextn_predict_layers = {n_hidden + n_mtp}")
         window = check_int("config['sliding_window']", cfg["sliding_window"], lo=1)
-        distinct = sorted(set(r for r in ratios if r > 0))
-        if len(distinct) > 2:
-            raise ValueError(f"config['compress_ratios'] has {len(distinct)} distinct non-zero ratios "
-                             f"{distinct}; at most two (c4 and c128 kinds) are supported")
-        if len(distinct) == 2:
-            r4, r128 = distinct
-        elif len(distinct) == 1:
-            r4, r128 = (distinct[0], None) if distinct[0] <= 4 else (None, distinct[0])
-        else:
-            r4 = r128 = None
+        kinds = ratio_kinds(ratios)
+        r4 = next((k.ratio for k in kinds if k.kind == "c4"), None)
+        r128 = next((k.ratio for k in reversed(kinds) if k.kind == "c128"), None)
         index_topk = cfg.get("index_topk")
         if r4 is not None:
             index_topk = check_int("config['index_topk']", index_topk, lo=1) if "index_topk" in cfg else None
@@ -268,13 +252,22 @@ class DSV4Layout:
             groups, rings = groups.resolve(ratios, r4, r128, n_hidden, window)
             circular.update(rings)
         plan = plan_groups(groups, ratios, r4, r128, n_hidden)
+        if swa_group_per_layer:  # NOTE: one sliding group per layer, in layer order, where the swa group was
+            if groups is not None:
+                raise ValueError("swa_group_per_layer=True builds the default plan; pass groups=None "
+                                 "(an explicit groups list names its sliding groups itself)")
+            plan = [q for p in plan for q in ([PlannedGroup("swa", f"swa_{i}", (i,)) for i in range(len(ratios))]
+                                              if p.role == "swa" else [p])]
+        v41 = {k.state: k for k in kinds if k.state and k.state not in alloc}
+        for st, k in v41.items():  # NOTE: V4.1 state rings: vLLM's CircularBufferSpec of max(8, pow2(2 + MTP))
+            alloc[st] = c4_state_block_size if k.kind == "c4" else c128_state_block_size
+            circular.setdefault(st, max(8, 1 << (k.state_window - 1).bit_length()))
         known = {p.name for p in plan} | {p.role for p in plan}
         for what, keys in (("kernel_block_size", kbs), ("circular", circular)):
             bad = sorted(set(keys) - known - (set(alloc) if what == "kernel_block_size" else set()))
             if bad or (what == "circular" and any(k in ("mla",) for k in keys)):
                 raise ValueError(f"{what} names unknown group(s) {bad}; groups: {sorted(known)}")
-        gwin = {"mla": None, "swa": window,
-                "c4_state": None if r4 is None else 2 * r4, "c128_state": r128}
+        gwin = {"mla": None, "swa": window, **{k.state: k.state_window for k in kinds if k.state}}
         specs: List[GroupSpec] = []
         channels: Dict[str, ChannelSpec] = {}
         mla_gid: Optional[int] = None
@@ -290,9 +283,7 @@ class DSV4Layout:
             a = p.block_size or alloc[role]
             kb = kbs.get(name, kbs.get(role))
             if kind == "circular" and cap is not None:  # NOTE: kind is circular exactly when cap is set
-                if kb is not None:
-                    raise ValueError(f"kernel_block_size: circular group {name!r} has no kernel blocks")
-                a = ring_bs.get(cap_key, cap)
+                a = ring_bs.get(cap_key, cap)  # NOTE: a kernel block size splits each ring block in f
                 if cap < gwin[role]:
                     raise ValueError(f"circular[{cap_key!r}]: capacity {cap} is below the window "
                                      f"{gwin[role]} of group {name!r}")
@@ -302,7 +293,7 @@ class DSV4Layout:
             f = a // bs
             width = cdiv(per_rank if sharded else max_model_len, bs)
             if role == "mla":
-                for cname, r in (("c4a", r4), ("c128a", r128)):
+                for cname, r in ((k.main, k.ratio) for k in kinds):
                     if r is not None:
                         if a % r:
                             raise ValueError(f"mla_block_size {a} is not divisible by the "
@@ -332,15 +323,19 @@ class DSV4Layout:
         def causal_width(ratio):
             return round_up(cdiv(max_model_len, ratio), INDEX_ALIGN)
 
-        if r4 is not None:
-            add("c4a", mla_gid, r4, None, None, CHANNEL_OUTPUTS["c4a"])
-            c4i_out = CHANNEL_OUTPUTS["c4i"] | ({"indices"} if indexer_causal_indices else set())
-            add("c4i", mla_gid, r4, None, causal_width(r4) if indexer_causal_indices else None, c4i_out)
-        if r128 is not None:
-            add("c128a", mla_gid, r128, None, causal_width(r128), CHANNEL_OUTPUTS["c128a"])
+        for k in kinds:  # NOTE: builders by kind (c4a / c4i / c128a), names by ratio in the V4.1 family
+            if k.kind == "c4":
+                add(k.main, mla_gid, k.ratio, None, None, CHANNEL_OUTPUTS["c4a"], builder="c4a")
+                c4i_out = CHANNEL_OUTPUTS["c4i"] | ({"indices"} if indexer_causal_indices else set())
+                add(k.indexer, mla_gid, k.ratio, None, causal_width(k.ratio) if indexer_causal_indices else None,
+                    c4i_out, builder="c4i")
+            else:
+                add(k.main, mla_gid, k.ratio, None, causal_width(k.ratio), CHANNEL_OUTPUTS["c128a"], builder="c128a")
+        state_builder = {k.state: k.state_builder for k in kinds if k.state}
         for g in groups:
             if g.role != "mla":  # NOTE: one window channel per sliding / circular group, named like it
-                add(g.name, g.gid, 1, g.window, g.window, CHANNEL_OUTPUTS[g.role], builder=g.role)
+                role = state_builder.get(g.role, g.role)
+                add(g.name, g.gid, 1, g.window, g.window, CHANNEL_OUTPUTS[role], builder=role)
 
         return cls(groups=tuple(groups), channels=channels, max_model_len=max_model_len,
                    sliding_window=window, index_topk=index_topk, compress_ratios=ratios,
@@ -370,23 +365,28 @@ class DSV4Layout:
         return tuple(c for c in self.channels.values() if c.gid == gid)
 
     def layer_kind(self, layer: int) -> str:
-        """``"swa"``, ``"c4"`` or ``"c128"``: the attention kind of layer ``layer``."""
+        """``"swa"``, ``"c4"`` (indexed: top-k) or ``"c128"`` (every visible row): the attention kind of
+        layer ``layer`` (:func:`dsv4_index.specs.ratio_kinds`)."""
         r = self.compress_ratios[layer]
-        return "swa" if r == 0 else ("c4" if r == self.c4_ratio else "c128")
+        return "swa" if r == 0 else next(k.kind for k in ratio_kinds(self.compress_ratios) if k.ratio == r)
 
     def layer_channels(self, layer: int) -> Dict[str, str]:
         """The channels layer ``layer`` reads, by role: ``{"swa": ..., "c4a": ..., "c4i": ...,
         "c4_state": ...}`` for a c4 layer, ``{"swa", "c128a", "c128_state"}`` for a c128 layer,
         ``{"swa"}`` for an SWA-only layer; values are channel names (``"swa_1"`` for a layer of
-        vLLM's second SWA sub-group). User-registered channels are not listed."""
+        vLLM's second SWA sub-group, ``"c2a"`` / ``"c2i"`` / ``"c2_state"`` for a V4.1 ratio-2 layer; a
+        ratio-1 layer has no ``c4_state``). User-registered channels are not listed."""
         check_int("layer", layer, lo=0, hi=self.num_layers - 1)
-        kind = self.layer_kind(layer)
+        kind, r = self.layer_kind(layer), self.compress_ratios[layer]
         wants = {"swa": {"swa"}, "c4": {"swa", "c4a", "c4i", "c4_state"},
                  "c128": {"swa", "c128a", "c128_state"}}[kind]
+        mine = set().union(*[{k.main, k.indexer, k.state} for k in ratio_kinds(self.compress_ratios) if k.ratio == r])
         out = {}
         for c in self.channels.values():
             g = self.groups[c.gid]
-            if c.role in wants and (g.layers is None or layer in g.layers or g.role == "mla"):
+            if c.role not in wants or (c.role != "swa" and c.name not in mine and g.role not in mine):
+                continue
+            if g.layers is None or layer in g.layers or g.role == "mla":
                 out[c.role] = c.name
         if "swa" not in out:  # NOTE: an engine plan without the MTP draft layers (group_plan)
             raise ValueError(f"layer: layer {layer} is served by no group of this layout (an MTP draft layer "

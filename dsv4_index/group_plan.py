@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ._common import cdiv, check_int, is_int
+from .specs import LOW_RATIOS, ratio_kinds
 
-__all__ = ["PlannedGroup", "ROLES", "plan_groups", "vllm_plan", "layers_of_role"]
+__all__ = ["PlannedGroup", "ROLES", "plan_groups", "vllm_plan", "layers_of_role", "roles_of"]
 
 ROLES = ("mla", "swa", "c4_state", "c128_state")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -55,15 +56,24 @@ class PlannedGroup:
     block_size: Optional[int] = None
 
 
+def roles_of(ratios: Sequence[int]) -> Tuple[str, ...]:
+    """Roles of a config: ``mla``, ``swa`` and the state role of each ratio that has one
+    (:func:`dsv4_index.specs.ratio_kinds`: ``c4_state`` / ``c128_state`` for DeepSeek-V4, ``c2_state``
+    for V4.1; ratio 1 has none), ascending by ratio; :data:`ROLES` for DeepSeek-V4 configs."""
+    states = tuple(k.state for k in ratio_kinds(ratios) if k.state)
+    return ROLES if set(states) <= set(ROLES) else ("mla", "swa") + states
+
+
 def layers_of_role(role: str, ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> Tuple[int, ...]:
     """Layers that have a cache of ``role``: mla every compressed layer, swa every layer, states the
-    layers of their ratio."""
+    layers of their ratio (``r4`` / ``r128`` are unused: the ratio of a state role follows from
+    ``ratios``, :func:`dsv4_index.specs.ratio_kinds`)."""
     if role == "swa":
         return tuple(range(len(ratios)))
     if role == "mla":
         return tuple(i for i, r in enumerate(ratios) if r > 0)
-    want = r4 if role == "c4_state" else r128
-    return tuple(i for i, r in enumerate(ratios) if want is not None and r == want)
+    want = [k.ratio for k in ratio_kinds(ratios) if k.state == role]
+    return tuple(i for i, r in enumerate(ratios) if r in want)
 
 
 def _approx_gcd(counts: List[int], lower: int) -> int:
@@ -93,7 +103,10 @@ def _registration_order(ratios: Sequence[int], r4: Optional[int]) -> List[str]:
 
 
 def vllm_plan(ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> List[PlannedGroup]:
-    """vLLM 0.33's group plan for a DSV4 config (module docstring)."""
+    """vLLM 0.33's group plan for a DSV4 config (module docstring); a config with V4.1's low ratios
+    takes :func:`_vllm_plan_low_ratios` (no engine plan of record to copy yet: pass the engine's groups)."""
+    if any(r in LOW_RATIOS for r in ratios):
+        return _vllm_plan_low_ratios(ratios, r4, r128)
     layers = {role: layers_of_role(role, ratios, r4, r128) for role in ROLES}
     n4, n128 = len(layers["c4_state"]), len(layers["c128_state"])
     balanced = {"swa": len(layers["swa"]), "c4_state": n4, "c128_state": n128}
@@ -114,6 +127,23 @@ def vllm_plan(ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> 
     return plan
 
 
+def _vllm_plan_low_ratios(ratios: Sequence[int], r4: Optional[int], r128: Optional[int]) -> List[PlannedGroup]:
+    """The strided plan generalised to V4.1's ratio kinds (full group first, then each kind's sub-groups)."""
+    roles = roles_of(ratios)
+    layers = {role: layers_of_role(role, ratios, r4, r128) for role in roles}
+    kinds = [(role, len(layers[role])) for role in roles[1:] if layers[role]]
+    # NOTE: the full group's tuples: the most layers of one compressed ratio (V4: C4 or C128 layers)
+    full = max([sum(r == k.ratio for r in ratios) for k in ratio_kinds(ratios)] or [0])
+    counts = ([full] if full else []) + [n for _, n in kinds]
+    d = _approx_gcd(counts, counts[0])
+    plan = [PlannedGroup("mla", "mla")] if full else []
+    for role, n in kinds:
+        k = cdiv(n, d)
+        for i in range(k):
+            plan.append(PlannedGroup(role, role if k == 1 else f"{role}_{i}", layers[role][i::k]))
+    return plan
+
+
 def _role_of_layer_name(name: str, ratios, r4, r128, where: str = "groups") -> Tuple[str, int]:
     m = _LAYER_RE.search(name)
     if m is None:
@@ -124,7 +154,11 @@ def _role_of_layer_name(name: str, ratios, r4, r128, where: str = "groups") -> T
     if name.endswith("swa_cache"):
         return "swa", layer
     if name.endswith("state_cache"):
-        return ("c4_state" if ratios[layer] == r4 else "c128_state"), layer
+        state = [k.state for k in ratio_kinds(ratios) if k.ratio == ratios[layer]]
+        if not state or state[0] is None:
+            raise ValueError(f"groups: layer name {name!r} is a compressor state, but layer {layer} (ratio "
+                             f"{ratios[layer]}) has none")
+        return state[0], layer
     return "mla", layer
 
 
@@ -178,8 +212,8 @@ def _explicit(groups: Sequence, ratios, r4, r128) -> List[PlannedGroup]:
             role = roles.pop()
             if role != "mla":  # NOTE: the mla group serves every compressed layer through one table
                 layers = sorted({layer for _, layer in found})
-        if role not in ROLES:
-            raise ValueError(f"groups[{i}].role must be one of {list(ROLES)}, got {role!r}")
+        if role not in roles_of(ratios):
+            raise ValueError(f"groups[{i}].role must be one of {list(roles_of(ratios))}, got {role!r}")
         if layers is not None:
             layers = tuple(layers)
         bs = g.get("block_size")
@@ -214,7 +248,7 @@ def plan_groups(groups, ratios: Sequence[int], r4: Optional[int], r128: Optional
     serves only layers of its role.
     """
     if groups is None:
-        plan = [PlannedGroup(r, r) for r in ROLES if layers_of_role(r, ratios, r4, r128)]
+        plan = [PlannedGroup(r, r) for r in roles_of(ratios) if layers_of_role(r, ratios, r4, r128)]
     elif isinstance(groups, str):
         if groups != "vllm":
             raise ValueError(f"groups must be None, 'vllm' or a list of group dicts, got {groups!r}")
@@ -229,7 +263,7 @@ def plan_groups(groups, ratios: Sequence[int], r4: Optional[int], r128: Optional
     unserved: set = set()
     if sum(p.role == "mla" for p in plan) > 1:
         raise ValueError("groups: at most one mla group (every compressed layer reads one full table)")
-    for role in ROLES:
+    for role in roles_of(ratios):
         need = set(layers_of_role(role, ratios, r4, r128))
         mine = [p for p in plan if p.role == role]
         if not need:

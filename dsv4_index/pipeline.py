@@ -52,8 +52,7 @@ class MetadataPipeline:
     cp_world_size, cp_rank, cp_interleave : decode context parallelism (docs/DESIGN.md §4), applied to the
         groups the layout marks ``sharded``.
     fused : bool — one fused Triton launch per build when the Triton backend is in use; False
-        launches each channel's functional ops (same results). A circular group of several blocks
-        (``GroupSpec.ring_blocks > 1``) needs ``fused=False`` (``ValueError`` otherwise).
+        launches each channel's functional ops (same results), circular groups of several blocks included.
     checks : {"safe", "full"} — host check level of ``update()`` (``state/plan.py``; ``"full"`` adds the
         contract checks of ``state/contract.py``: no duplicate ids in a full group's row, no null block
         where a step reads or writes); ``validate=True`` implies ``"full"``.

@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Tuple
 
-from ._common import cdiv, is_int
+from ._common import cdiv, check_int, is_int
 
-__all__ = ["GroupSpec", "ChannelSpec", "GROUP_ORDER", "GROUP_KINDS", "CHANNEL_OUTPUTS", "INDEX_ALIGN"]
+__all__ = ["GroupSpec", "ChannelSpec", "RatioKind", "ratio_kinds", "GROUP_ORDER", "GROUP_KINDS", "CHANNEL_OUTPUTS",
+           "INDEX_ALIGN", "LOW_RATIOS", "parse_circular"]
 
 GROUP_ORDER = ("mla", "swa", "c4_state", "c128_state")
 GROUP_KINDS = ("full", "sliding", "circular")
 INDEX_ALIGN = 128  # NOTE: causal compressed widths are rounded up to this (docs/DESIGN.md §4)
+LOW_RATIOS = (1, 2)  # NOTE: DeepSeek-V4.1's compress ratios (vLLM deepseek_v41: compress_ratio in {0, 1, 2})
+INDEXED_MAX_RATIO = 4  # NOTE: ratios up to this are read through the indexer's top-k in the V4.1 family
 
 # outputs each built-in channel produces (names of ChannelMetadata fields)
 CHANNEL_OUTPUTS: Dict[str, FrozenSet[str]] = {
@@ -203,3 +206,89 @@ class ChannelSpec:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} of channel {self.name!r} must be an int >= 1, got {v!r}")
+
+
+@dataclass(frozen=True)
+class RatioKind:
+    """What one non-zero compress ratio of a config gives (:func:`ratio_kinds`).
+
+    Attributes
+    ----------
+    ratio : int
+        ``R``.
+    kind : str
+        ``"c4"``: read through the indexer's top-k (channels ``main`` + ``indexer``, builders ``c4a`` /
+        ``c4i``); ``"c128"``: every visible row (channel ``main``, builder ``c128a``).
+    main, indexer : str, str or None
+        Channel names of the compressed cache and of the indexer (None for the c128 kind).
+    state : str or None
+        Role and default name of the compressor-state group (None for ``R = 1``: a ratio-1 row is one
+        token, pooled from nothing; vLLM V4.1 has no state cache for it).
+    state_window : int
+        Window of the state group: ``2 R`` for the c4 kind (overlapping spans), ``R`` for the c128 kind.
+    """
+
+    ratio: int
+    kind: str
+    main: str
+    indexer: Optional[str]
+    state: Optional[str]
+    state_window: int
+
+    @property
+    def state_builder(self) -> str:
+        """Builder (and ``layer_channels`` role) of the state group's window channel."""
+        return "c4_state" if self.kind == "c4" else "c128_state"
+
+
+def ratio_kinds(ratios) -> Tuple[RatioKind, ...]:
+    """The kind and channel names of every distinct non-zero ratio of ``compress_ratios``, ascending.
+
+    DeepSeek-V4 (at most two ratios, none below 3): the smaller ratio is the indexed kind (``c4a``,
+    ``c4i``, ``c4_state``), the larger the causal one (``c128a``, ``c128_state``), whatever their values;
+    a single ratio ``R`` is the indexed kind if ``R <= 4``. The V4.1 family (a ratio of 1 or 2, or more
+    than two ratios; docs/DESIGN.md §3): every ratio ``R <= 4`` is indexed, larger ones causal, and names carry
+    the ratio (``c1a``, ``c1i``; ``c2a``, ``c2i``, ``c2_state``; ``c4a`` ...; ``c128a``, ``c128_state``).
+    """
+    distinct = sorted({int(r) for r in ratios if r > 0})
+    if not distinct:
+        return ()
+    if any(r in LOW_RATIOS for r in distinct) or len(distinct) > 2:
+        out = []
+        for r in distinct:
+            indexed = r <= INDEXED_MAX_RATIO
+            out.append(RatioKind(r, "c4" if indexed else "c128", f"c{r}a", f"c{r}i" if indexed else None,
+                                 f"c{r}_state" if r > 1 else None, 2 * r if indexed else r))
+        return tuple(out)
+    c4 = RatioKind(distinct[0], "c4", "c4a", "c4i", "c4_state", 2 * distinct[0])
+    if len(distinct) == 2:
+        return c4, RatioKind(distinct[1], "c128", "c128a", None, "c128_state", distinct[1])
+    if distinct[0] <= INDEXED_MAX_RATIO:
+        return (c4,)
+    return (RatioKind(distinct[0], "c128", "c128a", None, "c128_state", distinct[0]),)
+
+
+def parse_circular(circular) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """``from_config(circular=...)`` checked: (group -> capacity, group -> block size of a ring of
+    several blocks). ValueError naming the entry."""
+    circular = dict(circular or {})
+    ring_bs = {}  # NOTE: group -> block size of a ring of several blocks
+    for g, capacity in circular.items():
+        if g in ("mla",) or not isinstance(g, str):
+            raise ValueError(f"circular names {g!r}; only sliding groups (swa, c4_state, c128_state) "
+                             f"can be circular")
+        if isinstance(capacity, (tuple, list)):
+            if len(capacity) != 2:
+                raise ValueError(f"circular[{g!r}] must be a capacity or (capacity, block_size), "
+                                 f"got {capacity!r}")
+            cap = check_int(f"circular[{g!r}][0] (capacity)", capacity[0], lo=1)
+            bs = check_int(f"circular[{g!r}][1] (block_size)", capacity[1], lo=1)
+            if cap % bs:
+                raise ValueError(f"circular[{g!r}] = {tuple(capacity)!r}: capacity {cap} is not a "
+                                 f"multiple of block_size {bs}")
+            circular[g] = cap
+            if bs != cap:
+                ring_bs[g] = bs
+        else:
+            check_int(f"circular[{g!r}]", capacity, lo=1)
+    return circular, ring_bs

@@ -21,6 +21,9 @@ circular (one block of ``capacity`` rows per request; the scheduler caps a reque
     python examples/sparse_decode_loop.py                 # 200 steps, reference backend on CPU
     python examples/sparse_decode_loop.py --validate      # + check_metadata every step
     python examples/sparse_decode_loop.py --circular      # circular c4_state / c128_state groups
+    python examples/sparse_decode_loop.py --config tiny_v41   # DeepSeek-V4.1: ratio-2 (C2 ring) and ratio-1 layers
+    python examples/sparse_decode_loop.py --groups vllm   # vLLM's group plan (two SWA sub-groups)
+    python examples/sparse_decode_loop.py --groups per-layer  # one sliding group per layer (V4.1 engines)
     python examples/sparse_decode_loop.py --kernels       # CPU: Triton kernels in the interpreter (slow)
 
 Exit code 1 when any output differs from dense by more than 1e-4, when a write lands in a block another
@@ -69,6 +72,10 @@ def parse_args(argv=None):
                     help="write every step to a JSONL trace (replay: python -m dsv4_index replay PATH)")
     ap.add_argument("--circular", action="store_true",
                     help=f"circular compressor-state groups (capacities {CIRCULAR}) instead of ring tables")
+    ap.add_argument("--config", choices=("tiny", "tiny_v41"), default="tiny",
+                    help="tiny DeepSeek-V4 (swa, c4, c128 layers) or tiny DeepSeek-V4.1 (swa, ratio 2, ratio 1)")
+    ap.add_argument("--groups", choices=("default", "vllm", "per-layer"), default="default",
+                    help="group plan: one group per role, vLLM's (SWA sub-groups), or one sliding group per layer")
     ap.add_argument("--kernels", action="store_true",
                     help="on CPU: run the Triton kernels in the interpreter (TRITON_INTERPRET=1; slow) "
                          "instead of the PyTorch reference")
@@ -169,6 +176,7 @@ def main(argv=None) -> int:
 
     from dsv4_index import DSV4Layout, MetadataPipeline
     from dsv4_index.testing.scheduler import ReferenceScheduler, cache_writes
+    from dsv4_index.specs import ratio_kinds
     from dsv4_index.validate import check_metadata
     from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load, load_config, save
 
@@ -178,10 +186,14 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = False
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
-    cfg = load_config("tiny")
+    cfg = load_config(args.config)
+    circular = CIRCULAR if args.circular and args.config == "tiny" else None  # NOTE: V4.1's C2 ring is circular
+    groups = dict(default={}, vllm=dict(groups="vllm"), **{"per-layer": dict(swa_group_per_layer=True)})[args.groups]
     layout = DSV4Layout.from_config(cfg.to_dict(), MAX_LEN, mla_block_size=MLA_BLOCK, swa_block_size=SWA_BLOCK,
-                                    indexer_causal_indices=True, circular=CIRCULAR if args.circular else None)
-    kinds = {k: cfg.layer_ids(k)[0] for k in ("swa", "c4", "c128")}
+                                    indexer_causal_indices=True, circular=circular, **groups)
+    # one layer of each kind, labelled swa / c4 / c128 (V4) or swa / c1 / c2 (V4.1: by ratio)
+    kinds = {"swa": cfg.layer_ids("swa")[0],
+             **{k.main[:-1]: cfg.compress_ratios.index(k.ratio) for k in ratio_kinds(cfg.compress_ratios)}}
 
     # weights from the seed, round-tripped through a safetensors file
     ref = torch.nn.ModuleDict({k: init_weights(DSV4Attention(cfg, i), args.seed * 1000 + i) for k, i in kinds.items()})
@@ -192,14 +204,15 @@ def main(argv=None) -> int:
         models = load(torch.nn.ModuleDict({k: DSV4Attention(cfg, i) for k, i in kinds.items()}), path)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), models.parameters()))
     models = models.to(device).eval()
-    print(f"tiny DSV4 attention: layers {kinds} (kind: layer id); weights seed {args.seed}, "
+    print(f"{args.config} DSV4 attention: layers {kinds} (kind: layer id); weights seed {args.seed}, "
           f"safetensors round trip {size / 1024:.1f} KiB")
     print(f"device {device}, metadata backend: {backend}")
     print("groups: " + ", ".join(
         f"{g.name} ({g.kind}{', ring of %d blocks' % g.columns(BUDGET)[1] if g.ring else ''}"
         f"{', capacity %d' % g.block_size if g.kind == 'circular' else ''})" for g in layout.groups))
 
-    num_blocks = NUM_BLOCKS_CIRCULAR if args.circular else NUM_BLOCKS
+    num_blocks = NUM_BLOCKS_CIRCULAR if args.circular or args.config == "tiny_v41" else NUM_BLOCKS
+    num_blocks += 24 * (sum(g.role == "swa" for g in layout.groups) - 1)  # NOTE: sub-groups hold blocks too
     sched = ReferenceScheduler(layout, num_blocks, max_num_batched_tokens=BUDGET, max_num_seqs=6,
                                num_speculative_tokens=SPEC, long_prefill_threshold=CHUNK,
                                enable_prefix_caching=True, seed=args.seed)
@@ -306,7 +319,9 @@ def main(argv=None) -> int:
         ("writes into blocks the writer does not hold", ev["unowned_writes"]),
         ("check_metadata passes", ev["checks"] if args.validate else "off (--validate)"),
         ("metadata backend", backend),
-        ("state groups", "circular" if args.circular else "sliding (ring tables)"),
+        ("state groups", ", ".join(sorted({"circular" if g.kind == "circular" else "sliding (ring tables)"
+                                           for g in layout.groups if g.role not in ("mla", "swa")})) or "none"),
+        ("groups", f"{layout.num_groups} ({args.groups})"),
         ("update+build ms median / p90", f"{statistics.median(ms):.3f} / {p90:.3f}"),
     ] + [(f"max |paged - dense| {k} (layer {kinds[k]})", f"{err[k]:.2e}") for k in kinds]
     w = max(len(k) for k, _ in rows)

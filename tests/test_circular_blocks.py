@@ -5,8 +5,8 @@ row ``p = pos % capacity`` lives at ``bt[p // block_size] * block_size + p % blo
 ``from_config(..., circular={name: (capacity, block_size)})`` makes such a group (an int: one block);
 the reference scheduler hands out its ``k`` ids at admission. Every output is checked against that
 formula written here, the Triton per-op path (interpreter on CPU) against the PyTorch reference, and a
-consumer ring (vLLM's ring test) resolves every window. The fused launch takes one-block rings only
-and refuses ``k > 1`` (its write plan starts at ``seq_len - block_size``).
+consumer ring (vLLM's ring test) resolves every window. The fused launch takes rings of ``k`` blocks too
+(its write plan starts at ``seq_len - capacity``); the traces compare it with the per-op path.
 """
 
 import random
@@ -81,13 +81,21 @@ def test_group_spec_capacity_checks():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the fused launch needs Triton (CUDA or TRITON_INTERPRET=1)")
-def test_fused_refuses_a_ring_of_several_blocks(device):
+def test_fused_takes_a_ring_of_several_blocks(device):
+    # the fused write plan starts at seq_len - capacity (A * ring blocks), no longer refused
     lay = DSV4Layout.from_config("tiny", max_model_len=512, circular={"c128_state": (32, 4)})
-    with pytest.raises(ValueError, match=r"fused=True: circular group 'c128_state' is a ring of 8 blocks "
-                                         r"\(capacity 32, block_size 4\); the fused launch takes one-block rings"):
-        MetadataPipeline(lay, 4, 96, device, 3, fused=True)
-    one = DSV4Layout.from_config("tiny", max_model_len=512, circular={"c128_state": 32})
-    assert MetadataPipeline(one, 4, 96, device, 3, fused=True).num_launches == 1
+    pipe = MetadataPipeline(lay, 4, 96, device, 3, fused=True)
+    assert pipe.num_launches == 1
+    from dsv4_index.frontend import NewRequest, StepInput
+
+    ids = list(range(1000, 1008))
+    lists = tuple(ids if g.name == "c128_state" else [1 + 100 * g.gid + j for j in range(-(-70 // g.alloc_block_size))]
+                  for g in lay.groups)
+    pipe.update(StepInput([NewRequest("a", lists, 0)], [], {"a": 70}))   # a chunk of 70 > capacity 32
+    m = pipe.build()
+    tail = m["c128_state"].tail_slot_mapping[:70].cpu().tolist()
+    assert tail == [_slot(ids, p, 32, 4) if p >= 70 - 32 else -1 for p in range(70)]
+    assert m["c128_state"].slot_mapping[:70].cpu().tolist() == [_slot(ids, p, 32, 4) for p in range(70)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,6 +221,8 @@ def _trace(lay, device, steps, budget, seed, expect_long, prompt_len):
     pipes = {"reference": MetadataPipeline(lay, 4, budget, device, 3, backend="reference", validate=True)}
     if HAS_TRITON:
         pipes["triton"] = MetadataPipeline(lay, 4, budget, device, 3, fused=False, backend="triton", validate=True)
+        pipes["fused"] = MetadataPipeline(lay, 4, budget, device, 3, fused=True, backend="triton", validate=True)
+        assert pipes["fused"].num_launches == 1
     sched = ReferenceScheduler(lay, 900, max_num_batched_tokens=budget, max_num_seqs=4, num_speculative_tokens=3,
                                seed=seed)
     circ = [c for c in lay.channels if lay.groups[lay.channels[c].gid].kind == "circular"]

@@ -42,17 +42,20 @@ class FakePretrainedConfig:
         return dict(self.__dict__)
 
 
-@pytest.fixture(scope="module", params=SHIPPED)
+V4 = ("flash", "pro", "tiny")  # NOTE: DeepSeek-V4 configs (the V4.1 ones: tests/v41/)
+
+
+@pytest.fixture(scope="module", params=V4)
 def shipped(request):
     name = request.param
     return name, layout(shipped_config(name))
 
 
 def test_shipped_names_and_files():
-    assert SHIPPED == ("flash", "pro", "tiny")
+    assert SHIPPED == V4 + ("v41_flash", "tiny_v41")
     for name in SHIPPED:
         assert shipped_config_path(name) == CONFIG_DIR / f"{name}.json"
-        assert shipped_config(name)["model_type"] == "deepseek_v4"
+        assert shipped_config(name)["model_type"] == ("deepseek_v4" if name in V4 else "deepseek_v41_text")
     a = shipped_config("tiny")
     a["num_hidden_layers"] = 99                              # a fresh copy each call
     assert shipped_config("tiny")["num_hidden_layers"] == 4

@@ -71,6 +71,21 @@ def test_sparse_decode_loop_circular():
     assert s["writes into blocks held by another request"] == "0", out
 
 
+@pytest.mark.parametrize("args", [("--config", "tiny_v41"), ("--config", "tiny_v41", "--groups", "per-layer"),
+                                  ("--groups", "vllm")], ids=["v41", "v41_swa_per_layer", "vllm_groups"])
+def test_sparse_decode_loop_any_layout(args):
+    # DeepSeek-V4.1 (ratio-2 layers with the C2 ring, ratio-1 layers) and engine group plans: paged == dense
+    rc, out = run("sparse_decode_loop.py", "--steps", 40, "--seed", 1, "--validate", *args)
+    assert rc == 0, out
+    s = summary(out)
+    assert s["check_metadata passes"] == "40" and "OK: paged == dense" in out, out
+    assert "events seen: chunked prefill, decode" in out and "prefix-cache hit, replayed tokens" in out, out
+    if "tiny_v41" in args:
+        assert {"max |paged - dense| c1 (layer 2)", "max |paged - dense| c2 (layer 1)"} <= set(s), out
+        assert s["state groups"] == "circular", out
+    assert s["writes into blocks held by another request"] == "0", out
+
+
 def test_sparse_decode_loop_is_deterministic():
     outs = [run("sparse_decode_loop.py", "--steps", 12, "--seed", 3) for _ in range(2)]
     assert outs[0][0] == outs[1][0] == 0, outs

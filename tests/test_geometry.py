@@ -163,7 +163,7 @@ def test_cp_width_formula_when_tokens_dominate():
     (lambda c: c.pop("sliding_window"), "sliding_window"),
     (lambda c: c.pop("index_topk"), "index_topk"),
     (lambda c: c["compress_ratios"].append(0), "num_nextn_predict_layers"),
-    (lambda c: c.__setitem__("compress_ratios", [0, 4, 16, 8, 0]), "distinct"),
+    (lambda c: c.__setitem__("compress_ratios", [0, 4, 16, 24, 0]), "divisible"),  # NOTE: 3 ratios: V4.1 family
     (lambda c: c.__setitem__("compress_ratios", [0, 4, 3, 4, 0]), "divisible"),
     (lambda c: c.__setitem__("compress_ratios", [0, 4, -1, 4, 0]), "compress_ratios"),
     (lambda c: c.__setitem__("sliding_window", 0), "sliding_window"),
@@ -187,7 +187,7 @@ def test_config_errors(mutate, match):
     (dict(max_model_len=1000, circular={"c128_state": 8}), "circular"),        # below its window 16
     (dict(max_model_len=1000, circular={"c4_state": 0}), "circular"),
     (dict(max_model_len=1000, circular={"c4_state": 8.0}), "circular"),
-    (dict(max_model_len=1000, circular={"c4_state": 8}, kernel_block_size={"c4_state": 2}), "kernel_block_size"),
+    (dict(max_model_len=1000, circular={"c4_state": 8}, kernel_block_size={"c4_state": 3}), "kernel_block_size"),
     (dict(max_model_len=1000, cp_interleave=0), "cp_interleave"),
 ])
 def test_argument_errors(kwargs, match):

@@ -27,8 +27,6 @@ TOL = 1e-4
 CFG = load_config("tiny")
 MAX_LEN = 256
 SPEC = 2
-LAYERS = [CFG.layer_ids(k)[0] for k in ("swa", "c4", "c128")]
-
 
 MLA_BLOCK = 32
 _ROWS = {}
@@ -53,17 +51,24 @@ def x_of(rid: str, length: int, draft: bool, keys=()) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, CFG.hidden_size)
 
 
+def layer_picks(cfg):
+    """One layer of every kind of ``cfg``: the first SWA-only layer and the first of each ratio."""
+    return [cfg.layer_ids("swa")[0]] + [cfg.compress_ratios.index(r) for r in cfg.ratios]
+
+
 def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False, prefix_prob=0.5,
-              prompt_hi=90, circular=None):
-    layout = DSV4Layout.from_config(CFG.to_dict(), MAX_LEN, mla_block_size=MLA_BLOCK, swa_block_size=4,
-                                    indexer_causal_indices=True, circular=circular)
+              prompt_hi=90, circular=None, cfg=CFG, **layout_kw):
+    """``cfg``: the model config (hidden size 64: ``tiny`` or ``tiny_v41``); ``layout_kw``: more
+    ``DSV4Layout.from_config`` options (``groups="vllm"``, ``swa_group_per_layer=True`` ...)."""
+    layout = DSV4Layout.from_config(cfg.to_dict(), MAX_LEN, mla_block_size=MLA_BLOCK, swa_block_size=4,
+                                    indexer_causal_indices=True, circular=circular, **layout_kw)
     assert all(g.ring for g in layout.groups if g.kind == "sliding")
     sched = ReferenceScheduler(layout, num_blocks, max_num_batched_tokens=budget, max_num_seqs=5,
                                num_speculative_tokens=SPEC, long_prefill_threshold=chunk,
                                enable_prefix_caching=prefix, seed=seed)
     pipe = MetadataPipeline(layout, 8, 2 * budget + pad, "cpu", num_speculative_tokens=SPEC)
-    models = {layer: init_weights(DSV4Attention(CFG, layer), 10 + layer).eval() for layer in LAYERS}
-    caches = PagedCaches(CFG, layout, num_blocks)
+    models = {layer: init_weights(DSV4Attention(cfg, layer), 10 + layer).eval() for layer in layer_picks(cfg)}
+    caches = PagedCaches(cfg, layout, num_blocks)
     rng = random.Random(seed)
     seen = dict(preempted=0, finished=0, rejected=0, split_group=0, replayed=0, hits=0, steps=0, writes=0)
     keys = {}  # rid -> content key of each full prompt block of the mla group (as the scheduler keeps)
@@ -96,7 +101,7 @@ def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False
         seen["writes"] += len(writes)
         qsl = meta.query_start_loc.tolist()
         # this step's x per request: real for computed / prompt / accepted tokens, draft for rejected
-        x, dense_in = torch.zeros(T + pad, CFG.hidden_size), {}
+        x, dense_in = torch.zeros(T + pad, cfg.hidden_size), {}
         for b, rid in enumerate(meta.req_ids):
             v = views[rid]
             c, n = v.num_computed_tokens, v.num_scheduled_tokens
@@ -119,7 +124,7 @@ def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False
                     v = views[rid]
                     # every token, replayed ones included: window lists start at replay_start
                     ref = m.forward_dense(dense_in[rid], window_floor=v.replay_start)[v.num_computed_tokens:]
-                    if layer == LAYERS[0]:
+                    if layer == layer_picks(cfg)[0]:
                         seen["replayed"] += max(0, min(v.seq_len, v.replay_end) - v.num_computed_tokens)
                     err = (y[qsl[b]:qsl[b + 1]] - ref).abs().amax(-1)
                     assert (err <= TOL).all(), (seen["steps"], layer, m.kind, rid, v, err.tolist())

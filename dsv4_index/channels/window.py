@@ -40,14 +40,6 @@ class WindowChannel(ChannelBuilder):
                           circular_capacity=self.group.ring_capacity if self.circular else None)
 
     def fused_tasks(self, ctx: BuildContext):
-        if self.group.ring_blocks > 1:
-            # NOTE: the fused kernel's write plan starts at seq_len - block_size (one-block rings); a ring
-            # of k blocks needs seq_len - capacity there (a kernel change), so it is refused, not wrong
-            g = self.group
-            raise ValueError(f"fused=True: circular group {g.name!r} is a ring of {g.ring_blocks} blocks "
-                             f"(capacity {g.ring_capacity}, block_size {g.block_size}); the fused launch "
-                             f"takes one-block rings only: use fused=False, or circular={{{g.name!r}: "
-                             f"{g.ring_capacity}}} (one block of {g.ring_capacity} rows)")
         return [FusedTask("window", (self.indices, self.lens, self.slots, self.tail), gid=self.spec.gid,
                           a=self.kernel_block_size, b=self.spec.window, width=self.indices.shape[1],
                           write_floor=self.group.prefix_cacheable, window_floor=True, circular=self.circular)]

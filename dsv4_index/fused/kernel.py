@@ -249,9 +249,10 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
                                     CPR, CPI, stage_ptr, lo, hi, pay, True)
                     tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 2, 8) + t, slot, mask=in_out)
                 if (HAS & 8) != 0:
-                    # NOTE: circular write plan: the last `capacity` (= A) tokens of the request's chunk
-                    slot = raw_slot(bt, row, pos, valid, seq - A, A, twidth, ring, stride, CPW,
-                                    CPR, CPI, stage_ptr, lo, hi, pay, True)
+                    # NOTE: circular write plan: the last `capacity` tokens of the request's chunk; the
+                    # ring holds `ring` blocks of A rows (a circular group's ring width is its block count)
+                    slot = raw_slot(bt, row, pos, valid, seq - A * tl.maximum(ring, 1), A, twidth, ring, stride,
+                                    CPW, CPR, CPI, stage_ptr, lo, hi, pay, True)
                     tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 3, 8) + t, slot, mask=in_out)
         elif KIND == CAUSAL:
             n = visible_rows(pos, valid, A, CPW, CPR, CPI)

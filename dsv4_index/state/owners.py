@@ -1,5 +1,5 @@
 """Who holds each block: the host proof that no step writes into another live request's KV
-(DESIGN §5 "What update() proves about a step"), kept incrementally.
+(docs/DESIGN.md §5 "What `update()` proves about a step"), kept incrementally.
 
 State, per pipeline (``G`` groups, ``num_slots`` request slots):
 

@@ -4,6 +4,7 @@ file, the line and the field for anything a replay cannot use (types, bounds, ca
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import NoReturn, Optional
 
 from .._json import one_line
@@ -142,7 +143,9 @@ def _group(at: _At, d, f: str, i: int) -> GroupSpec:
     if "blocks_per_kv_block" in d:
         kw["blocks_per_kv_block"] = at.int(d["blocks_per_kv_block"], f + ".blocks_per_kv_block", 1, 1 << 10)
     if "role" in d:
-        kw["role"] = at.str(d["role"], f + ".role", ROLES, none=True)
+        # NOTE: V4.1-family state roles carry their ratio (c2_state; dsv4_index.specs.ratio_kinds)
+        state = isinstance(d["role"], str) and re.fullmatch(r"c[1-9][0-9]*_state", d["role"]) is not None
+        kw["role"] = at.str(d["role"], f + ".role", None if state else ROLES, none=True)
     if d.get("capacity") is not None:  # NOTE: a circular ring of several blocks
         kw["capacity"] = at.int(d["capacity"], f + ".capacity", 1, LIMITS["max_model_len"])
     if d.get("layers") is not None:

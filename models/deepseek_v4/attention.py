@@ -12,10 +12,12 @@ One token ``t`` at position ``pos`` (fp32 throughout):
 2. Window: the ``kv`` of positions ``[pos - W + 1, pos]``.
 3. Compressed rows (layers with ratio ``R > 0``): row ``g`` pools the compressor state (per-token
    ``kv_c``, gate logits ``z``) of its span -- ``[gR - R, gR + R)`` for c4 layers (overlapping, tokens
-   ``< 0`` masked), ``[gR, gR + R)`` for c128 layers -- as ``RMSNorm(sum_s softmax_s(z_s + bias_s) * kv_c_s)``
+   ``< 0`` masked), ``[gR, gR + R)`` for c128 layers, the token ``g`` itself for V4.1's ratio-1 layers
+   (no state cache) -- as ``RMSNorm(sum_s softmax_s(z_s + bias_s) * kv_c_s)``
    (softmax over the span's tokens, per dim). Row ``g`` exists once its last token ``gR + R - 1`` is
    seen, so ``t`` sees ``n_c = (pos + 1) // R`` rows.
-4. c4 layers pick ``index_topk`` of those rows with the Lightning indexer
+4. c4 layers (V4's smaller ratio, V4.1's ratios 1 and 2) pick ``index_topk`` of those rows with the
+   Lightning indexer
    (``score_j = sum_h w_h relu(q_idx_h . k_idx_j)``, keys from the indexer's own compressor; ties go
    to the lower row); c128 layers take them all.
 5. One softmax over window and compressed keys plus a per-head sink logit; output ``Wo [H*D -> hidden]``.
@@ -23,18 +25,16 @@ One token ``t`` at position ``pos`` (fp32 throughout):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import torch
 from einops import rearrange
 from torch import nn
 
-from dsv4_index._common import check_int
-
+from .caches import LayerCache, PagedCaches, layer_channels
 from .config import DSV4Config
 
-__all__ = ["DSV4Attention", "Compressor", "Indexer", "PagedCaches", "LayerCache",
+__all__ = ["DSV4Attention", "Compressor", "Indexer", "PagedCaches", "LayerCache", "layer_channels",
            "rms_norm", "apply_rope", "sink_attention", "sink_attention_lse", "merge_partials", "select_topk"]
 
 NEG_INF = float("-inf")
@@ -178,13 +178,13 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer: ``score(t, j) = sum_h w_h(t) relu(q_h(t) . k_j)``."""
 
-    def __init__(self, config: DSV4Config, ratio: int):
+    def __init__(self, config: DSV4Config, ratio: int, span: int = 0):
         super().__init__()
         h, d = config.index_n_heads, config.index_head_dim
         self.n_heads = h
         self.wq = nn.Linear(config.hidden_size, h * d, bias=False)
         self.wweights = nn.Linear(config.hidden_size, h, bias=False)
-        self.compressor = Compressor(config.hidden_size, d, 2 * ratio, config.rms_norm_eps)
+        self.compressor = Compressor(config.hidden_size, d, span or 2 * ratio, config.rms_norm_eps)
 
     def scores(self, x: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """x float [T, hidden], keys float [T, N, d], valid bool [T, N] -> float [T, N] (-inf if not valid)."""
@@ -210,10 +210,10 @@ class DSV4Attention(nn.Module):
         self.sink = nn.Parameter(torch.zeros(H))
         self.wo = nn.Linear(H * D, hid, bias=False)
         if self.kind != "swa":
-            span = 2 * self.ratio if self.kind == "c4" else self.ratio
+            span = config.compressor_span(layer_id)
             self.compressor = Compressor(hid, D, span, eps)
         if self.kind == "c4":
-            self.indexer = Indexer(config, self.ratio)
+            self.indexer = Indexer(config, self.ratio, span)
 
     # -- shared ------------------------------------------------------------------------------
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
@@ -272,12 +272,18 @@ class DSV4Attention(nn.Module):
         return self._out(q, keys, valid)
 
     # -- paged ---------------------------------------------------------------------------------
-    def _paged_compress(self, comp: Compressor, x, meta, state_ch: str, out_ch: str,
-                        state_cache: torch.Tensor, out_cache: torch.Tensor):
-        """Cache this step's compressor state, then pool and cache every row a token completes."""
+    def _paged_compress(self, comp: Compressor, x, meta, state_ch: Optional[str], out_ch: str,
+                        state_cache: Optional[torch.Tensor], out_cache: torch.Tensor):
+        """Cache this step's compressor state, then pool and cache every row a token completes
+        (``state_ch`` None: a span of one token, V4.1's ratio 1: the row is pooled from the token)."""
         ok = meta.is_valid_token
-        st = meta[state_ch]
         cur = comp.state(x)
+        if state_ch is None:
+            done = meta[out_ch].compressed_slot_mapping
+            sel = ok & (done >= 0)
+            out_cache[done[sel].long()] = comp.pool(cur[sel][:, None], torch.ones_like(sel[sel])[:, None])
+            return
+        st = meta[state_ch]
         # NOTE: a circular state group (vLLM's ring) lists in-step entries as -2 - token_row and is written
         # with its write plan after the reads; other groups are written first and read from the cache
         circular = st.tail_slot_mapping is not None
@@ -317,30 +323,31 @@ class DSV4Attention(nn.Module):
         :func:`select_topk`; a DCP rank passes one that selects over every rank's scores).
         """
         ok = meta.is_valid_token
+        ch = layer_channels(meta.layout, self.layer_id, self.config)  # NOTE: channel names of this layer
         q, kv = self._qkv(x, meta.positions)
-        swa = meta["swa"]
+        swa = meta[ch["swa"]]
         write_rows(caches.swa, swa.slot_mapping, kv, ok)
         if self.kind == "c4":
-            self._paged_compress(self.compressor, x, meta, "c4_state", "c4a", caches.state, caches.comp)
-            self._paged_compress(self.indexer.compressor, x, meta, "c4_state", "c4i",
-                                 caches.idx_state, caches.idx_comp)
+            st = ch.get("c4_state")
+            self._paged_compress(self.compressor, x, meta, st, ch["c4a"], caches.state, caches.comp)
+            self._paged_compress(self.indexer.compressor, x, meta, st, ch["c4i"], caches.idx_state, caches.idx_comp)
         elif self.kind == "c128":
-            self._paged_compress(self.compressor, x, meta, "c128_state", "c128a", caches.state, caches.comp)
+            self._paged_compress(self.compressor, x, meta, ch["c128_state"], ch["c128a"], caches.state, caches.comp)
         # every write of the step is done: now read
         win, win_valid = gather_rows(caches.swa, swa.indices, swa.lens)
         keys, valid = [win], [win_valid]
         if self.kind == "c4":
-            c4i = meta["c4i"]  # causal list: entry j is compressed row j
+            c4i = meta[ch["c4i"]]  # causal list: entry j is compressed row j
             idx_keys, idx_valid = gather_rows(caches.idx_comp, c4i.indices, c4i.lens)
             scores = self.indexer.scores(x, idx_keys, idx_valid)
             topk = (topk_fn or select_topk)(scores, self.config.index_topk)
-            slots, lens = meta.topk_to_slots("c4a", topk)
+            slots, lens = meta.topk_to_slots(ch["c4a"], topk)
             # NOTE: converted in place (not compacted): under DCP rows owned elsewhere are -1 between
             # owned ones, so an entry is valid iff its slot is (lens only counts them).
             rows, rows_valid = gather_rows(caches.comp, slots, torch.full_like(lens, slots.shape[1]))
             keys.append(rows), valid.append(rows_valid)
         elif self.kind == "c128":
-            c128a = meta["c128a"]
+            c128a = meta[ch["c128a"]]
             rows, rows_valid = gather_rows(caches.comp, c128a.indices, c128a.lens)
             keys.append(rows), valid.append(rows_valid)
         if return_lse:
@@ -348,50 +355,3 @@ class DSV4Attention(nn.Module):
                                         self.sink if with_sink else None)
             return torch.where(ok[:, None, None], o, 0.0), lse.masked_fill(~ok[:, None], NEG_INF)
         return torch.where(ok[:, None], self._out(q, keys, valid), 0.0)
-
-
-# caches
-@dataclass
-class LayerCache:
-    """One layer's caches (rows = slots of its channel). ``None`` where the kind has no such cache.
-
-    swa [swa slots, D]; state [state slots, 2 D]; comp [compressed slots, D];
-    c4 only: idx_state [c4_state slots, 2 d_idx], idx_comp [c4i slots, d_idx].
-    """
-
-    swa: torch.Tensor
-    state: Optional[torch.Tensor] = None
-    comp: Optional[torch.Tensor] = None
-    idx_state: Optional[torch.Tensor] = None
-    idx_comp: Optional[torch.Tensor] = None
-
-
-class PagedCaches:
-    """Per-layer cache tensors sized from a ``DSV4Layout`` and the block pool size.
-
-    A channel's cache has ``num_blocks * rows_per_block`` rows (its slots). ``fill`` pre-poisons
-    every row (NaN by default) so a read of a row nobody wrote shows up in the output.
-    """
-
-    def __init__(self, config: DSV4Config, layout, num_blocks: int, *, device=None,
-                 dtype: torch.dtype = torch.float32, fill: float = float("nan")):
-        check_int("num_blocks", num_blocks, lo=1)
-        D, d = config.head_dim, config.index_head_dim
-
-        def alloc(channel: str, width: int) -> torch.Tensor:
-            rows = num_blocks * layout.channels[channel].rows_per_block
-            return torch.full((rows, width), fill, dtype=dtype, device=device)
-
-        self.layers: Dict[int, LayerCache] = {}
-        for layer_id in range(config.num_layers):
-            kind = config.layer_kind(layer_id)
-            lc = LayerCache(swa=alloc("swa", D))
-            if kind == "c4":
-                lc.state, lc.comp = alloc("c4_state", 2 * D), alloc("c4a", D)
-                lc.idx_state, lc.idx_comp = alloc("c4_state", 2 * d), alloc("c4i", d)
-            elif kind == "c128":
-                lc.state, lc.comp = alloc("c128_state", 2 * D), alloc("c128a", D)
-            self.layers[layer_id] = lc
-
-    def __getitem__(self, layer_id: int) -> LayerCache:
-        return self.layers[layer_id]

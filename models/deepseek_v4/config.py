@@ -1,5 +1,5 @@
-"""DeepSeek-V4 attention config: the fields of ``dsv4_index/configs/{flash,pro,tiny}.json`` (package data of
-``dsv4_index``) that the attention uses.
+"""DeepSeek-V4 attention config: the fields of ``dsv4_index/configs/*.json`` (package data of ``dsv4_index``:
+V4 ``flash``, ``pro``, ``tiny``; V4.1 ``v41_flash``, ``tiny_v41``) that the attention uses.
 
 Block sizes are not config fields: they belong to the cache layout (``DSV4Layout.from_config`` takes
 them as arguments) and the model never needs them.
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Tuple, Union
 
 from dsv4_index.config import CONFIG_DIR, SHIPPED  # the shipped configs are package data of dsv4_index
+from dsv4_index.specs import ratio_kinds
 
 __all__ = ["DSV4Config", "load_config", "CONFIG_DIR"]
 
@@ -48,9 +49,8 @@ class DSV4Config:
         if len(self.compress_ratios) != n:
             raise ValueError(f"compress_ratios must have num_hidden_layers + num_nextn_predict_layers "
                              f"= {n} entries, got {len(self.compress_ratios)}")
-        if len(self.ratios) > 2 or any(r < 0 for r in self.compress_ratios):
-            raise ValueError(f"compress_ratios must hold 0 and at most two positive ratios, "
-                             f"got {sorted(set(self.compress_ratios))}")
+        if any(r < 0 for r in self.compress_ratios):
+            raise ValueError(f"compress_ratios must hold ints >= 0, got {sorted(set(self.compress_ratios))}")
         if not 0 < self.qk_rope_head_dim <= self.head_dim or self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even and in (0, head_dim], "
                              f"got {self.qk_rope_head_dim}")
@@ -68,17 +68,21 @@ class DSV4Config:
         return len(self.compress_ratios)
 
     def layer_kind(self, layer_id: int) -> str:
-        """``"swa"`` (ratio 0), ``"c4"`` (the smaller non-zero ratio: indexed, overlapping groups) or
-        ``"c128"`` (the larger: every visible compressed row)."""
+        """``"swa"`` (ratio 0), ``"c4"`` (indexed through the top-k) or ``"c128"`` (every visible
+        compressed row): the layout's rule, :func:`dsv4_index.specs.ratio_kinds` (DeepSeek-V4: the smaller
+        of two ratios is c4; V4.1: ratios 1 and 2 are c4)."""
         if not 0 <= layer_id < self.num_layers:
             raise ValueError(f"layer_id must be in [0, {self.num_layers}), got {layer_id}")
         r = self.compress_ratios[layer_id]
-        if r == 0:
-            return "swa"
-        # NOTE: a config with one non-zero ratio only has c4 layers when that ratio is 4.
-        if len(self.ratios) == 2:
-            return "c4" if r == self.ratios[0] else "c128"
-        return "c4" if r == 4 else "c128"
+        return "swa" if r == 0 else next(k.kind for k in ratio_kinds(self.compress_ratios) if k.ratio == r)
+
+    def compressor_span(self, layer_id: int) -> int:
+        """Tokens pooled into one compressed row of a compressed layer: ``2 R`` for c4 layers with a
+        compressor state (overlapping spans), ``R`` for c128 layers, 1 for ratio-1 layers (V4.1: no
+        state, a row is its own token)."""
+        r = self.compress_ratios[layer_id]
+        k = next(k for k in ratio_kinds(self.compress_ratios) if k.ratio == r)
+        return k.state_window if k.state else r
 
     def layer_ids(self, kind: str):
         """Layer ids of one kind, ascending."""
@@ -109,8 +113,9 @@ class DSV4Config:
 
 
 def load_config(name: str) -> DSV4Config:
-    """One of the shipped configs: ``"tiny"``, ``"flash"`` or ``"pro"``."""
+    """One of the shipped configs (``dsv4_index.config.SHIPPED``: ``"tiny"``, ``"flash"``, ``"pro"``,
+    ``"v41_flash"``, ``"tiny_v41"``)."""
     path = CONFIG_DIR / f"{name}.json"
     if name not in SHIPPED or not path.exists():
-        raise ValueError(f"name must be 'tiny', 'flash' or 'pro', got {name!r}")
+        raise ValueError(f"name must be one of {list(SHIPPED)}, got {name!r}")
     return DSV4Config.from_json(path)

@@ -17,7 +17,7 @@ from _slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_ta
 
 from dsv4_index.ops.compressed_slot_mapping import kernel as K, naive as Rm
 
-GEOMS = [(2, 4), (4, 64), (128, 2)]  # (R, S)
+GEOMS = [(1, 8), (2, 4), (2, 128), (4, 64), (128, 2)]  # (R, S): ratios 1 and 2 of DeepSeek-V4.1 too
 
 
 def _needed(seq_lens, R, S, world=1, rank=0, interleave=1):

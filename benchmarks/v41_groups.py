@@ -1,0 +1,85 @@
+"""GPU time of one fused build for DeepSeek-V4.1 layouts against V4-Flash (issue 28): a decode step of
+``B`` requests at context ``ctx`` (no drafts), for V4-Flash, V4.1-Flash (one sliding group) and V4.1-Flash
+with one sliding group per layer (45 groups). Steps come from the reference scheduler (random block ids
+from its pool, never zeros). Prints the launches per build and the build's GPU time (graph-amortized: ``k``
+launches captured in one CUDA graph, median per launch; and one single-launch graph replay).
+
+    python benchmarks/v41_groups.py [--B 256] [--ctx 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+sys.path.insert(0, str(ROOT))
+
+from bench_step import graph_time  # noqa: E402
+
+from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
+from dsv4_index.testing.scheduler import ReferenceScheduler  # noqa: E402
+
+
+def decode_step(layout, B: int, ctx: int, budget: int, device: str):
+    """A pipeline after the prefills of ``B`` requests of ``ctx`` tokens, holding their first decode step."""
+    # NOTE: a pool that never preempts: a sliding group may hold a whole prefill chunk's blocks
+    need = sum(g.ring_blocks if g.kind == "circular" else -(-(ctx + 64 + (g.window or 0)) // g.alloc_block_size) + 2
+               for g in layout.groups)
+    sched = ReferenceScheduler(layout, B * need + 64, max_num_batched_tokens=budget, max_num_seqs=B,
+                               num_speculative_tokens=0, enable_prefix_caching=False, seed=0)
+    for i in range(B):
+        sched.add_request(f"r{i}", ctx, 32)
+    pipe = MetadataPipeline(layout, B + 1, budget, device, 0)
+    t0 = time.perf_counter()
+    for _ in range(10_000):
+        step = sched.schedule()
+        views = sched.batch_view(step)
+        pipe.update(step)
+        pipe.build()
+        sched.update_after_step({})
+        if len(views) == B and all(v.is_decode for v in views):
+            break
+    step = sched.schedule()
+    pipe.update(step)
+    meta = pipe.build()
+    return pipe, meta, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--B", type=int, default=256)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--replays", type=int, default=50)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 2
+    cases = [("V4-Flash", "flash", {}), ("V4.1-Flash", "v41_flash", {}),
+             ("V4.1-Flash, SWA per layer", "v41_flash", dict(swa_group_per_layer=True))]
+    rows = []
+    for label, name, kw in cases:
+        lay = DSV4Layout.from_config(name, 1 << 16, **kw)
+        t0 = time.perf_counter()
+        pipe, meta, setup = decode_step(lay, args.B, args.ctx, 8192, "cuda")
+        lay_s = pipe.stage_layout
+        g, s1 = graph_time(lambda plan=pipe.fused_plan, st=lay_s: plan.launch(st), args.k, args.replays)
+        rows.append((label, lay.num_groups, pipe.num_launches, meta.num_tokens, g, s1, time.perf_counter() - t0))
+        print(f"{label}: groups {lay.num_groups}, launches {pipe.num_launches}, T {meta.num_tokens}, "
+              f"build {g:.2f} us (graph) / {s1:.2f} us (single), wall {rows[-1][-1]:.0f} s", flush=True)
+    print(f"\ndecode B={args.B}, ctx {args.ctx}: fused build GPU time")
+    base = rows[0][4]
+    for label, G, n, _T, g, s1, _ in rows:
+        print(f"  {label:<28} groups {G:>3}  launches {n}  {g:7.2f} us graph ({g / base:4.2f}x V4)  "
+              f"{s1:7.2f} us single")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

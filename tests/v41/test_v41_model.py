@@ -1,0 +1,62 @@
+"""The small attention of ``models/`` on any layout (issue 28): it reads every channel through
+``layout.layer_channels(layer)`` and sizes its caches per layer, so paged == dense holds on vLLM's group
+plan (``groups="vllm"``: two SWA sub-groups), with one sliding group per layer, and for the DeepSeek-V4.1
+tiny model (ratio-2 layers with the C2 state ring, ratio-1 layers without state), prefix hits with
+bounded replay included. A layout that lacks an option a layer needs is refused at construction."""
+
+import pytest
+
+from dsv4_index import DSV4Layout
+from models.deepseek_v4 import DSV4Attention, PagedCaches, load_config
+
+from test_model_paged import layer_picks, run_trace
+
+V41 = load_config("tiny_v41")
+
+
+def test_v41_tiny_config():
+    assert V41.compress_ratios == (0, 2, 1, 2, 1, 0)
+    assert [V41.layer_kind(i) for i in range(6)] == ["swa", "c4", "c4", "c4", "c4", "swa"]
+    assert [V41.compressor_span(i) for i in (1, 2)] == [4, 1]
+    assert layer_picks(V41) == [0, 2, 1]
+    m = DSV4Attention(V41, 2)
+    assert m.compressor.span == 1 and m.indexer.compressor.span == 1
+
+
+def test_missing_option_is_named_at_construction():
+    for name in ("tiny", "tiny_v41"):
+        cfg = load_config(name)
+        lay = DSV4Layout.from_config(cfg.to_dict(), 256, mla_block_size=32, swa_block_size=4)
+        with pytest.raises(ValueError, match=r"layer 1 \(c4\) .* indexer_causal_indices=True"):
+            PagedCaches(cfg, lay, 8)
+    other = DSV4Layout.from_config("tiny", 256, mla_block_size=32, indexer_causal_indices=True)
+    with pytest.raises(ValueError, match="compress_ratios .* differ from the model config"):
+        PagedCaches(V41, other, 8)
+
+
+def test_caches_sized_per_layer():
+    lay = DSV4Layout.from_config(V41.to_dict(), 256, mla_block_size=32, swa_block_size=4,
+                                 indexer_causal_indices=True, swa_group_per_layer=True)
+    c = PagedCaches(V41, lay, 8)
+    assert c[1].state.shape == (8 * 8, 2 * V41.head_dim)       # c2_state: one ring block of 8 rows
+    assert c[2].state is None and c[2].idx_state is None        # ratio 1: no compressor state
+    assert c[1].comp.shape[0] == 8 * 16 and c[2].comp.shape[0] == 8 * 32  # S = 32 // R
+    assert c[0].swa.shape[0] == 8 * 4
+
+
+@pytest.mark.slow  # model equivalence
+@pytest.mark.parametrize("layout_kw", [dict(groups="vllm"), dict(swa_group_per_layer=True)],
+                         ids=["vllm_groups", "swa_per_layer"])
+def test_v4_tiny_on_engine_layouts(layout_kw):
+    seen = run_trace(1, 24, num_blocks=60, budget=24, chunk=12, prefix=True, prefix_prob=0.8, prompt_hi=120,
+                     **layout_kw)
+    assert seen["hits"] >= 1 and seen["replayed"] > 0, seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed, layout_kw", [(0, {}), (1, dict(swa_group_per_layer=True))],
+                         ids=["v41", "v41_swa_per_layer"])
+def test_v41_tiny_paged_equals_dense(seed, layout_kw):
+    seen = run_trace(seed, 30, num_blocks=60, budget=24, chunk=7, prefix=True, prefix_prob=0.6, prompt_hi=120,
+                     cfg=V41, **layout_kw)
+    assert seen["rejected"] > 0 and seen["finished"] > 0 and seen["hits"] > 0 and seen["replayed"] > 0, seen
