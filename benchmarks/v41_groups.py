@@ -41,14 +41,17 @@ def decode_step(layout, B: int, ctx: int, budget: int, device: str):
         step = sched.schedule()
         views = sched.batch_view(step)
         pipe.update(step)
-        pipe.build()
-        sched.update_after_step({})
+        meta = pipe.build()
         if len(views) == B and all(v.is_decode for v in views):
-            break
-    step = sched.schedule()
-    pipe.update(step)
-    meta = pipe.build()
+            break  # NOTE: the step just built is the first all-decode step: the one timed
+        sched.update_after_step({})
+    else:
+        raise RuntimeError(f"no all-decode step of {B} requests within 10000 steps")
     return pipe, meta, time.perf_counter() - t0
+
+
+CASES = [("V4-Flash", "flash", {}), ("V4.1-Flash", "v41_flash", {}),
+         ("V4.1-Flash, SWA per layer", "v41_flash", dict(swa_group_per_layer=True))]
 
 
 def main(argv=None) -> int:
@@ -57,14 +60,19 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--smoke", action="store_true", help="no timing: build each case's decode step on the CPU")
     args = ap.parse_args(argv)
+    if args.smoke:
+        for label, name, kw in CASES:
+            lay = DSV4Layout.from_config(name, 4096, **kw)
+            pipe, meta, _ = decode_step(lay, args.B, args.ctx, 512, "cpu")
+            print(f"{label}: groups {lay.num_groups}, launches {pipe.num_launches}, T {meta.num_tokens}")
+        return 0
     if not torch.cuda.is_available():
-        print("needs a CUDA device")
+        print("needs a CUDA device (try --smoke --B 2 --ctx 64)")
         return 2
-    cases = [("V4-Flash", "flash", {}), ("V4.1-Flash", "v41_flash", {}),
-             ("V4.1-Flash, SWA per layer", "v41_flash", dict(swa_group_per_layer=True))]
     rows = []
-    for label, name, kw in cases:
+    for label, name, kw in CASES:
         lay = DSV4Layout.from_config(name, 1 << 16, **kw)
         t0 = time.perf_counter()
         pipe, meta, setup = decode_step(lay, args.B, args.ctx, 8192, "cuda")

@@ -21,6 +21,7 @@ SMOKES = {
     "benchmarks/table_memory.py": ((), "| 128K | 256 | ring |"),
     "benchmarks/trace_overhead.py": (("--requests", 2, "--prefill", 64, "--steps", 2, "--max-model-len", 1024),
                                      "decode"),
+    "benchmarks/v41_groups.py": (("--smoke", "--B", 2, "--ctx", 64), "SWA per layer: groups"),
 }
 SCRIPTS = scripts("benchmarks")
 

@@ -138,7 +138,7 @@ class BuildContext:
     def set_step(self, plan) -> None:
         """The host values of an accepted step (called by ``update()``)."""
         self.num_reqs, self.num_tokens = plan.slots.shape[0], plan.num_tokens
-        self.num_tokens_padded, self.num_decodes = plan.num_tokens_padded, plan.num_decodes
+        self.num_tokens_padded, self.num_decodes = int(plan.num_tokens_padded), int(plan.num_decodes)
         self.has_replay_start, self.has_replay_end = plan.replay_start is not None, plan.replay_end is not None
 
     def group_cp(self, gid: int) -> Tuple[int, int, int]:
