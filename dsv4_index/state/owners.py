@@ -61,8 +61,9 @@ import numpy as np
 from .._common import cp_owned_count
 from .contract import held_and_duplicates
 from .ownership_fast import commit_fast, plan_fast
+from .ownership_batch import commit_batch
 from .ownership_checks import check_rewinds, check_runs, rewind_suspects
-from .ownership_rules import Step, begin, plan_general
+from .ownership_rules import Step, begin, bump, plan_general
 
 __all__ = ["BlockOwners", "check_ring_capacity"]
 
@@ -118,6 +119,10 @@ class BlockOwners:
         self.gpos[self.S] = np.arange(self.S.size)
         self.pair_base = (tables.base[:, None] + np.arange(num_slots)[None, :] * tables.cols[:, None]).reshape(-1)
         self.ring_mod_S = np.where(tables.ring[self.S] > 0, tables.ring[self.S], np.iinfo(np.int64).max)
+        NC = self.NC = np.flatnonzero(~tables.circular)  # NOTE: the batch path's rule 4 (ownership_batch.py)
+        self.nc_full, self.nc_bs = tables.full[NC][:, None], tables.bs[NC][:, None]
+        self.nc_key = (NC * num_slots)[:, None]
+        self.view, self.view_retry = None, 0
         self._pending: Optional[Tuple[object, Step]] = None
 
     def owned(self, x: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -144,8 +149,8 @@ class BlockOwners:
         """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes
         nothing observable (the count table may grow, with zeros)."""
         self._pending = None
-        st = begin(self, plan)
-        if plan_fast(self, plan, st) is None or rewind_suspects(self, st) is not None:
+        st = plan_fast(self, plan, None)
+        if st is None:
             st = plan_general(self, plan, begin(self, plan))
             check_runs(self, st)
             check_rewinds(self, st, rewind_suspects(self, st))
@@ -159,6 +164,10 @@ class BlockOwners:
             raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
         st = self._pending[1]
         self._pending = None
+        if st.fast == "batch":
+            commit_batch(self, st)
+            return
+        self.view = None
         if st.fast:
             commit_fast(self, st)
         else:
@@ -173,11 +182,11 @@ class BlockOwners:
 
     def _commit_general(self, st: Step) -> None:
         if st.rel.size:
-            np.subtract.at(self.count, st.rel, 1)
+            bump(self.count, st.rel, -1)
         if st.acq.size:
-            np.add.at(self.count, st.acq, 1)
+            bump(self.count, st.acq, 1)
         if st.reacq.size:
-            np.add.at(self.count, st.reacq, 1)
+            bump(self.count, st.reacq, 1)
         for s in (st.free, st.new):
             if s.size:
                 self.floor[:, s] = 0
