@@ -123,6 +123,7 @@ class BlockOwners:
         self.nc_full, self.nc_bs = tables.full[NC][:, None], tables.bs[NC][:, None]
         self.nc_key = (NC * num_slots)[:, None]
         self.view, self.view_retry = None, 0
+        self.fresh_map = np.zeros(num_slots, dtype=bool)  # NOTE: scratch, all False between calls
         self._pending: Optional[Tuple[object, Step]] = None
 
     def owned(self, x: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -140,8 +141,10 @@ class BlockOwners:
             raise ValueError(f"write_ids: block id {max_key // max(self.G, 1)} is beyond the ownership table's "
                              f"limit of {_MAX_KEYS // max(self.G, 1)} ids per group")
         n = 1 << int(max_key).bit_length()
-        grown = np.zeros(n, dtype=np.int32)
-        grown[:self.count.shape[0]] = self.count
+        grown = np.empty(n, dtype=np.int32)  # NOTE: written through now: lazily zeroed pages would fault on
+        m = self.count.shape[0]              # the steps' scattered first touches instead (~µs each)
+        grown[:m] = self.count
+        grown[m:] = 0
         self.count = grown
 
     # ------------------------------------------------------------------------------------------

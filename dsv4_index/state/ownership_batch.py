@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from .ownership_rules import Step, bump, count_in, old_keys
+from .ownership_rules import Step, _ragged, bump, count_in, old_keys
 
 __all__ = ["BatchView", "plan_batch", "commit_batch"]
 
@@ -57,17 +57,29 @@ class BatchView:
     row, mirror index of column 0, ring modulus.
     """
 
-    def __init__(self, o, b: np.ndarray):
+    def __init__(self, o, b: np.ndarray, fresh: Optional[np.ndarray] = None, nc: Optional[np.ndarray] = None,
+                 prev: Optional["BatchView"] = None):
         t, Gs, B = o.tables, o.S.size, b.shape[0]
         self.key, self.b, self.B = b.tobytes(), b.copy(), B
         self.front = o.frontier.take(b)
         self.rmark = o.replay_mark.take(b)
-        self.has_mark = bool(_count(self.rmark > self.front))
-        self.mark = np.maximum(self.front, self.rmark) if self.has_mark else self.front
         self.kb = (o.S_key + b[None, :]).reshape(-1)
         self.floor = o.floor.reshape(-1).take(self.kb)
         self.bs, self.g = np.repeat(o.bs_S.reshape(-1), B), np.repeat(o.S, B)
         wm1 = np.repeat(o.wm1_S.reshape(-1), B)
+        nb = t.num_blocks.reshape(-1).take(self.kb)
+        ck = o.checked.reshape(-1).take(self.kb) if o.full else None
+        if fresh is not None:  # NOTE: new rows hold nothing yet: front = nc (no jump, no rewind), floor = lo
+            fc = np.tile(fresh, Gs)
+            self.front[fresh] = nc[fresh]
+            self.rmark[fresh] = 0
+            lo = np.maximum(np.tile(nc, Gs) - wm1, 0) // self.bs
+            self.floor[fc] = lo[fc]
+            nb = np.where(fc, _BIG // 64, nb)
+            if ck is not None:
+                ck[fc] = 0
+        self.has_mark = bool(_count(self.rmark > self.front))
+        self.mark = np.maximum(self.front, self.rmark) if self.has_mark else self.front
         self.nxt = (self.floor + 1) * self.bs + wm1
         self.prv = np.where(self.floor > 0, self.floor * self.bs + wm1, -_BIG)
         self.row = np.tile(np.arange(B, dtype=np.int64), Gs)
@@ -79,11 +91,22 @@ class BatchView:
         self.mv = np.empty(Gs * B, dtype=bool)
         self.mv2 = self.mv.reshape(Gs, B)
         self.ck_all = o.full  # NOTE: the first commit stores checked = floor on every cell
-        nb = t.num_blocks.reshape(-1).take(self.kb)
+        self.row_of = np.full(o.num_slots, -1, dtype=np.int64)
+        self.row_of[b] = self.row[:B]
+        # NOTE: priv: every block a row holds from this position on is its own (holder count 1, filled by an
+        # append of a batch step); carried over from the last view for its rows, else the block count (new
+        # rows: none known)
+        priv = t.num_blocks.reshape(-1).take(o.nc_key + b)
+        if prev is not None and prev.ok:
+            pos = prev.row_of.take(b)
+            priv = np.where(pos >= 0, np.take(prev.priv, pos, axis=1, mode="clip"), priv)
+        if fresh is not None:
+            priv[:, fresh] = _BIG
+        self.priv = priv
         front = np.tile(self.front, Gs)
         self.ok = not (_count(self.prv > front) or _count(nb * self.bs < front))
-        if self.ok and o.full:
-            self.ok = not _count(np.minimum(nb, o.checked.reshape(-1).take(self.kb)) > self.floor)
+        if self.ok and ck is not None:
+            self.ok = not _count(np.minimum(nb, ck) > self.floor)
 
 
 def _view(o, plan) -> Optional[BatchView]:
@@ -94,7 +117,7 @@ def _view(o, plan) -> Optional[BatchView]:
     if o.view_retry > 0 and v is not None and not v.ok:
         o.view_retry -= 1
         return None
-    o.view = v = BatchView(o, b)
+    o.view = v = BatchView(o, b, prev=v)
     if not v.ok:
         o.view_retry = _RETRY
         return None
@@ -103,14 +126,30 @@ def _view(o, plan) -> Optional[BatchView]:
 
 def plan_batch(o, plan) -> Optional[Step]:
     """The step of ``plan`` proved on the batch view, or None."""
-    if (not plan.steady or plan.w_other is not None or plan.free_slots.size or plan.new_slots.size
-            or o.slow_geometry or not o.S.size or plan.all_slots.shape[0] != plan.slots.shape[0]):
+    if (not plan.steady or o.slow_geometry or not o.S.size or plan.all_slots.shape[0] != plan.slots.shape[0]
+            or plan.replay_start is not None or plan.replay_end is not None):
         return None
-    v = _view(o, plan)
-    if v is None:
-        return None
-    seq = plan.seq_lens
-    nc = np.subtract(seq, plan.num_scheduled, out=v.nc)
+    st = Step()
+    st.fast, st.churn, st.fresh_b = "batch", bool(plan.free_slots.size or plan.new_slots.size), None
+    st.acq = st.acq_sorted = st.fr_runs = None
+    st.shared_hit = False
+    if st.churn:
+        nc = plan.seq_lens - plan.num_scheduled
+        if plan.new_slots.size:
+            o.fresh_map[plan.new_slots] = True
+            st.fresh_b = o.fresh_map.take(plan.slots)
+            o.fresh_map[plan.new_slots] = False
+        v = BatchView(o, plan.slots, st.fresh_b, nc, o.view)
+        if not v.ok:
+            return None
+    else:
+        if plan.w_other is not None:
+            return None
+        v = _view(o, plan)
+        if v is None:
+            return None
+        nc = np.subtract(plan.seq_lens, plan.num_scheduled, out=v.nc)
+    st.view, seq = v, plan.seq_lens
     low = None
     if _count(np.not_equal(nc, v.mark, out=v.ne)):
         if _count(np.greater(nc, v.front, out=v.ne)):
@@ -118,50 +157,134 @@ def plan_batch(o, plan) -> Optional[Step]:
         low = np.flatnonzero(np.less(nc, v.mark, out=v.ne))
         if _count(np.less(nc, v.prv2, out=v.mv2)):
             return None                                  # NOTE: a window moved back: blocks held again
-    st = Step()
-    st.fast, st.view = "batch", v
+    if not _releases(o, v, st, nc, plan):
+        return None
+    if plan.w_gid.shape[0] and not _acquisitions(o, v, st, plan, nc):
+        return None
+    if low is not None and not _rewinds_clear(o, v, plan, low, nc, st):
+        return None
+    st.seq, st.view_plan = seq, plan
+    return st
+
+
+def _releases(o, v: BatchView, st: Step, nc, plan) -> bool:
+    """The floor block of every cell whose window crossed one block, and every id of the freed slots."""
     cells = np.flatnonzero(np.greater_equal(nc, v.nxt2, out=v.mv2))
     st.cells, st.rel = cells, None
+    parts = []
     if cells.size:
         nxt_c = v.nxt.take(cells)
         nx2 = nxt_c + v.bs.take(cells)
         if _count(nc.take(v.row.take(cells)) >= nx2):
-            return None                                  # NOTE: a window crossed more than one block
+            return False                                 # NOTE: a window crossed more than one block
         ids = o.tables.mirror.take(v.fidx.take(cells))
         if ids.item(ids.argmin()) < 1:
-            return None                                  # NOTE: a null block left behind (the other paths)
+            return False                                 # NOTE: a null block left behind (the other paths)
         rel = ids.astype(_I64)
         rel *= o.G
         rel += v.g.take(cells)
-        st.rel, st.nxt_c, st.nx2 = rel, nxt_c, nx2
-    st.acq = acq_sorted = None
-    if plan.w_gid.shape[0]:
-        ids = plan.w_ids
+        st.nxt_c, st.nx2 = nxt_c, nx2
+        parts.append(rel)
+    if plan.free_slots.size:
+        free, G = plan.free_slots, o.G
+        g = np.repeat(np.arange(G), free.shape[0])
+        f = np.tile(free, G)
+        parts.append(old_keys(o, g, f, o.floor[g, f], o.tables.num_blocks[g, f]))
+    if parts:
+        st.rel = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return True
+
+
+def _acquisitions(o, v: BatchView, st: Step, plan, nc) -> bool:
+    """Rule 3 on every id the runs acquire (all fills but a new row's prefix hits): no holder after the
+    releases, no id acquired twice; a new row's ring run keeps its ring low-water at or below its window."""
+    gid, ids = plan.w_gid, plan.w_ids
+    if st.fresh_b is None and plan.w_other is None:
         if ids.item(ids.argmin()) < 1:
-            return None
+            return False
         keys = ids * o.G
-        keys += plan.w_gid
-        o.grow(keys.view(_U64).item(keys.argmax()))
-        base = o.count.take(keys)
-        if _count(base):
-            if st.rel is None:
-                return None
-            if _count(base - count_in(np.sort(st.rel), keys)):
-                return None                              # NOTE: held by someone: the general path judges it
-        if keys.shape[0] > 1:
-            acq_sorted = np.sort(keys)
-            if _count(acq_sorted[1:] == acq_sorted[:-1]):
-                return None                              # NOTE: two runs append one id
-        st.acq = keys
-    if low is not None and not _rewinds_clear(o, v, plan, low, nc, st.acq, acq_sorted):
-        return None
-    st.seq = seq
-    return st
+        keys += gid
+        fills, st.fr_runs = keys, None
+    else:
+        keys, fills = _fresh_runs(o, v, st, plan, nc)
+        if keys is None:
+            return False
+    o.grow(keys.view(_U64).item(keys.argmax()))
+    base = o.count.take(fills)
+    if _count(base):
+        if st.rel is None or _count(base - count_in(np.sort(st.rel), fills)):
+            return False                                 # NOTE: held by someone: the general path judges it
+    st.acq_sorted = None
+    if keys.shape[0] > 1:
+        st.acq_sorted = srt = np.sort(keys)
+        if _count(srt[1:] == srt[:-1]):
+            return False                                 # NOTE: one id acquired twice
+    st.acq = keys
+    return True
 
 
-def _rewinds_clear(o, v: BatchView, plan, low, nc, acq, acq_sorted) -> bool:
+def _fresh_runs(o, v: BatchView, st: Step, plan, nc):
+    """``(keys, fill keys)`` of a churn step's runs (appends of kept rows, a new row's lists from its window
+    block on), or ``(None, None)``; the new rows' ring low-water marks in ``st.fr_runs``."""
+    t = o.tables
+    gid, slot, s, keep, cu, ids, row = (plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu,
+                                        plan.w_ids, plan.w_row)
+    o.fresh_map[plan.new_slots] = True
+    run_fresh = o.fresh_map.take(slot)
+    o.fresh_map[plan.new_slots] = False
+    A, R = np.flatnonzero(~run_fresh), np.flatnonzero(run_fresh)
+    other = plan.w_other
+    if other is not None and _count(run_fresh.take(other)) != other.shape[0]:
+        return None, None                                # NOTE: a kept row's run that is not an append
+    ida = ids.take(cu.take(A))
+    if ida.size and ida.item(ida.argmin()) < 1:
+        return None, None
+    ka = ida * o.G
+    ka += gid.take(A)
+    st.fr_runs = None
+    if not R.size:
+        return ka, ka
+    g, rr, sr = gid.take(R), row.take(R), s.take(R)
+    sl = o.sliding.take(g)
+    cell = np.where(sl, o.gpos.take(g) * v.B + rr, 0)
+    F1 = np.where(sl, v.floor.take(cell), 0)
+    n = cu.take(R + 1) - cu.take(R)
+    off = np.maximum(F1 - sr, 0)
+    rep, k = _ragged(np.maximum(n - off, 0))
+    k += off.take(rep)
+    idr = ids.take(cu.take(R).take(rep) + k)
+    gg = g.take(rep)
+    pos = sr.take(rep) + k
+    live = idr >= 1
+    kr = idr[live] * o.G + gg[live]
+    fill = (pos[live] + 1) * t.bs.take(gg[live]) > nc.take(rr).take(rep[live])
+    ring = sl & (t.ring.take(g) > 0)
+    kp = keep.take(R)
+    lr = np.where(ring & (kp != sr), kp, 0)
+    if _count(lr > F1):
+        return None, None                                # NOTE: a ring read below its low-water (general)
+    st.fr_runs = (g * o.num_slots + slot.take(R), lr)
+    hits = kr[~fill]
+    if hits.size:
+        o.grow(hits.view(_U64).item(hits.argmax()))
+        st.shared_hit = bool(_count(o.count.take(hits)))
+    return np.concatenate([ka, kr]), np.concatenate([ka, kr[fill]])
+
+
+def _rewinds_clear(o, v: BatchView, plan, low, nc, st) -> bool:
     """Rule 4 on the rows that rewound: their old blocks at positions ``[nc, min(seq, mark))`` (non-full
-    groups: ``frontier``) have one holder and are not acquired in this step."""
+    groups: ``frontier``) have one holder and are not acquired in this step: at or above ``priv`` (no
+    other holder, and no acquisition of this step takes a held id: fills have none, and a step with a hit
+    on a held id gathers), or gathered."""
+    if not st.shared_hit:
+        bad = np.take(v.priv, low, axis=1) > nc.take(low) // o.nc_bs
+        if not _count(bad):
+            return True
+        low = low.take(np.flatnonzero(bad.any(axis=0)))
+    return _rewinds_gather(o, v, plan, low, nc, st.acq, st.acq_sorted)
+
+
+def _rewinds_gather(o, v: BatchView, plan, low, nc, acq, acq_sorted) -> bool:
     t, k = o.tables, low.shape[0]
     b = v.b.take(low)
     ncl, seql = nc.take(low), plan.seq_lens.take(low)
@@ -186,7 +309,12 @@ def commit_batch(o, st: Step) -> None:
     if st.rel is not None:
         bump(o.count, st.rel, -1)
     if st.acq is not None:
-        o.count[st.acq] += 1                              # NOTE: distinct keys (checked)
+        if st.churn:
+            bump(o.count, st.acq, 1)
+        else:
+            o.count[st.acq] += 1                          # NOTE: distinct keys (checked)
+    if st.churn:
+        _commit_rows(o, v, st)
     if cells.size:
         lo = v.floor.take(cells)
         lo += 1
@@ -206,3 +334,29 @@ def commit_batch(o, st: Step) -> None:
     o.frontier[v.b] = v.front
     if v.has_mark:
         np.maximum(v.front, v.rmark, out=v.mark)
+
+
+def _commit_rows(o, v: BatchView, st: Step) -> None:
+    """A churn step's row changes: freed and new slots start empty; a new row's floors, checked marks
+    and ring low-water marks; the step's view becomes the kept one."""
+    plan = st.view_plan
+    for sl in (plan.free_slots, plan.new_slots):
+        if sl.size:
+            o.floor[:, sl] = 0
+            o.ring_lo[:, sl] = 0
+            o.checked[:, sl] = 0
+            o.frontier[sl] = 0
+            o.replay_mark[sl] = 0
+    if st.fresh_b is not None:
+        fc = np.flatnonzero(np.tile(st.fresh_b, o.S.size))
+        kf = v.kb.take(fc)
+        o.floor.reshape(-1)[kf] = v.floor.take(fc)
+        o.checked.reshape(-1)[kf] = v.floor.take(fc)
+    if st.fr_runs is not None:
+        o.ring_lo.reshape(-1)[st.fr_runs[0]] = st.fr_runs[1]
+    if st.shared_hit:
+        v.priv.fill(_BIG)  # NOTE: a new row shares a held block: whose is not known here
+    if st.fresh_b is not None:
+        rows = np.flatnonzero(st.fresh_b)
+        v.priv[:, rows] = o.tables.num_blocks.reshape(-1).take(o.nc_key + v.b.take(rows))
+    o.view, o.view_retry = v, 0
