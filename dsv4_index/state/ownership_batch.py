@@ -285,22 +285,22 @@ def _rewinds_clear(o, v: BatchView, plan, low, nc, st) -> bool:
 
 
 def _rewinds_gather(o, v: BatchView, plan, low, nc, acq, acq_sorted) -> bool:
+    """Rule 4 by gathering the ids of the rewound rows from their rewrite start to their last block (the
+    blocks past ``min(seq, mark)`` are not written: one with another holder declines, the general rules
+    then decide); when all have one holder, ``priv`` of those rows moves down to the rewrite start."""
     t, k = o.tables, low.shape[0]
     b = v.b.take(low)
-    ncl, seql = nc.take(low), plan.seq_lens.take(low)
-    top = np.where(o.nc_full, np.minimum(seql, v.mark.take(low)), np.minimum(seql, v.front.take(low)))
     key = o.nc_key + b                                    # [Gn, k] pair keys
-    lo = np.maximum(ncl // o.nc_bs, o.floor.reshape(-1).take(key))
-    hi = np.minimum(-(-top // o.nc_bs), t.num_blocks.reshape(-1).take(key))
-    keys = old_keys(o, np.repeat(o.NC, k), np.tile(b, o.NC.size), lo.reshape(-1), hi.reshape(-1))
-    if not keys.size:
-        return True
-    if _count(o.count.take(keys) > 1):
-        return False
-    if acq is None:
-        return True
-    srt = acq_sorted if acq_sorted is not None else acq
-    return not _count(count_in(srt, keys))
+    lo = np.maximum(nc.take(low) // o.nc_bs, o.floor.reshape(-1).take(key))
+    keys = old_keys(o, np.repeat(o.NC, k), np.tile(b, o.NC.size), lo.reshape(-1),
+                    t.num_blocks.reshape(-1).take(key).reshape(-1))
+    if keys.size:
+        if _count(o.count.take(keys) > 1):
+            return False
+        if acq is not None and _count(count_in(acq_sorted if acq_sorted is not None else acq, keys)):
+            return False
+    v.priv[:, low] = np.minimum(np.take(v.priv, low, axis=1), lo)
+    return True
 
 
 def commit_batch(o, st: Step) -> None:
