@@ -140,6 +140,7 @@ def plan_batch(o, plan) -> Optional[Step]:
             st.fresh_b = o.fresh_map.take(plan.slots)
             o.fresh_map[plan.new_slots] = False
         v = BatchView(o, plan.slots, st.fresh_b, nc, o.view)
+        st.view_nc = nc
         if not v.ok:
             return None
     else:
@@ -356,7 +357,7 @@ def _commit_rows(o, v: BatchView, st: Step) -> None:
         o.ring_lo.reshape(-1)[st.fr_runs[0]] = st.fr_runs[1]
     if st.shared_hit:
         v.priv.fill(_BIG)  # NOTE: a new row shares a held block: whose is not known here
-    if st.fresh_b is not None:
+    if st.fresh_b is not None:  # NOTE: a new row's blocks from its write start on are its fills (private)
         rows = np.flatnonzero(st.fresh_b)
-        v.priv[:, rows] = o.tables.num_blocks.reshape(-1).take(o.nc_key + v.b.take(rows))
+        v.priv[:, rows] = st.view_nc.take(rows) // o.nc_bs
     o.view, o.view_retry = v, 0
