@@ -122,7 +122,7 @@ class BlockOwners:
         NC = self.NC = np.flatnonzero(~tables.circular)  # NOTE: the batch path's rule 4 (ownership_batch.py)
         self.nc_full, self.nc_bs = tables.full[NC][:, None], tables.bs[NC][:, None]
         self.nc_key = (NC * num_slots)[:, None]
-        self.view, self.view_retry = None, 0
+        self.view, self.view_retry, self.batch_geometry = None, 0, {}
         self.fresh_map = np.zeros(num_slots, dtype=bool)  # NOTE: scratch, all False between calls
         self._pending: Optional[Tuple[object, Step]] = None
 

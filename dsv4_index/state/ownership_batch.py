@@ -60,42 +60,42 @@ class BatchView:
     def __init__(self, o, b: np.ndarray, fresh: Optional[np.ndarray] = None, nc: Optional[np.ndarray] = None,
                  prev: Optional["BatchView"] = None):
         t, Gs, B = o.tables, o.S.size, b.shape[0]
+        geo = _geometry(o, B)
+        self.bs, self.g, self.row, self.rmod = geo["bs"], geo["g"], geo["row"], geo["rmod"]
+        self.nc, self.ne, self.mv = geo["nc"], geo["ne"], geo["mv"]
+        self.mv2 = self.mv.reshape(Gs, B)
         self.key, self.b, self.B = b.tobytes(), b.copy(), B
         self.front = o.frontier.take(b)
         self.rmark = o.replay_mark.take(b)
-        self.kb = (o.S_key + b[None, :]).reshape(-1)
-        self.floor = o.floor.reshape(-1).take(self.kb)
-        self.bs, self.g = np.repeat(o.bs_S.reshape(-1), B), np.repeat(o.S, B)
-        wm1 = np.repeat(o.wm1_S.reshape(-1), B)
-        nb = t.num_blocks.reshape(-1).take(self.kb)
-        ck = o.checked.reshape(-1).take(self.kb) if o.full else None
+        kb2 = o.S_key + b[None, :]
+        self.kb = kb2.reshape(-1)
+        fl2 = o.floor.reshape(-1).take(kb2)
+        nb2 = t.num_blocks.reshape(-1).take(kb2)
+        ck2 = o.checked.reshape(-1).take(kb2) if o.full else None
         if fresh is not None:  # NOTE: new rows hold nothing yet: front = nc (no jump, no rewind), floor = lo
-            fc = np.tile(fresh, Gs)
             self.front[fresh] = nc[fresh]
             self.rmark[fresh] = 0
-            lo = np.maximum(np.tile(nc, Gs) - wm1, 0) // self.bs
-            self.floor[fc] = lo[fc]
-            nb = np.where(fc, _BIG // 64, nb)
-            if ck is not None:
-                ck[fc] = 0
+            lo2 = np.maximum(nc[None, :] - o.wm1_S, 0) // o.bs_S
+            fl2[:, fresh] = lo2[:, fresh]
+            nb2[:, fresh] = _BIG // 64
+            if ck2 is not None:
+                ck2[:, fresh] = 0
+        self.floor = fl2.reshape(-1)
         self.has_mark = bool(_count(self.rmark > self.front))
         self.mark = np.maximum(self.front, self.rmark) if self.has_mark else self.front
-        self.nxt = (self.floor + 1) * self.bs + wm1
-        self.prv = np.where(self.floor > 0, self.floor * self.bs + wm1, -_BIG)
-        self.row = np.tile(np.arange(B, dtype=np.int64), Gs)
+        p2 = fl2 * o.bs_S
+        p2 += o.wm1_S                                     # NOTE: floor * bs + W - 1
+        self.nxt2 = p2 + o.bs_S
+        self.prv2 = np.where(fl2 > 0, p2, -_BIG)
+        self.nxt, self.prv = self.nxt2.reshape(-1), self.prv2.reshape(-1)
         self.pb = o.pair_base.take(self.kb)
-        self.rmod = np.repeat(o.ring_mod_S, B)
         self.fidx = self.pb + self.floor % self.rmod
-        self.nxt2, self.prv2 = self.nxt.reshape(Gs, B), self.prv.reshape(Gs, B)
-        self.nc, self.ne = np.empty(B, dtype=np.int64), np.empty(B, dtype=bool)
-        self.mv = np.empty(Gs * B, dtype=bool)
-        self.mv2 = self.mv.reshape(Gs, B)
         self.ck_all = o.full  # NOTE: the first commit stores checked = floor on every cell
         self.row_of = np.full(o.num_slots, -1, dtype=np.int64)
         self.row_of[b] = self.row[:B]
-        # NOTE: priv: every block a row holds from this position on is its own (holder count 1, filled by an
-        # append of a batch step); carried over from the last view for its rows, else the block count (new
-        # rows: none known)
+        # NOTE: priv: every block a row holds from this position on has this row as its only holder (kept
+        # until a step gives a held id another holder: then reset); carried over from the last view for its
+        # rows, else the block count (none known); new rows: set at commit
         priv = t.num_blocks.reshape(-1).take(o.nc_key + b)
         if prev is not None and prev.ok:
             pos = prev.row_of.take(b)
@@ -103,10 +103,21 @@ class BatchView:
         if fresh is not None:
             priv[:, fresh] = _BIG
         self.priv = priv
-        front = np.tile(self.front, Gs)
-        self.ok = not (_count(self.prv > front) or _count(nb * self.bs < front))
-        if self.ok and ck is not None:
-            self.ok = not _count(np.minimum(nb, ck) > self.floor)
+        self.ok = not (_count(self.prv2 > self.front) or _count(nb2 * o.bs_S < self.front))
+        if self.ok and ck2 is not None:
+            self.ok = not _count(np.minimum(nb2, ck2) > fl2)
+
+
+def _geometry(o, B: int) -> dict:
+    """Per-cell constants and scratch of a ``B``-row view (cached per ``B``)."""
+    got = o.batch_geometry.get(B)
+    if got is None:
+        Gs = o.S.size
+        got = o.batch_geometry[B] = dict(
+            bs=np.repeat(o.bs_S.reshape(-1), B), g=np.repeat(o.S, B), row=np.tile(np.arange(B, dtype=np.int64), Gs),
+            rmod=np.repeat(o.ring_mod_S, B), nc=np.empty(B, dtype=np.int64), ne=np.empty(B, dtype=bool),
+            mv=np.empty(Gs * B, dtype=bool))
+    return got
 
 
 def _view(o, plan) -> Optional[BatchView]:
