@@ -123,6 +123,8 @@ class BlockOwners:
         self.nc_full, self.nc_bs = tables.full[NC][:, None], tables.bs[NC][:, None]
         self.nc_key = (NC * num_slots)[:, None]
         self.view, self.view_retry, self.batch_geometry = None, 0, {}
+        self.ring_list, self.cols_list = tables.ring.tolist(), tables.cols.tolist()
+        self.base_list = tables.base.tolist()
         self.fresh_map = np.zeros(num_slots, dtype=bool)  # NOTE: scratch, all False between calls
         self._pending: Optional[Tuple[object, Step]] = None
 

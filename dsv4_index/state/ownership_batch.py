@@ -198,13 +198,51 @@ def _releases(o, v: BatchView, st: Step, nc, plan) -> bool:
         st.nxt_c, st.nx2 = nxt_c, nx2
         parts.append(rel)
     if plan.free_slots.size:
-        free, G = plan.free_slots, o.G
-        g = np.repeat(np.arange(G), free.shape[0])
-        f = np.tile(free, G)
-        parts.append(old_keys(o, g, f, o.floor[g, f], o.tables.num_blocks[g, f]))
+        parts.append(_freed_keys(o, plan.free_slots))
     if parts:
         st.rel = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return True
+
+
+def _freed_keys(o, free: np.ndarray) -> np.ndarray:
+    """Id keys of every block the freed slots hold (``[floor, blocks)`` per group; plain blocks: the null
+    block is id 0): one mirror slice per (group, slot), a ring's held columns as one or two slices."""
+    t, G = o.tables, o.G
+    fl, nb = o.floor[:, free].tolist(), t.num_blocks[:, free].tolist()
+    mirror, segs, gs = t.mirror, [], []
+    for g in range(G):
+        ring, cols, base = o.ring_list[g], o.cols_list[g], o.base_list[g]
+        for j, slot in enumerate(free.tolist()):
+            lo, hi = fl[g][j], nb[g][j]
+            if hi <= lo:
+                continue
+            row = base + slot * cols
+            if not ring:
+                segs.append(mirror[row + lo:row + hi])
+            elif hi - lo > ring:
+                return _freed_slow(o, free)  # NOTE: columns read twice (old_keys' answer)
+            else:
+                a, b = lo % ring, hi % ring
+                if a < b:
+                    segs.append(mirror[row + a:row + b])
+                else:
+                    segs += [mirror[row + a:row + ring], mirror[row:row + b]]
+                    gs.append(g)
+            gs.append(g)
+    if not segs:
+        return np.zeros(0, dtype=_I64)
+    ids = np.concatenate(segs).astype(_I64)
+    gk = np.repeat(np.asarray(gs, dtype=_I64), [x.shape[0] for x in segs])
+    live = ids >= 1
+    ids *= G
+    ids += gk
+    return ids if _count(live) == ids.shape[0] else ids[live]
+
+
+def _freed_slow(o, free: np.ndarray) -> np.ndarray:
+    g = np.repeat(np.arange(o.G), free.shape[0])
+    f = np.tile(free, o.G)
+    return old_keys(o, g, f, o.floor[g, f], o.tables.num_blocks[g, f])
 
 
 def _acquisitions(o, v: BatchView, st: Step, plan, nc) -> bool:

@@ -44,6 +44,8 @@ def _plan(o, plan, st: Step) -> Optional[Step]:
     if (st.fresh is not None or st.free.size or plan.replay_start is not None or plan.replay_end is not None
             or o.slow_geometry or not b.size or (N and int(plan.w_cu[-1]) != N)):
         return None
+    if N > 1 and int((plan.w_cu[1:] - plan.w_cu[:-1]).min()) != 1:
+        return None                                     # NOTE: not one id per run (ids[i] is not run i's)
     num_slots = o.num_slots
     st.N, st.fast = N, True
     lo = np.subtract(st.nc_b, o.wm1_S)             # [Gs, B]: the window block of each batch row
