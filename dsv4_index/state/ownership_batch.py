@@ -180,23 +180,33 @@ def plan_batch(o, plan) -> Optional[Step]:
 
 
 def _releases(o, v: BatchView, st: Step, nc, plan) -> bool:
-    """The floor block of every cell whose window crossed one block, and every id of the freed slots."""
+    """The blocks every cell whose window crossed a block boundary leaves (the floor block; or, when one
+    crossed more, ``[floor, min(lo, blocks))``), and every id of the freed slots."""
     cells = np.flatnonzero(np.greater_equal(nc, v.nxt2, out=v.mv2))
     st.cells, st.rel = cells, None
     parts = []
+    st.lo_c = None
     if cells.size:
-        nxt_c = v.nxt.take(cells)
-        nx2 = nxt_c + v.bs.take(cells)
-        if _count(nc.take(v.row.take(cells)) >= nx2):
-            return False                                 # NOTE: a window crossed more than one block
-        ids = o.tables.mirror.take(v.fidx.take(cells))
-        if ids.item(ids.argmin()) < 1:
-            return False                                 # NOTE: a null block left behind (the other paths)
-        rel = ids.astype(_I64)
-        rel *= o.G
-        rel += v.g.take(cells)
+        nxt_c, bs_c = v.nxt.take(cells), v.bs.take(cells)
+        nx2 = nxt_c + bs_c
+        d = nc.take(v.row.take(cells))
+        if _count(d >= nx2):  # NOTE: a window crossed more than one block: [floor, min(lo, blocks)) left
+            d -= nxt_c
+            d //= bs_c
+            f0 = v.floor.take(cells)
+            lo = f0 + 1 + d
+            st.lo_c, nxt_c = lo, nxt_c + d * bs_c
+            nx2 = nxt_c + bs_c
+            kc = v.kb.take(cells)
+            parts.append(old_keys(o, v.g.take(cells), v.b.take(v.row.take(cells)), f0,
+                                  np.minimum(lo, o.tables.num_blocks.reshape(-1).take(kc))))
+        else:
+            ids = o.tables.mirror.take(v.fidx.take(cells))
+            rel = ids.astype(_I64)
+            rel *= o.G
+            rel += v.g.take(cells)
+            parts.append(rel if ids.item(ids.argmin()) >= 1 else rel[ids >= 1])  # NOTE: the null block is id 0
         st.nxt_c, st.nx2 = nxt_c, nx2
-        parts.append(rel)
     if plan.free_slots.size:
         parts.append(_freed_keys(o, plan.free_slots))
     if parts:
@@ -366,8 +376,11 @@ def commit_batch(o, st: Step) -> None:
     if st.churn:
         _commit_rows(o, v, st)
     if cells.size:
-        lo = v.floor.take(cells)
-        lo += 1
+        if st.lo_c is None:
+            lo = v.floor.take(cells)
+            lo += 1
+        else:
+            lo = st.lo_c
         kc = v.kb.take(cells)
         o.floor.reshape(-1)[kc] = lo
         v.floor[cells] = lo
