@@ -124,7 +124,8 @@ class BlockOwners:
         self.nc_key = (NC * num_slots)[:, None]
         self.view, self.view_retry, self.batch_geometry = None, 0, {}
         self.ring_list, self.cols_list = tables.ring.tolist(), tables.cols.tolist()
-        self.base_list = tables.base.tolist()
+        self.base_list, self.bs_list = tables.base.tolist(), tables.bs.tolist()
+        self.sliding_list, self.gpos_list = self.sliding.tolist(), self.gpos.tolist()
         self.fresh_map = np.zeros(num_slots, dtype=bool)  # NOTE: scratch, all False between calls
         self._pending: Optional[Tuple[object, Step]] = None
 

@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from .ownership_rules import Step, _ragged, bump, count_in, old_keys
+from .ownership_rules import Step, bump, count_in, old_keys
 
 __all__ = ["BatchView", "plan_batch", "commit_batch"]
 
@@ -73,13 +73,17 @@ class BatchView:
         nb2 = t.num_blocks.reshape(-1).take(kb2)
         ck2 = o.checked.reshape(-1).take(kb2) if o.full else None
         if fresh is not None:  # NOTE: new rows hold nothing yet: front = nc (no jump, no rewind), floor = lo
-            self.front[fresh] = nc[fresh]
-            self.rmark[fresh] = 0
-            lo2 = np.maximum(nc[None, :] - o.wm1_S, 0) // o.bs_S
-            fl2[:, fresh] = lo2[:, fresh]
-            nb2[:, fresh] = _BIG // 64
+            fr = np.flatnonzero(fresh)
+            ncf = nc.take(fr)
+            self.front[fr] = ncf
+            self.rmark[fr] = 0
+            lo = ncf - o.wm1_S
+            np.maximum(lo, 0, out=lo)
+            lo //= o.bs_S
+            fl2[:, fr] = lo
+            nb2[:, fr] = _BIG // 64
             if ck2 is not None:
-                ck2[:, fresh] = 0
+                ck2[:, fr] = 0
         self.floor = fl2.reshape(-1)
         self.has_mark = bool(_count(self.rmark > self.front))
         self.mark = np.maximum(self.front, self.rmark) if self.has_mark else self.front
@@ -101,7 +105,7 @@ class BatchView:
             pos = prev.row_of.take(b)
             priv = np.where(pos >= 0, np.take(prev.priv, pos, axis=1, mode="clip"), priv)
         if fresh is not None:
-            priv[:, fresh] = _BIG
+            priv[:, fr] = _BIG
         self.priv = priv
         self.ok = not (_count(self.prv2 > self.front) or _count(nb2 * o.bs_S < self.front))
         if self.ok and ck2 is not None:
@@ -286,7 +290,6 @@ def _acquisitions(o, v: BatchView, st: Step, plan, nc) -> bool:
 def _fresh_runs(o, v: BatchView, st: Step, plan, nc):
     """``(keys, fill keys)`` of a churn step's runs (appends of kept rows, a new row's lists from its window
     block on), or ``(None, None)``; the new rows' ring low-water marks in ``st.fr_runs``."""
-    t = o.tables
     gid, slot, s, keep, cu, ids, row = (plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu,
                                         plan.w_ids, plan.w_row)
     o.fresh_map[plan.new_slots] = True
@@ -304,31 +307,36 @@ def _fresh_runs(o, v: BatchView, st: Step, plan, nc):
     st.fr_runs = None
     if not R.size:
         return ka, ka
-    g, rr, sr = gid.take(R), row.take(R), s.take(R)
-    sl = o.sliding.take(g)
-    cell = np.where(sl, o.gpos.take(g) * v.B + rr, 0)
-    F1 = np.where(sl, v.floor.take(cell), 0)
-    n = cu.take(R + 1) - cu.take(R)
-    off = np.maximum(F1 - sr, 0)
-    rep, k = _ragged(np.maximum(n - off, 0))
-    k += off.take(rep)
-    idr = ids.take(cu.take(R).take(rep) + k)
-    gg = g.take(rep)
-    pos = sr.take(rep) + k
-    live = idr >= 1
-    kr = idr[live] * o.G + gg[live]
-    fill = (pos[live] + 1) * t.bs.take(gg[live]) > nc.take(rr).take(rep[live])
-    ring = sl & (t.ring.take(g) > 0)
-    kp = keep.take(R)
-    lr = np.where(ring & (kp != sr), kp, 0)
-    if _count(lr > F1):
-        return None, None                                # NOTE: a ring read below its low-water (general)
-    st.fr_runs = (g * o.num_slots + slot.take(R), lr)
-    hits = kr[~fill]
-    if hits.size:
-        o.grow(hits.view(_U64).item(hits.argmax()))
-        st.shared_hit = bool(_count(o.count.take(hits)))
-    return np.concatenate([ka, kr]), np.concatenate([ka, kr[fill]])
+    G, B, num_slots, floor = o.G, v.B, o.num_slots, v.floor
+    fills, hits, pk, lrs = [ka], [], [], []
+    for g, r, s0, kp, c0, c1, sl_ in zip(*(x.take(R).tolist() for x in (gid, row, s, keep, cu[:-1], cu[1:], slot))):
+        sliding = o.sliding_list[g]
+        F1 = int(floor[o.gpos_list[g] * B + r]) if sliding else 0
+        off = max(F1 - s0, 0)
+        seg = ids[c0 + off:c1]
+        j0 = max(int(nc[r]) // o.bs_list[g] - s0 - off, 0)  # NOTE: fills from the block of the write start on
+        if seg.size and seg.item(seg.argmin()) < 1:
+            hit, fill = seg[:j0], seg[j0:]
+            hit, fill = hit[hit >= 1], fill[fill >= 1]
+        else:
+            hit, fill = seg[:j0], seg[j0:]
+        fills.append(fill * G + g)
+        if hit.size:
+            hits.append(hit * G + g)
+        if sliding and o.ring_list[g] and kp != s0:
+            if kp > F1:
+                return None, None                        # NOTE: a ring read below its low-water (general)
+            pk.append(g * num_slots + sl_)
+            lrs.append(kp)
+    if pk:
+        st.fr_runs = (np.asarray(pk, dtype=_I64), np.asarray(lrs, dtype=_I64))
+    fk = np.concatenate(fills)
+    if not hits:
+        return fk, fk
+    hk = np.concatenate(hits)
+    o.grow(hk.view(_U64).item(hk.argmax()))
+    st.shared_hit = bool(_count(o.count.take(hk)))
+    return np.concatenate([fk, hk]), fk
 
 
 def _rewinds_clear(o, v: BatchView, plan, low, nc, st) -> bool:
@@ -403,23 +411,23 @@ def _commit_rows(o, v: BatchView, st: Step) -> None:
     """A churn step's row changes: freed and new slots start empty; a new row's floors, checked marks
     and ring low-water marks; the step's view becomes the kept one."""
     plan = st.view_plan
-    for sl in (plan.free_slots, plan.new_slots):
-        if sl.size:
-            o.floor[:, sl] = 0
-            o.ring_lo[:, sl] = 0
-            o.checked[:, sl] = 0
-            o.frontier[sl] = 0
-            o.replay_mark[sl] = 0
+    sl = plan.free_slots if not plan.new_slots.size else (
+        plan.new_slots if not plan.free_slots.size else np.concatenate([plan.free_slots, plan.new_slots]))
+    o.floor[:, sl] = 0
+    o.ring_lo[:, sl] = 0
+    o.checked[:, sl] = 0
+    o.frontier[sl] = 0
+    o.replay_mark[sl] = 0
     if st.fresh_b is not None:
-        fc = np.flatnonzero(np.tile(st.fresh_b, o.S.size))
-        kf = v.kb.take(fc)
-        o.floor.reshape(-1)[kf] = v.floor.take(fc)
-        o.checked.reshape(-1)[kf] = v.floor.take(fc)
+        rows = np.flatnonzero(st.fresh_b)
+        kf = o.S_key + v.b.take(rows)
+        fl = np.take(v.floor.reshape(o.S.size, v.B), rows, axis=1)
+        o.floor.reshape(-1)[kf] = fl
+        o.checked.reshape(-1)[kf] = fl
     if st.fr_runs is not None:
         o.ring_lo.reshape(-1)[st.fr_runs[0]] = st.fr_runs[1]
     if st.shared_hit:
         v.priv.fill(_BIG)  # NOTE: a new row shares a held block: whose is not known here
     if st.fresh_b is not None:  # NOTE: a new row's blocks from its write start on are its fills (private)
-        rows = np.flatnonzero(st.fresh_b)
         v.priv[:, rows] = st.view_nc.take(rows) // o.nc_bs
     o.view, o.view_retry = v, 0
