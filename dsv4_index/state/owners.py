@@ -48,7 +48,13 @@ A row holding one id at two positions (its own duplicate) is the ``"full"`` leve
 the held blocks a step reads, scanned only below the per-row ``checked`` mark (the lowest block position
 from which the row's held ids were verified; a row's window only moves up, so a steady row scans none).
 
-Memory: ``count`` grows with the largest kernel id seen (4 bytes x ``G`` per id); ids beyond
+Paths: :mod:`.ownership_batch` (steady, rejected-draft and churn steps against a batch-ordered view),
+:mod:`.ownership_fast` (other one-id-append steps), else :mod:`.ownership_rules` + :mod:`.ownership_checks`
+(every step; the only path that raises, so every message comes from there). ``count`` changes go through
+:func:`~.ownership_rules.bump` (``np.add.at`` costs ~25 µs a call).
+
+Memory: ``count`` grows with the largest kernel id seen (4 bytes x ``G`` per id, written through on growth so
+that no step pays lazily zeroed pages); ids beyond
 ``2**28 / G`` are refused.
 """
 

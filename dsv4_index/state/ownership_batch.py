@@ -1,32 +1,39 @@
 """The serving step through :mod:`.owners`' rules against batch-ordered state: the rows of the last
-accepted batch again (steady decode, MTP with rejected drafts), kept in a :class:`BatchView` so a step
-costs a few whole-batch compares plus work on what changed (rows that rewound, windows that crossed a
-block). Anything else, or any doubt, returns None and the other paths decide (and name the culprit).
+accepted batch (steady decode, MTP with rejected drafts, and churn: rows that finish and join), kept in a
+:class:`BatchView` so that a step costs a few whole-batch compares plus work on what changed (rows that
+rewound, windows that crossed a block, freed and new rows: :mod:`.ownership_churn`). Anything else, or any
+doubt, returns None and the other paths decide (and name the culprit).
 
 Which steps: an incremental plan (:mod:`.steady`, ``plan.steady``: every run's slot is a batch row, its
-group non-circular) with no slot freed or new, no replay, only one-id appends (``w_other is None``: each
-run puts one id at the row's end, ``start == blocks held``), replicated groups and plain blocks, and the
-batch's slots those of the view (else the view is rebuilt from the slot-keyed state).
+group non-circular) with no replay, replicated groups and plain blocks, every row of the step in the batch;
+the runs of kept rows one-id appends (``start == blocks held``), any runs for new rows. The view is kept
+across steps of one batch; a churn step builds the next one (carrying what it knows of the kept rows) and
+installs it at commit; a general commit drops it.
 
-Why it is the same answer as :mod:`.ownership_fast` and the general rules, per rule of :mod:`.owners`:
+Why it is the same answer as the general rules, per rule of :mod:`.owners`:
 
 * no jump: ``nc <= frontier`` (one compare with ``mark = max(frontier, replay_mark) >= frontier`` first:
-  ``nc == mark`` everywhere proves both no jump and no rewound row);
-* rule 4 (rows writing below their frontier / mark): only rows with ``nc < mark`` (``low``); their
-  rewritten old blocks are gathered and must have holder count 1 and not be acquired in this step;
+  ``nc == mark`` everywhere proves both no jump and no rewound row; new rows have ``front = nc``);
+* rule 4 (rows writing below their frontier / mark): only rows with ``nc < mark`` (``low``); every old
+  block they rewrite lies at or above ``nc // bs``; ``priv`` per (non-circular group, row) is a position
+  from which every block the row holds has it as its only holder (a row's fills, a clean gather; reset
+  when a new row takes a held id as a prefix hit), so a rewound row with ``nc // bs >= priv`` in every
+  group is clear; other rows are gathered (holder count 1, not acquired in this step);
 * sliding windows: the window block ``lo = max(nc - W + 1, 0) // bs`` passes the floor exactly when
   ``nc >= nxt = (floor + 1) * bs + W - 1``; it falls below it exactly when ``floor > 0`` and
   ``nc < prv = floor * bs + W - 1`` (declined: blocks held again). A row with ``nc >= frontier`` never
   falls back (``prv <= frontier``: checked when the view is built, kept since ``lo * bs + W - 1 <= nc``),
-  so ``prv`` is compared only when a row rewound. A crossing by one block releases the floor block
-  (its mirror index ``fidx`` kept per cell; the row holds it: ``blocks * bs >= frontier``, checked at
-  build, kept by coverage); a crossing by more is declined;
-* rule 3 (fills): every appended id lands where the row writes, so it must have no holder after the
-  releases and be appended once (a sort);
-* rule 1 (ring low-water): ``ring_lo <= floor <= lo`` (a commit stores ``floor >= ring_lo``; appends keep
-  ``ring_lo``);
+  so ``prv`` is compared only when a row rewound. A crossing releases ``[floor, lo)`` (one block: the
+  floor block, its mirror index ``fidx`` kept per cell; the row holds it: ``blocks * bs >= frontier``,
+  checked at build, kept by coverage);
+* rule 3 (fills): an append lands where the row writes, and so does every block of a new row from the
+  block of its write start on: each must have no holder after the releases; no id is acquired twice
+  (a sort; a same-step prefix share of a fresh block is left to the general rules);
+* rule 1 (ring low-water): ``ring_lo <= floor <= lo`` for kept rows (a commit stores ``floor >= ring_lo``;
+  appends keep ``ring_lo``); a new row's ring run stores from ``keep <= lo``;
 * ``"full"``: the held-null scan has nothing below the checked marks (``min(blocks, checked) <= floor``
-  at build; the first commit stores ``checked = floor`` on every batch cell, later ones on moved cells).
+  at build; the first commit stores ``checked = floor`` on every batch cell, later ones on moved cells),
+  and a new row's acquisitions are distinct.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Optional
 
 import numpy as np
 
+from .ownership_churn import commit_rows, freed_keys, fresh_runs
 from .ownership_rules import Step, bump, count_in, old_keys
 
 __all__ = ["BatchView", "plan_batch", "commit_batch"]
@@ -212,51 +220,10 @@ def _releases(o, v: BatchView, st: Step, nc, plan) -> bool:
             parts.append(rel if ids.item(ids.argmin()) >= 1 else rel[ids >= 1])  # NOTE: the null block is id 0
         st.nxt_c, st.nx2 = nxt_c, nx2
     if plan.free_slots.size:
-        parts.append(_freed_keys(o, plan.free_slots))
+        parts.append(freed_keys(o, plan.free_slots))
     if parts:
         st.rel = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return True
-
-
-def _freed_keys(o, free: np.ndarray) -> np.ndarray:
-    """Id keys of every block the freed slots hold (``[floor, blocks)`` per group; plain blocks: the null
-    block is id 0): one mirror slice per (group, slot), a ring's held columns as one or two slices."""
-    t, G = o.tables, o.G
-    fl, nb = o.floor[:, free].tolist(), t.num_blocks[:, free].tolist()
-    mirror, segs, gs = t.mirror, [], []
-    for g in range(G):
-        ring, cols, base = o.ring_list[g], o.cols_list[g], o.base_list[g]
-        for j, slot in enumerate(free.tolist()):
-            lo, hi = fl[g][j], nb[g][j]
-            if hi <= lo:
-                continue
-            row = base + slot * cols
-            if not ring:
-                segs.append(mirror[row + lo:row + hi])
-            elif hi - lo > ring:
-                return _freed_slow(o, free)  # NOTE: columns read twice (old_keys' answer)
-            else:
-                a, b = lo % ring, hi % ring
-                if a < b:
-                    segs.append(mirror[row + a:row + b])
-                else:
-                    segs += [mirror[row + a:row + ring], mirror[row:row + b]]
-                    gs.append(g)
-            gs.append(g)
-    if not segs:
-        return np.zeros(0, dtype=_I64)
-    ids = np.concatenate(segs).astype(_I64)
-    gk = np.repeat(np.asarray(gs, dtype=_I64), [x.shape[0] for x in segs])
-    live = ids >= 1
-    ids *= G
-    ids += gk
-    return ids if _count(live) == ids.shape[0] else ids[live]
-
-
-def _freed_slow(o, free: np.ndarray) -> np.ndarray:
-    g = np.repeat(np.arange(o.G), free.shape[0])
-    f = np.tile(free, o.G)
-    return old_keys(o, g, f, o.floor[g, f], o.tables.num_blocks[g, f])
 
 
 def _acquisitions(o, v: BatchView, st: Step, plan, nc) -> bool:
@@ -270,7 +237,7 @@ def _acquisitions(o, v: BatchView, st: Step, plan, nc) -> bool:
         keys += gid
         fills, st.fr_runs = keys, None
     else:
-        keys, fills = _fresh_runs(o, v, st, plan, nc)
+        keys, fills = fresh_runs(o, v, st, plan, nc)
         if keys is None:
             return False
     o.grow(keys.view(_U64).item(keys.argmax()))
@@ -285,58 +252,6 @@ def _acquisitions(o, v: BatchView, st: Step, plan, nc) -> bool:
             return False                                 # NOTE: one id acquired twice
     st.acq = keys
     return True
-
-
-def _fresh_runs(o, v: BatchView, st: Step, plan, nc):
-    """``(keys, fill keys)`` of a churn step's runs (appends of kept rows, a new row's lists from its window
-    block on), or ``(None, None)``; the new rows' ring low-water marks in ``st.fr_runs``."""
-    gid, slot, s, keep, cu, ids, row = (plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu,
-                                        plan.w_ids, plan.w_row)
-    o.fresh_map[plan.new_slots] = True
-    run_fresh = o.fresh_map.take(slot)
-    o.fresh_map[plan.new_slots] = False
-    A, R = np.flatnonzero(~run_fresh), np.flatnonzero(run_fresh)
-    other = plan.w_other
-    if other is not None and _count(run_fresh.take(other)) != other.shape[0]:
-        return None, None                                # NOTE: a kept row's run that is not an append
-    ida = ids.take(cu.take(A))
-    if ida.size and ida.item(ida.argmin()) < 1:
-        return None, None
-    ka = ida * o.G
-    ka += gid.take(A)
-    st.fr_runs = None
-    if not R.size:
-        return ka, ka
-    G, B, num_slots, floor = o.G, v.B, o.num_slots, v.floor
-    fills, hits, pk, lrs = [ka], [], [], []
-    for g, r, s0, kp, c0, c1, sl_ in zip(*(x.take(R).tolist() for x in (gid, row, s, keep, cu[:-1], cu[1:], slot))):
-        sliding = o.sliding_list[g]
-        F1 = int(floor[o.gpos_list[g] * B + r]) if sliding else 0
-        off = max(F1 - s0, 0)
-        seg = ids[c0 + off:c1]
-        j0 = max(int(nc[r]) // o.bs_list[g] - s0 - off, 0)  # NOTE: fills from the block of the write start on
-        if seg.size and seg.item(seg.argmin()) < 1:
-            hit, fill = seg[:j0], seg[j0:]
-            hit, fill = hit[hit >= 1], fill[fill >= 1]
-        else:
-            hit, fill = seg[:j0], seg[j0:]
-        fills.append(fill * G + g)
-        if hit.size:
-            hits.append(hit * G + g)
-        if sliding and o.ring_list[g] and kp != s0:
-            if kp > F1:
-                return None, None                        # NOTE: a ring read below its low-water (general)
-            pk.append(g * num_slots + sl_)
-            lrs.append(kp)
-    if pk:
-        st.fr_runs = (np.asarray(pk, dtype=_I64), np.asarray(lrs, dtype=_I64))
-    fk = np.concatenate(fills)
-    if not hits:
-        return fk, fk
-    hk = np.concatenate(hits)
-    o.grow(hk.view(_U64).item(hk.argmax()))
-    st.shared_hit = bool(_count(o.count.take(hk)))
-    return np.concatenate([fk, hk]), fk
 
 
 def _rewinds_clear(o, v: BatchView, plan, low, nc, st) -> bool:
@@ -382,7 +297,7 @@ def commit_batch(o, st: Step) -> None:
         else:
             o.count[st.acq] += 1                          # NOTE: distinct keys (checked)
     if st.churn:
-        _commit_rows(o, v, st)
+        commit_rows(o, v, st)
     if cells.size:
         if st.lo_c is None:
             lo = v.floor.take(cells)
@@ -405,29 +320,3 @@ def commit_batch(o, st: Step) -> None:
     o.frontier[v.b] = v.front
     if v.has_mark:
         np.maximum(v.front, v.rmark, out=v.mark)
-
-
-def _commit_rows(o, v: BatchView, st: Step) -> None:
-    """A churn step's row changes: freed and new slots start empty; a new row's floors, checked marks
-    and ring low-water marks; the step's view becomes the kept one."""
-    plan = st.view_plan
-    sl = plan.free_slots if not plan.new_slots.size else (
-        plan.new_slots if not plan.free_slots.size else np.concatenate([plan.free_slots, plan.new_slots]))
-    o.floor[:, sl] = 0
-    o.ring_lo[:, sl] = 0
-    o.checked[:, sl] = 0
-    o.frontier[sl] = 0
-    o.replay_mark[sl] = 0
-    if st.fresh_b is not None:
-        rows = np.flatnonzero(st.fresh_b)
-        kf = o.S_key + v.b.take(rows)
-        fl = np.take(v.floor.reshape(o.S.size, v.B), rows, axis=1)
-        o.floor.reshape(-1)[kf] = fl
-        o.checked.reshape(-1)[kf] = fl
-    if st.fr_runs is not None:
-        o.ring_lo.reshape(-1)[st.fr_runs[0]] = st.fr_runs[1]
-    if st.shared_hit:
-        v.priv.fill(_BIG)  # NOTE: a new row shares a held block: whose is not known here
-    if st.fresh_b is not None:  # NOTE: a new row's blocks from its write start on are its fills (private)
-        v.priv[:, rows] = st.view_nc.take(rows) // o.nc_bs
-    o.view, o.view_retry = v, 0
