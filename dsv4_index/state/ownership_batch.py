@@ -292,10 +292,7 @@ def commit_batch(o, st: Step) -> None:
     if st.rel is not None:
         bump(o.count, st.rel, -1)
     if st.acq is not None:
-        if st.churn:
-            bump(o.count, st.acq, 1)
-        else:
-            o.count[st.acq] += 1                          # NOTE: distinct keys (checked)
+        o.count[st.acq] += 1                              # NOTE: distinct keys (checked)
     if st.churn:
         commit_rows(o, v, st)
     if cells.size:

@@ -62,9 +62,7 @@ def fresh_runs(o, v, st, plan, nc):
     block on), or ``(None, None)``; the new rows' ring low-water marks in ``st.fr_runs``."""
     gid, slot, s, keep, cu, ids, row = (plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu,
                                         plan.w_ids, plan.w_row)
-    o.fresh_map[plan.new_slots] = True
-    run_fresh = o.fresh_map.take(slot)
-    o.fresh_map[plan.new_slots] = False
+    run_fresh = st.fresh_b.take(row) if st.fresh_b is not None else np.zeros(gid.shape[0], dtype=bool)
     A, R = np.flatnonzero(~run_fresh), np.flatnonzero(run_fresh)
     other = plan.w_other
     if other is not None and _count(run_fresh.take(other)) != other.shape[0]:
