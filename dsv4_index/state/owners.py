@@ -48,7 +48,13 @@ A row holding one id at two positions (its own duplicate) is the ``"full"`` leve
 the held blocks a step reads, scanned only below the per-row ``checked`` mark (the lowest block position
 from which the row's held ids were verified; a row's window only moves up, so a steady row scans none).
 
-Memory: ``count`` grows with the largest kernel id seen (4 bytes x ``G`` per id); ids beyond
+Paths: :mod:`.ownership_batch` (steady, rejected-draft and churn steps against a batch-ordered view),
+:mod:`.ownership_fast` (other one-id-append steps), else :mod:`.ownership_rules` + :mod:`.ownership_checks`
+(every step; the only path that raises, so every message comes from there). ``count`` changes go through
+:func:`~.ownership_rules.bump` (``np.add.at`` costs ~25 µs a call).
+
+Memory: ``count`` grows with the largest kernel id seen (4 bytes x ``G`` per id, written through on growth so
+that no step pays lazily zeroed pages); ids beyond
 ``2**28 / G`` are refused.
 """
 
@@ -61,8 +67,9 @@ import numpy as np
 from .._common import cp_owned_count
 from .contract import held_and_duplicates
 from .ownership_fast import commit_fast, plan_fast
+from .ownership_batch import commit_batch
 from .ownership_checks import check_rewinds, check_runs, rewind_suspects
-from .ownership_rules import Step, begin, plan_general
+from .ownership_rules import Step, begin, bump, plan_general
 
 __all__ = ["BlockOwners", "check_ring_capacity"]
 
@@ -118,6 +125,14 @@ class BlockOwners:
         self.gpos[self.S] = np.arange(self.S.size)
         self.pair_base = (tables.base[:, None] + np.arange(num_slots)[None, :] * tables.cols[:, None]).reshape(-1)
         self.ring_mod_S = np.where(tables.ring[self.S] > 0, tables.ring[self.S], np.iinfo(np.int64).max)
+        NC = self.NC = np.flatnonzero(~tables.circular)  # NOTE: the batch path's rule 4 (ownership_batch.py)
+        self.nc_full, self.nc_bs = tables.full[NC][:, None], tables.bs[NC][:, None]
+        self.nc_key = (NC * num_slots)[:, None]
+        self.view, self.view_retry, self.batch_geometry = None, 0, {}
+        self.ring_list, self.cols_list = tables.ring.tolist(), tables.cols.tolist()
+        self.base_list, self.bs_list = tables.base.tolist(), tables.bs.tolist()
+        self.sliding_list, self.gpos_list = self.sliding.tolist(), self.gpos.tolist()
+        self.fresh_map = np.zeros(num_slots, dtype=bool)  # NOTE: scratch, all False between calls
         self._pending: Optional[Tuple[object, Step]] = None
 
     def owned(self, x: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -135,8 +150,10 @@ class BlockOwners:
             raise ValueError(f"write_ids: block id {max_key // max(self.G, 1)} is beyond the ownership table's "
                              f"limit of {_MAX_KEYS // max(self.G, 1)} ids per group")
         n = 1 << int(max_key).bit_length()
-        grown = np.zeros(n, dtype=np.int32)
-        grown[:self.count.shape[0]] = self.count
+        grown = np.empty(n, dtype=np.int32)  # NOTE: written through now: lazily zeroed pages would fault on
+        m = self.count.shape[0]              # the steps' scattered first touches instead (~µs each)
+        grown[:m] = self.count
+        grown[m:] = 0
         self.count = grown
 
     # ------------------------------------------------------------------------------------------
@@ -144,8 +161,8 @@ class BlockOwners:
         """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes
         nothing observable (the count table may grow, with zeros)."""
         self._pending = None
-        st = begin(self, plan)
-        if plan_fast(self, plan, st) is None or rewind_suspects(self, st) is not None:
+        st = plan_fast(self, plan, None)
+        if st is None:
             st = plan_general(self, plan, begin(self, plan))
             check_runs(self, st)
             check_rewinds(self, st, rewind_suspects(self, st))
@@ -159,6 +176,10 @@ class BlockOwners:
             raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
         st = self._pending[1]
         self._pending = None
+        if st.fast == "batch":
+            commit_batch(self, st)
+            return
+        self.view = None
         if st.fast:
             commit_fast(self, st)
         else:
@@ -173,11 +194,11 @@ class BlockOwners:
 
     def _commit_general(self, st: Step) -> None:
         if st.rel.size:
-            np.subtract.at(self.count, st.rel, 1)
+            bump(self.count, st.rel, -1)
         if st.acq.size:
-            np.add.at(self.count, st.acq, 1)
+            bump(self.count, st.acq, 1)
         if st.reacq.size:
-            np.add.at(self.count, st.reacq, 1)
+            bump(self.count, st.reacq, 1)
         for s in (st.free, st.new):
             if s.size:
                 self.floor[:, s] = 0

@@ -17,17 +17,35 @@ from typing import Optional
 
 import numpy as np
 
-from .ownership_rules import Step, count_in, old_keys
+from .ownership_batch import plan_batch
+from .ownership_checks import rewind_suspects
+from .ownership_rules import Step, begin, bump, count_in, old_keys
 
 __all__ = ["plan_fast", "commit_fast"]
 
 
-def plan_fast(o, plan, st: Step) -> Optional[Step]:
+def plan_fast(o, plan, st: Optional[Step] = None) -> Optional[Step]:
+    """The step of ``plan`` on a fast path (:mod:`.ownership_batch`'s first, then this module's, ``st``
+    being :func:`~.ownership_rules.begin`'s when given), or None: the general rules decide."""
+    if st is None:
+        got = plan_batch(o, plan)
+        if got is not None:
+            return got
+        st = begin(o, plan)
+    got = _plan(o, plan, st)
+    if got is None or rewind_suspects(o, st) is not None:
+        return None
+    return got
+
+
+def _plan(o, plan, st: Step) -> Optional[Step]:
     """``st`` (its no-jump part done) completed for the fast path, or None."""
     N, b = plan.w_gid.shape[0], st.b
     if (st.fresh is not None or st.free.size or plan.replay_start is not None or plan.replay_end is not None
             or o.slow_geometry or not b.size or (N and int(plan.w_cu[-1]) != N)):
         return None
+    if N > 1 and int((plan.w_cu[1:] - plan.w_cu[:-1]).min()) != 1:
+        return None                                     # NOTE: not one id per run (ids[i] is not run i's)
     num_slots = o.num_slots
     st.N, st.fast = N, True
     lo = np.subtract(st.nc_b, o.wm1_S)             # [Gs, B]: the window block of each batch row
@@ -108,7 +126,7 @@ def _no_held_null_to_scan(o, st: Step) -> bool:
 def commit_fast(o, st: Step) -> None:
     """Apply a fast step (after the no-jump check's frontier update of the caller)."""
     if st.rel.size:
-        np.subtract.at(o.count, st.rel, 1)
+        bump(o.count, st.rel, -1)
     if st.acq.size:
         o.count[st.acq] += 1                            # NOTE: distinct keys (checked)
     o.floor.reshape(-1)[st.kb] = st.lo

@@ -12,7 +12,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-__all__ = ["Step", "begin", "plan_general", "old_keys", "count_in"]
+__all__ = ["Step", "begin", "plan_general", "old_keys", "count_in", "bump"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -280,3 +280,23 @@ def _acquisitions(o, st: Step, plan) -> None:
 
 def count_in(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return np.searchsorted(sorted_keys, keys, side="right") - np.searchsorted(sorted_keys, keys, side="left")
+
+
+def bump(count: np.ndarray, keys: np.ndarray, d: int) -> None:
+    """``np.add.at(count, keys, d)`` without its cost: distinct keys in one fancy update, repeated ones
+    through their multiplicities (one sort)."""
+    n = keys.shape[0]
+    if n < 2:
+        if n:
+            count[keys] += d
+        return
+    srt = np.sort(keys)
+    first = np.empty(n, dtype=bool)
+    first[0] = True
+    np.not_equal(srt[1:], srt[:-1], out=first[1:])
+    if np.count_nonzero(first) == n:
+        count[srt] += d
+        return
+    at = np.flatnonzero(first)
+    mult = np.diff(np.append(at, n))
+    count[srt.take(at)] += mult * d

@@ -1,0 +1,319 @@
+"""The serving step through :mod:`.owners`' rules against batch-ordered state: the rows of the last
+accepted batch (steady decode, MTP with rejected drafts, and churn: rows that finish and join), kept in a
+:class:`BatchView` so that a step costs a few whole-batch compares plus work on what changed (rows that
+rewound, windows that crossed a block, freed and new rows: :mod:`.ownership_churn`). Anything else, or any
+doubt, returns None and the other paths decide (and name the culprit).
+
+Which steps: an incremental plan (:mod:`.steady`, ``plan.steady``: every run's slot is a batch row, its
+group non-circular) with no replay, replicated groups and plain blocks, every row of the step in the batch;
+the runs of kept rows one-id appends (``start == blocks held``), any runs for new rows. The view is kept
+across steps of one batch; a churn step builds the next one (carrying what it knows of the kept rows) and
+installs it at commit; a general commit drops it.
+
+Why it is the same answer as the general rules, per rule of :mod:`.owners`:
+
+* no jump: ``nc <= frontier`` (one compare with ``mark = max(frontier, replay_mark) >= frontier`` first:
+  ``nc == mark`` everywhere proves both no jump and no rewound row; new rows have ``front = nc``);
+* rule 4 (rows writing below their frontier / mark): only rows with ``nc < mark`` (``low``); every old
+  block they rewrite lies at or above ``nc // bs``; ``priv`` per (non-circular group, row) is a position
+  from which every block the row holds has it as its only holder (a row's fills, a clean gather; reset
+  when a new row takes a held id as a prefix hit), so a rewound row with ``nc // bs >= priv`` in every
+  group is clear; other rows are gathered (holder count 1, not acquired in this step);
+* sliding windows: the window block ``lo = max(nc - W + 1, 0) // bs`` passes the floor exactly when
+  ``nc >= nxt = (floor + 1) * bs + W - 1``; it falls below it exactly when ``floor > 0`` and
+  ``nc < prv = floor * bs + W - 1`` (declined: blocks held again). A row with ``nc >= frontier`` never
+  falls back (``prv <= frontier``: checked when the view is built, kept since ``lo * bs + W - 1 <= nc``),
+  so ``prv`` is compared only when a row rewound. A crossing releases ``[floor, lo)`` (one block: the
+  floor block, its mirror index ``fidx`` kept per cell; the row holds it: ``blocks * bs >= frontier``,
+  checked at build, kept by coverage);
+* rule 3 (fills): an append lands where the row writes, and so does every block of a new row from the
+  block of its write start on: each must have no holder after the releases; no id is acquired twice
+  (a sort; a same-step prefix share of a fresh block is left to the general rules);
+* rule 1 (ring low-water): ``ring_lo <= floor <= lo`` for kept rows (a commit stores ``floor >= ring_lo``;
+  appends keep ``ring_lo``); a new row's ring run stores from ``keep <= lo``;
+* ``"full"``: the held-null scan has nothing below the checked marks (``min(blocks, checked) <= floor``
+  at build; the first commit stores ``checked = floor`` on every batch cell, later ones on moved cells),
+  and a new row's acquisitions are distinct.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .ownership_churn import commit_rows, freed_keys, fresh_runs
+from .ownership_rules import Step, bump, count_in, old_keys
+
+__all__ = ["BatchView", "plan_batch", "commit_batch"]
+
+_I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
+_BIG = 1 << 62
+_count = np.count_nonzero
+_RETRY = 8  # NOTE: a batch whose view could not be built is retried after this many steps
+
+
+class BatchView:
+    """Batch-ordered copies of :class:`~.owners.BlockOwners` state for the rows of the last accepted batch.
+
+    Attributes (``B`` rows, ``Gs`` sliding groups, cells ``j * B + row``)
+    ----------
+    key : bytes of the batch's slots; b : int64 ``[B]`` slots.
+    front, mark : int64 ``[B]`` frontier and ``max(frontier, replay_mark)`` (``mark is front`` when equal).
+    kb, floor, nxt, prv, fidx, bs, g, row, pb, rmod : int64 ``[Gs * B]`` per cell: pair key, floor, the
+    ``nc`` thresholds of the module docstring, mirror index of the floor block, block size, gid, batch
+    row, mirror index of column 0, ring modulus.
+    """
+
+    def __init__(self, o, b: np.ndarray, fresh: Optional[np.ndarray] = None, nc: Optional[np.ndarray] = None,
+                 prev: Optional["BatchView"] = None):
+        t, Gs, B = o.tables, o.S.size, b.shape[0]
+        geo = _geometry(o, B)
+        self.bs, self.g, self.row, self.rmod = geo["bs"], geo["g"], geo["row"], geo["rmod"]
+        self.nc, self.ne, self.mv = geo["nc"], geo["ne"], geo["mv"]
+        self.mv2 = self.mv.reshape(Gs, B)
+        self.key, self.b, self.B = b.tobytes(), b.copy(), B
+        self.front = o.frontier.take(b)
+        self.rmark = o.replay_mark.take(b)
+        kb2 = o.S_key + b[None, :]
+        self.kb = kb2.reshape(-1)
+        fl2 = o.floor.reshape(-1).take(kb2)
+        nb2 = t.num_blocks.reshape(-1).take(kb2)
+        ck2 = o.checked.reshape(-1).take(kb2) if o.full else None
+        if fresh is not None:  # NOTE: new rows hold nothing yet: front = nc (no jump, no rewind), floor = lo
+            fr = np.flatnonzero(fresh)
+            ncf = nc.take(fr)
+            self.front[fr] = ncf
+            self.rmark[fr] = 0
+            lo = ncf - o.wm1_S
+            np.maximum(lo, 0, out=lo)
+            lo //= o.bs_S
+            fl2[:, fr] = lo
+            nb2[:, fr] = _BIG // 64
+            if ck2 is not None:
+                ck2[:, fr] = 0
+        self.floor = fl2.reshape(-1)
+        self.has_mark = bool(_count(self.rmark > self.front))
+        self.mark = np.maximum(self.front, self.rmark) if self.has_mark else self.front
+        p2 = fl2 * o.bs_S
+        p2 += o.wm1_S                                     # NOTE: floor * bs + W - 1
+        self.nxt2 = p2 + o.bs_S
+        self.prv2 = np.where(fl2 > 0, p2, -_BIG)
+        self.nxt, self.prv = self.nxt2.reshape(-1), self.prv2.reshape(-1)
+        self.pb = o.pair_base.take(self.kb)
+        self.fidx = self.pb + self.floor % self.rmod
+        self.ck_all = o.full  # NOTE: the first commit stores checked = floor on every cell
+        self.row_of = np.full(o.num_slots, -1, dtype=np.int64)
+        self.row_of[b] = self.row[:B]
+        # NOTE: priv: every block a row holds from this position on has this row as its only holder (kept
+        # until a step gives a held id another holder: then reset); carried over from the last view for its
+        # rows, else the block count (none known); new rows: set at commit
+        priv = t.num_blocks.reshape(-1).take(o.nc_key + b)
+        if prev is not None and prev.ok:
+            pos = prev.row_of.take(b)
+            priv = np.where(pos >= 0, np.take(prev.priv, pos, axis=1, mode="clip"), priv)
+        if fresh is not None:
+            priv[:, fr] = _BIG
+        self.priv = priv
+        self.ok = not (_count(self.prv2 > self.front) or _count(nb2 * o.bs_S < self.front))
+        if self.ok and ck2 is not None:
+            self.ok = not _count(np.minimum(nb2, ck2) > fl2)
+
+
+def _geometry(o, B: int) -> dict:
+    """Per-cell constants and scratch of a ``B``-row view (cached per ``B``)."""
+    got = o.batch_geometry.get(B)
+    if got is None:
+        Gs = o.S.size
+        got = o.batch_geometry[B] = dict(
+            bs=np.repeat(o.bs_S.reshape(-1), B), g=np.repeat(o.S, B), row=np.tile(np.arange(B, dtype=np.int64), Gs),
+            rmod=np.repeat(o.ring_mod_S, B), nc=np.empty(B, dtype=np.int64), ne=np.empty(B, dtype=bool),
+            mv=np.empty(Gs * B, dtype=bool))
+    return got
+
+
+def _view(o, plan) -> Optional[BatchView]:
+    """The view of ``plan``'s batch (built when the slots changed), or None."""
+    v, b = o.view, plan.slots
+    if v is not None and v.B == b.shape[0] and v.key == b.tobytes():
+        return v if v.ok else None
+    if o.view_retry > 0 and v is not None and not v.ok:
+        o.view_retry -= 1
+        return None
+    o.view = v = BatchView(o, b, prev=v)
+    if not v.ok:
+        o.view_retry = _RETRY
+        return None
+    return v
+
+
+def plan_batch(o, plan) -> Optional[Step]:
+    """The step of ``plan`` proved on the batch view, or None."""
+    if (not plan.steady or o.slow_geometry or not o.S.size or plan.all_slots.shape[0] != plan.slots.shape[0]
+            or plan.replay_start is not None or plan.replay_end is not None):
+        return None
+    st = Step()
+    st.fast, st.churn, st.fresh_b = "batch", bool(plan.free_slots.size or plan.new_slots.size), None
+    st.acq = st.acq_sorted = st.fr_runs = None
+    st.shared_hit = False
+    if st.churn:
+        nc = plan.seq_lens - plan.num_scheduled
+        if plan.new_slots.size:
+            o.fresh_map[plan.new_slots] = True
+            st.fresh_b = o.fresh_map.take(plan.slots)
+            o.fresh_map[plan.new_slots] = False
+        v = BatchView(o, plan.slots, st.fresh_b, nc, o.view)
+        st.view_nc = nc
+        if not v.ok:
+            return None
+    else:
+        if plan.w_other is not None:
+            return None
+        v = _view(o, plan)
+        if v is None:
+            return None
+        nc = np.subtract(plan.seq_lens, plan.num_scheduled, out=v.nc)
+    st.view, seq = v, plan.seq_lens
+    low = None
+    if _count(np.not_equal(nc, v.mark, out=v.ne)):
+        if _count(np.greater(nc, v.front, out=v.ne)):
+            return None                                  # NOTE: a jump (the general path names it)
+        low = np.flatnonzero(np.less(nc, v.mark, out=v.ne))
+        if _count(np.less(nc, v.prv2, out=v.mv2)):
+            return None                                  # NOTE: a window moved back: blocks held again
+    if not _releases(o, v, st, nc, plan):
+        return None
+    if plan.w_gid.shape[0] and not _acquisitions(o, v, st, plan, nc):
+        return None
+    if low is not None and not _rewinds_clear(o, v, plan, low, nc, st):
+        return None
+    st.seq, st.view_plan = seq, plan
+    return st
+
+
+def _releases(o, v: BatchView, st: Step, nc, plan) -> bool:
+    """The blocks every cell whose window crossed a block boundary leaves (the floor block; or, when one
+    crossed more, ``[floor, min(lo, blocks))``), and every id of the freed slots."""
+    cells = np.flatnonzero(np.greater_equal(nc, v.nxt2, out=v.mv2))
+    st.cells, st.rel = cells, None
+    parts = []
+    st.lo_c = None
+    if cells.size:
+        nxt_c, bs_c = v.nxt.take(cells), v.bs.take(cells)
+        nx2 = nxt_c + bs_c
+        d = nc.take(v.row.take(cells))
+        if _count(d >= nx2):  # NOTE: a window crossed more than one block: [floor, min(lo, blocks)) left
+            d -= nxt_c
+            d //= bs_c
+            f0 = v.floor.take(cells)
+            lo = f0 + 1 + d
+            st.lo_c, nxt_c = lo, nxt_c + d * bs_c
+            nx2 = nxt_c + bs_c
+            kc = v.kb.take(cells)
+            parts.append(old_keys(o, v.g.take(cells), v.b.take(v.row.take(cells)), f0,
+                                  np.minimum(lo, o.tables.num_blocks.reshape(-1).take(kc))))
+        else:
+            ids = o.tables.mirror.take(v.fidx.take(cells))
+            rel = ids.astype(_I64)
+            rel *= o.G
+            rel += v.g.take(cells)
+            parts.append(rel if ids.item(ids.argmin()) >= 1 else rel[ids >= 1])  # NOTE: the null block is id 0
+        st.nxt_c, st.nx2 = nxt_c, nx2
+    if plan.free_slots.size:
+        parts.append(freed_keys(o, plan.free_slots))
+    if parts:
+        st.rel = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return True
+
+
+def _acquisitions(o, v: BatchView, st: Step, plan, nc) -> bool:
+    """Rule 3 on every id the runs acquire (all fills but a new row's prefix hits): no holder after the
+    releases, no id acquired twice; a new row's ring run keeps its ring low-water at or below its window."""
+    gid, ids = plan.w_gid, plan.w_ids
+    if st.fresh_b is None and plan.w_other is None:
+        if ids.item(ids.argmin()) < 1:
+            return False
+        keys = ids * o.G
+        keys += gid
+        fills, st.fr_runs = keys, None
+    else:
+        keys, fills = fresh_runs(o, v, st, plan, nc)
+        if keys is None:
+            return False
+    o.grow(keys.view(_U64).item(keys.argmax()))
+    base = o.count.take(fills)
+    if _count(base):
+        if st.rel is None or _count(base - count_in(np.sort(st.rel), fills)):
+            return False                                 # NOTE: held by someone: the general path judges it
+    st.acq_sorted = None
+    if keys.shape[0] > 1:
+        st.acq_sorted = srt = np.sort(keys)
+        if _count(srt[1:] == srt[:-1]):
+            return False                                 # NOTE: one id acquired twice
+    st.acq = keys
+    return True
+
+
+def _rewinds_clear(o, v: BatchView, plan, low, nc, st) -> bool:
+    """Rule 4 on the rows that rewound: their old blocks at positions ``[nc, min(seq, mark))`` (non-full
+    groups: ``frontier``) have one holder and are not acquired in this step: at or above ``priv`` (no
+    other holder, and no acquisition of this step takes a held id: fills have none, and a step with a hit
+    on a held id gathers), or gathered."""
+    if not st.shared_hit:
+        bad = np.take(v.priv, low, axis=1) > nc.take(low) // o.nc_bs
+        if not _count(bad):
+            return True
+        low = low.take(np.flatnonzero(bad.any(axis=0)))
+    return _rewinds_gather(o, v, plan, low, nc, st.acq, st.acq_sorted)
+
+
+def _rewinds_gather(o, v: BatchView, plan, low, nc, acq, acq_sorted) -> bool:
+    """Rule 4 by gathering the ids of the rewound rows from their rewrite start to their last block (the
+    blocks past ``min(seq, mark)`` are not written: one with another holder declines, the general rules
+    then decide); when all have one holder, ``priv`` of those rows moves down to the rewrite start."""
+    t, k = o.tables, low.shape[0]
+    b = v.b.take(low)
+    key = o.nc_key + b                                    # [Gn, k] pair keys
+    lo = np.maximum(nc.take(low) // o.nc_bs, o.floor.reshape(-1).take(key))
+    keys = old_keys(o, np.repeat(o.NC, k), np.tile(b, o.NC.size), lo.reshape(-1),
+                    t.num_blocks.reshape(-1).take(key).reshape(-1))
+    if keys.size:
+        if _count(o.count.take(keys) > 1):
+            return False
+        if acq is not None and _count(count_in(acq_sorted if acq_sorted is not None else acq, keys)):
+            return False
+    v.priv[:, low] = np.minimum(np.take(v.priv, low, axis=1), lo)
+    return True
+
+
+def commit_batch(o, st: Step) -> None:
+    """Apply a batch step (the view and the slot-keyed state together)."""
+    v, cells = st.view, st.cells
+    if st.rel is not None:
+        bump(o.count, st.rel, -1)
+    if st.acq is not None:
+        o.count[st.acq] += 1                              # NOTE: distinct keys (checked)
+    if st.churn:
+        commit_rows(o, v, st)
+    if cells.size:
+        if st.lo_c is None:
+            lo = v.floor.take(cells)
+            lo += 1
+        else:
+            lo = st.lo_c
+        kc = v.kb.take(cells)
+        o.floor.reshape(-1)[kc] = lo
+        v.floor[cells] = lo
+        v.prv[cells] = st.nxt_c
+        v.nxt[cells] = st.nx2
+        lo %= v.rmod.take(cells)
+        v.fidx[cells] = v.pb.take(cells) + lo
+        if o.full and not v.ck_all:
+            o.checked.reshape(-1)[kc] = v.floor.take(cells)
+    if v.ck_all:
+        o.checked.reshape(-1)[v.kb] = v.floor
+        v.ck_all = False
+    np.maximum(v.front, st.seq, out=v.front)
+    o.frontier[v.b] = v.front
+    if v.has_mark:
+        np.maximum(v.front, v.rmark, out=v.mark)
