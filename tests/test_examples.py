@@ -109,8 +109,9 @@ def _example_module():
 
 
 def test_sparse_decode_loop_fails_on_shared_block_writes(monkeypatch, capsys):
-    """A scheduler that drops replay_end: replayed tokens write compressed rows into the prefix
-    owner's blocks; the example counts them and exits 1."""
+    """A scheduler that drops replay_end: replayed tokens would write compressed rows into the prefix
+    owner's blocks. The pipeline's ownership check (``checks="safe"``, state/owners.py) now refuses that
+    step at ``update()``, naming both holders, before the example's own counter could see a write."""
     import dataclasses
 
     from dsv4_index.testing.scheduler import ReferenceScheduler
@@ -126,10 +127,9 @@ def test_sparse_decode_loop_fails_on_shared_block_writes(monkeypatch, capsys):
         return step
 
     monkeypatch.setattr(ReferenceScheduler, "schedule", no_replay_end)
-    assert sparse_decode_loop.main(["--steps", "9", "--device", "cpu"]) == 1  # d hits a's prefix at step 7
-    out = capsys.readouterr().out
-    assert "FAIL: " in out and "writes into blocks held by another request" in out, out
-    assert int(summary(out)["writes into blocks held by another request"]) > 0, out
+    with pytest.raises(ValueError, match=r"a token would write into a block another live request holds.*"
+                                         r"request 'd'"):
+        sparse_decode_loop.main(["--steps", "9", "--device", "cpu"])  # d hits a's prefix at step 7
 
 
 def test_sparse_decode_loop_fails_on_mismatch(monkeypatch, capsys):

@@ -183,8 +183,9 @@ MIXED = dict(num_hidden_layers=6, num_nextn_predict_layers=1, sliding_window=8, 
 @pytest.mark.slow
 def test_mixed_ratios_trace(device):
     # R in {1, 2, 4, 16} in one layout: c1a/c1i, c2a/c2i + c2_state ring, c4a/c4i + c4_state, c16a + c16_state
+    # NOTE: the c16 ring sized for 3 speculative tokens (capacity >= W - 1 + 3 = 18; the default is 16)
     lay = DSV4Layout.from_config(MIXED, max_model_len=512, mla_block_size=16, swa_block_size=8,
-                                 indexer_causal_indices=True)
+                                 indexer_causal_indices=True, circular={"c16_state": 32})
     assert {"c1a", "c1i", "c2a", "c2i", "c2_state", "c4a", "c4i", "c4_state", "c16a", "c16_state"} <= set(lay.channels)
     assert lay.layer_channels(4) == {"swa": "swa", "c128a": "c16a", "c128_state": "c16_state"}
     _run_trace(lay, device, 6, 3)
