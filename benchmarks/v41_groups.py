@@ -28,13 +28,15 @@ from dsv4_index.testing.scheduler import ReferenceScheduler  # noqa: E402
 
 def decode_step(layout, B: int, ctx: int, budget: int, device: str):
     """A pipeline after the prefills of ``B`` requests of ``ctx`` tokens, holding their first decode step."""
-    # NOTE: a pool that never preempts: a sliding group may hold a whole prefill chunk's blocks
-    need = sum(g.ring_blocks if g.kind == "circular" else -(-(ctx + 64 + (g.window or 0)) // g.alloc_block_size) + 2
-               for g in layout.groups)
+    # NOTE: no request finishes before the last prefill is done (they are prefilled budget tokens a step), and
+    # a pool that never preempts: a sliding group may hold a whole prefill chunk's blocks
+    new = B * ctx // budget + 32
+    need = sum(g.ring_blocks if g.kind == "circular" else
+               -(-(ctx + new + 64 + (g.window or 0)) // g.alloc_block_size) + 2 for g in layout.groups)
     sched = ReferenceScheduler(layout, B * need + 64, max_num_batched_tokens=budget, max_num_seqs=B,
                                num_speculative_tokens=0, enable_prefix_caching=False, seed=0)
     for i in range(B):
-        sched.add_request(f"r{i}", ctx, 32)
+        sched.add_request(f"r{i}", ctx, new)
     pipe = MetadataPipeline(layout, B + 1, budget, device, 0)
     t0 = time.perf_counter()
     for _ in range(10_000):
