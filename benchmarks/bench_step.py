@@ -18,7 +18,7 @@ Steps come from ``workload.py`` (random contexts 1K-64K, random block ids): neve
 
 Usage::
 
-    python benchmarks/bench_step.py --out bench.json [--quick] [--layouts flash,pro] [--no-host]
+    python benchmarks/bench_step.py --out bench.json [--quick] [--layouts flash,pro,flash:vllm] [--no-host]
     python benchmarks/bench_step.py --profile-one "decode B=256"     # one step for ncu
     python benchmarks/bench_step.py --sweep --out sweep.json         # tile configs of both variants, every case
     python benchmarks/bench_step.py --floors                         # empty-kernel launch floors, write bandwidth
@@ -517,9 +517,10 @@ def main():
     rows = []
     floor0 = empty_floor(args)
     for lname in args.layouts.split(","):
-        layout = DSV4Layout.from_config(lname, max_model_len=131072)
+        cfg, _, groups = lname.partition(":")  # NOTE: "flash:vllm" = from_config("flash", groups="vllm")
+        layout = DSV4Layout.from_config(cfg, max_model_len=131072, **({"groups": groups} if groups else {}))
         for name in names:
-            if lname == "pro" and name not in args.pro_cases.split(","):
+            if cfg == "pro" and name not in args.pro_cases.split(","):
                 continue
             case = CASES[name]
             r = dict(layout=lname, case=name)

@@ -124,7 +124,10 @@ class BlockOwners:
         self.gpos = np.full(G, -1, dtype=np.int64)
         self.gpos[self.S] = np.arange(self.S.size)
         self.pair_base = (tables.base[:, None] + np.arange(num_slots)[None, :] * tables.cols[:, None]).reshape(-1)
-        self.ring_mod_S = np.where(tables.ring[self.S] > 0, tables.ring[self.S], np.iinfo(np.int64).max)
+        self.ring_mod_S = np.where(tables.ring[self.S] > 0, tables.ring[self.S], np.iinfo(np.int64).max)[:, None]
+        self.S_ring = bool((tables.ring[self.S] > 0).any())
+        self.S_geo = list(zip(self.S.tolist(), self.wm1_S[:, 0].tolist(), self.bs_S[:, 0].tolist(),
+                              self.ring_mod_S[:, 0].tolist()))  # NOTE: (gid, W - 1, bs, ring modulus), Python ints
         NC = self.NC = np.flatnonzero(~tables.circular)  # NOTE: the batch path's rule 4 (ownership_batch.py)
         self.nc_full, self.nc_bs = tables.full[NC][:, None], tables.bs[NC][:, None]
         self.nc_key = (NC * num_slots)[:, None]

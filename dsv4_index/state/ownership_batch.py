@@ -19,13 +19,12 @@ Why it is the same answer as the general rules, per rule of :mod:`.owners`:
   from which every block the row holds has it as its only holder (a row's fills, a clean gather; reset
   when a new row takes a held id as a prefix hit), so a rewound row with ``nc // bs >= priv`` in every
   group is clear; other rows are gathered (holder count 1, not acquired in this step);
-* sliding windows: the window block ``lo = max(nc - W + 1, 0) // bs`` passes the floor exactly when
-  ``nc >= nxt = (floor + 1) * bs + W - 1``; it falls below it exactly when ``floor > 0`` and
-  ``nc < prv = floor * bs + W - 1`` (declined: blocks held again). A row with ``nc >= frontier`` never
-  falls back (``prv <= frontier``: checked when the view is built, kept since ``lo * bs + W - 1 <= nc``),
-  so ``prv`` is compared only when a row rewound. A crossing releases ``[floor, lo)`` (one block: the
-  floor block, its mirror index ``fidx`` kept per cell; the row holds it: ``blocks * bs >= frontier``,
-  checked at build, kept by coverage);
+* sliding windows: the window block ``lo = max(nc - W + 1, 0) // bs`` of every cell, against its floor,
+  in one pass over the batch: ``lo < floor`` declines (a window moved back: blocks held again; a row with
+  ``nc >= frontier`` never does, ``floor * bs + W - 1 <= frontier`` being checked when the view is built);
+  ``lo > floor`` is a crossing, which releases ``[floor, lo)`` (one block: the floor block, at mirror index
+  ``pb + floor % ring``; the row holds it: ``blocks * bs >= frontier``, checked at build, kept by coverage)
+  and commits ``floor = lo``;
 * rule 3 (fills): an append lands where the row writes, and so does every block of a new row from the
   block of its write start on: each must have no holder after the releases; no id is acquired twice
   (a sort; a same-step prefix share of a fresh block is left to the general rules);
@@ -60,24 +59,22 @@ class BatchView:
     ----------
     key : bytes of the batch's slots; b : int64 ``[B]`` slots.
     front, mark : int64 ``[B]`` frontier and ``max(frontier, replay_mark)`` (``mark is front`` when equal).
-    kb, floor, nxt, prv, fidx, bs, g, row, pb, rmod : int64 ``[Gs * B]`` per cell: pair key, floor, the
-    ``nc`` thresholds of the module docstring, mirror index of the floor block, block size, gid, batch
-    row, mirror index of column 0, ring modulus.
+    cell : int64 ``[3, Gs, B]`` — every per-cell field stacked (rows: floor, pb, kb), so that a churn step
+        moves them with one gather; ``floor``, ``pb``, ``kb`` (``[Gs * B]``) and ``floor2`` (``[Gs, B]``) are
+        views of it: the floor block, the mirror index of column 0, the pair key.
+    bs, g, row, rmod : int64 ``[Gs * B]`` per cell: block size, gid, batch row, ring modulus.
     """
 
     def __init__(self, o, b: np.ndarray, fresh: Optional[np.ndarray] = None, nc: Optional[np.ndarray] = None,
                  prev: Optional["BatchView"] = None):
-        t, Gs, B = o.tables, o.S.size, b.shape[0]
-        geo = _geometry(o, B)
-        self.bs, self.g, self.row, self.rmod = geo["bs"], geo["g"], geo["row"], geo["rmod"]
-        self.nc, self.ne, self.mv = geo["nc"], geo["ne"], geo["mv"]
-        self.mv2 = self.mv.reshape(Gs, B)
-        self.key, self.b, self.B = b.tobytes(), b.copy(), B
+        t, B = o.tables, b.shape[0]
+        self._common(o, b)
         self.front = o.frontier.take(b)
         self.rmark = o.replay_mark.take(b)
-        kb2 = o.S_key + b[None, :]
-        self.kb = kb2.reshape(-1)
-        fl2 = o.floor.reshape(-1).take(kb2)
+        cell = self.cell = np.empty((_K, o.S.size, B), dtype=np.int64)
+        fl2 = cell[_FLOOR]
+        kb2 = np.add(o.S_key, b[None, :], out=cell[_KB])
+        o.floor.reshape(-1).take(kb2, out=fl2)
         nb2 = t.num_blocks.reshape(-1).take(kb2)
         ck2 = o.checked.reshape(-1).take(kb2) if o.full else None
         if fresh is not None:  # NOTE: new rows hold nothing yet: front = nc (no jump, no rewind), floor = lo
@@ -92,19 +89,8 @@ class BatchView:
             nb2[:, fr] = _BIG // 64
             if ck2 is not None:
                 ck2[:, fr] = 0
-        self.floor = fl2.reshape(-1)
-        self.has_mark = bool(_count(self.rmark > self.front))
-        self.mark = np.maximum(self.front, self.rmark) if self.has_mark else self.front
-        p2 = fl2 * o.bs_S
-        p2 += o.wm1_S                                     # NOTE: floor * bs + W - 1
-        self.nxt2 = p2 + o.bs_S
-        self.prv2 = np.where(fl2 > 0, p2, -_BIG)
-        self.nxt, self.prv = self.nxt2.reshape(-1), self.prv2.reshape(-1)
-        self.pb = o.pair_base.take(self.kb)
-        self.fidx = self.pb + self.floor % self.rmod
-        self.ck_all = o.full  # NOTE: the first commit stores checked = floor on every cell
-        self.row_of = np.full(o.num_slots, -1, dtype=np.int64)
-        self.row_of[b] = self.row[:B]
+        o.pair_base.take(kb2, out=cell[_PB])
+        self._views()
         # NOTE: priv: every block a row holds from this position on has this row as its only holder (kept
         # until a step gives a held id another holder: then reset); carried over from the last view for its
         # rows, else the block count (none known); new rows: set at commit
@@ -115,9 +101,61 @@ class BatchView:
         if fresh is not None:
             priv[:, fr] = _BIG
         self.priv = priv
-        self.ok = not (_count(self.prv2 > self.front) or _count(nb2 * o.bs_S < self.front))
+        p2 = fl2 * o.bs_S
+        p2 += o.wm1_S                                     # NOTE: floor * bs + W - 1: lo(front) < floor when above
+        self.ok = not (_count((p2 > self.front) & (fl2 > 0)) or _count(nb2 * o.bs_S < self.front))
         if self.ok and ck2 is not None:
             self.ok = not _count(np.minimum(nb2, ck2) > fl2)
+
+    def _common(self, o, b: np.ndarray) -> None:
+        """Geometry, scratch, the slot map and the batch key of a view of batch slots ``b``."""
+        B = b.shape[0]
+        geo = _geometry(o, B)
+        self.bs, self.g, self.row, self.rmod = geo["bs"], geo["g"], geo["row"], geo["rmod"]
+        self.nc, self.ne = geo["nc"], geo["ne"]
+        self.key, self.b, self.B = b.tobytes(), b.copy(), B
+        self.ck_all = o.full  # NOTE: the first commit stores checked = floor on every cell
+        self.row_of = np.full(o.num_slots, -1, dtype=np.int64)
+        self.row_of[b] = self.row[:B]
+
+    def _views(self) -> None:
+        """Per-field views of the stacked ``cell`` array (one gather moves every field of a row)."""
+        c = self.cell
+        self.floor2 = c[_FLOOR]
+        self.floor, self.pb, self.kb = (c[k].reshape(-1) for k in (_FLOOR, _PB, _KB))
+        self.has_mark = bool(_count(self.rmark > self.front))
+        self.mark = np.maximum(self.front, self.rmark) if self.has_mark else self.front
+
+    @classmethod
+    def patched(cls, o, prev: "BatchView", b: np.ndarray, fresh_rows: list, nc: np.ndarray) -> Optional["BatchView"]:
+        """The view of batch slots ``b`` from ``prev`` (an accepted view, kept in step with the slot-keyed
+        state): its rows moved with one gather per array, the few ``fresh_rows`` (batch rows of new
+        requests) filled in Python ints; None when a row is neither in ``prev`` nor fresh (a full build
+        then reads the slot-keyed state). Same fields as the full build."""
+        pos = prev.row_of.take(b)
+        outside = _count(pos < 0)
+        if outside and outside != sum(1 for r in fresh_rows if pos.item(r) < 0):
+            return None
+        v = object.__new__(cls)
+        v._common(o, b)
+        v.cell = np.take(prev.cell, pos, axis=2, mode="clip")
+        v.front = prev.front.take(pos, mode="clip")
+        v.rmark = prev.rmark.take(pos, mode="clip")
+        v.priv = np.take(prev.priv, pos, axis=1, mode="clip")
+        cell, priv, front, rmark = v.cell, v.priv, v.front, v.rmark
+        for r in fresh_rows:
+            n, slot = int(nc.item(r)), int(b.item(r))
+            front[r], rmark[r] = n, 0
+            priv[:, r] = _BIG
+            for j, (g, w1, bs, _) in enumerate(o.S_geo):
+                kb = g * o.num_slots + slot
+                cell[:, j, r] = (max(n - w1, 0) // bs, o.pair_base.item(kb), kb)
+        v._views()
+        v.ok = True  # NOTE: kept rows as in ``prev`` (accepted); fresh rows: floor = lo(nc), front = nc, no blocks
+        return v
+
+
+_K, _FLOOR, _PB, _KB = 3, 0, 1, 2
 
 
 def _geometry(o, B: int) -> dict:
@@ -127,8 +165,7 @@ def _geometry(o, B: int) -> dict:
         Gs = o.S.size
         got = o.batch_geometry[B] = dict(
             bs=np.repeat(o.bs_S.reshape(-1), B), g=np.repeat(o.S, B), row=np.tile(np.arange(B, dtype=np.int64), Gs),
-            rmod=np.repeat(o.ring_mod_S, B), nc=np.empty(B, dtype=np.int64), ne=np.empty(B, dtype=bool),
-            mv=np.empty(Gs * B, dtype=bool))
+            rmod=np.repeat(o.ring_mod_S, B), nc=np.empty(B, dtype=np.int64), ne=np.empty(B, dtype=bool))
     return got
 
 
@@ -162,7 +199,12 @@ def plan_batch(o, plan) -> Optional[Step]:
             o.fresh_map[plan.new_slots] = True
             st.fresh_b = o.fresh_map.take(plan.slots)
             o.fresh_map[plan.new_slots] = False
-        v = BatchView(o, plan.slots, st.fresh_b, nc, o.view)
+        prev, v = o.view, None
+        if prev is not None and prev.ok:
+            rows = [] if st.fresh_b is None else np.flatnonzero(st.fresh_b).tolist()
+            v = BatchView.patched(o, prev, plan.slots, rows, nc)
+        if v is None:
+            v = BatchView(o, plan.slots, st.fresh_b, nc, prev)
         st.view_nc = nc
         if not v.ok:
             return None
@@ -179,8 +221,6 @@ def plan_batch(o, plan) -> Optional[Step]:
         if _count(np.greater(nc, v.front, out=v.ne)):
             return None                                  # NOTE: a jump (the general path names it)
         low = np.flatnonzero(np.less(nc, v.mark, out=v.ne))
-        if _count(np.less(nc, v.prv2, out=v.mv2)):
-            return None                                  # NOTE: a window moved back: blocks held again
     if not _releases(o, v, st, nc, plan):
         return None
     if plan.w_gid.shape[0] and not _acquisitions(o, v, st, plan, nc):
@@ -192,33 +232,34 @@ def plan_batch(o, plan) -> Optional[Step]:
 
 
 def _releases(o, v: BatchView, st: Step, nc, plan) -> bool:
-    """The blocks every cell whose window crossed a block boundary leaves (the floor block; or, when one
-    crossed more, ``[floor, min(lo, blocks))``), and every id of the freed slots."""
-    cells = np.flatnonzero(np.greater_equal(nc, v.nxt2, out=v.mv2))
-    st.cells, st.rel = cells, None
+    """The window block ``lo`` of every cell against its floor: a cell whose window moved back declines
+    (blocks held again); the blocks every cell whose window crossed a block boundary leaves (the floor
+    block; or, when one crossed more, ``[floor, min(lo, blocks))``), and every id of the freed slots."""
+    lo2 = nc - o.wm1_S                                    # NOTE: [Gs, B] window blocks lo = max(nc - W + 1, 0) // bs
+    np.maximum(lo2, 0, out=lo2)
+    lo2 //= o.bs_S
+    d2 = lo2 - v.floor2
+    cells = np.flatnonzero(d2)
+    st.cells, st.lo2, st.rel = cells, lo2, None
     parts = []
-    st.lo_c = None
     if cells.size:
-        nxt_c, bs_c = v.nxt.take(cells), v.bs.take(cells)
-        nx2 = nxt_c + bs_c
-        d = nc.take(v.row.take(cells))
-        if _count(d >= nx2):  # NOTE: a window crossed more than one block: [floor, min(lo, blocks)) left
-            d -= nxt_c
-            d //= bs_c
-            f0 = v.floor.take(cells)
-            lo = f0 + 1 + d
-            st.lo_c, nxt_c = lo, nxt_c + d * bs_c
-            nx2 = nxt_c + bs_c
-            kc = v.kb.take(cells)
+        dc = d2.reshape(-1).take(cells)
+        if dc.item(dc.argmin()) < 0:
+            return False                                 # NOTE: a window moved back: blocks held again
+        f0 = v.floor.take(cells)
+        if dc.item(dc.argmax()) > 1:  # NOTE: a window crossed more than one block: [floor, min(lo, blocks)) left
+            lo = lo2.reshape(-1).take(cells)
             parts.append(old_keys(o, v.g.take(cells), v.b.take(v.row.take(cells)), f0,
-                                  np.minimum(lo, o.tables.num_blocks.reshape(-1).take(kc))))
+                                  np.minimum(lo, o.tables.num_blocks.reshape(-1).take(v.kb.take(cells)))))
         else:
-            ids = o.tables.mirror.take(v.fidx.take(cells))
+            if o.S_ring:
+                f0 %= v.rmod.take(cells)
+            f0 += v.pb.take(cells)                       # NOTE: the floor block's mirror index
+            ids = o.tables.mirror.take(f0)
             rel = ids.astype(_I64)
             rel *= o.G
             rel += v.g.take(cells)
             parts.append(rel if ids.item(ids.argmin()) >= 1 else rel[ids >= 1])  # NOTE: the null block is id 0
-        st.nxt_c, st.nx2 = nxt_c, nx2
     if plan.free_slots.size:
         parts.append(freed_keys(o, plan.free_slots))
     if parts:
@@ -296,21 +337,9 @@ def commit_batch(o, st: Step) -> None:
     if st.churn:
         commit_rows(o, v, st)
     if cells.size:
-        if st.lo_c is None:
-            lo = v.floor.take(cells)
-            lo += 1
-        else:
-            lo = st.lo_c
-        kc = v.kb.take(cells)
-        o.floor.reshape(-1)[kc] = lo
-        v.floor[cells] = lo
-        v.prv[cells] = st.nxt_c
-        v.nxt[cells] = st.nx2
-        lo %= v.rmod.take(cells)
-        v.fidx[cells] = v.pb.take(cells) + lo
-        if o.full and not v.ck_all:
-            o.checked.reshape(-1)[kc] = v.floor.take(cells)
-    if v.ck_all:
+        np.copyto(v.floor2, st.lo2)                      # NOTE: lo == floor on every other cell
+        o.floor.reshape(-1)[v.kb] = v.floor
+    if o.full and (cells.size or v.ck_all):              # NOTE: checked == floor on every batch cell
         o.checked.reshape(-1)[v.kb] = v.floor
         v.ck_all = False
     np.maximum(v.front, st.seq, out=v.front)

@@ -59,7 +59,8 @@ def _freed_slow(o, free: np.ndarray) -> np.ndarray:
 
 def fresh_runs(o, v, st, plan, nc):
     """``(keys, fill keys)`` of a churn step's runs (appends of kept rows, a new row's lists from its window
-    block on), or ``(None, None)``; the new rows' ring low-water marks in ``st.fr_runs``."""
+    block on), or ``(None, None)``; the new rows' ring low-water marks in ``st.fr_runs``. A new row's runs
+    are cut in Python ints (they are few) and their ids gathered with one concatenation per kind."""
     gid, slot, s, keep, cu, ids, row = (plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu,
                                         plan.w_ids, plan.w_row)
     run_fresh = st.fresh_b.take(row) if st.fresh_b is not None else np.zeros(gid.shape[0], dtype=bool)
@@ -75,22 +76,19 @@ def fresh_runs(o, v, st, plan, nc):
     st.fr_runs = None
     if not R.size:
         return ka, ka
-    G, B, num_slots, floor = o.G, v.B, o.num_slots, v.floor
-    fills, hits, pk, lrs = [ka], [], [], []
+    B, num_slots, floor = v.B, o.num_slots, v.floor
+    fill_segs, fill_g, hit_segs, hit_g, pk, lrs = [], [], [], [], [], []
     for g, r, s0, kp, c0, c1, sl_ in zip(*(x.take(R).tolist() for x in (gid, row, s, keep, cu[:-1], cu[1:], slot))):
         sliding = o.sliding_list[g]
-        F1 = int(floor[o.gpos_list[g] * B + r]) if sliding else 0
-        off = max(F1 - s0, 0)
-        seg = ids[c0 + off:c1]
-        j0 = max(int(nc[r]) // o.bs_list[g] - s0 - off, 0)  # NOTE: fills from the block of the write start on
-        if seg.size and seg.item(seg.argmin()) < 1:
-            hit, fill = seg[:j0], seg[j0:]
-            hit, fill = hit[hit >= 1], fill[fill >= 1]
-        else:
-            hit, fill = seg[:j0], seg[j0:]
-        fills.append(fill * G + g)
-        if hit.size:
-            hits.append(hit * G + g)
+        F1 = floor.item(o.gpos_list[g] * B + r) if sliding else 0
+        a0 = c0 + max(F1 - s0, 0)
+        cut = min(max(c0 + nc.item(r) // o.bs_list[g] - s0, a0), c1)  # NOTE: fills from the write start's block on
+        if cut > a0:
+            hit_segs.append(ids[a0:cut])
+            hit_g.append(g)
+        if c1 > cut:
+            fill_segs.append(ids[cut:c1])
+            fill_g.append(g)
         if sliding and o.ring_list[g] and kp != s0:
             if kp > F1:
                 return None, None                        # NOTE: a ring read below its low-water (general)
@@ -98,13 +96,26 @@ def fresh_runs(o, v, st, plan, nc):
             lrs.append(kp)
     if pk:
         st.fr_runs = (np.asarray(pk, dtype=_I64), np.asarray(lrs, dtype=_I64))
-    fk = np.concatenate(fills)
-    if not hits:
+    fk = np.concatenate([ka, _keys(o, fill_segs, fill_g)]) if fill_segs else ka
+    if not hit_segs:
         return fk, fk
-    hk = np.concatenate(hits)
+    hk = _keys(o, hit_segs, hit_g)
+    if not hk.size:
+        return fk, fk
     o.grow(hk.view(_U64).item(hk.argmax()))
     st.shared_hit = bool(_count(o.count.take(hk)))
     return np.concatenate([fk, hk]), fk
+
+
+def _keys(o, segs, gs) -> np.ndarray:
+    """Id keys ``id * G + g`` of the non-null ids of id slices ``segs`` of groups ``gs``."""
+    ids = np.concatenate(segs) if len(segs) > 1 else segs[0]
+    gk = np.repeat(np.asarray(gs, dtype=_I64), [x.shape[0] for x in segs]) if len(segs) > 1 else gs[0]
+    keys = ids * o.G
+    keys += gk
+    if ids.shape[0] and ids.item(ids.argmin()) < 1:
+        keys = keys[ids >= 1]
+    return keys
 
 
 def commit_rows(o, v, st) -> None:
