@@ -19,8 +19,9 @@ from dsv4_index import MetadataPipeline, NewRequest, RunningRequest, SlotMap, St
 from dsv4_index.frontend import convert as frontend
 from dsv4_index.frontend import batch_from_step
 
-from _meta_helpers import assert_same, eventful_trace, meta_tensors, tiny_layout
-from _vllm_stub import CachedRequestData, NewRequestData, SchedulerOutput, from_step
+from helpers.layouts import tiny_layout
+from helpers.pipelines import assert_same, eventful_trace, meta_tensors
+from helpers.vllm_stub import CachedRequestData, NewRequestData, SchedulerOutput, from_step
 
 LAYOUT = tiny_layout()
 G = len(LAYOUT.groups)
@@ -181,7 +182,7 @@ def _cached(o, **kw):
 
 
 def _old(o, flags):
-    from _vllm_stub import OldCachedRequestData
+    from helpers.vllm_stub import OldCachedRequestData
     c = o.scheduled_cached_reqs
     return OldCachedRequestData(c.req_ids, flags, c.new_token_ids, c.new_block_ids, c.num_computed_tokens)
 

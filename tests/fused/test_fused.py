@@ -19,9 +19,10 @@ from dsv4_index.pipeline import MetadataPipeline
 from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 from dsv4_index.validate import check_metadata
 
-from _meta_helpers import (DEVICE, HAS_TRITON, Blocks, assert_same, assert_tables_follow_views, compare_over_trace,
-                           compare_step, dcp_groups, eventful_trace, flash_layout, hand_session, meta_tensors, poison,
-                           random_step, step_all, tables_of, three_pipelines, tiny_layout)
+from helpers.layouts import flash_layout, tiny_layout
+from helpers.pipelines import (DEVICE, HAS_TRITON, Blocks, assert_same, assert_tables_follow_views, compare_over_trace,
+                               compare_step, dcp_groups, eventful_trace, hand_session, meta_tensors, poison,
+                               random_step, step_all, tables_of, three_pipelines)
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
 

@@ -15,8 +15,8 @@ from dsv4_index.pipeline import MetadataPipeline
 from dsv4_index.state.staging import H_NUM_WRITES
 from dsv4_index.testing.scheduler import ReferenceScheduler, random_trace, scripted_trace
 
-from _meta_helpers import CHANNEL_FIELDS, HAS_TRITON, tiny_layout
-from test_scheduler import CIRCULAR_BOTH, tiny_layout as sched_layout
+from helpers.layouts import CIRCULAR_BOTH, tiny_layout, two_layer_layout
+from helpers.pipelines import CHANNEL_FIELDS, HAS_TRITON
 
 COMMON = ("query_start_loc", "seq_lens", "idx_mapping", "positions", "token_to_req", "is_valid_token")
 
@@ -61,7 +61,7 @@ def run(layout, steps, device, max_reqs, max_tokens, spec):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
 def test_circular_groups_read_the_overlay(device):
-    layout = sched_layout(circular=CIRCULAR_BOTH)
+    layout = two_layer_layout(circular=CIRCULAR_BOTH)
     sched = ReferenceScheduler(layout, 40, max_num_batched_tokens=24, max_num_seqs=4, num_speculative_tokens=2,
                                long_prefill_threshold=12, seed=4)
     script = [{"add": [dict(req_id="a", prompt_len=70, max_new_tokens=12)]}, {}, {}, {}, {}, {},

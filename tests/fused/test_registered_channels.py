@@ -25,8 +25,9 @@ from dsv4_index.channels.base import _REGISTRY
 from dsv4_index.geometry import CHANNEL_OUTPUTS
 from dsv4_index.validate import check_metadata, check_topk
 
-from _meta_helpers import (DEVICE, HAS_TRITON, Blocks, compare_over_trace, compare_step, eventful_trace, random_step,
-                           step_all, three_pipelines, tiny_layout)
+from helpers.layouts import tiny_layout
+from helpers.pipelines import (DEVICE, HAS_TRITON, Blocks, compare_over_trace, compare_step, eventful_trace,
+                               random_step, step_all, three_pipelines)
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
 
@@ -190,7 +191,7 @@ def test_readme_example_verbatim(registry):
 
     from dsv4_index import DSV4Layout, NewRequest, StepInput
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", text[text.index("### Adding a channel"):], re.S).group(1)
     ns = {"layout": DSV4Layout.from_config("flash", max_model_len=131072)}
     exec(code, ns)

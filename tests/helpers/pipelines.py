@@ -1,22 +1,19 @@
-"""Shared helpers of the pipeline tests: the tiny layout, a block-id allocator for hand-written steps,
-a deep copy of one step's metadata, and the poisoned three-way comparison of pipelines over a trace
+"""Shared helpers of the pipeline tests (the layouts are in :mod:`helpers.layouts`): a block-id allocator for
+hand-written steps, a deep copy of one step's metadata, and the poisoned three-way comparison of pipelines over a trace
 (fused Triton launch == per-op kernels == PyTorch reference, bit for bit)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
-from dsv4_index import DSV4Layout, MetadataPipeline
+from dsv4_index import MetadataPipeline
 from dsv4_index._common import cdiv, interpreting
 from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 from dsv4_index.validate import check_metadata, check_topk
-
-TINY = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs" / "tiny.json"
 
 # every per-channel output of ChannelMetadata, and the common step tensors of DSV4Metadata
 CHANNEL_FIELDS = ("slot_mapping", "tail_slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "compact_cu",
@@ -27,12 +24,6 @@ HOST_FIELDS = ("num_reqs", "num_tokens", "num_tokens_padded", "num_decodes", "nu
                "num_prefill_tokens")
 HAS_TRITON = torch.cuda.is_available() or interpreting()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def tiny_layout(**kw) -> DSV4Layout:
-    args = dict(max_model_len=256, mla_block_size=32, swa_block_size=4, indexer_causal_indices=True)
-    args.update(kw)
-    return DSV4Layout.from_config(TINY, **args)
 
 
 class Pool:
@@ -288,10 +279,6 @@ def dcp_groups(layout):
 # ----------------------------------------------------------------------------------------------
 # hand-written steps with large random block ids
 # ----------------------------------------------------------------------------------------------
-def flash_layout(**kw) -> DSV4Layout:
-    return DSV4Layout.from_config("flash", max_model_len=kw.pop("max_model_len", 2048), **kw)
-
-
 class Blocks:
     """Distinct random allocation block ids from a big pool (id 0 is the null block); counts per
     group cover a rank's share under DCP (``cp``), plus one spare block."""

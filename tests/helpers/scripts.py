@@ -12,10 +12,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Dict, List, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 HANG_GUARD_S = 900.0  # NOTE: a hang guard: far above any script's time on a loaded 2-core machine
 
 

@@ -17,7 +17,7 @@ from dsv4_index import DSV4Layout
 from dsv4_index._common import cdiv, interpreting
 from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
-from _meta_helpers import compare_step, three_pipelines
+from helpers.pipelines import compare_step, three_pipelines
 
 HAS_TRITON = torch.cuda.is_available() or interpreting()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -20,7 +20,7 @@ from dsv4_index._common import interpreting
 from dsv4_index.specs import GroupSpec
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
-from _meta_helpers import compare_step
+from helpers.pipelines import compare_step
 
 HAS_TRITON = torch.cuda.is_available() or interpreting()
 BACKENDS = ["reference"] + (["triton"] if HAS_TRITON else [])

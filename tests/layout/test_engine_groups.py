@@ -12,7 +12,7 @@ from dsv4_index.consumers import prefill_chunks
 
 from dsv4_index.frontend import NewRequest, StepInput
 
-from _meta_helpers import HAS_TRITON, Pool, compare_over_trace, three_pipelines
+from helpers.pipelines import HAS_TRITON, Pool, compare_over_trace, three_pipelines
 
 FLASH_C4 = tuple(range(2, 43, 2))     # [0, 0] + [4, 128] * 20 + [4, 0]: layers 2, 4, .., 42
 FLASH_C128 = tuple(range(3, 42, 2))

@@ -9,7 +9,7 @@ import torch
 from dsv4_index._common import cp_owned_count
 from dsv4_index.geometry import ChannelSpec, DSV4Layout, GroupSpec
 
-CONFIGS = Path(__file__).resolve().parents[1] / "dsv4_index" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "dsv4_index" / "configs"
 BLOCKS = {"mla": 256, "swa": 64, "c4_state": 4, "c128_state": 8}
 
 
@@ -322,7 +322,7 @@ def test_layouts_by_name():
 
 def _readme_table():
     """Rows of the README's layout table, as dicts keyed by its header."""
-    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
     head = next(i for i, ln in enumerate(lines) if re.match(r"\|\s*gid\s*\|\s*group\s*\|", ln))
     keys = [c.strip() for c in lines[head].strip().strip("|").split("|")]
     rows = []

@@ -12,7 +12,7 @@ from dsv4_index._common import cdiv
 from dsv4_index.geometry import GroupSpec
 from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
-from _meta_helpers import HAS_TRITON, compare_step, three_pipelines
+from helpers.pipelines import HAS_TRITON, compare_step, three_pipelines
 
 KBS = {"mla": 128, "swa": 32, "c4_state": 2, "c128_state": 4}
 

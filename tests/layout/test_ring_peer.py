@@ -18,7 +18,7 @@ documented encoding (``x >= 0`` ring slot, ``x <= -2`` in-step token row ``-2 - 
 
 Already covered elsewhere (not repeated here): the consumer emulation of vLLM's
 ``test_c128_reads_the_batch_before_saving_the_wrapped_tail`` (ring 128..249, chunk 250..520, ring
-265..520 afterwards) is ``tests/test_circular.py::test_vllm_ring_case_chunk_longer_than_capacity``;
+265..520 afterwards) is ``tests/layout/test_circular.py::test_vllm_ring_case_chunk_longer_than_capacity``;
 drafts with rejections over three steps are ``test_circular.py::test_drafts_at_all_128_phases``;
 the review's 512/600-token requests on 32/64/128-row rings (not found upstream: derived) are
 ``test_circular.py::test_vllm_ascend_long_requests_on_small_rings``. Upstream cases about vLLM's own

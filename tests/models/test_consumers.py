@@ -380,7 +380,7 @@ def test_paged_mqa_logits_64_row_pages_and_clamped_lens():
     reads two pages, a 1-token decode in a ``next_n = 2`` batch (``[0, n]``) and dummy ``seq_len = 1``
     requests (CUDA-graph capture): ``decode_lens`` has zeros, the clamped copies are ``>= 1``
     everywhere and equal the raw ones where those are ``>= 1``; both feed the emulated kernel."""
-    from _meta_helpers import Pool
+    from helpers.pipelines import Pool
 
     layout = DSV4Layout.from_config("tiny", 512, mla_block_size=256, swa_block_size=4)
     assert layout.channels["c4i"].rows_per_block == 64
@@ -426,7 +426,7 @@ def test_paged_mqa_logits_64_row_pages_and_clamped_lens():
 # widths at the real geometry, argument errors, no host sync
 # ----------------------------------------------------------------------------------------------
 def _flash_steps():
-    from _meta_helpers import Pool
+    from helpers.pipelines import Pool
 
     layout = DSV4Layout.from_config("flash", 4096)
     pool = Pool(layout)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _scripts import hang_guard
+from helpers.scripts import hang_guard
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from cp_decode import CFG, Inputs, ThreadComm, cp_layouts, make_trace, run_rank, summary  # noqa: E402

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from _scripts import hang_guard
+from helpers.scripts import hang_guard
 
 pytestmark = pytest.mark.slow  # runs the V4-Flash example (./dev quick skips it)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "flash_decode_step.py"
 FLASH = ROOT / "dsv4_index" / "configs" / "flash.json"
 KINDS = ("swa", "c4", "c128")

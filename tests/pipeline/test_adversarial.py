@@ -20,7 +20,8 @@ from dsv4_index.frontend import batch_from_step
 from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 from dsv4_index.validate import check_metadata, host_context
 
-from _meta_helpers import Pool, clone_meta, make_pipeline, tiny_layout, two_steps
+from helpers.layouts import tiny_layout
+from helpers.pipelines import Pool, clone_meta, make_pipeline, two_steps
 
 I32 = torch.int32
 INTERP = bool(os.environ.get("TRITON_INTERPRET")) or torch.cuda.is_available()

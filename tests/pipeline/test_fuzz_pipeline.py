@@ -21,7 +21,8 @@ from dsv4_index import reference as ref
 from dsv4_index.testing.scheduler import random_trace
 from dsv4_index.validate import check_metadata, check_topk
 
-from _meta_helpers import HAS_TRITON, tiny_layout
+from helpers.layouts import tiny_layout
+from helpers.pipelines import HAS_TRITON
 
 pytestmark = pytest.mark.slow  # long fuzz (./dev quick skips it)
 

@@ -25,7 +25,8 @@ from dsv4_index import DSV4Layout, MetadataPipeline
 from dsv4_index.frontend import batch_from_step
 from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 from dsv4_index.validate import MetadataError, check_metadata
-from test_rejections import _diff, state
+
+from helpers.rejections import diff as _diff, state
 
 NC, Q = 48, 4  # NOTE: window starts: swa 41 (block 5), c4_state 41 (block 10), c128_state 33 (block 4)
 

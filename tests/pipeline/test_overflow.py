@@ -22,8 +22,9 @@ from dsv4_index.batch import StepBatch
 from dsv4_index.frontend import batch_from_step
 from dsv4_index.pipeline import MetadataPipeline
 from dsv4_index.frontend import StepInput
-from _meta_helpers import tiny_layout
-from test_rejections import T_MAX, _diff, clean_run, make_pipe, outputs, state, trace
+
+from helpers.layouts import tiny_layout
+from helpers.rejections import T_MAX, clean_run, diff as _diff, make_pipe, outputs, state, trace
 
 I64 = np.iinfo(np.int64).max
 VARIANT = "ring"

@@ -8,7 +8,8 @@ from dsv4_index import MetadataPipeline, StepInput, batch_from_step
 from dsv4_index.channels.base import _REGISTRY
 from dsv4_index.testing.scheduler import random_trace
 
-from _meta_helpers import HAS_TRITON, eventful_trace, flash_layout as _flash, tiny_layout
+from helpers.layouts import flash_layout as _flash, tiny_layout
+from helpers.pipelines import HAS_TRITON, eventful_trace
 
 
 def flash_layout():

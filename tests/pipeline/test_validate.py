@@ -10,7 +10,8 @@ import torch
 
 from dsv4_index.validate import MetadataError, check_cp_partition, check_metadata, check_topk
 
-from _meta_helpers import Pool, make_pipeline, tiny_layout, two_steps
+from helpers.layouts import tiny_layout
+from helpers.pipelines import Pool, make_pipeline, two_steps
 
 NUM_BLOCKS = 97  # two_steps hands out ids 1..96
 # NOTE: batch of the second step: 'a' decode (tokens 0-1), 'd' prefill with replay floor 6 (2-14),

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from _scripts import ROOT, run_script, scripts
+from helpers.scripts import ROOT, run_script, scripts
 
 # NOTE: the tiny-shape command of each script; a new script without an entry fails test_every_script_has_a_smoke
 SMOKES = {

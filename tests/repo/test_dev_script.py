@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from _scripts import hang_guard
+from helpers.scripts import hang_guard
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAKE_PIP = """#!/usr/bin/env bash
 echo "Collecting torch"
 [ "${FAIL:-0}" = 1 ] && { echo "ERROR: no matching distribution"; exit 1; }

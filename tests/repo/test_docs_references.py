@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "DESIGN.md"
 OUTSIDE = re.compile(r"\.\./shared|shared/DESIGN|shared/reviews")
 CITE = re.compile(r"DESIGN(?:\.md)? §(\d+)(?: \"([^\"]+)\")?")

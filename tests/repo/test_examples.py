@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from _scripts import hang_guard
+from helpers.scripts import hang_guard
 
 pytestmark = pytest.mark.slow  # runs the example scripts end to end (./dev quick skips it)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 

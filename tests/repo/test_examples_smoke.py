@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from _scripts import run_script, scripts
+from helpers.scripts import run_script, scripts
 
 # NOTE: the tiny-shape command of each script; a new script without an entry fails test_every_script_has_a_smoke
 SMOKES = {

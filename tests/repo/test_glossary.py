@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "dsv4_index"
 
 # other spellings of the speculative count (and of its row bound)

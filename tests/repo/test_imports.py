@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from _scripts import hang_guard
+from helpers.scripts import hang_guard
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "dsv4_index"
 FILES = sorted(p for p in PKG.rglob("*.py"))
 

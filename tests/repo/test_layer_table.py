@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "dsv4_index"
 DOC = ROOT / "docs" / "INTERFACES.md"
 EXEMPT = {"__init__.py", "__main__.py"}

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from _scripts import hang_guard
+from helpers.scripts import hang_guard
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "dsv4_index")
 
 

@@ -13,9 +13,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from _scripts import hang_guard
+from helpers.scripts import hang_guard
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```[ \t]*$", re.S | re.M)   # also inside list items
 

@@ -24,9 +24,10 @@ import pytest
 from dsv4_index import MetadataPipeline
 from dsv4_index.batch import APPEND, StepBatch
 from dsv4_index.state.plan import plans_equal
-from test_rejections import _diff, layout, outputs, state
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.rejections import diff as _diff, layout, outputs, state
+
+ROOT = Path(__file__).resolve().parents[2]
 R, T_MAX, SPEC = 8, 64, 2
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from _scripts import hang_guard
+from helpers.scripts import hang_guard
 
 import dsv4_index
 from dsv4_index.tools.cli import build_parser, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _subparsers(ap):

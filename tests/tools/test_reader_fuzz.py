@@ -8,7 +8,7 @@ exception.
 Bounded by time: ``DSV4_FUZZ_SECONDS`` (default 20, shared by both readers), ``DSV4_FUZZ_SEED``
 (default 0). A long run with figures::
 
-    nice python tests/test_reader_fuzz.py --seconds 900 --seed 1    # --max-memory-gb 8 (default)
+    nice python tests/tools/test_reader_fuzz.py --seconds 900 --seed 1    # --max-memory-gb 8 (default)
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ if __name__ == "__main__":
         import resource
         lim = int(a.max_memory_gb * (1 << 30))
         resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     with tempfile.TemporaryDirectory() as d:
         t0 = time.monotonic()
         tr = run_trace(Path(d) / "good.jsonl", Path(d), 0.65 * a.seconds, a.seed)

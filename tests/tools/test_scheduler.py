@@ -9,25 +9,13 @@ from collections import Counter
 import pytest
 import torch
 
-from dsv4_index.geometry import DSV4Layout, GroupSpec
+from dsv4_index.geometry import GroupSpec
 from dsv4_index.pipeline import MetadataPipeline
 from dsv4_index.testing.scheduler import ReferenceScheduler, cache_writes, random_trace, scripted_trace
 
-TINY = dict(num_hidden_layers=2, compress_ratios=[4, 16], sliding_window=16, index_topk=8)
+from helpers.layouts import CIRCULAR, CIRCULAR_BOTH, two_layer_layout
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def tiny_layout(max_model_len=256, circular=None):
-    # mla bs 32 (full, prefix-cacheable), swa bs 8 W 16, c4_state bs 4 W 8, c128_state bs 8 W 16
-    # (ring tables by default); `circular`: group name -> capacity
-    return DSV4Layout.from_config(TINY, max_model_len, mla_block_size=32, swa_block_size=8,
-                                  c4_state_block_size=4, c128_state_block_size=8, circular=circular)
-
-
-# circular c128_state (W 16, capacity 24: at most 9 tokens per request and step); and c4_state too
-# (W 8, capacity 12: at most 5 tokens)
-CIRCULAR = {"c128_state": 24}
-CIRCULAR_BOTH = {"c128_state": 24, "c4_state": 12}
 
 
 def hybrid_groups():
@@ -244,7 +232,7 @@ def drive(sched, num_steps, seed, *, arrival_prob=0.5, prompt_hi=200, max_new_hi
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_trace_invariants(seed):
-    sched = ReferenceScheduler(tiny_layout(), 56, max_num_batched_tokens=32, max_num_seqs=5,
+    sched = ReferenceScheduler(two_layer_layout(), 56, max_num_batched_tokens=32, max_num_seqs=5,
                                num_speculative_tokens=3, long_prefill_threshold=24, seed=seed)
     stats = drive(sched, 400, seed, arrival_prob=0.6)
     # the trace exercised every feature (so the checks above were not vacuous)
@@ -257,7 +245,7 @@ def test_random_trace_invariants(seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_trace_invariants_circular(seed, circular):
     """Circular state groups: one block per request for life, chunks longer than the ring, same invariants."""
-    sched = ReferenceScheduler(tiny_layout(circular=circular), 40, max_num_batched_tokens=32,
+    sched = ReferenceScheduler(two_layer_layout(circular=circular), 40, max_num_batched_tokens=32,
                                max_num_seqs=5, num_speculative_tokens=2, long_prefill_threshold=24,
                                seed=seed)
     stats = drive(sched, 400, seed, arrival_prob=0.6)
@@ -274,7 +262,7 @@ def test_random_trace_hybrid_blocks_no_prefix_cache():
 
 
 def test_random_trace_generator_deterministic_and_valid():
-    layout = tiny_layout()
+    layout = two_layer_layout()
 
     def run(seed):
         return [(s, [vars(v) for v in vs]) for s, vs in random_trace(layout, 150, seed, num_blocks=64,
@@ -302,7 +290,7 @@ def test_random_trace_generator_deterministic_and_valid():
 def small(num_blocks=64, **kw):
     kw.setdefault("max_num_batched_tokens", 64)
     kw.setdefault("max_num_seqs", 4)
-    return ReferenceScheduler(tiny_layout(), num_blocks, **kw)
+    return ReferenceScheduler(two_layer_layout(), num_blocks, **kw)
 
 
 def test_chunked_prefill_then_decode_and_finish():
@@ -480,7 +468,7 @@ def test_hybrid_table_entries():
 
 
 def test_bad_arguments():
-    layout = tiny_layout()
+    layout = two_layer_layout()
     with pytest.raises(ValueError, match="num_blocks"):
         ReferenceScheduler(layout, 1, max_num_batched_tokens=8, max_num_seqs=1)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
@@ -591,7 +579,7 @@ def test_replay_never_writes_blocks_another_request_holds(circular):
     """Through the pipeline (check_metadata after every build): no token of any step writes into a
     block that another live request holds (slot and compressed slot mappings of every channel), nor
     into a block the writer does not hold. Without replay_end the same steps would: the host refuses them."""
-    n = _replay_trace(tiny_layout(circular=circular), 0, 200)
+    n = _replay_trace(two_layer_layout(circular=circular), 0, 200)
     assert n["hits"] >= 5 and n["replayed_tokens"] > 80 and n["writes"] > 1000, n
     assert n["shared"] == 0 and n["unowned"] == 0, n
     # NOTE: without replay_end the steps would write shared blocks: update() refuses each such step
@@ -602,7 +590,7 @@ def test_replay_never_writes_blocks_another_request_holds(circular):
 # circular groups
 # ------------------------------------------------------------------------------------------------
 def test_circular_block_per_request_no_token_cap():
-    layout = tiny_layout(circular={"c128_state": 18})  # W 16: chunks are not capped by the ring
+    layout = two_layer_layout(circular={"c128_state": 18})  # W 16: chunks are not capped by the ring
     gid = layout.group("c128_state").gid
     s = ReferenceScheduler(layout, 64, max_num_batched_tokens=64, max_num_seqs=4, num_speculative_tokens=3)
     assert not hasattr(s, "circular_token_cap")
@@ -622,7 +610,7 @@ def test_circular_block_per_request_no_token_cap():
 
 
 def test_circular_worst_need_and_admission():
-    layout = tiny_layout(circular={"c128_state": 24})  # chunks of at most 9 tokens (long_prefill_threshold)
+    layout = two_layer_layout(circular={"c128_state": 24})  # chunks of at most 9 tokens (long_prefill_threshold)
     s = ReferenceScheduler(layout, 18, max_num_batched_tokens=64, max_num_seqs=4, long_prefill_threshold=9)
     # mla cdiv(200, 32) = 7; swa (bs 8, W 16) cdiv(15 + 9, 8) + 1 = 4; c4_state (bs 4, W 8)
     # cdiv(7 + 9, 4) + 1 = 5; c128_state: 1 block
@@ -643,13 +631,13 @@ def test_circular_worst_need_and_admission():
 def test_circular_traces_through_pipeline_validate(circular):
     """Random traces (chunks, spec decode, preemption and resume, prefix hits) with circular state
     groups: the pipeline accepts every step and check_metadata passes after every build."""
-    layout = tiny_layout(circular=circular)
+    layout = two_layer_layout(circular=circular)
     for seed in (1, 2):
         sched = ReferenceScheduler(layout, 30, max_num_batched_tokens=32, max_num_seqs=5,
                                    num_speculative_tokens=2, long_prefill_threshold=24, seed=seed)
         pipe = MetadataPipeline(layout, 6, 40, "cpu", 2, backend="reference", validate=True)
         seen = Counter()
-        for i, (step, views) in enumerate(sched.random_trace(150, seed, prompt_len=(1, 160),
+        for i, (step, _views) in enumerate(sched.random_trace(150, seed, prompt_len=(1, 160),
                                                              max_new_tokens=(1, 16), prefix_prob=0.5)):
             pipe.update(step, pad_to=min(40, step.total_tokens + i % 5))
             meta = pipe.build()
@@ -670,7 +658,7 @@ _FIELDS = ("slot_mapping", "compressed_slot_mapping", "indices", "lens", "ks", "
 def test_circular_fused_triton_equals_reference(device):
     """The fused Triton launch (interpreter on CPU) equals the PyTorch reference field by field on a
     short trace with both state groups circular, prefix hits with replay, and padding."""
-    layout = tiny_layout(circular=CIRCULAR_BOTH)
+    layout = two_layer_layout(circular=CIRCULAR_BOTH)
     sched = ReferenceScheduler(layout, 40, max_num_batched_tokens=24, max_num_seqs=4,
                                num_speculative_tokens=2, long_prefill_threshold=12, seed=4)
     fused = MetadataPipeline(layout, 5, 28, device, 2)
@@ -681,7 +669,7 @@ def test_circular_fused_triton_equals_reference(device):
     script = [{"add": [dict(req_id="a", prompt_len=70, max_new_tokens=12)]}, {}, {}, {}, {}, {},
               {"add": [dict(req_id="b", prompt_len=80, max_new_tokens=3, prefix_of="a", prefix_len=70)]},
               {}, {"add": [dict(req_id="c", prompt_len=40, max_new_tokens=4, prefix_of="a", prefix_len=40)]}]
-    for i, (step, views) in enumerate(scripted_trace(sched, script + [{}] * 5)):
+    for i, (step, _views) in enumerate(scripted_trace(sched, script + [{}] * 5)):
         pad = min(28, step.total_tokens + i % 4)
         fused.update(step, pad_to=pad)
         ref.update(step, pad_to=pad)

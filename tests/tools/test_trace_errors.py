@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from _scripts import hang_guard
+from helpers.scripts import hang_guard
 
 from dsv4_index import DSV4Layout, MetadataPipeline, NewRequest, RunningRequest, StepInput
 from dsv4_index.tools.cli import main

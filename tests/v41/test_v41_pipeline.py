@@ -15,7 +15,7 @@ from dsv4_index.config import shipped_config
 from dsv4_index.specs import ratio_kinds
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
-from _meta_helpers import compare_step
+from helpers.pipelines import compare_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 HAS_TRITON = torch.cuda.is_available() or interpreting()
