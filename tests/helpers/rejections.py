@@ -13,6 +13,8 @@ import torch
 from dsv4_index import DSV4Layout, MetadataPipeline
 from dsv4_index.testing.scheduler import random_trace
 
+from helpers.pipelines import DEVICE
+
 R, T_MAX, SPEC, STAGED = 6, 64, 2, 24        # slots, token capacity, spec tokens, max_staged_blocks
 VARIANTS = {  # layout kwargs, trace kwargs (prefix hits, finishes, a preemption in each)
     "ring": (dict(), dict(seed=4, num_blocks=28)),
@@ -20,17 +22,18 @@ VARIANTS = {  # layout kwargs, trace kwargs (prefix hits, finishes, a preemption
     "circular": (dict(circular={"c4_state": 12}), dict(seed=1, num_blocks=32, long_prefill_threshold=12)),
 }
 N_STEPS, N_FUSED = 16, 10  # NOTE: the interpreter is slow: fused runs are shorter
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @functools.lru_cache(maxsize=None)
 def layout(variant: str) -> DSV4Layout:
+    """``tiny``: mla blocks of 16, swa blocks of 8, causal indexer indices; ring tables, or a circular c4_state."""
     return DSV4Layout.from_config("tiny", max_model_len=256, mla_block_size=16, swa_block_size=8,
                                   indexer_causal_indices=True, **VARIANTS[variant][0])
 
 
 @functools.lru_cache(maxsize=None)
 def trace(variant: str, fused: bool = False):
+    """(steps, pad_to per step) of a reference-scheduler trace on ``layout(variant)``; shorter when ``fused``."""
     steps = [s for s, _ in random_trace(layout(variant), N_STEPS, max_num_batched_tokens=48, max_num_seqs=R,
                                         num_speculative_tokens=SPEC, prompt_len=(1, 60),
                                         max_new_tokens=(2, 10), arrival_prob=0.8, max_arrivals=2,
@@ -41,6 +44,7 @@ def trace(variant: str, fused: bool = False):
 
 
 def make_pipe(variant: str, checks: str = "safe", fused: bool = False) -> MetadataPipeline:
+    """A pipeline on ``layout(variant)``: the fused launch when ``fused``, else the reference backend."""
     p = MetadataPipeline(layout(variant), R, T_MAX, DEVICE, SPEC, checks=checks, max_staged_blocks=STAGED,
                          backend=None if fused else "reference")
     assert (p.fused_plan is not None) == fused

@@ -11,11 +11,10 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from dsv4_index._common import interpreting
+from helpers.pipelines import HAS_TRITON
 
 POISON = 12345
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # for @given tests
-HAS_TRITON = torch.cuda.is_available() or interpreting()
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
 KINDS = ("decode", "spec", "prefill", "chunk", "empty")
 

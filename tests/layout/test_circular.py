@@ -14,13 +14,11 @@ import torch
 
 import dsv4_index
 from dsv4_index import DSV4Layout
-from dsv4_index._common import cdiv, interpreting
+from dsv4_index._common import cdiv
 from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
-from helpers.pipelines import compare_step, three_pipelines
+from helpers.pipelines import DEVICE, HAS_TRITON, compare_step, three_pipelines
 
-HAS_TRITON = torch.cuda.is_available() or interpreting()
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["reference"] + (["triton"] if HAS_TRITON else [])
 W = 128
 

@@ -16,13 +16,11 @@ import torch
 
 import dsv4_index
 from dsv4_index import DSV4Layout, MetadataPipeline
-from dsv4_index._common import interpreting
 from dsv4_index.specs import GroupSpec
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
-from helpers.pipelines import compare_step
+from helpers.pipelines import HAS_TRITON, compare_step
 
-HAS_TRITON = torch.cuda.is_available() or interpreting()
 BACKENDS = ["reference"] + (["triton"] if HAS_TRITON else [])
 
 
