@@ -1,5 +1,5 @@
 """A vLLM ``SchedulerOutput`` in, a StepBatch out (issue 20 item 4): the field names of vLLM's HEAD
-(``_vllm_stub.py``), ``new_block_ids=None`` on the fast path, malformed outputs named, unknown ids a
+(``helpers/vllm_stub.py``), ``new_block_ids=None`` on the fast path, malformed outputs named, unknown ids a
 no-op, the pipeline's array-level errors named as requests, and the README's vLLM section as written.
 
 Pipelines here run the PyTorch reference (the subject is the host path).
