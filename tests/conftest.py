@@ -34,5 +34,5 @@ def device():
 def script_helps():
     """``path -> (exit code, output)`` of ``--help`` for every script of benchmarks/ and examples/, all in ONE
     subprocess (torch imported once): the quick subset's check that every script still imports and parses."""
-    from _scripts import help_of, scripts
+    from helpers.scripts import help_of, scripts
     return help_of(scripts("benchmarks") + scripts("examples"))

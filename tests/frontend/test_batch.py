@@ -17,7 +17,8 @@ from dsv4_index import (MetadataPipeline, NewRequest, RunningRequest, SlotMap, S
                         batch_from_scheduler_output, batch_from_step)
 from dsv4_index.batch import APPEND
 
-from _meta_helpers import assert_same, eventful_trace, meta_tensors, tiny_layout
+from helpers.layouts import tiny_layout
+from helpers.pipelines import assert_same, eventful_trace, meta_tensors
 
 LAYOUT = tiny_layout()
 G = len(LAYOUT.groups)

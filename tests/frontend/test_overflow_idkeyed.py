@@ -14,8 +14,9 @@ import pytest
 
 from dsv4_index import MetadataPipeline, NewRequest, RunningRequest, StepInput, batch_from_scheduler_output
 
-from _meta_helpers import assert_same, meta_tensors, tiny_layout
-from _vllm_stub import from_step
+from helpers.layouts import tiny_layout
+from helpers.pipelines import assert_same, meta_tensors
+from helpers.vllm_stub import from_step
 
 LAYOUT = tiny_layout()
 G = len(LAYOUT.groups)

@@ -10,8 +10,9 @@ from dsv4_index import (MetadataPipeline, NewRequest, RunningRequest, SlotMap, S
                         batch_from_scheduler_output, batch_from_step)
 from dsv4_index.state.requests import RowIds
 
-from _meta_helpers import Pool, tiny_layout
-from _vllm_stub import from_step
+from helpers.layouts import tiny_layout
+from helpers.pipelines import Pool
+from helpers.vllm_stub import from_step
 
 LAYOUT = tiny_layout()
 G = len(LAYOUT.groups)

@@ -1,5 +1,5 @@
 """A vLLM ``SchedulerOutput`` in, a StepBatch out (issue 20 item 4): the field names of vLLM's HEAD
-(``_vllm_stub.py``), ``new_block_ids=None`` on the fast path, malformed outputs named, unknown ids a
+(``helpers/vllm_stub.py``), ``new_block_ids=None`` on the fast path, malformed outputs named, unknown ids a
 no-op, the pipeline's array-level errors named as requests, and the README's vLLM section as written.
 
 Pipelines here run the PyTorch reference (the subject is the host path).
@@ -19,8 +19,9 @@ from dsv4_index import MetadataPipeline, NewRequest, RunningRequest, SlotMap, St
 from dsv4_index.frontend import convert as frontend
 from dsv4_index.frontend import batch_from_step
 
-from _meta_helpers import assert_same, eventful_trace, meta_tensors, tiny_layout
-from _vllm_stub import CachedRequestData, NewRequestData, SchedulerOutput, from_step
+from helpers.layouts import tiny_layout
+from helpers.pipelines import assert_same, eventful_trace, meta_tensors
+from helpers.vllm_stub import CachedRequestData, NewRequestData, SchedulerOutput, from_step
 
 LAYOUT = tiny_layout()
 G = len(LAYOUT.groups)
@@ -181,7 +182,7 @@ def _cached(o, **kw):
 
 
 def _old(o, flags):
-    from _vllm_stub import OldCachedRequestData
+    from helpers.vllm_stub import OldCachedRequestData
     c = o.scheduled_cached_reqs
     return OldCachedRequestData(c.req_ids, flags, c.new_token_ids, c.new_block_ids, c.num_computed_tokens)
 

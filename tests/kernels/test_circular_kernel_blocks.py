@@ -9,12 +9,10 @@ import pytest
 import torch
 
 from dsv4_index import DSV4Layout, MetadataPipeline
-from dsv4_index._common import interpreting
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
-from _meta_helpers import compare_step
+from helpers.pipelines import HAS_TRITON, compare_step
 
-HAS_TRITON = torch.cuda.is_available() or interpreting()
 FIELDS = ("slot_mapping", "tail_slot_mapping", "indices", "lens")
 
 

@@ -9,7 +9,7 @@ import torch
 import dsv4_index
 from dsv4_index import reference
 
-from _slot_batches import DEVICE, POISON, needs_triton, poisoned
+from helpers.slot_batches import DEVICE, POISON, needs_triton, poisoned
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 

@@ -58,7 +58,7 @@ def test_kernel_and_naive_imports(op):
 
 def test_nothing_under_ops_imports_a_higher_layer():
     for path in OPS_DIR.rglob("*.py"):
-        for level, mod, names in _imports(path):
+        for _level, mod, names in _imports(path):
             parts = set(mod.split(".")) | set(names)
             assert not parts & set(HIGHER), f"{path.relative_to(OPS_DIR)} imports {mod} {names}"
 

@@ -13,8 +13,8 @@ from dsv4_index import reference
 from dsv4_index._common import cp_owned_count
 from dsv4_index.ops.slot_mapping import kernel as K, naive as Rm
 
-from _slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_table, needs_triton,
-                           poisoned, py_slot_mapping)
+from helpers.slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_table, needs_triton, poisoned,
+                                  py_slot_mapping)
 
 
 def _needed(seq_lens, unit, world=1, rank=0, interleave=1):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import dsv4_index
 from dsv4_index._common import INT32_MAX
 
-from _slot_batches import DEVICE, batch_tensors, needs_triton, poisoned
+from helpers.slot_batches import DEVICE, batch_tensors, needs_triton, poisoned
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 

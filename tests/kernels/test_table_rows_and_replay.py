@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import dsv4_index
 from dsv4_index import reference
 
-from _slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_table, needs_triton,
-                           poisoned, py_compact, py_compressed, py_slot_mapping)
+from helpers.slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_table, needs_triton, poisoned,
+                                  py_compact, py_compressed, py_slot_mapping)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 

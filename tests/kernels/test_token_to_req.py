@@ -11,7 +11,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning")  # Triton interpreter noise
 from dsv4_index import reference
 
-from _slot_batches import DEVICE, POISON, batch_tensors, needs_triton, poisoned
+from helpers.slot_batches import DEVICE, POISON, batch_tensors, needs_triton, poisoned
 
 
 def py_token_to_req(q_lens, T_out):

@@ -10,7 +10,7 @@ import dsv4_index
 from dsv4_index import reference as ref
 from dsv4_index._common import interpreting
 
-from _slot_batches import COMPRESSED_SCENARIOS
+from helpers.slot_batches import COMPRESSED_SCENARIOS
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 POISON = 12345

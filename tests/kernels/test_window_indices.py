@@ -12,8 +12,8 @@ pytestmark = pytest.mark.filterwarnings(
 from dsv4_index import reference
 from dsv4_index._common import cp_owned_count
 
-from _slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_table,
-                           needs_triton, poisoned, py_window)
+from helpers.slot_batches import (DEVICE, POISON, batch_tensors, batches, cdiv, make_table, needs_triton, poisoned,
+                                  py_window)
 
 from dsv4_index.ops.window_indices import kernel as K, naive as Rm
 

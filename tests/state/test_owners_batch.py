@@ -7,9 +7,6 @@ accepted step the same holder counts, floors, ring low-water marks, frontiers an
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,11 +14,9 @@ from hypothesis import strategies as st
 
 from dsv4_index import MetadataPipeline
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "state"))
-from test_planners import MUTATION, R, SPEC, T_MAX, Serve, _feed, _layout, _mutate  # noqa: E402
-from test_rejections import _diff, state  # noqa: E402
+from helpers.batches import (MUTATION, R, SPEC, T_MAX, Serve, admit as _admit, batch as _batch, feed as _feed,
+                             mutate as _mutate, reject as _reject, repro_pipe as _pipe)
+from helpers.rejections import diff as _diff, layout as _layout, state
 
 FIELDS = ("floor", "ring_lo", "frontier", "replay_mark")
 
@@ -107,8 +102,6 @@ def test_a_row_rewinding_into_a_block_a_new_row_shares_is_rejected_on_the_batch_
     """A fills its mla block 2 on the batch path; C joins (a churn step) holding A's blocks 0..2 as a
     prefix hit; A then rewinds (rejected drafts) into block 2: rejected, by the batch path's gather, with
     the general message; the same step without the rewind is accepted."""
-    from test_owners_repros import _admit, _batch, _pipe, _reject
-
     import dsv4_index.state.owners as owners
     taken = []
     real = owners.plan_fast

@@ -9,75 +9,19 @@ columns at 64 tokens a step), c4_state (W 8, blocks of 4), c128_state (W 16, blo
 from __future__ import annotations
 
 import dataclasses
-import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dsv4_index import DSV4Layout, MetadataPipeline
-from dsv4_index.batch import APPEND, StepBatch
+from dsv4_index import MetadataPipeline
+from dsv4_index.batch import APPEND
 from dsv4_index.frontend import batch_from_step
 from dsv4_index.frontend import NewRequest, RunningRequest, StepInput
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _vllm_stub import from_step  # noqa: E402
-from test_rejections import _diff, state  # noqa: E402
-
-TINY = dict(num_hidden_layers=2, compress_ratios=[4, 16], sliding_window=16, index_topk=8)
-BS = (32, 8, 4, 8)  # block size per gid
-
-
-def _layout(max_model_len=256, circular=None):
-    return DSV4Layout.from_config(TINY, max_model_len, mla_block_size=32, swa_block_size=8, c4_state_block_size=4,
-                                  c128_state_block_size=8, circular=circular)
-
-
-def _pipe(checks="safe", max_model_len=256, **kw):
-    return MetadataPipeline(_layout(max_model_len), 4, 64, "cpu", 2, backend="reference", checks=checks, **kw)
-
-
-def _ids(base, upto):
-    """Block lists of a request holding positions [0, upto): ids ``base + 100 * gid + j``."""
-    return tuple([base + 100 * g + j for j in range(-(-upto // bs))] for g, bs in enumerate(BS))
-
-
-def _batch(rows, runs=(), free=(), replay_end=None, replay_start=None):
-    """``rows``: (slot, nc, q, new); ``runs``: (gid, slot, start, ids)."""
-    cu = np.cumsum([0] + [len(r[3]) for r in runs])
-    a = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    return StepBatch(req_slots=a([r[0] for r in rows]), num_computed_tokens=a([r[1] for r in rows]),
-                     num_scheduled_tokens=a([r[2] for r in rows]), is_new=np.asarray([r[3] for r in rows], bool),
-                     free_slots=a(free), write_gids=a([r[0] for r in runs]), write_slots=a([r[1] for r in runs]),
-                     write_starts=a([r[2] for r in runs]), write_cu=a(cu),
-                     write_ids=a([i for r in runs for i in r[3]]),
-                     replay_start=None if replay_start is None else a(replay_start),
-                     replay_end=None if replay_end is None else a(replay_end))
-
-
-def _admit(slot, base, nc, q):
-    return [(g, slot, 0, ids) for g, ids in enumerate(_ids(base, nc + q))]
-
-
-def _owners(pipe):
-    o = pipe.requests.owners
-    nz = np.flatnonzero(o.count)
-    return {"count": dict(zip(nz.tolist(), o.count[nz].tolist())),
-            **{k: getattr(o, k).copy() for k in ("floor", "ring_lo", "checked", "frontier")}}
-
-
-def _reject(pipe, step, pattern):
-    before, own = state(pipe), _owners(pipe)
-    with pytest.raises(ValueError) as e:
-        pipe.update(step)
-    msg = str(e.value)
-    assert re.search(pattern, msg), msg
-    assert "\n" not in msg, msg
-    assert not _diff(before, state(pipe)), "the rejected step changed the pipeline"
-    after = _owners(pipe)
-    assert own["count"] == after["count"] and all(np.array_equal(own[k], after[k]) for k in own if k != "count")
-    return msg
+from helpers.batches import (BS, admit as _admit, batch as _batch, block_ids as _ids, reject as _reject,
+                             repro_pipe as _pipe)
+from helpers.layouts import two_layer_layout as _layout
+from helpers.vllm_stub import from_step
 
 
 # ----------------------------------------------------------------------------------------------

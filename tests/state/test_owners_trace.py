@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,11 +20,9 @@ from dsv4_index.batch import APPEND
 from dsv4_index.frontend import batch_from_step
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _vllm_stub import from_step  # noqa: E402
-from test_rejections import _diff, state  # noqa: E402
-
-TINY = dict(num_hidden_layers=2, compress_ratios=[4, 16], sliding_window=16, index_topk=8)
+from helpers.layouts import TWO_LAYERS as TINY
+from helpers.rejections import diff as _diff, state
+from helpers.vllm_stub import from_step
 
 
 def layout(kind: str):

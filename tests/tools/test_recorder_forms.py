@@ -5,7 +5,6 @@ to record the same trace (request ids aside), and each replays clean. The core d
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,8 @@ from dsv4_index.testing.scheduler import ReferenceScheduler, scripted_trace
 from dsv4_index.tools.replay import replay_trace
 from dsv4_index.tools.trace import record_steps
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _vllm_stub import from_step  # noqa: E402
+
+from helpers.vllm_stub import from_step
 
 SCRIPT = [
     {"add": [dict(req_id="a", prompt_len=21, max_new_tokens=6), dict(req_id="b", prompt_len=13, max_new_tokens=5)]},

@@ -9,7 +9,7 @@ import pytest
 from dsv4_index import DSV4Layout
 from models.deepseek_v4 import DSV4Attention, PagedCaches, load_config
 
-from test_model_paged import layer_picks, run_trace
+from helpers.paged_model import layer_picks, run_trace
 
 V41 = load_config("tiny_v41")
 

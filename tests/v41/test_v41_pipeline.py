@@ -5,20 +5,17 @@ Triton path and the one fused launch (outputs poisoned before each build) AND eq
 formulas written here, from the scheduler's own block ids (id-keyed, independent of the library)."""
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsv4_index import DSV4Layout, MetadataPipeline
-from dsv4_index._common import interpreting
 from dsv4_index.config import shipped_config
 from dsv4_index.specs import ratio_kinds
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
-from _meta_helpers import compare_step
+from helpers.pipelines import HAS_TRITON, compare_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-HAS_TRITON = torch.cuda.is_available() or interpreting()
 
 
 # ----------------------------------------------------------------------------------------------
