@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ownership_rules import old_keys
+from .ownership_rules import count_in, old_keys
 
 __all__ = ["freed_keys", "fresh_runs", "commit_rows"]
 
@@ -103,7 +103,10 @@ def fresh_runs(o, v, st, plan, nc):
     if not hk.size:
         return fk, fk
     o.grow(hk.view(_U64).item(hk.argmax()))
-    st.shared_hit = bool(_count(o.count.take(hk)))
+    held = o.count.take(hk)
+    if _count(held) and st.rel is not None:  # NOTE: holders after this step's releases (a freed id handed on)
+        held -= count_in(np.sort(st.rel), hk)
+    st.shared_hit = bool(_count(held))
     return np.concatenate([fk, hk]), fk
 
 
