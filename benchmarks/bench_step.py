@@ -95,9 +95,11 @@ SWEEP_LARGE = [TileConfig(128, 16, 128, True, 4), TileConfig(128, 16, 128, True,
 def sweep(args):
     """Graph / single µs of every tile config of both variants (forced), on every Flash case."""
     from dsv4_index.fused.plan import FusedPlan
-    layout = DSV4Layout.from_config("flash", max_model_len=131072)
     out = []
-    for name in CASES:
+    for lname, name in [(lname, name) for lname in args.sweep_layouts.split(",") for name in CASES
+                        if not args.sweep_cases or name in args.sweep_cases.split(",")]:
+        cfg_name, _, groups = lname.partition(":")
+        layout = DSV4Layout.from_config(cfg_name, max_model_len=131072, **({"groups": groups} if groups else {}))
         case = CASES[name]
         pipe = make_pipe(layout, case, True)
         wl, _ = steady(layout, case, pipe, 3)
@@ -117,9 +119,9 @@ def sweep(args):
                 g, s1 = graph_time(lambda: plan.launch(lay), args.k, args.replays)
                 tag = f"{'L' if v else 'S'}{cfg.bt1}/{cfg.bt2}/{cfg.bc}/w{cfg.num_warps}"
                 line.append(f"{tag} {g:.2f}/{s1:.2f}")
-                out.append(dict(case=name, variant=v, cfg=tag, graph_us=g, single_us=s1,
+                out.append(dict(layout=lname, case=name, variant=v, cfg=tag, graph_us=g, single_us=s1,
                                 programs=plan.num_programs(lay.t_pad)))
-        print(f"sweep {name} (T_pad {lay.t_pad}, {written_bytes(pipe.fused_plan, lay.t_pad) / 2**20:.1f} MiB): "
+        print(f"sweep {lname} {name} (T_pad {lay.t_pad}, {written_bytes(pipe.fused_plan, lay.t_pad) / 2**20:.1f} MiB): "
               + "  ".join(line), flush=True)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
@@ -472,6 +474,8 @@ def main():
     ap.add_argument("--host-steps", type=int, default=60)
     ap.add_argument("--profile-one", default=None, help="one server-sized step of this case, for ncu")
     ap.add_argument("--sweep", action="store_true", help="fused-launch tile sweep (both variants, every case)")
+    ap.add_argument("--sweep-layouts", default="flash", help="with --sweep: layouts (e.g. flash,flash:vllm)")
+    ap.add_argument("--sweep-cases", default="", help="with --sweep: comma-separated case names (default all)")
     ap.add_argument("--no-host", action="store_true", help="skip the host-time phases")
     ap.add_argument("--floors", action="store_true", help="launch floors (empty kernels) and the write bandwidth")
     ap.add_argument("--topk-sweep", action="store_true", help="top-k conversion tiles (rows x warps)")
