@@ -11,7 +11,9 @@ map -> the row's values -> the table entry -> store. Causal lists read one table
 (``S`` columns) in the whole-row variant (``TileConfig.block_loads``). Output addresses and the table geometry
 (capacity-dependent) come from ``outs`` (loads off the chain); outputs are element offsets from the
 ``base*`` pointers (16-byte aligned), so that row stores of index lists are 16-byte vector stores.
-A new token kind is one more ``elif KIND == ...`` branch of :func:`_token_task`.
+The staging format's numbers come from :mod:`dsv4_index.state.staging`, the task fields, flags and
+``outs`` words from :mod:`dsv4_index.fused.tasks`; none is spelled here. A new token kind that reads a
+table is one more ``elif KIND == ...`` branch of :func:`_table_task`.
 
 NOTE: writers write only the entries staged this step, and a reader of such an entry takes it from
 the stage (the overlay), so no program reads what another program of the launch writes.
