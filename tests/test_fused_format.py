@@ -175,8 +175,8 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     from dsv4_index.pipeline import MetadataPipeline
     if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
         pytest.skip("builds the plan with TRITON_INTERPRET=1 or on CUDA")
-    pipe = MetadataPipeline(tiny_layout(circular={"c4_state": 16, "c128_state": 32}), 4, 64, "cuda" if torch.cuda.is_available()
-                            else "cpu")
+    layout = tiny_layout(circular={"c4_state": 16, "c128_state": 32})
+    pipe = MetadataPipeline(layout, 4, 64, "cuda" if torch.cuda.is_available() else "cpu")
     p = pipe.fused_plan
     plan = FusedPlan(p.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 2, tiny=TINY, small=SMALL,
                      large=LARGE)
