@@ -90,6 +90,7 @@ def _write_blocks(stage_ptr, tables_ptr, w, off_w, NUM_WRITERS: tl.constexpr, BL
 def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows, off_qsl, off_seq, off_slots,
                   off_rs, off_re, off_extra, TAB: tl.constexpr, TI: tl.constexpr, BLOCK_R: tl.constexpr,
                   NEXT_N_PAD: tl.constexpr):
+    """Batch rows ``tile * BLOCK_R + [0, BLOCK_R)`` of request task ``TI`` (rows ``(B, T_pad]`` padded)."""
     KIND: tl.constexpr = TAB[TI * NF + S_KIND]
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     B = tl.load(stage_ptr + _H_NUM_REQS)
@@ -227,7 +228,7 @@ def _table_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t, in_ou
     """A token task that reads its group's table (every kind but COMMON), for tokens ``t`` of batch rows
     ``b``: the table row and geometry, the staged overlay record, the write floor, then the kind's outputs."""
     KIND: tl.constexpr = TAB[TI * NF + S_KIND]
-    R: tl.constexpr = TAB[TI * NF + S_RATIO]
+    R: tl.constexpr = TAB[TI * NF + S_RATIO]  # NOTE: the ratio of the kinds but WINDOW (_window_task)
     CPW: tl.constexpr = TAB[TI * NF + S_CPW]
     CPR: tl.constexpr = TAB[TI * NF + S_CPR]
     CPI: tl.constexpr = TAB[TI * NF + S_CPI]
@@ -362,7 +363,7 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
 def fused_step_kernel(stage_ptr,   # int32 [*] staging buffer (state/staging.py format)
                       tables_ptr,  # int32 [*] every group's block table
                       base32, base64, base8,  # 16-byte aligned bases of the int32 / int64 / int8 outputs
-                      outs_ptr,    # int64 [num_tasks, 8]: output offsets from the bases (/ MUL), table words
+                      outs_ptr,    # int64 [num_tasks, OUTS_WORDS]: output offsets (/ MUL), table words
                       T_pad, req_tiles, rows,
                       off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, off_w,
                       REQ: tl.constexpr, TOK: tl.constexpr, NUM_REQ: tl.constexpr, NUM_TOK: tl.constexpr,
