@@ -230,7 +230,8 @@ class FusedTask:
     outputs : tuple of tensors (or None), up to four, as the kind's table row lists them; each a
         contiguous persistent buffer at capacity.
     gid : int or None — the group whose table, overlay, ring and DCP sharding the task uses.
-    a, b : int — the kind's parameters (module table).
+    a, b : int — the kind's parameters (module table; packed as ``S_BLOCK_SIZE`` / ``S_RATIO`` and
+        ``S_WINDOW`` / ``S_ROWS_PER_BLOCK`` / ``S_NEXT_N``).
     width : int — row width of a 2-D output (its row stride); 0 for 1-D outputs.
     write_floor, window_floor : bool — apply ``replay_end`` to writes / ``replay_start`` to windows.
     circular : bool — window task of a circular group (docs/DESIGN.md §4): entries inside the step's chunk
