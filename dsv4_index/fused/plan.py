@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -17,8 +17,8 @@ from .._common import cdiv, interpreting
 from .._triton import triton
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
-from .tasks import (ESIZE, KINDS, NF, REQUEST_KINDS, TOKEN_KINDS, FusedTask, TileConfig, geometry, request_specs,
-                    task_spec, token_units)
+from .tasks import (ESIZE, G_RING, KINDS, MAX_OUTPUTS, NF, OUTS_GEO, OUTS_WORDS, REQUEST_KINDS, TOKEN_KINDS, FusedTask,
+                    TileConfig, geometry, request_specs, task_spec, token_units)
 
 __all__ = ["FusedPlan", "TileConfig"]
 
@@ -59,9 +59,9 @@ class FusedPlan:
     """
 
     def __init__(self, tasks: Sequence[FusedTask], tables, group_cp, stage: torch.Tensor, next_n: int, *,
-                 tiny: TileConfig = None, small: TileConfig = None, large: TileConfig = None,
-                 small_from: int = SMALL_FROM, large_from: int = None, block_r: int = 256,
-                 num_writers: int = None, block_w: int = 256):
+                 tiny: Optional[TileConfig] = None, small: Optional[TileConfig] = None,
+                 large: Optional[TileConfig] = None, small_from: int = SMALL_FROM, large_from: Optional[int] = None,
+                 block_r: int = 256, num_writers: Optional[int] = None, block_w: int = 256):
         interp = interpreting()
         small = small or (INTERP if interp else SMALL)
         self.configs = (tiny or (small if interp else TINY), small, large or (INTERP_LARGE if interp else LARGE))
@@ -77,8 +77,8 @@ class FusedPlan:
         for t in tasks:
             if t.kind not in KINDS:
                 raise ValueError(f"task kind {t.kind!r} is not one of {sorted(KINDS)}")
-            if len(t.outputs) > 4:
-                raise ValueError(f"task {t.kind}: at most four outputs, got {len(t.outputs)}")
+            if len(t.outputs) > MAX_OUTPUTS:
+                raise ValueError(f"task {t.kind}: at most {MAX_OUTPUTS} outputs, got {len(t.outputs)}")
             seen.setdefault(t.key(), t)
         req = [t for t in seen.values() if t.kind in REQUEST_KINDS]
         tok = [t for t in seen.values() if t.kind in TOKEN_KINDS]
@@ -88,10 +88,10 @@ class FusedPlan:
         # size, divided by the elements per 16 bytes when the output is 16-byte aligned too
         self._bases = {4: stage, 8: torch.zeros(2, dtype=torch.int64, device=dev),
                        1: torch.zeros(16, dtype=torch.int8, device=dev)}
-        outs = np.zeros((max(len(self.tasks), 1), 8), dtype=np.int64)
+        outs = np.zeros((max(len(self.tasks), 1), int(OUTS_WORDS)), dtype=np.int64)
         specs = []
         for i, t in enumerate(self.tasks):
-            muls = [1, 1, 1, 1]
+            muls = [1] * MAX_OUTPUTS
             for k, o in enumerate(t.outputs):
                 if o is None:
                     continue
@@ -101,8 +101,8 @@ class FusedPlan:
                 off = (o.data_ptr() - self._bases[es].data_ptr()) // es
                 muls[k] = 16 // es if o.data_ptr() % 16 == 0 else 1
                 outs[i, k] = off // muls[k]
-            outs[i, 4:] = geometry(t, tables)
-            specs.append(task_spec(i, t, group_cp, tuple(muls), bool(outs[i, 7])))
+            outs[i, OUTS_GEO:] = geometry(t, tables)
+            specs.append(task_spec(i, t, group_cp, muls, bool(outs[i, OUTS_GEO + G_RING])))
         self._num_req = len(req)
         self._req = request_specs(specs[:len(req)])
         self._tok_specs, self._tok_tasks = specs[len(req):], tok
@@ -123,7 +123,7 @@ class FusedPlan:
 
     def _variant(self, cfg: TileConfig) -> dict:
         units, t_super, p_super = token_units(self._tok_specs, self._tok_tasks, cfg)
-        consts = dict(REQ=self._req, TOK=units, NUM_REQ=self._num_req, NUM_TOK=len(units) // NF, T_SUPER=t_super,
+        consts = dict(REQ=self._req, TOK=units, NUM_REQ=self._num_req, NUM_TOK=len(units) // int(NF), T_SUPER=t_super,
                       P_SUPER=p_super, NUM_WRITERS=self.num_writers, BLOCK_W=self.block_w, BLOCK_R=self.block_r,
                       NEXT_N_PAD=self.next_n_pad, BLOCK_LOADS=bool(cfg.block_loads))
         return dict(cfg=cfg, t_super=t_super, p_super=p_super, consts=consts, kernel=None)

@@ -1,17 +1,20 @@
 """What a builder contributes to the fused launch: :class:`FusedTask` descriptors, and their packed
-device form (a ``constexpr`` tuple per task plus the output addresses; the field and kind numbers
-below are the only place the layout is written, the kernel imports them).
+device form (a ``constexpr`` tuple per task plus a row of output addresses and table words; the kind,
+field, flag and word numbers below are the only place that form is written, the kernel imports them).
 
 Token tasks run per tile of token rows (and column chunks for index lists, :class:`TileConfig`);
 request tasks per tile of ``BLOCK_R`` batch rows. Every output covers ``[0, T_pad)``
 (``[0, T_pad]`` for per-request arrays): padded tokens get ``-1`` / ``0``.
+
+The parameters ``a`` / ``b`` of a task mean what its row says; the packed fields have one name per
+meaning (``S_BLOCK_SIZE``, ``S_WINDOW``, ``S_RATIO``, ``S_ROWS_PER_BLOCK``, ``S_NEXT_N``).
 
 =============  ===============================================  =================================
 kind           outputs (out0, out1, out2)                        params
 =============  ===============================================  =================================
 COMMON         token_to_req i32 [T], positions i64 [T],          -
                is_valid_token bool [T]
-WINDOW         indices i32 [T, width], lens i32 [T],             a = block size, b = window,
+WINDOW         indices i32 [T, width], lens i32 [T],             a = block_size, b = W,
                slot_mapping i64 [T] (or none),                   width, group, floor flags,
                out3: tail_slot_mapping i64 [T] (or none)         circular flag (in-step split)
 COMPRESSED     slot_mapping i64 [T], compact i64 [T] (or none)   a = R, b = S, group, extra = cu
@@ -25,47 +28,98 @@ DECODE_LENS    decode_lens i32 [T_pad, next_n], clamped (>= 1)   a = R, b = next
 STAGED_COPY    copy of staged array ``extra`` i32 [T_pad + 1]    extra
 REPLAYS        replay_start, replay_end i32 [T_pad + 1]          -
 =============  ===============================================  =================================
+
+NOTE: the numbers are ``tl.constexpr`` objects (Triton reads a global in ``@triton.jit`` code only as
+one; the interpreter reads plain ints too, so a plain int would pass the CPU tests and fail to compile).
+On the host they index lists and arrays (``__index__``); convert with ``int()`` before arithmetic whose
+result is stored (``constexpr + int`` is a ``constexpr``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .._triton import tl
 __all__ = ["FusedTask", "TileConfig", "TOKEN_KINDS", "REQUEST_KINDS"]
 
-# kinds
-COMMON: tl.constexpr = tl.constexpr(0)
-WINDOW: tl.constexpr = tl.constexpr(1)
-COMPRESSED: tl.constexpr = tl.constexpr(2)
-CAUSAL: tl.constexpr = tl.constexpr(3)
-INDEXER: tl.constexpr = tl.constexpr(4)
-TOKEN_ROWS: tl.constexpr = tl.constexpr(5)
-REQUESTS: tl.constexpr = tl.constexpr(8)
-DECODE_LENS: tl.constexpr = tl.constexpr(9)
-STAGED_COPY: tl.constexpr = tl.constexpr(10)
-REPLAYS: tl.constexpr = tl.constexpr(11)
 KINDS = {"common": 0, "window": 1, "compressed": 2, "causal": 3, "indexer": 4, "token_rows": 5,
          "requests": 8, "decode_lens": 9, "staged_copy": 10, "replays": 11}
 TOKEN_KINDS = frozenset({"common", "window", "compressed", "causal", "indexer", "token_rows"})
 REQUEST_KINDS = frozenset({"requests", "decode_lens", "staged_copy", "replays"})
+COMMON: tl.constexpr = tl.constexpr(KINDS["common"])
+WINDOW: tl.constexpr = tl.constexpr(KINDS["window"])
+COMPRESSED: tl.constexpr = tl.constexpr(KINDS["compressed"])
+CAUSAL: tl.constexpr = tl.constexpr(KINDS["causal"])
+INDEXER: tl.constexpr = tl.constexpr(KINDS["indexer"])
+TOKEN_ROWS: tl.constexpr = tl.constexpr(KINDS["token_rows"])
+REQUESTS: tl.constexpr = tl.constexpr(KINDS["requests"])
+DECODE_LENS: tl.constexpr = tl.constexpr(KINDS["decode_lens"])
+STAGED_COPY: tl.constexpr = tl.constexpr(KINDS["staged_copy"])
+REPLAYS: tl.constexpr = tl.constexpr(KINDS["replays"])
 
 # NOTE: what never changes for a layout (kinds, parameters, widths, DCP, flags, tiles) is packed into
-# ``NF`` ints per task (fields ``S_*``, one flat ``constexpr`` tuple per launch variant), so the kernel
-# is compiled once per layout and tile variant; only the output addresses and the table geometry
-# (capacity-dependent) stay in device memory (``outs``, int64 [num_tasks, 8]: four output offsets,
-# then ``geometry()``). ``S_MUL + k``: output k's offset unit (elements per 16 bytes when 16-byte
-# aligned, else 1). ``S_TOFF``, ``S_STRIDE``, ``S_TWIDTH`` are unused (0).
-S_KIND, S_TASK, S_A, S_B, S_WIDTH, S_TOFF, S_STRIDE, S_TWIDTH, S_RING, S_CPW, S_CPR, S_CPI, S_GID, S_FLAGS, \
-    S_EXTRA, S_HAS, S_MUL, S_BT, S_BC, S_NCHUNK, S_NCU, S_START, S_NPROG = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, \
-    12, 13, 14, 15, 16, 20, 21, 22, 23, 24, 25
-NF = 26
-FLAG_WRITE_FLOOR = 1    # writes stop below replay_end (prefix-cacheable group)
-FLAG_WINDOW_FLOOR = 2   # windows start at replay_start at the earliest
-FLAG_CIRCULAR = 4       # circular group: in-step window entries -2 - row, out3 = the write plan
+# ``NF`` ints per task (fields ``S_*``, one flat ``constexpr`` tuple per launch variant: field F of task
+# TI is ``TAB[TI * NF + F]``), so the kernel is compiled once per layout and tile variant; only the output
+# addresses and the table geometry (capacity-dependent) stay in device memory (``outs``, below).
+S_KIND: tl.constexpr = tl.constexpr(0)     # KINDS value
+S_TASK: tl.constexpr = tl.constexpr(1)     # the task's row of ``outs``
+_S_A = 2                                   # FusedTask.a, read under its per-kind names below
+_S_B = 3                                   # FusedTask.b, read under its per-kind names below
+S_WIDTH: tl.constexpr = tl.constexpr(4)    # row width (row stride) of a 2-D output
+S_RING: tl.constexpr = tl.constexpr(5)     # 1: the group's table is a ring (its width is a runtime word)
+S_CPW: tl.constexpr = tl.constexpr(6)      # DCP world size, rank, interleave of the group
+S_CPR: tl.constexpr = tl.constexpr(7)
+S_CPI: tl.constexpr = tl.constexpr(8)
+S_GID: tl.constexpr = tl.constexpr(9)      # the group (overlay records), 0 without one
+S_FLAGS: tl.constexpr = tl.constexpr(10)   # FLAG_* bits
+S_EXTRA: tl.constexpr = tl.constexpr(11)   # index of the staged per-request array (state/staging.py "extra")
+S_HAS: tl.constexpr = tl.constexpr(12)     # bit k (HAS_OUTk): output k is given
+S_MUL: tl.constexpr = tl.constexpr(13)     # S_MUL + k: output k's offset unit (16 // esize if 16-byte aligned, else 1)
+# tile fields of a token unit (token_units; 0 in request specs)
+S_BT: tl.constexpr = tl.constexpr(17)      # token rows per program
+S_BC: tl.constexpr = tl.constexpr(18)      # columns per chunk
+S_NCHUNK: tl.constexpr = tl.constexpr(19)  # chunks per program (whole rows: every chunk of the row)
+S_START: tl.constexpr = tl.constexpr(20)   # first program of the unit in a super tile
+S_NPROG: tl.constexpr = tl.constexpr(21)   # programs of the unit per super tile
+NF: tl.constexpr = tl.constexpr(22)
+MAX_OUTPUTS = 4
+
+# the parameter fields under their per-kind names (module table)
+S_BLOCK_SIZE: tl.constexpr = tl.constexpr(_S_A)      # WINDOW: block_size of the table as the kernel reads it
+S_WINDOW: tl.constexpr = tl.constexpr(_S_B)          # WINDOW: W
+S_RATIO: tl.constexpr = tl.constexpr(_S_A)           # COMPRESSED, CAUSAL, INDEXER, TOKEN_ROWS, DECODE_LENS: R
+S_ROWS_PER_BLOCK: tl.constexpr = tl.constexpr(_S_B)  # COMPRESSED, CAUSAL: S
+S_NEXT_N: tl.constexpr = tl.constexpr(_S_B)          # DECODE_LENS: next_n
+
+# S_FLAGS bits
+FLAG_WRITE_FLOOR: tl.constexpr = tl.constexpr(1)   # writes stop below replay_end (prefix-cacheable group)
+FLAG_WINDOW_FLOOR: tl.constexpr = tl.constexpr(2)  # windows start at replay_start at the earliest
+FLAG_CIRCULAR: tl.constexpr = tl.constexpr(4)      # circular group: in-step window entries -2 - row, out3 = write plan
+
+
+def has_bit(k: int) -> int:
+    """The ``S_HAS`` bit of output ``k``."""
+    return 1 << k
+
+
+# S_HAS bits the kernel tests (the optional outputs of the module table)
+HAS_OUT1: tl.constexpr = tl.constexpr(has_bit(1))
+HAS_OUT2: tl.constexpr = tl.constexpr(has_bit(2))
+HAS_OUT3: tl.constexpr = tl.constexpr(has_bit(3))
+
+# ``outs``: int64 [num_tasks, OUTS_WORDS]; words [0, MAX_OUTPUTS): output k's offset from its dtype's base (in
+# units of S_MUL + k), then from OUTS_GEO the table words of geometry(): G_TABLE (the table's offset in the flat
+# buffer), G_STRIDE (row stride), G_WIDTH (logical width), G_RING (ring width)
+GEO_WORDS = 4
+OUTS_GEO: tl.constexpr = tl.constexpr(MAX_OUTPUTS)
+OUTS_WORDS: tl.constexpr = tl.constexpr(MAX_OUTPUTS + GEO_WORDS)
+G_TABLE: tl.constexpr = tl.constexpr(0)
+G_STRIDE: tl.constexpr = tl.constexpr(1)
+G_WIDTH: tl.constexpr = tl.constexpr(2)
+G_RING: tl.constexpr = tl.constexpr(3)
 TWO_D = frozenset({"window", "causal"})
 ESIZE = {torch.int32: 4, torch.int64: 8, torch.int8: 1, torch.bool: 1}
 
@@ -101,37 +155,47 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def task_spec(i: int, t: "FusedTask", group_cp, muls, ring: bool) -> tuple:
-    """The pipeline-constant fields of task ``i`` (``S_KIND`` .. ``S_MUL + 3``).
+def task_spec(i: int, t: "FusedTask", group_cp, muls: Sequence[int], ring: bool) -> Tuple[int, ...]:
+    """The pipeline-constant fields of task ``i`` (every field but the tile fields, which are 0).
 
     NOTE: the table's offset, row stride, logical width and ring width depend on the capacity
     (``max_num_reqs``, ``max_num_batched_tokens``), so they are runtime words (``geometry``) and a
     server-sized and an exactly-sized pipeline of one layout share the compiled kernel;
     ``S_RING`` only says whether the table is a ring.
     """
-    cp = tuple(map(int, group_cp(t.gid))) if t.gid is not None else (1, 0, 1)
-    flags = (FLAG_WRITE_FLOOR if t.write_floor else 0) | (FLAG_WINDOW_FLOOR if t.window_floor else 0) | \
-        (FLAG_CIRCULAR if t.circular else 0)
-    has = sum(1 << k for k, o in enumerate(t.outputs) if o is not None)
-    return (KINDS[t.kind], i, int(t.a), int(t.b), int(t.width), 0, 0, 0, int(ring), *cp,
-            t.gid if t.gid is not None else 0, flags, int(t.extra), has, *muls)
+    s = [0] * int(NF)
+    s[S_KIND], s[S_TASK], s[_S_A], s[_S_B], s[S_WIDTH] = KINDS[t.kind], i, int(t.a), int(t.b), int(t.width)
+    s[S_RING] = int(ring)
+    s[S_CPW], s[S_CPR], s[S_CPI] = map(int, group_cp(t.gid)) if t.gid is not None else (1, 0, 1)
+    s[S_GID] = t.gid if t.gid is not None else 0
+    s[S_FLAGS] = sum(int(bit) for bit, on in ((FLAG_WRITE_FLOOR, t.write_floor), (FLAG_WINDOW_FLOOR, t.window_floor),
+                                             (FLAG_CIRCULAR, t.circular)) if on)
+    s[S_EXTRA] = int(t.extra)
+    s[S_HAS] = sum(has_bit(k) for k, o in enumerate(t.outputs) if o is not None)
+    for k, m in enumerate(muls):
+        s[S_MUL + k] = int(m)
+    return tuple(s)
 
 
-def geometry(t: "FusedTask", tables) -> tuple:
-    """Runtime table words of a task: (table offset in the flat buffer, row stride, logical width,
-    ring width); zeros without a group."""
+def geometry(t: "FusedTask", tables) -> Tuple[int, int, int, int]:
+    """Runtime table words of a task, in ``G_*`` order: (table offset in the flat buffer, row stride,
+    logical width, ring width); zeros without a group."""
     if t.gid is None:
         return (0, 0, 0, 0)
     g = t.gid
-    return ((tables.tables[g].data_ptr() - tables.flat.data_ptr()) // 4, int(tables.tables[g].stride(0)),
-            int(tables.width[g]), int(tables.ring[g]))
+    words = [0] * GEO_WORDS
+    words[G_TABLE] = (tables.tables[g].data_ptr() - tables.flat.data_ptr()) // 4
+    words[G_STRIDE] = int(tables.tables[g].stride(0))
+    words[G_WIDTH], words[G_RING] = int(tables.width[g]), int(tables.ring[g])
+    return (words[0], words[1], words[2], words[3])
 
 
-def token_units(specs, tasks, cfg: TileConfig):
-    """Unit specs (task spec + ``S_BT`` .. ``S_NPROG``, flattened) of the token tasks under ``cfg``, and
-    the super tile (tokens, programs): every super tile of ``T_SUPER`` tokens runs ``P_SUPER`` programs."""
+def token_units(specs: Sequence[Tuple[int, ...]], tasks: Sequence["FusedTask"], cfg: TileConfig):
+    """Unit specs (task spec with its tile fields ``S_BT`` .. ``S_NPROG``, flattened) of the token tasks
+    under ``cfg``, and the super tile (tokens, programs): every super tile of ``T_SUPER`` tokens runs
+    ``P_SUPER`` programs."""
     shapes = []
-    for s, t in zip(specs, tasks):
+    for t in tasks:
         if t.kind in TWO_D:
             bc = min(cfg.bc, _pow2(t.width))
             bt = min(cfg.bt2 * max(cfg.bc // bc, 1), max(cfg.bt1, cfg.bt2))
@@ -140,17 +204,20 @@ def token_units(specs, tasks, cfg: TileConfig):
         else:
             shapes.append((cfg.bt1, 1, 1, 1))
     t_super = max([bt for bt, *_ in shapes] or [1])
-    units, start = [], 0
+    units: List[int] = []
+    start = 0
     for s, (bt, bc, nchunk, ncu) in zip(specs, shapes):
         nprog = ncu * (t_super // bt)
-        units += list(s) + [bt, bc, nchunk, ncu, start, nprog]
+        u = list(s)
+        u[S_BT], u[S_BC], u[S_NCHUNK], u[S_START], u[S_NPROG] = bt, bc, nchunk, start, nprog
+        units += u
         start += nprog
     return tuple(units), t_super, max(start, 1)
 
 
-def request_specs(specs) -> tuple:
+def request_specs(specs: Sequence[Tuple[int, ...]]) -> Tuple[int, ...]:
     """Request task specs, flattened (tile fields 0)."""
-    return tuple(v for s in specs for v in tuple(s) + (0,) * (NF - len(s)))
+    return tuple(v for s in specs for v in s)
 
 
 @dataclass(frozen=True)
@@ -163,7 +230,8 @@ class FusedTask:
     outputs : tuple of tensors (or None), up to four, as the kind's table row lists them; each a
         contiguous persistent buffer at capacity.
     gid : int or None — the group whose table, overlay, ring and DCP sharding the task uses.
-    a, b : int — the kind's parameters (module table).
+    a, b : int — the kind's parameters (module table; packed as ``S_BLOCK_SIZE`` / ``S_RATIO`` and
+        ``S_WINDOW`` / ``S_ROWS_PER_BLOCK`` / ``S_NEXT_N``).
     width : int — row width of a 2-D output (its row stride); 0 for 1-D outputs.
     write_floor, window_floor : bool — apply ``replay_end`` to writes / ``replay_start`` to windows.
     circular : bool — window task of a circular group (docs/DESIGN.md §4): entries inside the step's chunk

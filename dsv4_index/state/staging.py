@@ -19,8 +19,10 @@ max_num_reqs)`` (a batch never has more rows than tokens), so that a CUDA graph 
     writes   [N] values, then [N] flat destinations in the block-table buffer
 
 Only ``[0, used)`` is copied. :class:`StageLayout` gives the offsets for one ``T_pad``; the fused
-kernel receives them as runtime arguments (``StageLayout.kernel_args``) and imports the header fields
-and the overlay record (``OVERLAY_STRIDE``, ``OV_LO``, ``OV_HI``, ``OV_PAY``) from here. One writer
+kernel receives them as runtime arguments (``StageLayout.kernel_args``) and imports every other fact of
+the format from here: the header fields (``H_*``), the per-batch-row stride (``rows + ROW_ARRAY_PAD``),
+the overlay record (``OVERLAY_STRIDE``, ``OV_LO``, ``OV_HI``, ``OV_PAY``) and the halves of the writes
+region (``W_VALUES``, ``W_DESTS``: half ``k`` is ``[writes + k * N, writes + (k + 1) * N)``). One writer
 (:meth:`StepStaging.stage`, with :meth:`BlockTables.stage_writes` for the write regions), one reader
 (``fused/kernel.py``).
 """
@@ -38,6 +40,9 @@ HEADER = 8
 H_NUM_REQS, H_NUM_TOKENS, H_NUM_DECODES, H_NUM_WRITES, H_REPLAY_START, H_REPLAY_END = range(6)
 OVERLAY_STRIDE = 3                     # NOTE: int32 per (group, batch row) overlay record
 OV_LO, OV_HI, OV_PAY = 0, 1, 2         # fields of an overlay record
+ROW_ARRAY_PAD = 1                      # NOTE: a per-batch-row array holds rows + 1 int32 (qsl's closing entry)
+W_VALUES, W_DESTS = 0, 1               # halves of the writes region, N int32 each
+WRITE_HALVES = 2
 
 
 class StageLayout(NamedTuple):
@@ -58,7 +63,7 @@ class StageLayout(NamedTuple):
     @classmethod
     def for_tokens(cls, t_pad: int, num_groups: int, num_extra: int, max_num_reqs: int) -> "StageLayout":
         rows = max(min(t_pad, max_num_reqs), 1)
-        n = rows + 1
+        n = rows + ROW_ARRAY_PAD
         qsl = HEADER
         seq = qsl + n
         slots = seq + n
@@ -72,7 +77,7 @@ class StageLayout(NamedTuple):
 
     def extra_at(self, i: int) -> int:
         """Offset of extra array ``i``."""
-        return self.extra + i * (self.rows + 1)
+        return self.extra + i * (self.rows + ROW_ARRAY_PAD)
 
     def kernel_args(self):
         """The offsets the fused kernel takes, in its argument order."""
@@ -103,7 +108,7 @@ class StepStaging:
         self.num_groups, self.num_extra, self.max_writes = num_groups, num_extra, max_writes
         self.max_num_reqs = max_num_reqs
         self.capacity = StageLayout.for_tokens(max_num_tokens, num_groups, num_extra,
-                                               max_num_reqs).writes + 2 * max_writes
+                                               max_num_reqs).writes + WRITE_HALVES * max_writes
         pin = device.type == "cuda" and torch.cuda.is_available()
         self.async_copy = pin
         self.host = [torch.zeros(self.capacity, dtype=torch.int32, pin_memory=pin) for _ in range(2 if pin else 1)]
@@ -184,7 +189,7 @@ class StepStaging:
         N = tables.stage_writes(plan, h, lay)
         hd[H_NUM_WRITES] = N
         h[:HEADER] = hd
-        used = lay.writes + 2 * N
+        used = lay.writes + WRITE_HALVES * N
         self.copy(used)
         self.lay, self.pending_writes = lay, N
         return 4 * used, N
@@ -202,11 +207,11 @@ class StepStaging:
         h[:HEADER] = 0
         h[H_NUM_WRITES] = N
         w = lay.writes
-        h[w:w + N] = vals
-        h[w + N:w + 2 * N] = dst
+        h[w + W_VALUES * N:w + (W_VALUES + 1) * N] = vals
+        h[w + W_DESTS * N:w + (W_DESTS + 1) * N] = dst
         self._holds[self._cur] = None  # NOTE: the step regions of this buffer were not written
         self._q_holds[self._cur] = None
-        used = w + 2 * N
+        used = w + WRITE_HALVES * N
         self.copy(used)
         self.lay, self.pending_writes = lay, N
         return 4 * used
@@ -217,7 +222,8 @@ class StepStaging:
         lay, N = self.lay, self.pending_writes
         if N:
             w = lay.writes
-            flat[self.dev[w + N:w + 2 * N].long()] = self.dev[w:w + N]
+            vals = self.dev[w + W_VALUES * N:w + (W_VALUES + 1) * N]
+            flat[self.dev[w + W_DESTS * N:w + (W_DESTS + 1) * N].long()] = vals
         self.pending_writes = 0
 
     def applied(self) -> None:
