@@ -25,7 +25,6 @@ LIMIT = 80
 ALLOWED: Dict[str, int] = {
     "dsv4_index/fused/kernel.py:_token_task": 101,
     "dsv4_index/geometry.py:DSV4Layout._from_normalized": 149,
-    "dsv4_index/pipeline.py:MetadataPipeline.__init__": 81,
 }
 
 

@@ -12,11 +12,14 @@ builder class.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 
 from ..fused.tasks import FusedTask
+
+if TYPE_CHECKING:
+    from ..geometry import DSV4Layout
 
 __all__ = ["BuildContext", "ChannelBuilder", "ChannelMetadata", "register_channel", "registered_channels",
            "builder_for"]
@@ -88,7 +91,7 @@ class BuildContext:
     (a batch never has more rows than tokens): rows past the batch are zero-length requests.
     """
 
-    layout: object
+    layout: DSV4Layout
     device: torch.device
     max_num_reqs: int
     max_num_tokens: int
@@ -303,7 +306,8 @@ def registered_channels() -> Dict[str, Type[ChannelBuilder]]:
 
 
 def builder_for(spec, layout) -> ChannelBuilder:
-    cls = _REGISTRY.get(spec.name) or _REGISTRY.get(getattr(spec, "builder", None))
+    builder = getattr(spec, "builder", None)
+    cls = _REGISTRY.get(spec.name) or (None if builder is None else _REGISTRY.get(builder))
     if cls is None:
         raise ValueError(f"no builder registered for channel {spec.name!r}; "
                          f"known: {sorted(_REGISTRY)} (use register_channel)")

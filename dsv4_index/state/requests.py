@@ -92,18 +92,19 @@ class RequestState:
         if plan.new_slots.size:
             occ[plan.new_slots] = True
         c = self.cache
-        if plan.steady and c is not None and c.scratch.plan is plan:
+        # NOTE: the ignores: BatchCache sets its attributes in from_plan, undeclared (state/steady.py)
+        if plan.steady and c is not None and c.scratch.plan is plan:  # type: ignore[attr-defined]
             c.advance(plan)
             return
-        self._generation = (self._generation if c is None else c.generation) + 1
-        self.cache = (BatchCache.from_plan(plan, self._geometry, self._tables, c, self._generation)
-                      if self.use_steady else None)
+        self._generation = (self._generation if c is None else c.generation) + 1  # type: ignore[attr-defined]
+        geo = self._geometry  # NOTE: None exactly when not use_steady
+        self.cache = None if geo is None else BatchCache.from_plan(plan, geo, self._tables, c, self._generation)
 
     @property
     def signature(self) -> Optional[int]:
         """Equal between two steps of one batch (same rows, counts, order): the staging buffer then
         keeps their ``qsl`` / ``slots`` / ``tok_row``."""
-        return None if self.cache is None else self.cache.generation
+        return None if self.cache is None else self.cache.generation  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------------------------

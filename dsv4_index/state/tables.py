@@ -17,14 +17,14 @@ the host mirror.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .._common import INT32_MAX
 from ._index import col_modulus, flat_offset, ring_col
-from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE
+from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, StageLayout
 
 __all__ = ["BlockTables"]
 
@@ -62,7 +62,7 @@ class BlockTables:
     """
 
     def __init__(self, groups: Sequence, max_num_reqs: int, max_num_batched_tokens: int,
-                 device: torch.device, int32_units: Sequence[int], max_model_len: int = None,
+                 device: torch.device, int32_units: Sequence[int], max_model_len: Optional[int] = None,
                  compressed: Sequence[Tuple[int, int, int]] = ()):
         G, num_slots = len(groups), max_num_reqs
         self.groups = tuple(groups)
@@ -117,7 +117,8 @@ class BlockTables:
         self._iota = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int32)
         self.iota_cols = self._iota.astype(np.int64)  # NOTE: column numbers (the full checks' row masks)
         self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
-        self._trips = {}  # NOTE: layout -> preset overlay records (the steady path's one scatter)
+        # NOTE: layout -> preset overlay records (the steady path's one scatter)
+        self._trips: Dict[StageLayout, Tuple[np.ndarray, np.ndarray]] = {}
         self._mixed = np.zeros((G * num_slots + 1, OVERLAY_STRIDE), dtype=np.int32)  # NOTE: _stage_mixed's records
         self._row_base = flat_offset(self.base[:, None], self.cols[:, None], np.arange(num_slots)[None, :], 0).ravel()
         self._col_mod = np.repeat(col_modulus(self.ring), num_slots)
@@ -150,7 +151,7 @@ class BlockTables:
             return self._stage_mixed(plan, h, lay)
         w0 = lay.writes
         N = self._stage_runs(plan, h, w0) if plan.w_gid.shape[0] <= _FEW_RUNS else None
-        keep = False
+        keep: Union[np.ndarray, bool, None] = False  # NOTE: False: staged run by run (_stage_runs)
         if N is None:
             keep, dst = self.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
             vals = plan.w_ids if keep is None else plan.w_ids[keep]
@@ -277,7 +278,7 @@ class BlockTables:
         ov.reshape(-1).view(_RECORD)[at] = trip[:N].reshape(-1).view(_RECORD)
         return N
 
-    def _records(self, lay) -> np.ndarray:
+    def _records(self, lay: StageLayout) -> Tuple[np.ndarray, np.ndarray]:
         """int32 ``[G * max_num_reqs, OVERLAY_STRIDE]`` overlay records for :meth:`_stage_appends`,
         payload column ``lay.writes + i``, and ``lay.rows`` as a 0-d int64 (built once per layout)."""
         got = self._trips.get(lay)
@@ -317,7 +318,7 @@ class BlockTables:
         return starts * f, k_cu, k_ids
 
     def destinations(self, gid: np.ndarray, slot: np.ndarray, start: np.ndarray, keep_from: np.ndarray,
-                     cu: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+                     cu: np.ndarray) -> Tuple[Optional[np.ndarray], np.ndarray]:
         """Where the kept ids of validated kernel-block runs go.
 
         A run sets logical blocks ``[start, start + n)``; only those from ``keep_from`` on are stored
