@@ -24,7 +24,6 @@ LIMIT = 80
 # "module path:qualified name" -> lines of code today (shrink only)
 ALLOWED: Dict[str, int] = {
     "dsv4_index/fused/kernel.py:_token_task": 101,
-    "dsv4_index/geometry.py:DSV4Layout._from_normalized": 149,
 }
 
 
