@@ -29,6 +29,7 @@ from .channels import BuildContext, ChannelBuilder, ChannelMetadata, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
 from .metadata import DSV4Metadata, StepStats
+from .geometry import DSV4Layout
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
 from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
 from .state.requests import RowIds, SlotMap
@@ -38,7 +39,7 @@ MAX_STAGED_BLOCKS = BOUNDS["max_staged_blocks"][0]
 __all__ = ["MetadataPipeline"]
 
 
-def _check_arguments(layout, max_num_reqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
+def _check_arguments(layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
                      max_staged_blocks: Optional[int], cp: Tuple[int, int, int], checks: str) -> None:
     """The constructor's checks, before anything is allocated: DCP, every capacity bounded (largest
     value and reason), the check level, and DCP against the layout's sharded groups."""
@@ -88,7 +89,7 @@ class MetadataPipeline:
         and raises ``AssertionError`` on a difference); False: every step takes the general checks.
     """
 
-    def __init__(self, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
+    def __init__(self, layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
@@ -286,7 +287,7 @@ class MetadataPipeline:
         key = (B, Tp, nd)
         if self._views is None or self._views[0] != key:
             # NOTE: views depend on (B, T_pad, num_decodes) only: reuse them while those repeat
-            common = dict(query_start_loc=ctx.query_start_loc[:B + 1], seq_lens=ctx.seq_lens[:B],
+            common: Dict[str, Any] = dict(query_start_loc=ctx.query_start_loc[:B + 1], seq_lens=ctx.seq_lens[:B],
                           idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
                           token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
                           ring_cols=ctx.ring_cols, layout=self.layout, cp=self.cp, next_n=ctx.next_n,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Type
 import torch
 
 from ..fused.tasks import FusedTask
+from ..specs import ChannelSpec
 
 if TYPE_CHECKING:
     from ..geometry import DSV4Layout
@@ -219,7 +220,7 @@ class ChannelBuilder:
     Device work must do no host sync, no allocation and have no data-dependent shape (docs/DESIGN.md §7).
     """
 
-    def __init__(self, spec, layout):
+    def __init__(self, spec: ChannelSpec, layout: DSV4Layout):
         self.spec = spec
         self.layout = layout
         self.group = layout.groups[spec.gid]
@@ -266,6 +267,15 @@ class ChannelBuilder:
         raise ValueError(f"channel {self.spec.name!r} does not convert top-k indices")
 
     # -- helpers -----------------------------------------------------------------------------
+    def required(self, field: str) -> int:
+        """``spec.<field>`` (``window``, ``index_width``) of a builder that needs it (at ``allocate``);
+        ``ValueError`` naming the field and the channel when it is None."""
+        v = getattr(self.spec, field)
+        if v is None:
+            raise ValueError(f"spec.{field} of channel {self.spec.name!r} is None; its builder "
+                             f"{type(self).__name__} needs it")
+        return v
+
     def batch_args(self, ctx: BuildContext) -> dict:
         """Keyword arguments of the functional ops for this step (unfused path)."""
         B = ctx.num_reqs
@@ -305,7 +315,7 @@ def registered_channels() -> Dict[str, Type[ChannelBuilder]]:
     return dict(_REGISTRY)
 
 
-def builder_for(spec, layout) -> ChannelBuilder:
+def builder_for(spec: ChannelSpec, layout: DSV4Layout) -> ChannelBuilder:
     builder = getattr(spec, "builder", None)
     cls = _REGISTRY.get(spec.name) or (None if builder is None else _REGISTRY.get(builder))
     if cls is None:

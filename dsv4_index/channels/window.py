@@ -31,7 +31,8 @@ class WindowChannel(ChannelBuilder):
         return self.group.kind == "circular"
 
     def allocate(self, ctx: BuildContext):
-        T, width = ctx.max_num_tokens, self.spec.index_width or self.spec.window
+        self._window = self.required("window")
+        T, width = ctx.max_num_tokens, self.spec.index_width or self._window
         self.slots = torch.full((T,), -1, dtype=torch.int64, device=ctx.device)
         self.indices = torch.full((T, width), -1, dtype=torch.int32, device=ctx.device)
         self.lens = torch.zeros((T,), dtype=torch.int32, device=ctx.device)
@@ -46,7 +47,7 @@ class WindowChannel(ChannelBuilder):
 
     def fused_tasks(self, ctx: BuildContext):
         return [FusedTask("window", (self.indices, self.lens, self.slots, self.tail), gid=self.spec.gid,
-                          a=self.kernel_block_size, b=self.spec.window, width=self.indices.shape[1],
+                          a=self.kernel_block_size, b=self._window, width=self.indices.shape[1],
                           write_floor=self.group.prefix_cacheable, window_floor=True, circular=self.circular)]
 
     def launch(self, ctx: BuildContext):
@@ -62,7 +63,7 @@ class WindowChannel(ChannelBuilder):
             slot_mapping(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
                          replay_end=floor, out=self.tail[:Tp], ring=ring, circular_capacity=cap, **kw)
         window_indices(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
-                       self.spec.window, replay_start=ctx.replay_start[:B], out=self.indices[:Tp],
+                       self._window, replay_start=ctx.replay_start[:B], out=self.indices[:Tp],
                        out_lens=self.lens[:Tp], ring=ring, circular_capacity=cap, **kw)
 
     def views(self, ctx: BuildContext):

@@ -27,10 +27,12 @@ and the overlay record (``OVERLAY_STRIDE``, ``OV_LO``, ``OV_HI``, ``OV_PAY``) fr
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from .plan import StepPlan
 
 __all__ = ["StageLayout", "StepStaging", "HEADER", "OVERLAY_STRIDE"]
 
@@ -135,7 +137,7 @@ class StepStaging:
                                                                 self.max_num_reqs)
         return lay
 
-    def stage(self, plan, tables, inputs, signature=None) -> tuple:
+    def stage(self, plan: StepPlan, tables, inputs: Sequence[Callable], signature: Optional[Hashable] = None) -> tuple:
         """Write one checked step into the next host buffer and copy it to the device.
 
         Parameters

@@ -24,6 +24,7 @@ import torch
 
 from .._common import INT32_MAX
 from ._index import col_modulus, flat_offset, ring_col
+from .plan import StepPlan
 from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, StageLayout
 
 __all__ = ["BlockTables"]
@@ -124,7 +125,7 @@ class BlockTables:
         self._col_mod = np.repeat(col_modulus(self.ring), num_slots)
 
     # ------------------------------------------------------------------------------------------
-    def commit(self, plan) -> None:
+    def commit(self, plan: StepPlan) -> None:
         """Block counts after a checked step (freed and new slots start empty)."""
         nb = self.num_blocks
         if plan.free_slots.size:
@@ -136,7 +137,7 @@ class BlockTables:
         elif plan.w_gid.size:
             nb[plan.w_gid, plan.w_slot] = plan.w_end
 
-    def stage_writes(self, plan, h: np.ndarray, lay) -> int:
+    def stage_writes(self, plan: StepPlan, h: np.ndarray, lay: StageLayout) -> int:
         """Stage a checked step's block ids into host buffer ``h`` (format of ``state/staging.py``):
         the values and flat destinations of the kept ids, the overlay of every (group, batch row),
         and the host mirror. Returns the number of ids staged."""
@@ -177,7 +178,7 @@ class BlockTables:
         h[at + OV_PAY] = pay
         return N
 
-    def _stage_runs(self, plan, h: np.ndarray, w0: int):
+    def _stage_runs(self, plan: StepPlan, h: np.ndarray, w0: int):
         """:meth:`stage_writes` of a few runs (a prefill): each run's kept ids are one slice, or two
         where a ring wraps (it keeps at most ``ring`` ids); no array over every id. None when a run
         keeps more ids than its ring (the general path handles it)."""
@@ -211,10 +212,11 @@ class BlockTables:
             pos += k
         return total
 
-    def _stage_mixed(self, plan, h: np.ndarray, lay) -> int:
+    def _stage_mixed(self, plan: StepPlan, h: np.ndarray, lay: StageLayout) -> int:
         """:meth:`stage_writes` of one-id appends (vectorised) and a few other runs ``plan.w_other``
         (one or two slices each), every run on a batch row; the bytes of the general staging."""
-        other, a, cu, w0 = plan.w_other, plan.w_app, plan.w_cu, lay.writes
+        other, a, cu, w0, w_key = plan.w_other, plan.w_app, plan.w_cu, lay.writes, plan.w_key
+        assert other is not None and a is not None and w_key is not None  # NOTE: stage_writes' dispatch
         # NOTE: on the fast path start <= keep <= end and end - start is the run's length: every id from keep on
         first = plan.w_keep
         kept = plan.w_end - first
@@ -223,7 +225,7 @@ class BlockTables:
         pay = kept_cu - kept
         vals, dsts = h[w0:w0 + N], h[w0 + N:w0 + 2 * N]
         if a.shape[0]:
-            key, at = plan.w_key.take(a), pay.take(a)
+            key, at = w_key.take(a), pay.take(a)
             dst = self._row_base.take(key)
             dst += plan.w_start.take(a) % self._col_mod.take(key)
             vals[at] = plan.w_ids.take(cu.take(a))
@@ -260,9 +262,10 @@ class BlockTables:
         ov.view(_RECORD)[at] = trip[:R].reshape(-1).view(_RECORD)
         return N
 
-    def _stage_appends(self, plan, h: np.ndarray, lay, ov: np.ndarray) -> int:
+    def _stage_appends(self, plan: StepPlan, h: np.ndarray, lay: StageLayout, ov: np.ndarray) -> int:
         """:meth:`stage_writes` of runs that append one id each to batch rows (run ``i``'s id is value ``i``)."""
         key, ids, N, w0 = plan.w_key, plan.w_ids, plan.w_ids.shape[0], lay.writes
+        assert key is not None  # NOTE: stage_writes' dispatch: the fast path's runs
         dst = self._row_base.take(key)
         dst += plan.w_start % self._col_mod.take(key)
         vals = h[w0:w0 + N]
