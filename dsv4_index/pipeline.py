@@ -287,12 +287,13 @@ class MetadataPipeline:
         key = (B, Tp, nd)
         if self._views is None or self._views[0] != key:
             # NOTE: views depend on (B, T_pad, num_decodes) only: reuse them while those repeat
-            common: Dict[str, Any] = dict(query_start_loc=ctx.query_start_loc[:B + 1], seq_lens=ctx.seq_lens[:B],
-                          idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
-                          token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
-                          ring_cols=ctx.ring_cols, layout=self.layout, cp=self.cp, next_n=ctx.next_n,
-                          builders=self._builders, _converters=self._converters, num_reqs=B,
-                          num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd)
+            common: Dict[str, Any] = dict(
+                query_start_loc=ctx.query_start_loc[:B + 1], seq_lens=ctx.seq_lens[:B],
+                idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
+                token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
+                ring_cols=ctx.ring_cols, layout=self.layout, cp=self.cp, next_n=ctx.next_n,
+                builders=self._builders, _converters=self._converters, num_reqs=B,
+                num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd)
             self._views = (key, {name: b.views(ctx) for name, b in self._builders.items()}, common)
         _, channels, common = self._views
         return DSV4Metadata(
