@@ -298,10 +298,10 @@ def _normalize_dict(raw: Dict[str, Any], where: str) -> Dict[str, Any]:
             ratios = from_types
         else:
             k = len(raw["layer_types"])
-            bad = [i for i in range(k) if ratios[i] != from_types[i]]
-            if bad:
-                i = bad[0]
-                raise ConfigError(f"{src}: layer_types and compress_ratios disagree at {len(bad)} layer(s), "
+            differ = [i for i in range(k) if ratios[i] != from_types[i]]
+            if differ:
+                i = differ[0]
+                raise ConfigError(f"{src}: layer_types and compress_ratios disagree at {len(differ)} layer(s), "
                                   f"first layer {i}: layer_types[{i}] = {raw['layer_types'][i]!r} "
                                   f"(ratio {from_types[i]}) but compress_ratios[{i}] = {ratios[i]}",
                                   where, field="layer_types")

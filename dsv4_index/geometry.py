@@ -1,6 +1,7 @@
 """DSV4 cache geometry: the layout (kv-cache groups and the channels that read their block tables)
 derived from a model config (docs/DESIGN.md §3). The spec records live in :mod:`dsv4_index.specs`, the choice of
-groups in :mod:`dsv4_index.group_plan`; this module sizes them (block sizes, table widths, index widths).
+groups in :mod:`dsv4_index.group_plan`, their sizing (block sizes, table widths, index widths) and the channels in
+:mod:`dsv4_index.layout_derive`; this module holds the record and its queries.
 
 Group order is part of the contract: ``mla``, ``swa``, ``c4_state``, ``c128_state``; groups the config
 has no layer for are omitted and the remaining ones numbered ``0..G-1`` in that order.
@@ -14,13 +15,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, Mapping, Optional, Tuple, Union
 
-from ._common import cdiv, check_int, is_int, round_up
-from .engine_plan import EnginePlan, layout_from_kv_cache_config
-from .group_plan import plan_groups
-from .group_plan import PlannedGroup
-from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, INDEX_ALIGN, ChannelSpec, GroupSpec, parse_circular, ratio_kinds
+from ._common import check_int
+from .engine_plan import layout_from_kv_cache_config
+from .layout_derive import derive_layout
+from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, ChannelSpec, GroupSpec, ratio_kinds
 
 __all__ = ["GroupSpec", "ChannelSpec", "DSV4Layout", "GROUP_ORDER", "CHANNEL_OUTPUTS"]
 
@@ -39,13 +39,6 @@ def _config_label(config) -> Tuple[str, str]:
         return repr(path), str(path)
     what = "dict" if isinstance(config, Mapping) else f"{type(config).__name__} object"
     return what, what
-
-
-def _rows_per_block(channel: str, block_size: int, ratio: int) -> int:
-    if block_size % ratio:
-        raise ValueError(f"block size {block_size} of channel {channel!r} is not divisible by its "
-                         f"compress ratio {ratio}")
-    return block_size // ratio
 
 
 @dataclass(frozen=True)
@@ -172,13 +165,13 @@ class DSV4Layout:
         """
         cfg = _load_config(config)
         try:
-            return cls._from_normalized(
+            return cls(**derive_layout(
                 cfg, max_model_len, mla_block_size=mla_block_size, swa_block_size=swa_block_size,
                 c4_state_block_size=c4_state_block_size, c128_state_block_size=c128_state_block_size,
                 indexer_causal_indices=indexer_causal_indices, kernel_block_size=kernel_block_size,
                 cp_world_size=cp_world_size, cp_interleave=cp_interleave, sliding_tables=sliding_tables,
                 circular=circular, compact_compressed=compact_compressed, groups=groups,
-                swa_group_per_layer=swa_group_per_layer)
+                swa_group_per_layer=swa_group_per_layer))
         except ValueError as e:
             from .config import ConfigError, key_path
 
@@ -193,155 +186,6 @@ class DSV4Layout:
         per engine group in the engine's gid order. Parameters and errors:
         :func:`dsv4_index.engine_plan.layout_from_kv_cache_config`."""
         return layout_from_kv_cache_config(cls, kv_cache_config, model_config, max_model_len, **kwargs)
-
-    @classmethod
-    def _from_normalized(cls, cfg: dict, max_model_len: int, *, mla_block_size, swa_block_size, c4_state_block_size,
-                         c128_state_block_size, indexer_causal_indices, kernel_block_size, cp_world_size,
-                         cp_interleave, sliding_tables, circular, compact_compressed, groups,
-                         swa_group_per_layer=False) -> "DSV4Layout":
-        """:meth:`from_config` on a normalised config dict (its errors name the argument or field; the
-        caller adds the config)."""
-        max_model_len = check_int("max_model_len", max_model_len, lo=1)
-        if sliding_tables not in ("ring", "full"):
-            raise ValueError(f"sliding_tables must be 'ring' or 'full', got {sliding_tables!r}")
-        circular, ring_bs = parse_circular(circular)
-        cp_world_size = check_int("cp_world_size", cp_world_size, lo=1)
-        cp_interleave = check_int("cp_interleave", cp_interleave, lo=1)
-        alloc = {"mla": check_int("mla_block_size", mla_block_size, lo=1),
-                 "swa": check_int("swa_block_size", swa_block_size, lo=1),
-                 "c4_state": check_int("c4_state_block_size", c4_state_block_size, lo=1),
-                 "c128_state": check_int("c128_state_block_size", c128_state_block_size, lo=1)}
-
-        missing = [k for k in ("num_hidden_layers", "compress_ratios", "sliding_window") if k not in cfg]
-        if missing:
-            raise ValueError(f"config is missing key(s) {missing}")
-        n_hidden = check_int("config['num_hidden_layers']", cfg["num_hidden_layers"], lo=1)
-        n_mtp = check_int("config['num_nextn_predict_layers']", cfg.get("num_nextn_predict_layers", 0), lo=0)
-        ratios = cfg["compress_ratios"]
-        if not isinstance(ratios, (list, tuple)) or any(not is_int(r) or r < 0 for r in ratios):
-            raise ValueError(f"config['compress_ratios'] must be a list of ints >= 0, got {ratios!r}")
-        ratios = tuple(ratios)
-        if len(ratios) != n_hidden + n_mtp:
-            raise ValueError(f"config['compress_ratios'] has {len(ratios)} entries, expected "
-                             f"num_hidden_layers + num_nextn_predict_layers = {n_hidden + n_mtp}")
-        window = check_int("config['sliding_window']", cfg["sliding_window"], lo=1)
-        kinds = ratio_kinds(ratios)
-        r4 = next((k.ratio for k in kinds if k.kind == "c4"), None)
-        r128 = next((k.ratio for k in reversed(kinds) if k.kind == "c128"), None)
-        index_topk = cfg.get("index_topk")
-        if r4 is not None:
-            index_topk = check_int("config['index_topk']", index_topk, lo=1) if "index_topk" in cfg else None
-            if index_topk is None:
-                raise ValueError("config is missing key(s) ['index_topk'] (needed by c4 layers)")
-
-        kbs = {}
-        if kernel_block_size is not None:
-            kbs = dict(kernel_block_size) if isinstance(kernel_block_size, Mapping) else \
-                {"mla": kernel_block_size}
-            for g, k in kbs.items():
-                check_int(f"kernel_block_size[{g!r}]", k, lo=1)
-
-        # NOTE: tokens one rank stores; equals max_model_len without DCP.
-        per_rank = round_up(cdiv(max_model_len, cp_world_size), cp_interleave)
-
-        def rows_per_rank(ratio: int) -> int:
-            n = cdiv(max_model_len, ratio)
-            return cdiv(n, cp_interleave * cp_world_size) * cp_interleave if cp_world_size > 1 else n
-
-        if isinstance(groups, EnginePlan):
-            groups, rings = groups.resolve(ratios, r4, r128, n_hidden, window)
-            circular.update(rings)
-        plan = plan_groups(groups, ratios, r4, r128, n_hidden)
-        if swa_group_per_layer:  # NOTE: one sliding group per layer, in layer order, where the swa group was
-            if groups is not None:
-                raise ValueError("swa_group_per_layer=True builds the default plan; pass groups=None "
-                                 "(an explicit groups list names its sliding groups itself)")
-            plan = [q for p in plan for q in ([PlannedGroup("swa", f"swa_{i}", (i,)) for i in range(len(ratios))]
-                                              if p.role == "swa" else [p])]
-        v41 = {k.state: k for k in kinds if k.state and k.state not in alloc}
-        for st, k in v41.items():  # NOTE: V4.1 state rings: vLLM's CircularBufferSpec of max(8, pow2(2 + MTP))
-            alloc[st] = c4_state_block_size if k.kind == "c4" else c128_state_block_size
-            circular.setdefault(st, max(8, 1 << (k.state_window - 1).bit_length()))
-        known = {p.name for p in plan} | {p.role for p in plan}
-        for what, keys in (("kernel_block_size", kbs), ("circular", circular)):
-            bad = sorted(set(keys) - known - (set(alloc) if what == "kernel_block_size" else set()))
-            if bad or (what == "circular" and any(k in ("mla",) for k in keys)):
-                raise ValueError(f"{what} names unknown group(s) {bad}; groups: {sorted(known)}")
-        gwin = {"mla": None, "swa": window, **{k.state: k.state_window for k in kinds if k.state}}
-        specs: List[GroupSpec] = []
-        channels: Dict[str, ChannelSpec] = {}
-        mla_gid: Optional[int] = None
-        for p in plan:
-            name, role = p.name, p.role
-            gid = len(specs)
-            if role == "mla":
-                mla_gid = gid
-            sharded = role in ("mla", "swa")
-            cap = circular.get(name, circular.get(role))
-            cap_key = name if name in circular else role
-            kind = "full" if role == "mla" else ("circular" if cap is not None else "sliding")
-            a = p.block_size or alloc[role]
-            kb = kbs.get(name, kbs.get(role))
-            if kind == "circular" and cap is not None:  # NOTE: kind is circular exactly when cap is set
-                a = ring_bs.get(cap_key, cap)  # NOTE: a kernel block size splits each ring block in f
-                if cap < gwin[role]:
-                    raise ValueError(f"circular[{cap_key!r}]: capacity {cap} is below the window "
-                                     f"{gwin[role]} of group {name!r}")
-            bs = kb or a
-            if a % bs:
-                raise ValueError(f"kernel_block_size[{name!r}] = {bs} does not divide the group's block size {a}")
-            f = a // bs
-            width = cdiv(per_rank if sharded else max_model_len, bs)
-            if role == "mla":
-                for cname, r in ((k.main, k.ratio) for k in kinds):
-                    if r is not None:
-                        if a % r:
-                            raise ValueError(f"mla_block_size {a} is not divisible by the "
-                                             f"compress ratio {r} of channel {cname!r}")
-                        if bs % r:
-                            raise ValueError(f"kernel_block_size {bs} of the mla group is not "
-                                             f"divisible by the compress ratio {r} of channel {cname!r}")
-                        s = bs // r
-                        width = max(width, cdiv(rows_per_rank(r), s))
-            specs.append(GroupSpec(gid, name, kind, bs, gwin[role], role == "mla", width, f,
-                                   ring=kind == "sliding" and sliding_tables == "ring",
-                                   sharded=sharded, role=role, layers=p.layers,
-                                   capacity=cap if kind == "circular" and cap != bs else None))
-        groups = specs
-
-        def add(name, gid, ratio, win, index_width, outputs, builder=None):
-            block = groups[gid].block_size
-            compact = compact_compressed and ratio > 1
-            if compact:
-                outputs = set(outputs) | {"compact_slot_mapping", "compact_cu"}
-            if groups[gid].kind == "circular" and "slot_mapping" in outputs:
-                outputs = set(outputs) | {"tail_slot_mapping"}  # NOTE: the ring's write plan
-            channels[name] = ChannelSpec(name, gid, ratio, _rows_per_block(name, block, ratio),
-                                         win, index_width, frozenset(outputs), compact=compact,
-                                         builder=None if builder == name else builder)
-
-        def causal_width(ratio):
-            return round_up(cdiv(max_model_len, ratio), INDEX_ALIGN)
-
-        for k in kinds:  # NOTE: builders by kind (c4a / c4i / c128a), names by ratio in the V4.1 family
-            if k.kind == "c4":
-                add(k.main, mla_gid, k.ratio, None, None, CHANNEL_OUTPUTS["c4a"], builder="c4a")
-                c4i_out = CHANNEL_OUTPUTS["c4i"] | ({"indices"} if indexer_causal_indices else set())
-                add(k.indexer, mla_gid, k.ratio, None, causal_width(k.ratio) if indexer_causal_indices else None,
-                    c4i_out, builder="c4i")
-            else:
-                add(k.main, mla_gid, k.ratio, None, causal_width(k.ratio), CHANNEL_OUTPUTS["c128a"], builder="c128a")
-        state_builder = {k.state: k.state_builder for k in kinds if k.state}
-        for g in groups:
-            if g.role != "mla":  # NOTE: one window channel per sliding / circular group, named like it
-                role = state_builder.get(g.role, g.role)
-                add(g.name, g.gid, 1, g.window, g.window, CHANNEL_OUTPUTS[role], builder=role)
-
-        return cls(groups=tuple(groups), channels=channels, max_model_len=max_model_len,
-                   sliding_window=window, index_topk=index_topk, compress_ratios=ratios,
-                   num_layers=len(ratios), c4_ratio=r4, c128_ratio=r128,
-                   indexer_causal_indices=bool(indexer_causal_indices),
-                   cp_world_size=cp_world_size, cp_interleave=cp_interleave)
 
     @property
     def num_groups(self) -> int:

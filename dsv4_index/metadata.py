@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ class DSV4Metadata:
     num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens : int (host).
     req_slots : int64 numpy [B] — request slot of each batch row (host copy of ``idx_mapping``).
     host_query_start_loc : int64 numpy [B + 1]; host_seq_lens : int64 numpy [B] — host copies.
-    req_ids : list[str] or None — request id of each batch row (id-keyed front ends only).
+    req_ids : sequence of str or None — request id of each batch row (id-keyed front ends only).
     query_start_loc : int32 [B + 1]; seq_lens : int32 [B]; idx_mapping : int32 [B] (device).
     positions : int64 [T]; token_to_req : int32 [T] (batch row); is_valid_token : bool [T].
     block_tables : list of int32 [max_num_reqs, cols] per gid — slot-indexed device tables (batch row
@@ -45,7 +45,7 @@ class DSV4Metadata:
     num_decode_tokens: int
     num_prefill_tokens: int
     req_slots: np.ndarray
-    req_ids: Optional[List[str]]
+    req_ids: Optional[Sequence[str]]
     host_query_start_loc: np.ndarray
     host_seq_lens: np.ndarray
     query_start_loc: torch.Tensor

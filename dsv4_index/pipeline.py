@@ -16,7 +16,7 @@ the checks (:mod:`.state.plan`), the staging buffer (:mod:`.state.staging`), the
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -25,10 +25,11 @@ from ._common import check_cp, use_triton
 from .batch import StepBatch
 from .capacity import BOUNDS, check_capacities, memory_estimate
 from .engine_plan import check_block_counts
-from .channels import BuildContext, ChannelBuilder, builder_for
+from .channels import BuildContext, ChannelBuilder, ChannelMetadata, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
 from .metadata import DSV4Metadata, StepStats
+from .geometry import DSV4Layout
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
 from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
 from .state.requests import RowIds, SlotMap
@@ -36,6 +37,24 @@ from .state.requests import RowIds, SlotMap
 MAX_STAGED_BLOCKS = BOUNDS["max_staged_blocks"][0]
 
 __all__ = ["MetadataPipeline"]
+
+
+def _check_arguments(layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
+                     max_staged_blocks: Optional[int], cp: Tuple[int, int, int], checks: str) -> None:
+    """The constructor's checks, before anything is allocated: DCP, every capacity bounded (largest
+    value and reason), the check level, and DCP against the layout's sharded groups."""
+    cp_world_size, cp_rank, cp_interleave = cp
+    check_cp(cp_world_size, cp_rank, cp_interleave)
+    check_capacities(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks, cp)
+    if checks not in CHECK_LEVELS:
+        raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
+    for g in layout.groups:
+        if cp_world_size > 1 and g.sharded and g.alloc_block_size % cp_interleave:
+            raise ValueError(f"cp_interleave={cp_interleave} must divide the allocation block size "
+                             f"{g.alloc_block_size} of sharded group {g.name!r}")
+    if cp_world_size != layout.cp_world_size and cp_world_size > 1:
+        raise ValueError(f"cp_world_size={cp_world_size} differs from the layout's "
+                         f"cp_world_size={layout.cp_world_size} (its tables were sized for that)")
 
 
 class MetadataPipeline:
@@ -70,24 +89,13 @@ class MetadataPipeline:
         and raises ``AssertionError`` on a difference); False: every step takes the general checks.
     """
 
-    def __init__(self, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
+    def __init__(self, layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
                  cuda_graphs: bool = False, steady: bool = True):
-        check_cp(cp_world_size, cp_rank, cp_interleave)
-        # NOTE: every capacity bounded (largest value and reason) before anything is allocated
-        check_capacities(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
-                         (cp_world_size, cp_rank, cp_interleave))
-        if checks not in CHECK_LEVELS:
-            raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
-        for g in layout.groups:
-            if cp_world_size > 1 and g.sharded and g.alloc_block_size % cp_interleave:
-                raise ValueError(f"cp_interleave={cp_interleave} must divide the allocation block size "
-                                 f"{g.alloc_block_size} of sharded group {g.name!r}")
-        if cp_world_size != layout.cp_world_size and cp_world_size > 1:
-            raise ValueError(f"cp_world_size={cp_world_size} differs from the layout's "
-                             f"cp_world_size={layout.cp_world_size} (its tables were sized for that)")
+        _check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
+                         (cp_world_size, cp_rank, cp_interleave), checks)
         self.layout = layout
         self.device = torch.device(device)
         self.max_num_reqs = max_num_reqs
@@ -105,11 +113,40 @@ class MetadataPipeline:
                                    for s in layout.channels.values() if s.compress_ratio > 1}))
         self.tables = BlockTables(layout.groups, max_num_reqs, T, self.device, units,
                                   max_model_len=getattr(layout, "max_model_len", None), compressed=compressed)
-        dev, i32 = self.device, torch.int32
-        self.ctx = BuildContext(
-            layout=layout, device=dev, max_num_reqs=max_num_reqs, max_num_tokens=T,
-            next_n=1 + num_speculative_tokens, cp_world_size=cp_world_size, cp_rank=cp_rank,
-            cp_interleave=cp_interleave, tables=tuple(self.tables.tables),
+        self.ctx = self._build_context(backend)
+        for b in self._builders.values():
+            b.allocate(self.ctx)  # NOTE: builders declare their staged per-request inputs here
+        # NOTE: a step never stages more ids than the tables hold
+        cap = min(self.tables.total, 1 << 20 if max_staged_blocks is None else max_staged_blocks)
+        self.max_staged_blocks = max(int(cap), 1)
+        self.staging = StepStaging(self.device, T, len(layout.groups), len(self.ctx.staged_inputs),
+                                   self.max_staged_blocks, max_num_reqs)
+        self.requests = RequestState(max_num_reqs, self.tables, cp=self.cp, max_num_tokens=T,
+                                     max_writes=self.max_staged_blocks, decode_threshold=1 + num_speculative_tokens,
+                                     level=self.checks, steady=steady, cross_check=self.validate)
+
+        self._fused, self._unfused = self._plan_launches(fused and use_triton(self.device, backend))
+        if cuda_graphs and (self._fused is None or self._unfused or self.device.type != "cuda"):
+            raise ValueError("cuda_graphs needs a CUDA device and every channel in the fused launch")
+        self._graphs: Optional[Dict[int, torch.cuda.CUDAGraph]] = {} if cuda_graphs else None
+        self._plan: Optional[StepPlan] = None
+        self._req_ids: Optional[RowIds] = None
+        self._views: Optional[Tuple[Tuple[int, int, int], Dict[str, ChannelMetadata], Dict[str, Any]]] = None
+        self._converters = {name: (lambda topk, compact=False, _b=b: _b.topk_to_slots(self.ctx, topk, compact=compact))
+                            for name, b in self._builders.items()
+                            if type(b).topk_to_slots is not ChannelBuilder.topk_to_slots}
+        self._num_launches = (1 if self._fused else 0) + len(self._unfused)
+        self.last_step_stats = StepStats()
+        self._last_batch: Optional[tuple] = None
+
+    def _build_context(self, backend: Optional[str]) -> BuildContext:
+        """The builders' context: capacities, DCP, the tables and the step's common device buffers."""
+        dev, i32, T = self.device, torch.int32, self.max_num_tokens
+        world, rank, interleave = self.cp
+        return BuildContext(
+            layout=self.layout, device=dev, max_num_reqs=self.max_num_reqs, max_num_tokens=T,
+            next_n=1 + self.num_speculative_tokens, cp_world_size=world, cp_rank=rank,
+            cp_interleave=interleave, tables=tuple(self.tables.tables),
             ring_cols=tuple(int(r) for r in self.tables.ring),
             query_start_loc=torch.zeros(T + 1, dtype=i32, device=dev),
             seq_lens=torch.zeros(T + 1, dtype=i32, device=dev),
@@ -118,43 +155,24 @@ class MetadataPipeline:
             replay_end=torch.zeros(T + 1, dtype=i32, device=dev), token_to_req=torch.zeros(T, dtype=i32, device=dev),
             positions=torch.zeros(T, dtype=torch.int64, device=dev),
             is_valid_token=torch.zeros(T, dtype=torch.bool, device=dev), backend=backend)
-        for b in self._builders.values():
-            b.allocate(self.ctx)  # NOTE: builders declare their staged per-request inputs here
-        # NOTE: a step never stages more ids than the tables hold
-        cap = min(self.tables.total, 1 << 20 if max_staged_blocks is None else max_staged_blocks)
-        self.max_staged_blocks = max(int(cap), 1)
-        self.staging = StepStaging(dev, T, len(layout.groups), len(self.ctx.staged_inputs), self.max_staged_blocks,
-                                   max_num_reqs)
-        self.requests = RequestState(max_num_reqs, self.tables, cp=self.cp, max_num_tokens=T,
-                                     max_writes=self.max_staged_blocks, decode_threshold=1 + num_speculative_tokens,
-                                     level=self.checks, steady=steady, cross_check=self.validate)
 
-        self._fused: Optional[FusedPlan] = None
-        self._unfused = list(self._builders.values())
-        if fused and use_triton(dev, backend):
-            own = [FusedTask("common", (self.ctx.token_to_req, self.ctx.positions, self.ctx.is_valid_token)),
-                   FusedTask("requests", (self.ctx.query_start_loc, self.ctx.seq_lens, self.ctx.idx_mapping)),
-                   FusedTask("replays", (self.ctx.replay_start, self.ctx.replay_end))]
-            tasks, self._unfused = list(own), []
-            for b in self._builders.values():
-                t = b.fused_tasks(self.ctx)
-                if t:
-                    tasks += t
-                else:
-                    self._unfused.append(b)
-            self._fused = FusedPlan(tasks, self.tables, self.ctx.group_cp, self.staging.dev, self.ctx.next_n)
-        if cuda_graphs and (self._fused is None or self._unfused or self.device.type != "cuda"):
-            raise ValueError("cuda_graphs needs a CUDA device and every channel in the fused launch")
-        self._graphs = {} if cuda_graphs else None
-        self._plan: Optional[StepPlan] = None
-        self._req_ids: Optional[RowIds] = None
-        self._views = None
-        self._converters = {name: (lambda topk, compact=False, _b=b: _b.topk_to_slots(self.ctx, topk, compact=compact))
-                            for name, b in self._builders.items()
-                            if type(b).topk_to_slots is not ChannelBuilder.topk_to_slots}
-        self._num_launches = (1 if self._fused else 0) + len(self._unfused)
-        self.last_step_stats = StepStats()
-        self._last_batch: Optional[tuple] = None
+    def _plan_launches(self, fuse: bool) -> Tuple[Optional[FusedPlan], List[ChannelBuilder]]:
+        """``(fused plan or None, builders launched one by one)``: with ``fuse``, every builder that
+        declares fused tasks joins the one fused launch (after the common, request and replay tasks)."""
+        if not fuse:
+            return None, list(self._builders.values())
+        ctx = self.ctx
+        tasks = [FusedTask("common", (ctx.token_to_req, ctx.positions, ctx.is_valid_token)),
+                 FusedTask("requests", (ctx.query_start_loc, ctx.seq_lens, ctx.idx_mapping)),
+                 FusedTask("replays", (ctx.replay_start, ctx.replay_end))]
+        unfused = []
+        for b in self._builders.values():
+            t = b.fused_tasks(ctx)
+            if t:
+                tasks += t
+            else:
+                unfused.append(b)
+        return FusedPlan(tasks, self.tables, ctx.group_cp, self.staging.dev, ctx.next_n), unfused
 
     @classmethod
     def memory_estimate(cls, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
@@ -181,7 +199,7 @@ class MetadataPipeline:
         Raises ValueError naming the culprit; the pipeline is then exactly as it was (tables,
         request state, slot map, staging).
         """
-        delta, src = None, None
+        delta, src = None, ""  # NOTE: src (the id-keyed form's name) is set with delta
         if type(step) is StepBatch:
             batch = step
         elif isinstance(step, StepInput):
@@ -231,52 +249,56 @@ class MetadataPipeline:
             raise RuntimeError("build() needs a prior update(step)")
         ctx = self.ctx
         ctx.begin_build()
-        if self._fused is not None:
-            self._launch_fused()
+        fused = self._fused
+        if fused is not None:
+            self._launch_fused(fused)
             self.staging.applied()
         else:
             self.staging.apply_pending(self.tables.flat)
             ctx.fill_requests(self.staging.dev, self.staging.lay)
         for b in self._unfused:
             b.launch(ctx)
-        meta = self._metadata()
+        meta = self._metadata(self._plan)
         if self.validate:
             from .validate import check_metadata
             check_metadata(meta)
         return meta
 
-    def _launch_fused(self) -> None:
-        lay = self.staging.lay
-        if self._graphs is None:
-            self._fused.launch(lay)
+    def _launch_fused(self, fused: FusedPlan) -> None:
+        lay, graphs = self.staging.lay, self._graphs
+        assert lay is not None  # NOTE: build() follows an update(), which staged the step
+        if graphs is None:
+            fused.launch(lay)
             return
-        graph = self._graphs.get(lay.t_pad)
+        graph = graphs.get(lay.t_pad)
         if graph is not None:
             graph.replay()
             return
-        self._fused.launch(lay)  # NOTE: this step's work; the capture below records without running
+        fused.launch(lay)  # NOTE: this step's work; the capture below records without running
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._fused.launch(lay)
-        self._graphs[lay.t_pad] = graph
+            fused.launch(lay)
+        graphs[lay.t_pad] = graph
 
-    def _metadata(self) -> DSV4Metadata:
-        ctx, plan = self.ctx, self._plan
+    def _metadata(self, plan: StepPlan) -> DSV4Metadata:
+        ctx, host_qsl = self.ctx, self.staging.host_qsl
+        assert host_qsl is not None  # NOTE: set by the stage() of the step's update()
         B, T, Tp, nd = ctx.num_reqs, ctx.num_tokens, ctx.num_tokens_padded, ctx.num_decodes
         key = (B, Tp, nd)
         if self._views is None or self._views[0] != key:
             # NOTE: views depend on (B, T_pad, num_decodes) only: reuse them while those repeat
-            common = dict(query_start_loc=ctx.query_start_loc[:B + 1], seq_lens=ctx.seq_lens[:B],
-                          idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
-                          token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
-                          ring_cols=ctx.ring_cols, layout=self.layout, cp=self.cp, next_n=ctx.next_n,
-                          builders=self._builders, _converters=self._converters, num_reqs=B,
-                          num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd)
+            common: Dict[str, Any] = dict(
+                query_start_loc=ctx.query_start_loc[:B + 1], seq_lens=ctx.seq_lens[:B],
+                idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
+                token_to_req=ctx.token_to_req[:Tp], is_valid_token=ctx.is_valid_token[:Tp],
+                ring_cols=ctx.ring_cols, layout=self.layout, cp=self.cp, next_n=ctx.next_n,
+                builders=self._builders, _converters=self._converters, num_reqs=B,
+                num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd)
             self._views = (key, {name: b.views(ctx) for name, b in self._builders.items()}, common)
         _, channels, common = self._views
         return DSV4Metadata(
             num_tokens=T, num_decode_tokens=plan.num_decode_tokens, num_prefill_tokens=T - plan.num_decode_tokens,
-            req_slots=plan.slots, req_ids=self._req_ids, host_query_start_loc=self.staging.host_qsl,
+            req_slots=plan.slots, req_ids=self._req_ids, host_query_start_loc=host_qsl,
             host_seq_lens=plan.seq_lens, block_tables=list(self.tables.tables), channels=dict(channels),
             replay_start=plan.replay_start, replay_end=plan.replay_end, **common)
 
@@ -293,9 +315,11 @@ class MetadataPipeline:
         for i, n in enumerate(pad_sizes):
             MetadataPipeline.update(self, empty, pad_to=int(n))  # NOTE: not through a recording wrapper
             if i == 0 and self._fused is not None:
+                lay = self.staging.lay
+                assert lay is not None  # NOTE: set by the update() above
                 # NOTE: before any graph capture: the direct launch must equal the JIT launch
-                self._fused.launch(self.staging.lay)
-                self._fused.check_direct_launch(self.staging.lay)
+                self._fused.launch(lay)
+                self._fused.check_direct_launch(lay)
             self.build()
         self._last_batch = None
         for conv in self._converters.values():

@@ -12,11 +12,15 @@ builder class.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 
 from ..fused.tasks import FusedTask
+from ..specs import ChannelSpec
+
+if TYPE_CHECKING:
+    from ..geometry import DSV4Layout
 
 __all__ = ["BuildContext", "ChannelBuilder", "ChannelMetadata", "register_channel", "registered_channels",
            "builder_for"]
@@ -88,7 +92,7 @@ class BuildContext:
     (a batch never has more rows than tokens): rows past the batch are zero-length requests.
     """
 
-    layout: object
+    layout: DSV4Layout
     device: torch.device
     max_num_reqs: int
     max_num_tokens: int
@@ -216,7 +220,7 @@ class ChannelBuilder:
     Device work must do no host sync, no allocation and have no data-dependent shape (docs/DESIGN.md §7).
     """
 
-    def __init__(self, spec, layout):
+    def __init__(self, spec: ChannelSpec, layout: DSV4Layout):
         self.spec = spec
         self.layout = layout
         self.group = layout.groups[spec.gid]
@@ -263,6 +267,15 @@ class ChannelBuilder:
         raise ValueError(f"channel {self.spec.name!r} does not convert top-k indices")
 
     # -- helpers -----------------------------------------------------------------------------
+    def required(self, field: str) -> int:
+        """``spec.<field>`` (``window``, ``index_width``) of a builder that needs it (at ``allocate``);
+        ``ValueError`` naming the field and the channel when it is None."""
+        v = getattr(self.spec, field)
+        if v is None:
+            raise ValueError(f"spec.{field} of channel {self.spec.name!r} is None; its builder "
+                             f"{type(self).__name__} needs it")
+        return v
+
     def batch_args(self, ctx: BuildContext) -> dict:
         """Keyword arguments of the functional ops for this step (unfused path)."""
         B = ctx.num_reqs
@@ -302,8 +315,9 @@ def registered_channels() -> Dict[str, Type[ChannelBuilder]]:
     return dict(_REGISTRY)
 
 
-def builder_for(spec, layout) -> ChannelBuilder:
-    cls = _REGISTRY.get(spec.name) or _REGISTRY.get(getattr(spec, "builder", None))
+def builder_for(spec: ChannelSpec, layout: DSV4Layout) -> ChannelBuilder:
+    builder = getattr(spec, "builder", None)
+    cls = _REGISTRY.get(spec.name) or (None if builder is None else _REGISTRY.get(builder))
     if cls is None:
         raise ValueError(f"no builder registered for channel {spec.name!r}; "
                          f"known: {sorted(_REGISTRY)} (use register_channel)")

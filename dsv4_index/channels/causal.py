@@ -18,8 +18,8 @@ class CausalCompressedChannel(CompressedBase):
 
     def allocate(self, ctx: BuildContext):
         super().allocate(ctx)
-        T = ctx.max_num_tokens
-        self.indices = torch.full((T, self.spec.index_width), -1, dtype=torch.int32, device=ctx.device)
+        T, self._width = ctx.max_num_tokens, self.required("index_width")
+        self.indices = torch.full((T, self._width), -1, dtype=torch.int32, device=ctx.device)
         self.lens = torch.zeros((T,), dtype=torch.int32, device=ctx.device)
 
     def fused_tasks(self, ctx: BuildContext):
@@ -32,7 +32,7 @@ class CausalCompressedChannel(CompressedBase):
         super().launch(ctx)
         s, B, Tp = self.spec, ctx.num_reqs, ctx.num_tokens_padded
         causal_compressed_indices(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], ctx.tables[s.gid],
-                                  s.rows_per_block, s.compress_ratio, s.index_width, out=self.indices[:Tp],
+                                  s.rows_per_block, s.compress_ratio, self._width, out=self.indices[:Tp],
                                   out_lens=self.lens[:Tp], **self.batch_args(ctx))
 
     def views(self, ctx: BuildContext):

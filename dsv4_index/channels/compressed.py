@@ -4,6 +4,7 @@ every channel of one geometry) and the top-k -> slot conversion of ``c4a``."""
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -32,7 +33,8 @@ class CompressedBase(ChannelBuilder):
         self.key = ("compressed", s.gid, s.compress_ratio, s.rows_per_block)
         T = ctx.max_num_tokens
         self.compressed = ctx.shared_buffer(self.key, (T,), torch.int64)
-        self.compact = self.compact_cu = None
+        self.compact: Optional[torch.Tensor] = None      # NOTE: set exactly when spec.compact
+        self.compact_cu: Optional[torch.Tensor] = None
         self.compact_cu_index = -1
         if s.compact:
             self.compact = ctx.shared_buffer(self.key + ("compact",), (T,), torch.int64)
@@ -58,6 +60,7 @@ class CompressedBase(ChannelBuilder):
         floor = ctx.replay_end[:B] if self.group.prefix_cacheable else None
         compressed_slot_mapping(*args, replay_end=floor, out=self.compressed[:Tp], **self.batch_args(ctx))
         if s.compact:
+            assert self.compact is not None and self.compact_cu is not None  # NOTE: allocated when spec.compact
             kw = self.batch_args(ctx)
             kw.pop("num_tokens")
             out, cu = compressed_slot_mapping(*args, replay_end=floor, compact=True, num_tokens=ctx.num_tokens,
@@ -73,6 +76,7 @@ class CompressedBase(ChannelBuilder):
         Tp, B = ctx.num_tokens_padded, ctx.num_reqs
         v = dict(compressed_slot_mapping=self.compressed[:Tp])
         if self.spec.compact:
+            assert self.compact is not None and self.compact_cu is not None
             v.update(compact_slot_mapping=self.compact[:Tp], compact_cu=self.compact_cu[:B + 1])
         return v
 

@@ -39,7 +39,8 @@ class IndexerChannel(CompressedBase):
         self.cu_index = ctx.staged_input(("indexer_cu", self.spec.gid, self.spec.compress_ratio), functools.partial(
             staged_cu, compress_ratio=self.spec.compress_ratio, cp_world_size=w, cp_rank=r, cp_interleave=i))
         if self.with_indices:
-            self.indices = torch.full((T, self.spec.index_width), -1, dtype=torch.int32, device=dev)
+            self._width = self.required("index_width")
+            self.indices = torch.full((T, self._width), -1, dtype=torch.int32, device=dev)
             self.index_lens = torch.zeros((T,), dtype=torch.int32, device=dev)
 
     def fused_tasks(self, ctx: BuildContext):
@@ -70,7 +71,7 @@ class IndexerChannel(CompressedBase):
         torch.clamp(self.decode_lens[:Tp], min=1, out=self.decode_lens_clamped[:Tp])
         if self.with_indices:
             causal_compressed_indices(qsl, seq, ctx.tables[s.gid], s.rows_per_block, s.compress_ratio,
-                                      s.index_width, out=self.indices[:Tp], out_lens=self.index_lens[:Tp],
+                                      self._width, out=self.indices[:Tp], out_lens=self.index_lens[:Tp],
                                       **self.batch_args(ctx))
 
     def views(self, ctx: BuildContext):

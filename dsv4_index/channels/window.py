@@ -4,6 +4,8 @@ mapping and the window index lists; for a circular group also the write plan
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..fused.tasks import FusedTask
@@ -29,38 +31,43 @@ class WindowChannel(ChannelBuilder):
         return self.group.kind == "circular"
 
     def allocate(self, ctx: BuildContext):
-        T, width = ctx.max_num_tokens, self.spec.index_width or self.spec.window
+        self._window = self.required("window")
+        T, width = ctx.max_num_tokens, self.spec.index_width or self._window
         self.slots = torch.full((T,), -1, dtype=torch.int64, device=ctx.device)
         self.indices = torch.full((T, width), -1, dtype=torch.int32, device=ctx.device)
         self.lens = torch.zeros((T,), dtype=torch.int32, device=ctx.device)
-        self.tail = torch.full((T,), -1, dtype=torch.int64, device=ctx.device) if self.circular else None
+        self.tail: Optional[torch.Tensor] = None
         # NOTE: unfused path: per-request write floor of the tail plan (persistent: build allocates nothing)
-        self._tail_floor = torch.zeros((T + 1,), dtype=torch.int32, device=ctx.device) if self.circular else None
-        self._ring = dict(ring=not self.circular and ctx.ring_cols[self.spec.gid] > 0,
-                          circular_capacity=self.group.ring_capacity if self.circular else None)
+        self._tail_floor: Optional[torch.Tensor] = None
+        if self.circular:
+            self.tail = torch.full((T,), -1, dtype=torch.int64, device=ctx.device)
+            self._tail_floor = torch.zeros((T + 1,), dtype=torch.int32, device=ctx.device)
+        self._ring = not self.circular and ctx.ring_cols[self.spec.gid] > 0
+        self._capacity: Optional[int] = self.group.ring_capacity if self.circular else None
 
     def fused_tasks(self, ctx: BuildContext):
         return [FusedTask("window", (self.indices, self.lens, self.slots, self.tail), gid=self.spec.gid,
-                          a=self.kernel_block_size, b=self.spec.window, width=self.indices.shape[1],
+                          a=self.kernel_block_size, b=self._window, width=self.indices.shape[1],
                           write_floor=self.group.prefix_cacheable, window_floor=True, circular=self.circular)]
 
     def launch(self, ctx: BuildContext):
         B, Tp = ctx.num_reqs, ctx.num_tokens_padded
-        bt, kw, ring = ctx.tables[self.spec.gid], self.batch_args(ctx), self._ring
+        bt, kw, ring, cap = ctx.tables[self.spec.gid], self.batch_args(ctx), self._ring, self._capacity
         replay_end = ctx.replay_end[:B] if self.group.prefix_cacheable else None
         slot_mapping(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
                      blocks_per_kv_block=self.group.blocks_per_kv_block, replay_end=replay_end,
-                     out=self.slots[:Tp], **ring, **kw)
+                     out=self.slots[:Tp], ring=ring, circular_capacity=cap, **kw)
         if self.circular:
+            assert self.tail is not None and self._tail_floor is not None  # NOTE: allocated when circular
             floor = tail_floor(ctx.seq_lens[:B], self.group.ring_capacity, replay_end, out=self._tail_floor[:B])
             slot_mapping(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
-                         replay_end=floor, out=self.tail[:Tp], **ring, **kw)
+                         replay_end=floor, out=self.tail[:Tp], ring=ring, circular_capacity=cap, **kw)
         window_indices(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
-                       self.spec.window, replay_start=ctx.replay_start[:B], out=self.indices[:Tp],
-                       out_lens=self.lens[:Tp], **ring, **kw)
+                       self._window, replay_start=ctx.replay_start[:B], out=self.indices[:Tp],
+                       out_lens=self.lens[:Tp], ring=ring, circular_capacity=cap, **kw)
 
     def views(self, ctx: BuildContext):
         Tp = ctx.num_tokens_padded
-        tail = self.tail[:Tp] if self.circular else None
+        tail = None if self.tail is None else self.tail[:Tp]  # NOTE: allocated exactly when circular
         return self.meta(ctx, slot_mapping=self.slots[:Tp], tail_slot_mapping=tail, indices=self.indices[:Tp],
                          lens=self.lens[:Tp])

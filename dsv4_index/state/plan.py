@@ -21,7 +21,7 @@ Nothing here mutates its inputs; :meth:`MetadataPipeline.update` commits the pla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -92,7 +92,7 @@ def plans_equal(a: StepPlan, b: StepPlan) -> list:
     return out
 
 
-_ROW_MAPS = {}
+_ROW_MAPS: Dict[int, np.ndarray] = {}
 
 
 def _row_map(num_slots: int) -> np.ndarray:
@@ -277,6 +277,7 @@ def _coverage(tables, cp, b_slots, b_new, b_nc, seq, rs, runs, num_slots: int):
         if w_gid.size:
             ring_run = (tables.ring[w_gid] > 0) & ~tables.circular[w_gid]
             if np.count_nonzero(ring_run):
+                assert r is not None and m is not None  # NOTE: set above whenever w_gid.size
                 gpos = np.full(G, -1, dtype=np.int64)
                 gpos[rg] = np.arange(rg.size)
                 w_keep = np.maximum(w_start, np.where(ring_run, w_end - tables.ring[w_gid], 0))

@@ -4,7 +4,7 @@ the logical width, ids that keep every slot in int32). Each raises ``ValueError`
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -14,7 +14,7 @@ __all__ = ["arr", "first", "in_range", "check_counts", "umax", "seen_distinct", 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _U64 = np.dtype(np.uint64)
-_SEEN = {}
+_SEEN: Dict[int, np.ndarray] = {}
 
 
 def umax(x: np.ndarray) -> int:

@@ -15,13 +15,15 @@ from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
+from ..batch import StepBatch
 from .owners import BlockOwners
 from .plan import StepPlan, plan_step, plans_equal
 from .steady import BatchCache, FastGeometry, plan_fast
+from .tables import BlockTables
 
 __all__ = ["RequestState", "SlotMap", "SlotMapDelta", "RowIds", "frozen", "EMPTY"]
 
@@ -47,12 +49,12 @@ class RequestState:
     cache : BatchCache or None — the batch of the last accepted step (None: none, or no fast path).
     """
 
-    def __init__(self, max_num_reqs: int, tables, *, cp, max_num_tokens: int, max_writes: int,
-                 decode_threshold: int, level: str, steady: bool = True, cross_check: bool = False):
+    def __init__(self, max_num_reqs: int, tables: BlockTables, *, cp: Tuple[int, int, int], max_num_tokens: int,
+                 max_writes: int, decode_threshold: int, level: str, steady: bool = True, cross_check: bool = False):
         self.max_num_reqs = max_num_reqs
         self.occupied = np.zeros(max_num_reqs, dtype=bool)
         self._tables = tables
-        self._kw = dict(cp=cp, max_num_tokens=max_num_tokens, max_writes=max_writes,
+        self._kw: Dict[str, Any] = dict(cp=cp, max_num_tokens=max_num_tokens, max_writes=max_writes,
                         decode_threshold=decode_threshold, level=level)
         self.level = level
         self.cross_check = bool(cross_check)
@@ -64,7 +66,7 @@ class RequestState:
         self._generation = 0
         self.owners = BlockOwners(tables, cp=cp, level=level, num_speculative_tokens=decode_threshold - 1)
 
-    def plan(self, batch, pad_to: Optional[int]) -> StepPlan:
+    def plan(self, batch: StepBatch, pad_to: Optional[int]) -> StepPlan:
         """Check ``batch`` against this state and the tables; the plan, or ``ValueError`` (nothing
         changes either way)."""
         plan = None
@@ -92,18 +94,19 @@ class RequestState:
         if plan.new_slots.size:
             occ[plan.new_slots] = True
         c = self.cache
-        if plan.steady and c is not None and c.scratch.plan is plan:
+        # NOTE: the ignores: BatchCache sets its attributes in from_plan, undeclared (state/steady.py)
+        if plan.steady and c is not None and c.scratch.plan is plan:  # type: ignore[attr-defined]
             c.advance(plan)
             return
-        self._generation = (self._generation if c is None else c.generation) + 1
-        self.cache = (BatchCache.from_plan(plan, self._geometry, self._tables, c, self._generation)
-                      if self.use_steady else None)
+        self._generation = (self._generation if c is None else c.generation) + 1  # type: ignore[attr-defined]
+        geo = self._geometry  # NOTE: None exactly when not use_steady
+        self.cache = None if geo is None else BatchCache.from_plan(plan, geo, self._tables, c, self._generation)
 
     @property
     def signature(self) -> Optional[int]:
         """Equal between two steps of one batch (same rows, counts, order): the staging buffer then
         keeps their ``qsl`` / ``slots`` / ``tok_row``."""
-        return None if self.cache is None else self.cache.generation
+        return None if self.cache is None else self.cache.generation  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------------------------

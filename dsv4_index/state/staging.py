@@ -29,10 +29,12 @@ region (``W_VALUES``, ``W_DESTS``: half ``k`` is ``[writes + k * N, writes + (k 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from .plan import StepPlan
 
 __all__ = ["StageLayout", "StepStaging", "HEADER", "OVERLAY_STRIDE"]
 
@@ -116,19 +118,21 @@ class StepStaging:
         self.dev = torch.zeros(self.capacity, dtype=torch.int32, device=device)
         self._dev_np = self.dev.numpy() if device.type == "cpu" else None  # NOTE: CPU: a plain memcpy
         # NOTE: one reusable event per host buffer (recorded after that buffer's copy)
-        self._events = [torch.cuda.Event() for _ in self.host] if self.async_copy else [None] * len(self.host)
+        self._events: List[Optional[torch.cuda.Event]] = (
+            [torch.cuda.Event() for _ in self.host] if self.async_copy else [None] * len(self.host))
         self._recorded = [False] * len(self.host)
         self._cur = 0
-        self._layouts = {}
+        self._layouts: Dict[int, StageLayout] = {}
         self._header = np.zeros(HEADER, dtype=np.int32)
         # NOTE: per host buffer, the batch signature whose qsl / slots / tok_row it holds
-        self._holds = [None] * len(self.host)
-        self._q_holds = [None] * len(self.host)  # NOTE: per host buffer, the (T_pad, q bytes) its qsl / tok_row hold
-        self._host_q = None                      # NOTE: the (T_pad, q bytes) of host_qsl
-        self._host_sig = None                    # NOTE: the batch signature of host_qsl
+        self._holds: List[Optional[Hashable]] = [None] * len(self.host)
+        # NOTE: per host buffer, the (T_pad, q bytes) its qsl / tok_row hold
+        self._q_holds: List[Optional[Tuple[int, bytes]]] = [None] * len(self.host)
+        self._host_q: Optional[Tuple[int, bytes]] = None  # NOTE: the (T_pad, q bytes) of host_qsl
+        self._host_sig: Optional[Hashable] = None  # NOTE: the batch signature of host_qsl
         self._rows = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
-        self.lay = None            # layout of the last staged step
-        self.host_qsl = None       # int64 [B + 1] host query_start_loc of the last staged step
+        self.lay: Optional[StageLayout] = None  # layout of the last staged step
+        self.host_qsl: Optional[np.ndarray] = None  # int64 [B + 1] host query_start_loc of the last staged step
         self.pending_writes = 0    # NOTE: ids staged by the last step and not applied on the device yet
 
     def layout(self, t_pad: int) -> StageLayout:
@@ -138,7 +142,7 @@ class StepStaging:
                                                                 self.max_num_reqs)
         return lay
 
-    def stage(self, plan, tables, inputs, signature=None) -> tuple:
+    def stage(self, plan: StepPlan, tables, inputs: Sequence[Callable], signature: Optional[Hashable] = None) -> tuple:
         """Write one checked step into the next host buffer and copy it to the device.
 
         Parameters
@@ -221,6 +225,7 @@ class StepStaging:
         host sync): the unfused path, or a staged step that was never built."""
         lay, N = self.lay, self.pending_writes
         if N:
+            assert lay is not None  # NOTE: N > 0 only after a stage(), which sets lay
             w = lay.writes
             vals = self.dev[w + W_VALUES * N:w + (W_VALUES + 1) * N]
             flat[self.dev[w + W_DESTS * N:w + (W_DESTS + 1) * N].long()] = vals
@@ -234,6 +239,7 @@ class StepStaging:
         """The host buffer to fill for the next step (waits only while a copy still reads it)."""
         if self._recorded[self._cur]:
             ev = self._events[self._cur]
+            assert ev is not None  # NOTE: recorded only on the async (CUDA) path, which has events
             if not ev.query():
                 ev.synchronize()
             self._recorded[self._cur] = False
@@ -247,6 +253,8 @@ class StepStaging:
         host = self.host[self._cur]
         self.dev[:used].copy_(host[:used], non_blocking=self.async_copy)
         if self.async_copy:
-            self._events[self._cur].record()
+            ev = self._events[self._cur]
+            assert ev is not None  # NOTE: async_copy: one event per host buffer
+            ev.record()
             self._recorded[self._cur] = True
             self._cur = (self._cur + 1) % len(self.host)

@@ -17,14 +17,15 @@ the host mirror.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .._common import INT32_MAX
 from ._index import col_modulus, flat_offset, ring_col
-from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE
+from .plan import StepPlan
+from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, StageLayout
 
 __all__ = ["BlockTables"]
 
@@ -62,7 +63,7 @@ class BlockTables:
     """
 
     def __init__(self, groups: Sequence, max_num_reqs: int, max_num_batched_tokens: int,
-                 device: torch.device, int32_units: Sequence[int], max_model_len: int = None,
+                 device: torch.device, int32_units: Sequence[int], max_model_len: Optional[int] = None,
                  compressed: Sequence[Tuple[int, int, int]] = ()):
         G, num_slots = len(groups), max_num_reqs
         self.groups = tuple(groups)
@@ -117,13 +118,14 @@ class BlockTables:
         self._iota = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int32)
         self.iota_cols = self._iota.astype(np.int64)  # NOTE: column numbers (the full checks' row masks)
         self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
-        self._trips = {}  # NOTE: layout -> preset overlay records (the steady path's one scatter)
+        # NOTE: layout -> preset overlay records (the steady path's one scatter)
+        self._trips: Dict[StageLayout, Tuple[np.ndarray, np.ndarray]] = {}
         self._mixed = np.zeros((G * num_slots + 1, OVERLAY_STRIDE), dtype=np.int32)  # NOTE: _stage_mixed's records
         self._row_base = flat_offset(self.base[:, None], self.cols[:, None], np.arange(num_slots)[None, :], 0).ravel()
         self._col_mod = np.repeat(col_modulus(self.ring), num_slots)
 
     # ------------------------------------------------------------------------------------------
-    def commit(self, plan) -> None:
+    def commit(self, plan: StepPlan) -> None:
         """Block counts after a checked step (freed and new slots start empty)."""
         nb = self.num_blocks
         if plan.free_slots.size:
@@ -135,7 +137,7 @@ class BlockTables:
         elif plan.w_gid.size:
             nb[plan.w_gid, plan.w_slot] = plan.w_end
 
-    def stage_writes(self, plan, h: np.ndarray, lay) -> int:
+    def stage_writes(self, plan: StepPlan, h: np.ndarray, lay: StageLayout) -> int:
         """Stage a checked step's block ids into host buffer ``h`` (format of ``state/staging.py``):
         the values and flat destinations of the kept ids, the overlay of every (group, batch row),
         and the host mirror. Returns the number of ids staged."""
@@ -150,7 +152,7 @@ class BlockTables:
             return self._stage_mixed(plan, h, lay)
         w0 = lay.writes
         N = self._stage_runs(plan, h, w0) if plan.w_gid.shape[0] <= _FEW_RUNS else None
-        keep = False
+        keep: Union[np.ndarray, bool, None] = False  # NOTE: False: staged run by run (_stage_runs)
         if N is None:
             keep, dst = self.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
             vals = plan.w_ids if keep is None else plan.w_ids[keep]
@@ -176,7 +178,7 @@ class BlockTables:
         h[at + OV_PAY] = pay
         return N
 
-    def _stage_runs(self, plan, h: np.ndarray, w0: int):
+    def _stage_runs(self, plan: StepPlan, h: np.ndarray, w0: int):
         """:meth:`stage_writes` of a few runs (a prefill): each run's kept ids are one slice, or two
         where a ring wraps (it keeps at most ``ring`` ids); no array over every id. None when a run
         keeps more ids than its ring (the general path handles it)."""
@@ -210,10 +212,11 @@ class BlockTables:
             pos += k
         return total
 
-    def _stage_mixed(self, plan, h: np.ndarray, lay) -> int:
+    def _stage_mixed(self, plan: StepPlan, h: np.ndarray, lay: StageLayout) -> int:
         """:meth:`stage_writes` of one-id appends (vectorised) and a few other runs ``plan.w_other``
         (one or two slices each), every run on a batch row; the bytes of the general staging."""
-        other, a, cu, w0 = plan.w_other, plan.w_app, plan.w_cu, lay.writes
+        other, a, cu, w0, w_key = plan.w_other, plan.w_app, plan.w_cu, lay.writes, plan.w_key
+        assert other is not None and a is not None and w_key is not None  # NOTE: stage_writes' dispatch
         # NOTE: on the fast path start <= keep <= end and end - start is the run's length: every id from keep on
         first = plan.w_keep
         kept = plan.w_end - first
@@ -222,7 +225,7 @@ class BlockTables:
         pay = kept_cu - kept
         vals, dsts = h[w0:w0 + N], h[w0 + N:w0 + 2 * N]
         if a.shape[0]:
-            key, at = plan.w_key.take(a), pay.take(a)
+            key, at = w_key.take(a), pay.take(a)
             dst = self._row_base.take(key)
             dst += plan.w_start.take(a) % self._col_mod.take(key)
             vals[at] = plan.w_ids.take(cu.take(a))
@@ -259,9 +262,10 @@ class BlockTables:
         ov.view(_RECORD)[at] = trip[:R].reshape(-1).view(_RECORD)
         return N
 
-    def _stage_appends(self, plan, h: np.ndarray, lay, ov: np.ndarray) -> int:
+    def _stage_appends(self, plan: StepPlan, h: np.ndarray, lay: StageLayout, ov: np.ndarray) -> int:
         """:meth:`stage_writes` of runs that append one id each to batch rows (run ``i``'s id is value ``i``)."""
         key, ids, N, w0 = plan.w_key, plan.w_ids, plan.w_ids.shape[0], lay.writes
+        assert key is not None  # NOTE: stage_writes' dispatch: the fast path's runs
         dst = self._row_base.take(key)
         dst += plan.w_start % self._col_mod.take(key)
         vals = h[w0:w0 + N]
@@ -277,7 +281,7 @@ class BlockTables:
         ov.reshape(-1).view(_RECORD)[at] = trip[:N].reshape(-1).view(_RECORD)
         return N
 
-    def _records(self, lay) -> np.ndarray:
+    def _records(self, lay: StageLayout) -> Tuple[np.ndarray, np.ndarray]:
         """int32 ``[G * max_num_reqs, OVERLAY_STRIDE]`` overlay records for :meth:`_stage_appends`,
         payload column ``lay.writes + i``, and ``lay.rows`` as a 0-d int64 (built once per layout)."""
         got = self._trips.get(lay)
@@ -317,7 +321,7 @@ class BlockTables:
         return starts * f, k_cu, k_ids
 
     def destinations(self, gid: np.ndarray, slot: np.ndarray, start: np.ndarray, keep_from: np.ndarray,
-                     cu: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+                     cu: np.ndarray) -> Tuple[Optional[np.ndarray], np.ndarray]:
         """Where the kept ids of validated kernel-block runs go.
 
         A run sets logical blocks ``[start, start + n)``; only those from ``keep_from`` on are stored

@@ -127,7 +127,7 @@ class ScheduledView:
 
 
 class _Req:
-    def __init__(self, req_id, prompt_len, max_new_tokens, keys):
+    def __init__(self, req_id: str, prompt_len: int, max_new_tokens: int, keys: List[tuple]) -> None:
         self.req_id, self.prompt_len, self.max_new_tokens = req_id, prompt_len, max_new_tokens
         self.keys = keys  # content key per full prompt block of the prefix group
         self.status = "waiting"
@@ -139,6 +139,11 @@ class _Req:
         self.resumed = False  # preempted earlier: next schedule sends resumed=True
         self.replay_start = 0
         self.prefix_hit = 0
+
+    def held(self) -> List[List[int]]:
+        """``blocks`` of a request that holds them (scheduled, not freed since)."""
+        assert self.blocks is not None, f"request {self.req_id!r} holds no blocks"
+        return self.blocks
 
     @property
     def num_tokens(self) -> int:  # tokens known (prompt + sampled); the last one has no KV yet
@@ -348,7 +353,7 @@ class ReferenceScheduler:
 
     def _trim(self, r: _Req) -> None:
         """Release sliding blocks wholly below the oldest position the next step reads."""
-        for g, a, ids in zip(self.groups, self._abs, r.blocks):
+        for g, a, ids in zip(self.groups, self._abs, r.held()):
             if g.kind == "sliding":
                 for j in range(min(len(ids), max(0, r.num_computed - g.window + 1) // a)):
                     if ids[j]:
@@ -358,7 +363,7 @@ class ReferenceScheduler:
     def _plan(self, r: _Req, n: int) -> List[List[bool]]:
         """Entries to append per gid for scheduling ``[c, c + n)``: True = allocate, False = null."""
         c, plan = r.num_computed, []
-        for g, a, ids in zip(self.groups, self._abs, r.blocks):
+        for g, a, ids in zip(self.groups, self._abs, r.held()):
             if g.kind == "circular":  # NOTE: the ring's k blocks for the request's whole life
                 plan.append([] if ids else [True] * _ring_blocks(g))
                 continue
@@ -367,11 +372,11 @@ class ReferenceScheduler:
         return plan
 
     def _allocate(self, r: _Req, plan) -> None:
-        for ids, p in zip(r.blocks, plan):
+        for ids, p in zip(r.held(), plan):
             ids.extend(self._take() if need else 0 for need in p)
 
     def _free_all(self, r: _Req) -> None:
-        for ids in reversed(r.blocks):
+        for ids in reversed(r.held()):
             for b in reversed(ids):  # NOTE: tail blocks first, so they are evicted first
                 if b:
                     self._release(b)
@@ -448,6 +453,7 @@ class ReferenceScheduler:
             hits = self._prefix_hit(r)
             r.blocks = [[] for _ in self.groups]
             if hits:
+                assert self._pg is not None  # NOTE: hits come from the prefix-cached group only
                 r.prefix_hit = len(hits) * self._abs[self._pg]
                 r.replay_start = r.num_computed = max(0, r.prefix_hit - self.max_window)
                 r.blocks[self._pg] = list(hits)
@@ -470,7 +476,7 @@ class ReferenceScheduler:
         new_reqs, running_reqs, views = [], [], []
         for r, n, dec in order:
             table = self._table(r)
-            alloc = tuple(list(b) for b in r.blocks)  # NOTE: steps carry allocation ids; tables expand them
+            alloc = tuple(list(b) for b in r.held())  # NOTE: steps carry allocation ids; tables expand them
             if not r.in_batch and not r.resumed:
                 new_reqs.append(NewRequest(r.req_id, alloc, r.num_computed))
             elif not r.in_batch:
@@ -508,6 +514,7 @@ class ReferenceScheduler:
         if not self._pending:
             raise RuntimeError("update_after_step() called without a scheduled step")
         accepted = dict(accepted or {})
+        assert self._last is not None  # NOTE: _pending is set together with _last
         views = {v.req_id: v for v in self._last[1]}
         for rid, a in accepted.items():
             v = views.get(rid)

@@ -203,3 +203,17 @@ def test_readme_example_verbatim(registry):
                   enumerate(layout.groups))
     m = step_all(pipes, StepInput([NewRequest("a", lists, 1024)], [], {"a": 6}), pad_to=8)
     assert m["c2"].lens.tolist() == [512, 513, 513, 514, 514, 515, 0, 0] and m["c2"].indices.shape == (8, 65536)
+
+
+@pytest.mark.parametrize("builder, kw, field", [
+    ("swa", dict(index_width=8), "window"),                                        # WindowChannel
+    ("c128a", dict(), "index_width"),                                              # CausalCompressedChannel
+    ("c4i", dict(outputs=CHANNEL_OUTPUTS["c4i"] | {"indices"}), "index_width"),    # IndexerChannel with indices
+])
+def test_builder_refuses_a_spec_without_the_field_it_needs(builder, kw, field):
+    layout = tiny_layout(max_model_len=L)
+    gid = layout.group("mla").gid if builder != "swa" else layout.group("swa").gid
+    ratio = 1 if builder == "swa" else 8
+    spec = ChannelSpec("mine", gid, ratio, layout.groups[gid].block_size // ratio, builder=builder, **kw)
+    with pytest.raises(ValueError, match=rf"^spec\.{field} of channel 'mine' is None; its builder \w+ needs it$"):
+        MetadataPipeline(layout.with_channel(spec), 4, 64, DEVICE)
