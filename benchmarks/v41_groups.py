@@ -4,8 +4,10 @@ with one sliding group per layer (45 groups). The timed step is the first step o
 with ``ctx`` tokens already computed (a whole-prompt prefix hit) and schedule one token each: the same
 tables, index lists and slot mappings as a decode step at that context, without the prefills (the 45-group
 setup through the reference scheduler took over 230 s on the H200's host). Block ids: distinct per group,
-never zero. ``--scheduler`` builds the step through the reference scheduler's prefills instead. Prints the launches per build and the build's GPU time (graph-amortized: ``k``
-launches captured in one CUDA graph, median per launch; and one single-launch graph replay).
+never zero. ``--scheduler`` builds the step through the reference scheduler's prefills instead. Prints the
+launches per build and the build's GPU time (graph-amortized: ``k`` launches captured in one CUDA graph,
+median per launch; and one single-launch graph replay), and the setup time (the first build compiles the
+layout's kernel: the 45-group kernel's compile dominates it).
 
     python benchmarks/v41_groups.py [--B 256] [--ctx 2048]
 """
@@ -108,7 +110,8 @@ def main(argv=None) -> int:
         g, s1 = graph_time(lambda plan=pipe.fused_plan, st=lay_s: plan.launch(st), args.k, args.replays)
         rows.append((label, lay.num_groups, pipe.num_launches, meta.num_tokens, g, s1, time.perf_counter() - t0))
         print(f"{label}: groups {lay.num_groups}, launches {pipe.num_launches}, T {meta.num_tokens}, "
-              f"build {g:.2f} us (graph) / {s1:.2f} us (single), setup {setup:.1f} s, wall {rows[-1][-1]:.0f} s", flush=True)
+              f"build {g:.2f} us (graph) / {s1:.2f} us (single), setup {setup:.1f} s, wall {rows[-1][-1]:.0f} s",
+              flush=True)
     print(f"\ndecode B={args.B}, ctx {args.ctx}: fused build GPU time")
     base = rows[0][4]
     for label, G, n, _T, g, s1, _ in rows:
