@@ -265,12 +265,12 @@ class MetadataPipeline:
         return meta
 
     def _launch_fused(self, fused: FusedPlan) -> None:
-        lay, graphs = self.staging.lay, self._graphs
+        lay = self.staging.lay
         assert lay is not None  # NOTE: build() follows an update(), which staged the step
-        if graphs is None:
+        if self._graphs is None:
             fused.launch(lay)
             return
-        graph = graphs.get(lay.t_pad)
+        graph = self._graphs.get(lay.t_pad)
         if graph is not None:
             graph.replay()
             return
@@ -278,7 +278,7 @@ class MetadataPipeline:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fused.launch(lay)
-        graphs[lay.t_pad] = graph
+        self._graphs[lay.t_pad] = graph
 
     def _metadata(self, plan: StepPlan) -> DSV4Metadata:
         ctx, host_qsl = self.ctx, self.staging.host_qsl

@@ -60,14 +60,14 @@ that no step pays lazily zeroed pages); ids beyond
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .._common import cp_owned_count
 from .contract import held_and_duplicates
 from .ownership_fast import commit_fast, plan_fast
-from .ownership_batch import commit_batch
+from .ownership_batch import BatchView, commit_batch
 from .ownership_checks import check_rewinds, check_runs, rewind_suspects
 from .ownership_rules import Step, begin, bump, plan_general
 
@@ -131,7 +131,9 @@ class BlockOwners:
         NC = self.NC = np.flatnonzero(~tables.circular)  # NOTE: the batch path's rule 4 (ownership_batch.py)
         self.nc_full, self.nc_bs = tables.full[NC][:, None], tables.bs[NC][:, None]
         self.nc_key = (NC * num_slots)[:, None]
-        self.view, self.view_retry, self.batch_geometry = None, 0, {}
+        self.view: Optional[BatchView] = None  # NOTE: the batch path's view of the last batch
+        self.view_retry = 0
+        self.batch_geometry: Dict[int, dict] = {}  # NOTE: per batch size: the view's per-cell constants
         self.ring_list, self.cols_list = tables.ring.tolist(), tables.cols.tolist()
         self.base_list, self.bs_list = tables.base.tolist(), tables.bs.tolist()
         self.sliding_list, self.gpos_list = self.sliding.tolist(), self.gpos.tolist()

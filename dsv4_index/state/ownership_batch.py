@@ -48,6 +48,7 @@ __all__ = ["BatchView", "plan_batch", "commit_batch"]
 
 _I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
 _BIG = 1 << 62
+_EMPTY = np.zeros(0, dtype=np.int64)
 _count = np.count_nonzero
 _RETRY = 8  # NOTE: a batch whose view could not be built is retried after this many steps
 
@@ -65,6 +66,9 @@ class BatchView:
     bs, g, row, rmod : int64 ``[Gs * B]`` per cell: block size, gid, batch row, ring modulus.
     """
 
+    ok: bool
+    priv: np.ndarray
+
     def __init__(self, o, b: np.ndarray, fresh: Optional[np.ndarray] = None, nc: Optional[np.ndarray] = None,
                  prev: Optional["BatchView"] = None):
         t, B = o.tables, b.shape[0]
@@ -78,6 +82,7 @@ class BatchView:
         nb2 = t.num_blocks.reshape(-1).take(kb2)
         ck2 = o.checked.reshape(-1).take(kb2) if o.full else None
         if fresh is not None:  # NOTE: new rows hold nothing yet: front = nc (no jump, no rewind), floor = lo
+            assert nc is not None, "BatchView: fresh rows need nc"
             fr = np.flatnonzero(fresh)
             ncf = nc.take(fr)
             self.front[fr] = ncf
@@ -191,7 +196,7 @@ def plan_batch(o, plan) -> Optional[Step]:
         return None
     st = Step()
     st.fast, st.churn, st.fresh_b = "batch", bool(plan.free_slots.size or plan.new_slots.size), None
-    st.acq = st.acq_sorted = st.fr_runs = None
+    st.acq, st.acq_sorted, st.fr_runs = _EMPTY, None, None  # NOTE: empty key arrays: nothing acquired / released
     st.shared_hit = False
     if st.churn:
         nc = plan.seq_lens - plan.num_scheduled
@@ -240,7 +245,7 @@ def _releases(o, v: BatchView, st: Step, nc, plan) -> bool:
     lo2 //= o.bs_S
     d2 = lo2 - v.floor2
     cells = np.flatnonzero(d2)
-    st.cells, st.lo2, st.rel = cells, lo2, None
+    st.cells, st.lo2, st.rel = cells, lo2, _EMPTY
     parts = []
     if cells.size:
         dc = d2.reshape(-1).take(cells)
@@ -284,7 +289,7 @@ def _acquisitions(o, v: BatchView, st: Step, plan, nc) -> bool:
     o.grow(keys.view(_U64).item(keys.argmax()))
     base = o.count.take(fills)
     if _count(base):
-        if st.rel is None or _count(base - count_in(np.sort(st.rel), fills)):
+        if not st.rel.size or _count(base - count_in(np.sort(st.rel), fills)):
             return False                                 # NOTE: held by someone: the general path judges it
     st.acq_sorted = None
     if keys.shape[0] > 1:
@@ -321,7 +326,7 @@ def _rewinds_gather(o, v: BatchView, plan, low, nc, acq, acq_sorted) -> bool:
     if keys.size:
         if _count(o.count.take(keys) > 1):
             return False
-        if acq is not None and _count(count_in(acq_sorted if acq_sorted is not None else acq, keys)):
+        if acq.size and _count(count_in(acq_sorted if acq_sorted is not None else acq, keys)):
             return False
     v.priv[:, low] = np.minimum(np.take(v.priv, low, axis=1), lo)
     return True
@@ -330,9 +335,9 @@ def _rewinds_gather(o, v: BatchView, plan, low, nc, acq, acq_sorted) -> bool:
 def commit_batch(o, st: Step) -> None:
     """Apply a batch step (the view and the slot-keyed state together)."""
     v, cells = st.view, st.cells
-    if st.rel is not None:
+    if st.rel.size:
         bump(o.count, st.rel, -1)
-    if st.acq is not None:
+    if st.acq.size:
         o.count[st.acq] += 1                              # NOTE: distinct keys (checked)
     if st.churn:
         commit_rows(o, v, st)

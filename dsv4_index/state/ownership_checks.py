@@ -144,7 +144,8 @@ def _check_reacquired(o, st: Step) -> None:
         bad |= count_in(np.sort(st.acq), st.reacq) > 0
     if not bad.any():
         return
-    keys, slots, pos = (np.concatenate(x) for x in zip(*(old_keys(o, *p, detail=True) for p in st.back)))
+    keys, slots, pos = (np.concatenate(x) for x in zip(*(old_keys(o, g_, s_, lo_, hi_, detail=True)
+                                                         for g_, s_, lo_, hi_ in st.back)))
     t = o.tables
     for key, slot, p in zip(keys.tolist(), slots.tolist(), pos.tolist()):
         g, kid = key % o.G, key // o.G

@@ -104,7 +104,7 @@ def fresh_runs(o, v, st, plan, nc):
         return fk, fk
     o.grow(hk.view(_U64).item(hk.argmax()))
     held = o.count.take(hk)
-    if _count(held) and st.rel is not None:  # NOTE: holders after this step's releases (a freed id handed on)
+    if _count(held) and st.rel.size:  # NOTE: holders after this step's releases (a freed id handed on)
         held -= count_in(np.sort(st.rel), hk)
     st.shared_hit = bool(_count(held))
     return np.concatenate([fk, hk]), fk

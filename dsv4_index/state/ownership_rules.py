@@ -8,7 +8,7 @@ Arrays: ``N`` write runs (``plan.w_*``, kernel blocks), ``B`` batch rows, ``Gs``
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, Collection, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -19,7 +19,68 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 class Step:
     """One checked step's ownership changes (``rel`` / ``acq``: id keys released / acquired, with
-    repetition) and the values the commit stores."""
+    repetition) and the values the commit stores. Every path sets the fields it uses (int64 arrays
+    unless said): the general path (:func:`begin`, :func:`plan_general`), the batch path
+    (:mod:`.ownership_batch`) and the one-append path (:mod:`.ownership_fast`)."""
+
+    F0b: np.ndarray
+    F0r: np.ndarray
+    F1b: np.ndarray
+    F1r: np.ndarray
+    F1r_s: np.ndarray
+    La: np.ndarray
+    Lr_s: np.ndarray
+    N0b: np.ndarray
+    N0r: np.ndarray
+    acq_fill: np.ndarray
+    acq_fresh: np.ndarray
+    acq_pos: np.ndarray
+    acq_run: np.ndarray
+    acq_slot: np.ndarray
+    all_nc: np.ndarray
+    all_slots: np.ndarray
+    b: np.ndarray
+    back: List[Tuple[np.ndarray, ...]]  # (gid, slot, lo, hi) of the old positions a row holds again
+    cells: np.ndarray
+    e: np.ndarray
+    e_s: np.ndarray
+    free: np.ndarray
+    gid: np.ndarray
+    inb_s: np.ndarray
+    khi: np.ndarray
+    klo: np.ndarray
+    kr: np.ndarray
+    kr_s: np.ndarray
+    lo: np.ndarray
+    lo2: np.ndarray
+    lo_pos: np.ndarray
+    nc_b: np.ndarray
+    new: np.ndarray
+    reacq: np.ndarray
+    rel_sorted: np.ndarray
+    s: np.ndarray
+    seq: np.ndarray
+    sl: np.ndarray
+    slot: np.ndarray
+    view_nc: np.ndarray
+    ws_full: np.ndarray
+    acq: np.ndarray
+    rel: np.ndarray
+    acq_sorted: Optional[np.ndarray]
+    fresh: Optional[np.ndarray]
+    fresh_b: Optional[np.ndarray]
+    kb: Optional[np.ndarray]
+    re: Optional[np.ndarray]
+    fast: Union[bool, str]        # False (general), True (one-append path) or "batch"
+    churn: bool                   # batch path: a slot freed or new
+    shared_hit: bool              # batch path: a new row takes a held id as a prefix hit
+    N: int                        # write runs
+    num_slots: int
+    gone_set: Collection[int]     # slots whose old rows this step releases
+    fr_runs: Optional[Tuple[np.ndarray, np.ndarray]]  # new rows' ring low-water marks: (pair keys, marks)
+    plan: Any                     # the StepPlan being checked (state/plan.py; not imported: a cycle)
+    view_plan: Any
+    view: Any                     # batch path: the BatchView (state/ownership_batch.py imports this module)
 
     def gone(self, slot: int) -> bool:
         """The slot's old rows are released in this step (freed, or taken by a new request)."""
@@ -171,7 +232,9 @@ def _releases(o, st: Step) -> None:
     """Old ids no longer held (cut back, behind the window, freed slots), and old ids held again (a
     row whose window moved back: ``reacq``)."""
     t, num_slots = o.tables, o.num_slots
-    parts, back = [], []  # (gid, slot, lo, hi) of old block positions released / held again
+    # (gid, slot, lo, hi) int64 arrays of old block positions released / held again
+    parts: List[Tuple[np.ndarray, ...]] = []
+    back: List[Tuple[np.ndarray, ...]] = []
     if st.N:
         F1r = np.zeros(st.N, dtype=np.int64)
         F1r[st.sl] = st.F1r_s

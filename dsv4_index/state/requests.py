@@ -95,10 +95,10 @@ class RequestState:
             occ[plan.new_slots] = True
         c = self.cache
         # NOTE: the ignores: BatchCache sets its attributes in from_plan, undeclared (state/steady.py)
-        if plan.steady and c is not None and c.scratch.plan is plan:  # type: ignore[attr-defined]
+        if plan.steady and c is not None and c.scratch.plan is plan:
             c.advance(plan)
             return
-        self._generation = (self._generation if c is None else c.generation) + 1  # type: ignore[attr-defined]
+        self._generation = (self._generation if c is None else c.generation) + 1
         geo = self._geometry  # NOTE: None exactly when not use_steady
         self.cache = None if geo is None else BatchCache.from_plan(plan, geo, self._tables, c, self._generation)
 
@@ -106,7 +106,7 @@ class RequestState:
     def signature(self) -> Optional[int]:
         """Equal between two steps of one batch (same rows, counts, order): the staging buffer then
         keeps their ``qsl`` / ``slots`` / ``tok_row``."""
-        return None if self.cache is None else self.cache.generation  # type: ignore[attr-defined]
+        return None if self.cache is None else self.cache.generation
 
 
 # ----------------------------------------------------------------------------------------------

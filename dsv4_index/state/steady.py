@@ -135,8 +135,9 @@ class _Scratch:
         self.flats = [np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)]
         self.seen = np.zeros(geo.num_groups * geo.num_slots + 1, dtype=bool)
         self.row_map = np.full(geo.num_slots, _OUT, dtype=np.int64)
-        self.occ = None
-        self.plan = self.pending = None
+        self.occ: Optional[np.ndarray] = None        # NOTE: occupancy after the step's frees and joins
+        self.plan: Optional[StepPlan] = None         # NOTE: the fast plan checked last, and what accepting it stores
+        self.pending: Optional[tuple] = None
 
 
 class BatchCache:
@@ -153,7 +154,22 @@ class BatchCache:
     order : ``(order or None, num_decodes, T)`` of the batch (kept while slots and counts repeat).
     slots_bytes, q_bytes : bytes of the StepBatch-order slots and counts (None: a row without tokens).
     generation : int — changes whenever the batch's slots, counts or order change (staging signature).
+    geo, scratch : the pipeline's :class:`FastGeometry` and the fast plan's :class:`_Scratch` buffers.
+    flat : int64 — the buffer ``x`` is a view of.
     """
+
+    geo: FastGeometry
+    scratch: "_Scratch"
+    generation: int
+    b_slots: np.ndarray
+    seq: np.ndarray
+    nc_chk: np.ndarray
+    x: np.ndarray
+    flat: np.ndarray
+    row_of: np.ndarray
+    order: tuple
+    slots_bytes: Optional[bytes]
+    q_bytes: Optional[bytes]
 
     @classmethod
     def from_plan(cls, plan: StepPlan, geo: FastGeometry, tables, prev: Optional["BatchCache"],
@@ -190,6 +206,7 @@ class BatchCache:
     def advance(self, plan: StepPlan) -> None:
         """Accept a fast ``plan`` (its pending state is in the scratch)."""
         s = self.scratch
+        assert s.pending is not None, "BatchCache.advance: no fast plan is pending"
         (x, flat, seq, b_slots, nc_chk, row_map, slots_bytes, q_bytes, same, order) = s.pending
         if row_map is not None:  # NOTE: the batch changed: swap in the new slot -> row map
             s.row_map, self.row_of = self.row_of, row_map
