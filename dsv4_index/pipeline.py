@@ -122,7 +122,7 @@ class MetadataPipeline:
         self.staging = StepStaging(self.device, T, len(layout.groups), len(self.ctx.staged_inputs),
                                    self.max_staged_blocks, max_num_reqs)
         self.requests = RequestState(max_num_reqs, self.tables, cp=self.cp, max_num_tokens=T,
-                                     max_writes=self.max_staged_blocks, decode_threshold=1 + num_speculative_tokens,
+                                     max_writes=self.max_staged_blocks, next_n=1 + num_speculative_tokens,
                                      level=self.checks, steady=steady, cross_check=self.validate)
 
         self._fused, self._unfused = self._plan_launches(fused and use_triton(self.device, backend))

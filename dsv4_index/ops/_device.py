@@ -21,7 +21,7 @@ Conventions
   ``[ov_lo, ov_hi)`` of the row sit at ``stage[ov_pay + blk - ov_lo]``; the same launch writes them
   into the table, so readers take them from the stage (no program reads an entry another writes).
 * DCP (``cp_world``, ``cp_rank``, ``cp_interleave``): position / row ``p`` is owned by rank
-  ``(p // I) % W`` and stored there at local ``(p // (I * W)) * I + p % I``; pass ``(1, 0, 1)`` for
+  ``(p // I) % cpw`` and stored there at local ``(p // (I * cpw)) * I + p % I``; pass ``(1, 0, 1)`` for
   groups that are not sharded.
 """
 

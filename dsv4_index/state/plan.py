@@ -104,7 +104,7 @@ def _row_map(num_slots: int) -> np.ndarray:
 
 
 def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables, cp=(1, 0, 1),
-              max_num_tokens: int, max_writes: int, pad_to: Optional[int], decode_threshold: int,
+              max_num_tokens: int, max_writes: int, pad_to: Optional[int], next_n: int,
               level: str = "safe") -> StepPlan:
     """Check ``batch`` against the pipeline state; return the plan or raise ``ValueError``.
 
@@ -115,14 +115,15 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables, cp=(1, 0, 1),
     cp : (world, rank, interleave) of the sharded groups.
     max_num_tokens, max_writes : capacities (tokens per step, staged ids per step).
     pad_to : padded token count or None.
-    decode_threshold : a row with ``1 <= q <= decode_threshold`` tokens is a decode.
+    next_n : query tokens of a decode row (``1 + num_speculative_tokens``): a row with
+        ``1 <= q <= next_n`` tokens is a decode.
     level : ``"safe"`` or ``"full"``.
     """
     if not isinstance(batch, StepBatch):
         raise ValueError(f"step must be a StepInput or a StepBatch, got {type(batch).__name__}")
     num_slots = occupied.shape[0]
     slots, nc, q, is_new, free, occ, new_slots = _rows(batch, occupied, tables.max_model_len, max_num_tokens)
-    order, nd, T, T_pad = _order(q, max_num_tokens, pad_to, decode_threshold)
+    order, nd, T, T_pad = _order(q, max_num_tokens, pad_to, next_n)
     if order is None:
         b_slots, b_q, b_nc, b_new = slots, q, nc, is_new
     else:
@@ -149,20 +150,20 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables, cp=(1, 0, 1),
 
 
 def _rows(batch: StepBatch, occupied: np.ndarray, max_model_len: int, max_num_tokens: int):
-    """The rows and freed slots, checked: ``(slots, nc, q, is_new, free, occ after, new slots)``."""
+    """The rows and freed slots, checked: ``(req_slots, nc, q, is_new, free, occ after, new slots)``."""
     num_slots = occupied.shape[0]
-    slots = arr("req_slots", batch.req_slots)
-    n_rows = slots.shape[0]
+    req_slots = arr("req_slots", batch.req_slots)
+    n_rows = req_slots.shape[0]
     nc = arr("num_computed_tokens", batch.num_computed_tokens, n_rows)
     q = arr("num_scheduled_tokens", batch.num_scheduled_tokens, n_rows)
     is_new = (np.zeros(n_rows, dtype=bool) if batch.is_new is None
               else arr("is_new", batch.is_new, n_rows, dtype_kind="b"))
     free = _EMPTY if batch.free_slots is None else arr("free_slots", batch.free_slots)
     if n_rows:
-        in_range("req_slots", slots, num_slots, "a slot")
+        in_range("req_slots", req_slots, num_slots, "a slot")
         check_counts(nc, q, max_model_len, max_num_tokens)
-        if not seen_distinct(slots, num_slots):
-            count = np.bincount(slots, minlength=num_slots)  # NOTE: only for the message
+        if not seen_distinct(req_slots, num_slots):
+            count = np.bincount(req_slots, minlength=num_slots)  # NOTE: only for the message
             s = int(np.argmax(count))
             raise ValueError(f"req_slots: slot {s} appears in {int(count[s])} batch rows")
     occ = occupied.copy()
@@ -176,19 +177,19 @@ def _rows(batch: StepBatch, occupied: np.ndarray, max_model_len: int, max_num_to
             raise ValueError(f"free_slots[{i}] = {int(free[i])} does not hold a request")
         occ[free] = False
     if n_rows:
-        bad = occ.take(slots) == is_new
+        bad = occ.take(req_slots) == is_new
         if np.count_nonzero(bad):
             i = first(bad)
             if is_new[i]:
-                raise ValueError(f"req_slots[{i}] = {int(slots[i])} is new but still holds a request "
+                raise ValueError(f"req_slots[{i}] = {int(req_slots[i])} is new but still holds a request "
                                  f"(free it first)")
-            raise ValueError(f"req_slots[{i}] = {int(slots[i])} holds no request (mark it is_new)")
-    new_slots = slots[is_new]
+            raise ValueError(f"req_slots[{i}] = {int(req_slots[i])} holds no request (mark it is_new)")
+    new_slots = req_slots[is_new]
     occ[new_slots] = True
-    return slots, nc, q, is_new, free, occ, new_slots
+    return req_slots, nc, q, is_new, free, occ, new_slots
 
 
-def _order(q: np.ndarray, max_num_tokens: int, pad_to, decode_threshold: int):
+def _order(q: np.ndarray, max_num_tokens: int, pad_to, next_n: int):
     """The device batch: rows with tokens, decode first (stable): ``(order or None, num_decodes, T, T_pad)``."""
     n_rows = q.shape[0]
     T = int(q.sum()) if n_rows else 0
@@ -201,9 +202,9 @@ def _order(q: np.ndarray, max_num_tokens: int, pad_to, decode_threshold: int):
     if not n_rows:
         return None, 0, T, T_pad
     qmin, qmax = q.item(q.argmin()), q.item(q.argmax())
-    if qmin > 0 and qmax <= decode_threshold:
+    if qmin > 0 and qmax <= next_n:
         return None, n_rows, T, T_pad
-    dec = q <= decode_threshold
+    dec = q <= next_n
     order = None
     if qmin == 0:
         live = np.flatnonzero(q > 0)
@@ -213,7 +214,7 @@ def _order(q: np.ndarray, max_num_tokens: int, pad_to, decode_threshold: int):
         if not dec[k] and np.count_nonzero(dec[k:]):
             order = np.concatenate([np.flatnonzero(dec), np.flatnonzero(~dec)])
     b_q = q if order is None else q[order]
-    return order, np.count_nonzero(b_q <= decode_threshold) if b_q.shape[0] else 0, T, T_pad
+    return order, np.count_nonzero(b_q <= next_n) if b_q.shape[0] else 0, T, T_pad
 
 
 def _replay(batch: StepBatch, order, b_slots, b_nc, n_rows: int):

@@ -37,7 +37,8 @@ class RequestState:
     tables : BlockTables — read by the checks, never written here.
     cp : (world, rank, interleave) of the sharded groups.
     max_num_tokens, max_writes : capacities (tokens per step, staged ids per step).
-    decode_threshold : a row with ``1 <= q <= decode_threshold`` tokens is a decode.
+    next_n : query tokens of a decode row (``1 + num_speculative_tokens``): a row with
+        ``1 <= q <= next_n`` tokens is a decode.
     level : ``"safe"`` or ``"full"`` (``state/plan.py``).
     steady : bool — plan on the incremental path (False: every step takes the general checks).
     cross_check : bool — run both planners on every step and raise ``AssertionError`` when the
@@ -50,12 +51,12 @@ class RequestState:
     """
 
     def __init__(self, max_num_reqs: int, tables: BlockTables, *, cp: Tuple[int, int, int], max_num_tokens: int,
-                 max_writes: int, decode_threshold: int, level: str, steady: bool = True, cross_check: bool = False):
+                 max_writes: int, next_n: int, level: str, steady: bool = True, cross_check: bool = False):
         self.max_num_reqs = max_num_reqs
         self.occupied = np.zeros(max_num_reqs, dtype=bool)
         self._tables = tables
         self._kw: Dict[str, Any] = dict(cp=cp, max_num_tokens=max_num_tokens, max_writes=max_writes,
-                        decode_threshold=decode_threshold, level=level)
+                        next_n=next_n, level=level)
         self.level = level
         self.cross_check = bool(cross_check)
         # NOTE: the incremental proof assumes replicated groups, plain blocks and a window on every ring group
@@ -64,7 +65,7 @@ class RequestState:
         self.cache: Optional[BatchCache] = None
         self._geometry = FastGeometry(tables) if self.use_steady else None
         self._generation = 0
-        self.owners = BlockOwners(tables, cp=cp, level=level, num_speculative_tokens=decode_threshold - 1)
+        self.owners = BlockOwners(tables, cp=cp, level=level, num_speculative_tokens=next_n - 1)
 
     def plan(self, batch: StepBatch, pad_to: Optional[int]) -> StepPlan:
         """Check ``batch`` against this state and the tables; the plan, or ``ValueError`` (nothing
@@ -73,7 +74,7 @@ class RequestState:
         if self.cache is not None:
             kw = self._kw
             plan = plan_fast(batch, self.cache, self._tables, self.occupied, pad_to, kw["max_num_tokens"],
-                             kw["max_writes"], kw["decode_threshold"], self.level)
+                             kw["max_writes"], kw["next_n"], self.level)
             if plan is not None:
                 if self.cross_check:
                     ref = plan_step(batch, occupied=self.occupied, tables=self._tables, pad_to=pad_to, **kw)

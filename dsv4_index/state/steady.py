@@ -161,15 +161,8 @@ class BatchCache:
     geo: FastGeometry
     scratch: "_Scratch"
     generation: int
-    b_slots: np.ndarray
-    seq: np.ndarray
-    nc_chk: np.ndarray
-    x: np.ndarray
-    flat: np.ndarray
     row_of: np.ndarray
-    order: tuple
-    slots_bytes: Optional[bytes]
-    q_bytes: Optional[bytes]
+    flat: np.ndarray
 
     @classmethod
     def from_plan(cls, plan: StepPlan, geo: FastGeometry, tables, prev: Optional["BatchCache"],
@@ -223,7 +216,7 @@ class BatchCache:
 def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int, slots_bytes: bytes):
     """Rows of the step: ``(is_new or None, free, occ_after or None, same slots as the last batch)``;
     None when not proved."""
-    slots, new, free = batch.req_slots, batch.is_new, batch.free_slots
+    req_slots, new, free = batch.req_slots, batch.is_new, batch.free_slots
     if new is not None:
         if type(new) is not np.ndarray or new.dtype is not _BOOL or new.shape != (n,):
             return None
@@ -236,15 +229,15 @@ def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int, slots_bytes: bytes
     if new is None and not free.size and slots_bytes == c.slots_bytes:
         return new, free, None, True, None  # NOTE: the last batch's slots: range, distinct, occupied
     num_slots, seen = c.geo.num_slots, c.scratch.seen
-    if _umax(slots) >= num_slots:
+    if _umax(req_slots) >= num_slots:
         return None
-    seen[slots] = True
+    seen[req_slots] = True
     distinct = _count(seen)
-    seen[slots] = False
+    seen[req_slots] = False
     if distinct != n:
         return None
     if not free.size and new is None:
-        return (new, free, None, False, None) if _count(occupied.take(slots)) == n else None
+        return (new, free, None, False, None) if _count(occupied.take(req_slots)) == n else None
     occ = c.scratch.occ = np.copy(occupied)
     if free.size:
         if _umax(free) >= num_slots:
@@ -255,14 +248,14 @@ def _rows(batch, c: BatchCache, occupied: np.ndarray, n: int, slots_bytes: bytes
         if distinct != free.shape[0] or _count(occ.take(free)) != free.shape[0]:
             return None
         occ[free] = False
-    held = occ.take(slots)
+    held = occ.take(req_slots)
     if new is None:
         if _count(held) != n:
             return None
     elif _count(held != new) != n:
         return None
     else:
-        new_slots = slots[new]
+        new_slots = req_slots[new]
         occ[new_slots] = True
         return new, free, occ, False, new_slots
     return new, free, occ, False, None
@@ -296,26 +289,27 @@ def _order(q: np.ndarray, n: int, thr: int, max_num_tokens: int):
 
 
 def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_num_tokens: int,
-              max_writes: int, decode_threshold: int, level: str) -> Optional[StepPlan]:
+              max_writes: int, next_n: int, level: str) -> Optional[StepPlan]:
     """The plan of a step on the incremental path, or None (a check not proven here: the general
     checks decide). Writes only the cache's scratch buffers."""
     if type(batch) is not StepBatch or batch.replay_start is not None or batch.replay_end is not None:
         return None
-    slots, nc, q = batch.req_slots, batch.num_computed_tokens, batch.num_scheduled_tokens
-    if type(slots) is not np.ndarray or slots.dtype is not _I64 or slots.ndim != 1 or not slots.shape[0]:
+    req_slots, nc, q = batch.req_slots, batch.num_computed_tokens, batch.num_scheduled_tokens
+    if (type(req_slots) is not np.ndarray or req_slots.dtype is not _I64 or req_slots.ndim != 1
+            or not req_slots.shape[0]):
         return None
-    n = slots.shape[0]
+    n = req_slots.shape[0]
     for x in (nc, q):
-        if type(x) is not np.ndarray or x.dtype is not _I64 or x.shape != slots.shape:
+        if type(x) is not np.ndarray or x.dtype is not _I64 or x.shape != req_slots.shape:
             return None
-    slots_bytes = slots.tobytes()
+    slots_bytes = req_slots.tobytes()
     rows = _rows(batch, c, occupied, n, slots_bytes)
     if rows is None or _umax(nc) > tables.max_model_len:
         return None
     new, free, occ, same, new_slots = rows
     q_bytes = q.tobytes()
     same = same and q_bytes == c.q_bytes  # NOTE: the last batch again (any nc): its order and T
-    got = c.order if same else _order(q, n, decode_threshold, max_num_tokens)
+    got = c.order if same else _order(q, n, next_n, max_num_tokens)
     if got is None:
         return None
     order, nd, T, ndt, q_max = got
@@ -323,9 +317,9 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
     if T_pad is None:
         return None
     if order is None:
-        b_slots, b_q, b_nc, b_new = slots, q, nc, new
+        b_slots, b_q, b_nc, b_new = req_slots, q, nc, new
     else:
-        b_slots, b_q, b_nc = slots.take(order), q.take(order), nc.take(order)
+        b_slots, b_q, b_nc = req_slots.take(order), q.take(order), nc.take(order)
         b_new = None if new is None else new.take(order)
     seq = b_nc + b_q
     step = _remap(c, b_slots, b_nc, b_new, seq, tables, level, same)
@@ -349,7 +343,7 @@ def plan_fast(batch, c: BatchCache, tables, occupied: np.ndarray, pad_to, max_nu
         replay_start=None, replay_end=None, num_decodes=nd,
         num_decode_tokens=ndt, num_tokens=T,
         num_tokens_padded=T_pad, free_slots=free, new_slots=_EMPTY if new_slots is None else new_slots,
-        all_slots=slots, all_computed=nc, w_gid=gid, w_slot=wslot, w_start=start, w_end=end, w_keep=keep,
+        all_slots=req_slots, all_computed=nc, w_gid=gid, w_slot=wslot, w_start=start, w_end=end, w_keep=keep,
         w_cu=cu, w_ids=ids, w_row=row, w_key=key, w_other=other, w_app=app, steady=True)
     c.scratch.plan = plan
     return plan

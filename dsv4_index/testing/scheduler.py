@@ -1,3 +1,4 @@
+# over 400 lines: one reference scheduler, read top to bottom (admission, prefix cache, chunks, preemption, MTP)
 """Reference scheduler: a small vLLM-like scheduler that emits :class:`StepInput` s (tests, examples,
 benchmarks). It models block bookkeeping faithfully and token contents not at all.
 

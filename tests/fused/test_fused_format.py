@@ -31,7 +31,7 @@ from dsv4_index.fused import kernel, tasks
 from dsv4_index.fused.tasks import FusedTask, task_spec
 from dsv4_index.state import staging
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ROOT / "dsv4_index" / "fused" / "kernel.py"
 
 

@@ -1,0 +1,37 @@
+"""Module size (issue 29): no module of the package over 400 lines, unless its first line says why
+(``# over 400 lines: <reason>``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT = 400
+REASON = "# over 400 lines:"
+
+
+def _long_modules():
+    out = []
+    for path in sorted((ROOT / "dsv4_index").rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if len(lines) > LIMIT:
+            out.append((path.relative_to(ROOT).as_posix(), len(lines), lines[0] if lines else ""))
+    return out
+
+
+def test_no_module_over_the_limit_without_a_reason():
+    bad = [(p, n) for p, n, first in _long_modules()
+           if not (first.startswith(REASON) and len(first.strip()) > len(REASON) + 10)]
+    assert not bad, f"modules over {LIMIT} lines without a '{REASON} ...' first line: {bad}"
+
+
+def test_the_check_sees_a_long_module(tmp_path, monkeypatch):
+    pkg = tmp_path / "dsv4_index"
+    pkg.mkdir()
+    (pkg / "long.py").write_text("x = 1\n" * (LIMIT + 1))
+    (pkg / "ok.py").write_text(REASON + " a reason long enough\n" + "x = 1\n" * LIMIT)
+    (pkg / "short.py").write_text("x = 1\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    found = {p: first for p, _, first in _long_modules()}
+    assert set(found) == {"dsv4_index/long.py", "dsv4_index/ok.py"}
+    assert not found["dsv4_index/long.py"].startswith(REASON) and found["dsv4_index/ok.py"].startswith(REASON)
