@@ -36,7 +36,7 @@ import torch
 
 from .plan import StepPlan
 
-__all__ = ["StageLayout", "StepStaging", "HEADER", "OVERLAY_STRIDE"]
+__all__ = ["StageLayout", "StepStaging", "HEADER", "OVERLAY_STRIDE", "write_halves"]
 
 HEADER = 8
 H_NUM_REQS, H_NUM_TOKENS, H_NUM_DECODES, H_NUM_WRITES, H_REPLAY_START, H_REPLAY_END = range(6)
@@ -45,6 +45,13 @@ OV_LO, OV_HI, OV_PAY = 0, 1, 2         # fields of an overlay record
 ROW_ARRAY_PAD = 1                      # NOTE: a per-batch-row array holds rows + 1 int32 (qsl's closing entry)
 W_VALUES, W_DESTS = 0, 1               # halves of the writes region, N int32 each
 WRITE_HALVES = 2
+
+
+def write_halves(h, writes: int, n: int):
+    """``(values, destinations)``: the two halves of the writes region of staging buffer ``h`` (int32, the
+    region starting at element ``writes``) for ``n`` staged writes, as views to fill."""
+    return (h[writes + W_VALUES * n:writes + (W_VALUES + 1) * n],
+            h[writes + W_DESTS * n:writes + (W_DESTS + 1) * n])
 
 
 class StageLayout(NamedTuple):

@@ -25,7 +25,7 @@ import torch
 from .._common import INT32_MAX
 from ._index import col_modulus, flat_offset, ring_col
 from .plan import StepPlan
-from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, StageLayout
+from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, StageLayout, write_halves
 
 __all__ = ["BlockTables"]
 
@@ -157,8 +157,9 @@ class BlockTables:
             keep, dst = self.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
             vals = plan.w_ids if keep is None else plan.w_ids[keep]
             N = vals.shape[0]
-            h[w0:w0 + N] = vals
-            h[w0 + N:w0 + 2 * N] = dst
+            hv, hd = write_halves(h, w0, N)
+            hv[:] = vals
+            hd[:] = dst
             self.mirror[dst] = vals
         if keep is None:
             # NOTE: every id kept (one per run): run i's id is value i
@@ -195,7 +196,7 @@ class BlockTables:
             if k:
                 runs.append((g, slot, first, k, cu[i] + first - start, ring))
                 total += k
-        vals, dsts, ids = h[w0:w0 + total], h[w0 + total:w0 + 2 * total], plan.w_ids
+        (vals, dsts), ids = write_halves(h, w0, total), plan.w_ids
         pos = 0
         for g, slot, first, k, src, ring in runs:
             row = flat_offset(self._base_list[g], self._cols_list[g], slot, 0)
@@ -223,7 +224,7 @@ class BlockTables:
         kept_cu = np.add.accumulate(kept)
         N = int(kept_cu[-1])
         pay = kept_cu - kept
-        vals, dsts = h[w0:w0 + N], h[w0 + N:w0 + 2 * N]
+        vals, dsts = write_halves(h, w0, N)
         if a.shape[0]:
             key, at = w_key.take(a), pay.take(a)
             dst = self._row_base.take(key)
@@ -268,9 +269,9 @@ class BlockTables:
         assert key is not None  # NOTE: stage_writes' dispatch: the fast path's runs
         dst = self._row_base.take(key)
         dst += plan.w_start % self._col_mod.take(key)
-        vals = h[w0:w0 + N]
+        vals, dsts = write_halves(h, w0, N)
         vals[:] = ids
-        h[w0 + N:w0 + 2 * N] = dst
+        dsts[:] = dst
         self.mirror[dst] = vals  # NOTE: from the int32 copy (a scatter that casts costs 5x)
         # NOTE: one scatter of whole 12-byte records from a buffer whose payload column is preset
         trip, rows = self._records(lay)
