@@ -28,10 +28,10 @@ from ..ops._device import (causal_row, causal_row_blocks, circular_split, compre
 from ..state.staging import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START,
                              OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, ROW_ARRAY_PAD, W_DESTS, W_VALUES)
 from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, FLAG_CIRCULAR, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR,
-                    G_RING, G_STRIDE, G_TABLE, G_WIDTH, HAS_OUT1, HAS_OUT2, HAS_OUT3, INDEXER, NF, OUTS_GEO, OUTS_WORDS,
-                    REPLAYS, REQUESTS, S_BC, S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_EXTRA, S_FLAGS, S_GID, S_HAS,
-                    S_KIND, S_MUL, S_NCHUNK, S_NEXT_N, S_NPROG, S_RATIO, S_RING, S_ROWS_PER_BLOCK, S_START, S_TASK,
-                    S_WIDTH, S_WINDOW, STAGED_COPY, TOKEN_ROWS, WINDOW)
+                    G_GID, G_RING, G_STRIDE, G_TABLE, G_WIDTH, HAS_OUT1, HAS_OUT2, HAS_OUT3, INDEXER, NF, OUTS_GEO,
+                    OUTS_WORDS, REPLAYS, REQUESTS, S_BC, S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_EXTRA, S_FLAGS,
+                    S_HAS, S_KIND, S_MUL, S_NCHUNK, S_NEXT_N, S_NPROG, S_RATIO, S_REP, S_RING, S_ROWS_PER_BLOCK,
+                    S_START, S_TASK, S_WIDTH, S_WINDOW, STAGED_COPY, TOKEN_ROWS, WINDOW)
 
 # NOTE: the staging format's numbers are plain ints (state/staging.py is host code); Triton reads a
 # global in @triton.jit code only as a tl.constexpr (the interpreter reads plain ints too), hence the
@@ -54,12 +54,12 @@ _W_DESTS: tl.constexpr = tl.constexpr(W_DESTS)
 
 
 @triton.jit
-def _out(base32, base64, base8, outs_ptr, TAB: tl.constexpr, TI: tl.constexpr, K: tl.constexpr,
+def _out(base32, base64, base8, orow, TAB: tl.constexpr, TI: tl.constexpr, K: tl.constexpr,
          ESIZE: tl.constexpr):
-    """Pointer to output ``K`` of spec ``TI`` (``outs`` holds element offsets / the output's unit)."""
-    TASK: tl.constexpr = TAB[TI * NF + S_TASK]
+    """Pointer to output ``K`` of spec ``TI``, ``orow`` its task's row of ``outs`` (element offsets / the
+    output's unit)."""
     MUL: tl.constexpr = TAB[TI * NF + S_MUL + K]
-    off = tl.load(outs_ptr + TASK * OUTS_WORDS + K) * MUL
+    off = tl.load(orow + K) * MUL
     if ESIZE == 8:
         return base64 + off
     elif ESIZE == 1:
@@ -92,6 +92,7 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
                   NEXT_N_PAD: tl.constexpr):
     """Batch rows ``tile * BLOCK_R + [0, BLOCK_R)`` of request task ``TI`` (rows ``(B, T_pad]`` padded)."""
     KIND: tl.constexpr = TAB[TI * NF + S_KIND]
+    orow = outs_ptr + TAB[TI * NF + S_TASK] * OUTS_WORDS
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     B = tl.load(stage_ptr + _H_NUM_REQS)
     T = tl.load(stage_ptr + _H_NUM_TOKENS)
@@ -99,15 +100,15 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
         qsl = tl.load(stage_ptr + off_qsl + r, mask=r <= B, other=0)
         seq = tl.load(stage_ptr + off_seq + r, mask=r < B, other=0)
         slot = tl.load(stage_ptr + off_slots + r, mask=r < B, other=0)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + r, tl.where(r <= B, qsl, T),
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + r, tl.where(r <= B, qsl, T),
                  mask=r <= T_pad)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + r, seq, mask=r <= T_pad)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 2, 4) + r, slot, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + r, seq, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 2, 4) + r, slot, mask=r <= T_pad)
     elif KIND == REPLAYS:
         rs = tl.load(stage_ptr + off_rs + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_START) != 0), other=0)
         re = tl.load(stage_ptr + off_re + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + r, rs, mask=r <= T_pad)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + r, re, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + r, rs, mask=r <= T_pad)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + r, re, mask=r <= T_pad)
     elif KIND == DECODE_LENS:
         NEXT_N: tl.constexpr = TAB[TI * NF + S_NEXT_N]
         nd = tl.load(stage_ptr + _H_NUM_DECODES)
@@ -121,14 +122,14 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
         n = tl.where(dec[:, None], n, 0)
         m = (r < T_pad)[:, None] & (j < NEXT_N)
         off = r.to(tl.int64)[:, None] * NEXT_N + j
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + off, n, mask=m)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + off, n, mask=m)
         if (HAS_OUT1 & TAB[TI * NF + S_HAS]) != 0:  # the clamped copy
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + off, tl.maximum(n, 1), mask=m)
+            tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + off, tl.maximum(n, 1), mask=m)
     elif KIND == STAGED_COPY:
         src = _staged_array(stage_ptr, off_extra, rows, TAB, TI)
         last = tl.load(src + B)
         v = tl.load(src + r, mask=r <= B, other=0)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + r, tl.where(r <= B, v, last),
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + r, tl.where(r <= B, v, last),
                  mask=r <= T_pad)
 
 
@@ -195,7 +196,7 @@ def _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j, 
 
 
 @triton.jit
-def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0, T_pad, rows, off_qsl, off_seq,
+def _token_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t0, col0, T_pad, rows, off_qsl, off_seq,
                 off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, TI: tl.constexpr,
                 BLOCK_LOADS: tl.constexpr):
     """Token rows ``t0 + [0, BT)`` (index-list columns from ``col0``) of token task ``TI``: each token's
@@ -213,16 +214,16 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t0, col0
     end = tl.load(stage_ptr + off_qsl + b + 1, mask=valid, other=0)
     pos = tl.where(valid, seq - end + t, 0)
     if TAB[TI * NF + S_KIND] == COMMON:
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + t, b, mask=in_out)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 8) + t, pos.to(tl.int64), mask=in_out)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 2, 1) + t, valid.to(tl.int8), mask=in_out)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + t, b, mask=in_out)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 8) + t, pos.to(tl.int64), mask=in_out)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 2, 1) + t, valid.to(tl.int8), mask=in_out)
     else:
-        _table_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t, in_out, b, valid, seq, end, pos, col0,
+        _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, col0,
                     T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI, BLOCK_LOADS)
 
 
 @triton.jit
-def _table_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t, in_out, b, valid, seq, end, pos, col0,
+def _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, col0,
                 T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB: tl.constexpr,
                 TI: tl.constexpr, BLOCK_LOADS: tl.constexpr):
     """A token task that reads its group's table (every kind but COMMON), for tokens ``t`` of batch rows
@@ -234,7 +235,7 @@ def _table_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t, in_ou
     CPI: tl.constexpr = TAB[TI * NF + S_CPI]
     row = tl.load(stage_ptr + off_slots + b, mask=valid, other=0)
     # NOTE: table geometry words: loaded beside the token map, used two loads later
-    geo = outs_ptr + TAB[TI * NF + S_TASK] * OUTS_WORDS + OUTS_GEO
+    geo = orow + OUTS_GEO
     bt = tables_ptr + tl.load(geo + G_TABLE)
     stride = tl.load(geo + G_STRIDE)
     twidth = tl.load(geo + G_WIDTH).to(tl.int32)
@@ -243,7 +244,7 @@ def _table_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t, in_ou
     else:
         ring = 0
     if KIND == WINDOW or KIND == CAUSAL or KIND == COMPRESSED:
-        ov = off_ov + (TAB[TI * NF + S_GID] * rows + b) * _OVERLAY_STRIDE
+        ov = off_ov + (tl.load(geo + G_GID).to(tl.int32) * rows + b) * _OVERLAY_STRIDE
         lo = tl.load(stage_ptr + ov + _OV_LO, mask=valid, other=0)
         hi = tl.load(stage_ptr + ov + _OV_HI, mask=valid, other=0)
         pay = tl.load(stage_ptr + ov + _OV_PAY, mask=valid, other=0)
@@ -252,36 +253,36 @@ def _table_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, t, in_ou
     else:
         wfloor = tl.zeros_like(pos)
     if KIND == WINDOW:
-        _window_task(stage_ptr, base32, base64, base8, outs_ptr, t, in_out, b, valid, seq, pos, row, bt, stride,
+        _window_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, pos, row, bt, stride,
                      twidth, ring, lo, hi, pay, wfloor, col0, off_qsl, off_rs, TAB, TI, BLOCK_LOADS)
     elif KIND == CAUSAL:
         PB: tl.constexpr = TAB[TI * NF + S_ROWS_PER_BLOCK]
         n = visible_rows(pos, valid, R, CPW, CPR, CPI)
         n = tl.minimum(tl.minimum(n, TAB[TI * NF + S_WIDTH]), twidth * PB)
-        _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4), t, in_out, row,
+        _index_rows(stage_ptr, bt, _out(base32, base64, base8, orow, TAB, TI, 0, 4), t, in_out, row,
                     pos, n, n, pos, lo, hi, pay, col0, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
         if col0 == 0:
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + t, n, mask=in_out)
+            tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + t, n, mask=in_out)
     elif KIND == COMPRESSED:
-        _compressed_task(stage_ptr, base32, base64, base8, outs_ptr, t, in_out, b, valid, seq, end, pos, row, bt,
+        _compressed_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, row, bt,
                          stride, twidth, lo, hi, pay, wfloor, T_pad, rows, off_qsl, off_extra, TAB, TI)
     elif KIND == INDEXER:
         n = visible_rows(pos, valid, R, CPW, CPR, CPI)
         ks = tl.load(_staged_array(stage_ptr, off_extra, rows, TAB, TI) + b, mask=valid, other=0)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + t, n, mask=in_out)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + t, ks, mask=in_out)
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 2, 4) + t, tl.where(valid, ks + n, 0), mask=in_out)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + t, n, mask=in_out)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + t, ks, mask=in_out)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 2, 4) + t, tl.where(valid, ks + n, 0), mask=in_out)
         if (HAS_OUT3 & TAB[TI * NF + S_HAS]) != 0:  # max(lens, 1)
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 3, 4) + t, tl.maximum(n, 1), mask=in_out)
+            tl.store(_out(base32, base64, base8, orow, TAB, TI, 3, 4) + t, tl.maximum(n, 1), mask=in_out)
     elif KIND == TOKEN_ROWS:
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4) + t, tl.where(valid, row, -1), mask=in_out)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + t, tl.where(valid, row, -1), mask=in_out)
         # NOTE: n_c of every row, owned or not: top-k picks are global row ids
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + t, visible_rows(pos, valid, R, 1, 0, 1),
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + t, visible_rows(pos, valid, R, 1, 0, 1),
                  mask=in_out)
 
 
 @triton.jit
-def _window_task(stage_ptr, base32, base64, base8, outs_ptr, t, in_out, b, valid, seq, pos, row, bt, stride, twidth,
+def _window_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, pos, row, bt, stride, twidth,
                  ring, lo, hi, pay, wfloor, col0, off_qsl, off_rs, TAB: tl.constexpr, TI: tl.constexpr,
                  BLOCK_LOADS: tl.constexpr):
     """WINDOW: the window index lists (columns from ``col0``), and with the first column the lens, the
@@ -301,24 +302,24 @@ def _window_task(stage_ptr, base32, base64, base8, outs_ptr, t, in_out, b, valid
         q_start = tl.load(stage_ptr + off_qsl + b, mask=valid, other=0)
     else:
         q_start = tl.zeros_like(pos)
-    _index_rows(stage_ptr, bt, _out(base32, base64, base8, outs_ptr, TAB, TI, 0, 4), t, in_out, row,
+    _index_rows(stage_ptr, bt, _out(base32, base64, base8, orow, TAB, TI, 0, 4), t, in_out, row,
                 pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
     if col0 == 0:
-        tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 1, 4) + t, n, mask=in_out)
+        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + t, n, mask=in_out)
         if (HAS_OUT2 & HAS) != 0:  # slot_mapping
             slot = raw_slot(bt, row, pos, valid, wfloor, BLOCK_SIZE, twidth, ring, stride, CPW,
                             CPR, CPI, stage_ptr, lo, hi, pay, True)
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 2, 8) + t, slot, mask=in_out)
+            tl.store(_out(base32, base64, base8, orow, TAB, TI, 2, 8) + t, slot, mask=in_out)
         if (HAS_OUT3 & HAS) != 0:  # tail_slot_mapping
             # NOTE: circular write plan: the last `capacity` tokens of the request's chunk; the
             # ring holds `ring` blocks of BLOCK_SIZE rows (a circular group's ring width is its block count)
             slot = raw_slot(bt, row, pos, valid, seq - BLOCK_SIZE * tl.maximum(ring, 1), BLOCK_SIZE, twidth, ring,
                             stride, CPW, CPR, CPI, stage_ptr, lo, hi, pay, True)
-            tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 3, 8) + t, slot, mask=in_out)
+            tl.store(_out(base32, base64, base8, orow, TAB, TI, 3, 8) + t, slot, mask=in_out)
 
 
 @triton.jit
-def _compressed_task(stage_ptr, base32, base64, base8, outs_ptr, t, in_out, b, valid, seq, end, pos, row, bt, stride,
+def _compressed_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, row, bt, stride,
                      twidth, lo, hi, pay, wfloor, T_pad, rows, off_qsl, off_extra, TAB: tl.constexpr,
                      TI: tl.constexpr):
     """COMPRESSED: the slot mapping, and the compact form (out1) when given."""
@@ -326,7 +327,7 @@ def _compressed_task(stage_ptr, base32, base64, base8, outs_ptr, t, in_out, b, v
     slot = compressed_slot(bt, row, pos, valid, wfloor, R, TAB[TI * NF + S_ROWS_PER_BLOCK], twidth, stride,
                            TAB[TI * NF + S_CPW], TAB[TI * NF + S_CPR], TAB[TI * NF + S_CPI], stage_ptr, lo, hi, pay,
                            True)
-    tl.store(_out(base32, base64, base8, outs_ptr, TAB, TI, 0, 8) + t, slot, mask=in_out)
+    tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 8) + t, slot, mask=in_out)
     if (HAS_OUT1 & TAB[TI * NF + S_HAS]) != 0:
         # NOTE: compact form: the k-th row the request completes this step goes to cu[b] + k;
         # entries from cu[B] on are -1 (written by the token with that index: disjoint stores)
@@ -335,7 +336,7 @@ def _compressed_task(stage_ptr, base32, base64, base8, outs_ptr, t, in_out, b, v
         ctx = seq - (end - start)
         done = valid & ((pos + 1) % R == 0)
         e = tl.load(cu + b, mask=valid, other=0) + pos // R - ctx // R
-        compact = _out(base32, base64, base8, outs_ptr, TAB, TI, 1, 8)
+        compact = _out(base32, base64, base8, orow, TAB, TI, 1, 8)
         tl.store(compact + e, slot, mask=done & (e < T_pad))
         total = tl.load(cu + tl.load(stage_ptr + _H_NUM_REQS))
         tl.store(compact + t, tl.full([TAB[TI * NF + S_BT]], -1, tl.int64), mask=in_out & (t >= total))
@@ -345,15 +346,22 @@ def _compressed_task(stage_ptr, base32, base64, base8, outs_ptr, t, in_out, b, v
 def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_pad, rows, off_qsl, off_seq,
                 off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, TI: tl.constexpr,
                 T_SUPER: tl.constexpr, BLOCK_LOADS: tl.constexpr):
-    """Program ``r`` of super tile ``s``, if it belongs to unit ``TI``: its token rows and first column."""
+    """Program ``r`` of super tile ``s``, if it belongs to unit ``TI``: its task (one of the unit's ``S_REP``
+    tasks of the same code, outs rows ``S_TASK + k``), token rows and first column."""
     START: tl.constexpr = TAB[TI * NF + S_START]
     NPROG: tl.constexpr = TAB[TI * NF + S_NPROG]
+    REP: tl.constexpr = TAB[TI * NF + S_REP]
     BT: tl.constexpr = TAB[TI * NF + S_BT]
     PER: tl.constexpr = T_SUPER // BT
     COLS: tl.constexpr = TAB[TI * NF + S_NCHUNK] * TAB[TI * NF + S_BC]
-    if (r >= START) & (r < START + NPROG):
+    if (r >= START) & (r < START + NPROG * REP):
         q = r - START
-        _token_task(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s * T_SUPER + (q % PER) * BT,
+        if REP > 1:
+            orow = outs_ptr + (TAB[TI * NF + S_TASK] + q // NPROG) * OUTS_WORDS
+            q = q % NPROG
+        else:
+            orow = outs_ptr + TAB[TI * NF + S_TASK] * OUTS_WORDS
+        _token_task(stage_ptr, tables_ptr, base32, base64, base8, orow, s * T_SUPER + (q % PER) * BT,
                     (q // PER) * COLS, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra,
                     off_ov, TAB, TI, BLOCK_LOADS)
 

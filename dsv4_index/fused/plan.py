@@ -18,7 +18,7 @@ from .._triton import triton
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
 from .tasks import (ESIZE, G_RING, KINDS, MAX_OUTPUTS, NF, OUTS_GEO, OUTS_WORDS, REQUEST_KINDS, TOKEN_KINDS, FusedTask,
-                    TileConfig, geometry, request_specs, task_spec, token_units)
+                    TileConfig, code_order, geometry, request_specs, task_spec, token_units)
 
 __all__ = ["FusedPlan", "TileConfig"]
 
@@ -82,6 +82,7 @@ class FusedPlan:
             seen.setdefault(t.key(), t)
         req = [t for t in seen.values() if t.kind in REQUEST_KINDS]
         tok = [t for t in seen.values() if t.kind in TOKEN_KINDS]
+        tok = [tok[i] for i in code_order(tok)]  # NOTE: tasks of the same code adjacent: one unit (token_units)
         self.tasks: List[FusedTask] = req + tok
         dev = stage.device
         # NOTE: outputs are addressed as element offsets from 16-byte aligned bases, one per dtype

@@ -73,7 +73,7 @@ S_RING: tl.constexpr = tl.constexpr(5)     # 1: the group's table is a ring (its
 S_CPW: tl.constexpr = tl.constexpr(6)      # DCP world size, rank, interleave of the group
 S_CPR: tl.constexpr = tl.constexpr(7)
 S_CPI: tl.constexpr = tl.constexpr(8)
-S_GID: tl.constexpr = tl.constexpr(9)      # the group (overlay records), 0 without one
+S_GID: tl.constexpr = tl.constexpr(9)      # the group, 0 without one (the kernel reads the runtime word G_GID)
 S_FLAGS: tl.constexpr = tl.constexpr(10)   # FLAG_* bits
 S_EXTRA: tl.constexpr = tl.constexpr(11)   # index of the staged per-request array (state/staging.py "extra")
 S_HAS: tl.constexpr = tl.constexpr(12)     # bit k (HAS_OUTk): output k is given
@@ -83,8 +83,9 @@ S_BT: tl.constexpr = tl.constexpr(17)      # token rows per program
 S_BC: tl.constexpr = tl.constexpr(18)      # columns per chunk
 S_NCHUNK: tl.constexpr = tl.constexpr(19)  # chunks per program (whole rows: every chunk of the row)
 S_START: tl.constexpr = tl.constexpr(20)   # first program of the unit in a super tile
-S_NPROG: tl.constexpr = tl.constexpr(21)   # programs of the unit per super tile
-NF: tl.constexpr = tl.constexpr(22)
+S_NPROG: tl.constexpr = tl.constexpr(21)   # programs of one task of the unit per super tile
+S_REP: tl.constexpr = tl.constexpr(22)     # tasks of the unit: S_TASK, S_TASK + 1, ... (same code, own outs rows)
+NF: tl.constexpr = tl.constexpr(23)
 MAX_OUTPUTS = 4
 
 # the parameter fields under their per-kind names (module table)
@@ -112,14 +113,15 @@ HAS_OUT3: tl.constexpr = tl.constexpr(has_bit(3))
 
 # ``outs``: int64 [num_tasks, OUTS_WORDS]; words [0, MAX_OUTPUTS): output k's offset from its dtype's base (in
 # units of S_MUL + k), then from OUTS_GEO the table words of geometry(): G_TABLE (the table's offset in the flat
-# buffer), G_STRIDE (row stride), G_WIDTH (logical width), G_RING (ring width)
-GEO_WORDS = 4
+# buffer), G_STRIDE (row stride), G_WIDTH (logical width), G_RING (ring width), G_GID (the group: overlay records)
+GEO_WORDS = 5
 OUTS_GEO: tl.constexpr = tl.constexpr(MAX_OUTPUTS)
 OUTS_WORDS: tl.constexpr = tl.constexpr(MAX_OUTPUTS + GEO_WORDS)
 G_TABLE: tl.constexpr = tl.constexpr(0)
 G_STRIDE: tl.constexpr = tl.constexpr(1)
 G_WIDTH: tl.constexpr = tl.constexpr(2)
 G_RING: tl.constexpr = tl.constexpr(3)
+G_GID: tl.constexpr = tl.constexpr(4)
 TWO_D = frozenset({"window", "causal"})
 ESIZE = {torch.int32: 4, torch.int64: 8, torch.int8: 1, torch.bool: 1}
 
@@ -177,17 +179,35 @@ def task_spec(i: int, t: "FusedTask", group_cp, muls: Sequence[int], ring: bool)
     return tuple(s)
 
 
-def geometry(t: "FusedTask", tables) -> Tuple[int, int, int, int]:
+def geometry(t: "FusedTask", tables) -> Tuple[int, ...]:
     """Runtime table words of a task, in ``G_*`` order: (table offset in the flat buffer, row stride,
-    logical width, ring width); zeros without a group."""
-    if t.gid is None:
-        return (0, 0, 0, 0)
-    g = t.gid
+    logical width, ring width, gid); zeros without a group."""
     words = [0] * GEO_WORDS
+    if t.gid is None:
+        return tuple(words)
+    g = t.gid
     words[G_TABLE] = (tables.tables[g].data_ptr() - tables.flat.data_ptr()) // 4
     words[G_STRIDE] = int(tables.tables[g].stride(0))
-    words[G_WIDTH], words[G_RING] = int(tables.width[g]), int(tables.ring[g])
-    return (words[0], words[1], words[2], words[3])
+    words[G_WIDTH], words[G_RING], words[G_GID] = int(tables.width[g]), int(tables.ring[g]), int(g)
+    return tuple(words)
+
+
+def _same_code(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Specs that compile to the same code: equal in every field but the task's row and its group."""
+    return all(x == y for f, (x, y) in enumerate(zip(a, b)) if f not in (S_TASK, S_GID))
+
+
+def code_order(tasks: Sequence["FusedTask"]) -> List[int]:
+    """An order of token tasks in which tasks that would compile to the same code (:func:`_same_code`:
+    e.g. one window task per sliding group of equal geometry) are adjacent, the first of each kind of
+    code keeping its place (a layout without such repeats keeps its order)."""
+    def sig(t: "FusedTask") -> tuple:
+        return (t.kind, t.a, t.b, t.width, t.write_floor, t.window_floor, t.circular, t.extra,
+                tuple(None if o is None else (o.dtype, o.data_ptr() % 16 == 0) for o in t.outputs))
+    groups: dict = {}
+    for i, t in enumerate(tasks):
+        groups.setdefault(sig(t), []).append(i)
+    return [i for idx in groups.values() for i in idx]
 
 
 def token_units(specs: Sequence[Tuple[int, ...]], tasks: Sequence["FusedTask"], cfg: TileConfig):
@@ -204,15 +224,22 @@ def token_units(specs: Sequence[Tuple[int, ...]], tasks: Sequence["FusedTask"], 
         else:
             shapes.append((cfg.bt1, 1, 1, 1))
     t_super = max([bt for bt, *_ in shapes] or [1])
-    units: List[int] = []
+    units: List[List[int]] = []
     start = 0
     for s, (bt, bc, nchunk, ncu) in zip(specs, shapes):
         nprog = ncu * (t_super // bt)
         u = list(s)
-        u[S_BT], u[S_BC], u[S_NCHUNK], u[S_START], u[S_NPROG] = bt, bc, nchunk, start, nprog
-        units += u
+        u[S_BT], u[S_BC], u[S_NCHUNK], u[S_START], u[S_NPROG], u[S_REP] = bt, bc, nchunk, start, nprog, 1
+        last = units[-1] if units else None
+        # NOTE: a task compiling to the last unit's code, in the next outs row, joins that unit (the
+        # kernel's code grows with the kinds of code, not with the number of groups)
+        if last is not None and _same_code(last[:S_START], u[:S_START]) and last[S_NPROG] == nprog \
+                and u[S_TASK] == last[S_TASK] + last[S_REP]:
+            last[S_REP] += 1
+        else:
+            units.append(u)
         start += nprog
-    return tuple(units), t_super, max(start, 1)
+    return tuple(v for u in units for v in u), t_super, max(start, 1)
 
 
 def request_specs(specs: Sequence[Tuple[int, ...]]) -> Tuple[int, ...]:

@@ -107,7 +107,7 @@ def test_descriptor_fields_are_one_layout():
     assert sorted(int(f) for f in (tasks.FLAG_WRITE_FLOOR, tasks.FLAG_WINDOW_FLOOR, tasks.FLAG_CIRCULAR)) == [1, 2, 4]
     assert [int(h) for h in (tasks.HAS_OUT1, tasks.HAS_OUT2, tasks.HAS_OUT3)] == [2, 4, 8]
     assert int(tasks.OUTS_GEO) == tasks.MAX_OUTPUTS and int(tasks.OUTS_WORDS) == tasks.MAX_OUTPUTS + tasks.GEO_WORDS
-    geo = sorted(int(g) for g in (tasks.G_TABLE, tasks.G_STRIDE, tasks.G_WIDTH, tasks.G_RING))
+    geo = sorted(int(g) for g in (tasks.G_TABLE, tasks.G_STRIDE, tasks.G_WIDTH, tasks.G_RING, tasks.G_GID))
     assert geo == list(range(tasks.GEO_WORDS))
 
 
@@ -122,7 +122,8 @@ def test_a_packed_task_holds_its_values_at_the_named_fields():
     assert s[tasks.S_FLAGS] == int(tasks.FLAG_WRITE_FLOOR) | int(tasks.FLAG_CIRCULAR)
     assert s[tasks.S_HAS] == 1 | int(tasks.HAS_OUT1) | int(tasks.HAS_OUT3)
     assert [s[tasks.S_MUL + k] for k in range(4)] == [1, 4, 1, 2]
-    assert [s[f] for f in (tasks.S_BT, tasks.S_BC, tasks.S_NCHUNK, tasks.S_START, tasks.S_NPROG)] == [0] * 5
+    tile = (tasks.S_BT, tasks.S_BC, tasks.S_NCHUNK, tasks.S_START, tasks.S_NPROG, tasks.S_REP)
+    assert [s[f] for f in tile] == [0] * 6
     c = task_spec(0, FusedTask("causal", (out, out), gid=0, a=4, b=64, width=8), lambda g: (1, 0, 1), [1, 1, 1, 1],
                   False)
     assert (c[tasks.S_RATIO], c[tasks.S_ROWS_PER_BLOCK], c[tasks.S_FLAGS], c[tasks.S_HAS]) == (4, 64, 0, 3)
@@ -170,20 +171,44 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     from triton.backends import backends
     if "nvidia" not in backends:
         pytest.skip("triton has no NVIDIA backend here")
-    from _meta_helpers import tiny_layout
+    from helpers.layouts import tiny_layout
+
+    from dsv4_index import DSV4Layout
     from dsv4_index.fused.plan import LARGE, SMALL, TINY, FusedPlan
     from dsv4_index.pipeline import MetadataPipeline
     if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
         pytest.skip("builds the plan with TRITON_INTERPRET=1 or on CUDA")
-    layout = tiny_layout(circular={"c4_state": 16, "c128_state": 32})
-    pipe = MetadataPipeline(layout, 4, 64, "cuda" if torch.cuda.is_available() else "cpu")
-    p = pipe.fused_plan
-    plan = FusedPlan(p.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 2, tiny=TINY, small=SMALL,
-                     large=LARGE)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path))
-    for v in plan._variants:
-        consts = dict(v["consts"], num_warps=v["cfg"].num_warps)
-        r = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(consts), env=env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and r.stdout.startswith("ptx"), r.stderr[-3000:]
+    # NOTE: the second layout has units of several tasks (one window task per sliding group)
+    for layout in (tiny_layout(circular={"c4_state": 16, "c128_state": 32}),
+                   DSV4Layout.from_config("tiny_v41", 256, mla_block_size=16, swa_group_per_layer=True)):
+        pipe = MetadataPipeline(layout, 4, 64, "cuda" if torch.cuda.is_available() else "cpu")
+        p = pipe.fused_plan
+        plan = FusedPlan(p.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 2, tiny=TINY, small=SMALL,
+                         large=LARGE)
+        for v in plan._variants:
+            consts = dict(v["consts"], num_warps=v["cfg"].num_warps)
+            r = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(consts), env=env, cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and r.stdout.startswith("ptx"), r.stderr[-3000:]
+
+
+def test_tasks_of_one_code_are_one_unit():
+    """One window task per sliding group of equal geometry compiles once: V4.1 with a sliding group per
+    layer has no more units than with one sliding group, and the units cover every task once."""
+    from dsv4_index import DSV4Layout, MetadataPipeline
+
+    def units(**kw):
+        lay = DSV4Layout.from_config("tiny_v41", 256, mla_block_size=16, **kw)
+        plan = MetadataPipeline(lay, 4, 64, "cpu", 1).fused_plan
+        tok, nf = plan._variants[1]["consts"]["TOK"], int(tasks.NF)
+        us = [tok[i:i + nf] for i in range(0, len(tok), nf)]
+        n_tok = sum(t.kind in tasks.TOKEN_KINDS for t in plan.tasks)
+        rows = sorted(u[tasks.S_TASK] + k for u in us for k in range(u[tasks.S_REP]))
+        assert rows == list(range(len(plan.tasks) - n_tok, len(plan.tasks)))  # every token task's row, once
+        return len(us), max(u[tasks.S_REP] for u in us), lay.num_groups
+
+    one, rep1, g1 = units()
+    per_layer, rep, g = units(swa_group_per_layer=True)
+    assert g > g1 and per_layer <= one and rep >= g - g1 + 1, (one, per_layer, rep, g, g1)
