@@ -22,7 +22,10 @@ Needs vLLM 0.33 (not a dependency: ``pip install --no-deps vllm==0.33.0`` and it
 
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=. /work/venv-vllm/bin/python benchmarks/vllm_scheduler_loop.py --steps 400
 
-Exit status 0 when no step was rejected, 1 otherwise (each rejection printed with its step).
+``--mutate K`` first feeds up to K corrupted copies of each step (one new block id of a running request
+replaced by an id another live request holds in that group): each must be rejected, and the pipeline must
+then accept the real step. Exit status 0 when no step was rejected and no mutation accepted, 1 otherwise
+(each printed with its step).
 """
 
 from __future__ import annotations
@@ -225,9 +228,11 @@ class Loop:
         self.rng = random.Random(args.seed)
         self.prompts = _prompts(self.rng, args.requests, args.shared_prefixes, args.max_prompt)
         self.next = 0
+        self.history: list = []  # NOTE: the real steps so far, kept under --mutate only
         self.stats = dict(steps=0, idle_steps=0, tokens=0, new=0, prefix_hits=0, hit_tokens=0, preempted=0, resumed=0,
                           finished=0, rejected_drafts=0, shared_writes=0, accepted={lvl: 0 for lvl in self.pipes},
-                          rejected={lvl: 0 for lvl in self.pipes})
+                          rejected={lvl: 0 for lvl in self.pipes}, mutations={lvl: 0 for lvl in self.pipes},
+                          mutations_rejected={lvl: 0 for lvl in self.pipes})
         self.update_s = {lvl: 0.0 for lvl in self.pipes}
 
     def arrivals(self) -> None:
@@ -265,9 +270,59 @@ class Loop:
         st["shared_writes"] += self.owners.shared_writes(so)
         return so
 
+    def mutations(self, so, limit: int) -> list:
+        """Up to ``limit`` copies of ``so``, each with one new block id of a running request replaced by an id
+        another live request holds in that group (and this one does not): a write into another holder's
+        block, which every check level must reject."""
+        import copy
+        c, out = so.scheduled_cached_reqs, []
+        for i, (rid, nb) in enumerate(zip(c.req_ids, c.new_block_ids)):
+            if nb is None or rid in c.resumed_req_ids:
+                continue
+            for g, ids in enumerate(nb):
+                if not ids or self.owners.circular[g] or len(out) >= limit:
+                    continue
+                mine = set(self.owners.lists[rid][g])
+                others = sorted({b for r, lists in self.owners.lists.items() if r != rid for b in lists[g]
+                                 if b and b not in mine})
+                if others:
+                    bad = copy.deepcopy(so)
+                    bad.scheduled_cached_reqs.new_block_ids[i][g][self.rng.randrange(len(ids))] = \
+                        others[self.rng.randrange(len(others))]
+                    out.append((f"{rid!r} gid {g}", bad))
+        return out
+
+    def feed_mutations(self, so, step: int) -> List[str]:
+        """Every pipeline must reject each of :meth:`mutations` (and stay as it was: the real step follows)."""
+        errors = []
+        for what, bad in self.mutations(so, self.args.mutate):
+            for lvl, pipe in self.pipes.items():
+                self.stats["mutations"][lvl] += 1
+                try:
+                    pipe.update(bad)
+                except ValueError:
+                    self.stats["mutations_rejected"][lvl] += 1
+                    continue
+                errors.append(f"MUTATION ACCEPTED step {step} checks={lvl}: a new block id of {what} replaced "
+                              f"by another live request's block")
+                self.pipes[lvl] = self._replayed(lvl)  # NOTE: the accepted corruption is now its state
+        return errors
+
+    def _replayed(self, lvl: str):
+        """A new pipeline of level ``lvl`` fed every real step so far (after a mutation was accepted)."""
+        from dsv4_index import MetadataPipeline
+        pipe = MetadataPipeline(self.layout, self.args.max_seqs, self.args.max_tokens, "cpu",
+                                num_speculative_tokens=self.args.spec, checks=lvl, backend="reference", fused=False)
+        for so in self.history:
+            pipe.update(so)
+        return pipe
+
     def feed(self, so, step: int) -> List[str]:
         """``update(so)`` on every pipeline; the rejection messages."""
         errors = []
+        if self.args.mutate:
+            import copy
+            self.history.append(copy.deepcopy(so))
         for lvl, pipe in self.pipes.items():
             t0 = time.perf_counter()
             try:
@@ -303,7 +358,7 @@ def run(args) -> dict:
         so = loop.schedule()
         if so is None:
             break
-        for line in loop.feed(so, step):
+        for line in loop.feed_mutations(so, step) + loop.feed(so, step):
             print(line)
         loop.finish(so)
     return loop.summary()
@@ -327,6 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=2048, help="max_num_batched_tokens (chunked prefill)")
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--checks", nargs="+", default=["safe", "full"], choices=["safe", "full"])
+    p.add_argument("--mutate", type=int, default=0, help="corrupted copies of each step to feed first (each must "
+                   "be rejected): one new block id replaced by another live request's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
@@ -344,7 +401,8 @@ def main(argv=None) -> int:
     else:
         for key, v in s.items():
             print(f"{key}: {v}")
-    return 0 if not any(s["rejected"].values()) else 1
+    missed = any(s["mutations"][lvl] != s["mutations_rejected"][lvl] for lvl in s["mutations"])
+    return 0 if not any(s["rejected"].values()) and not missed else 1
 
 
 if __name__ == "__main__":
