@@ -226,6 +226,7 @@ class Loop:
         self.owners = Owners([g.alloc_block_size for g in self.layout.groups],
                              [g.kind == "circular" for g in self.layout.groups])
         self.rng = random.Random(args.seed)
+        self.mrng = random.Random(args.seed + 1)  # NOTE: mutations leave the scheduler's run as it was
         self.prompts = _prompts(self.rng, args.requests, args.shared_prefixes, args.max_prompt)
         self.next = 0
         self.history: list = []  # NOTE: the real steps so far, kept under --mutate only
@@ -273,9 +274,11 @@ class Loop:
     def mutations(self, so, limit: int) -> list:
         """Up to ``limit`` copies of ``so``, each with one new block id of a running request replaced by an id
         another live request holds in that group (and this one does not): a write into another holder's
-        block, which every check level must reject."""
+        block, which every check level must reject. Every other copy takes the id from a request admitted in
+        this same step, when one holds any (its prefix hits: the same-step pattern of vLLM's prefix cache)."""
         import copy
         c, out = so.scheduled_cached_reqs, []
+        fresh = {r.req_id for r in so.scheduled_new_reqs}
         for i, (rid, nb) in enumerate(zip(c.req_ids, c.new_block_ids)):
             if nb is None or rid in c.resumed_req_ids:
                 continue
@@ -283,12 +286,13 @@ class Loop:
                 if not ids or self.owners.circular[g] or len(out) >= limit:
                     continue
                 mine = set(self.owners.lists[rid][g])
-                others = sorted({b for r, lists in self.owners.lists.items() if r != rid for b in lists[g]
-                                 if b and b not in mine})
+                held = [sorted({b for r, lists in self.owners.lists.items() if r != rid and (r in fresh or not k)
+                                for b in lists[g] if b and b not in mine}) for k in (0, 1)]
+                others = held[1] if held[1] and len(out) % 2 == 0 else held[0]
                 if others:
                     bad = copy.deepcopy(so)
-                    bad.scheduled_cached_reqs.new_block_ids[i][g][self.rng.randrange(len(ids))] = \
-                        others[self.rng.randrange(len(others))]
+                    bad.scheduled_cached_reqs.new_block_ids[i][g][self.mrng.randrange(len(ids))] = \
+                        others[self.mrng.randrange(len(others))]
                     out.append((f"{rid!r} gid {g}", bad))
         return out
 
@@ -364,7 +368,8 @@ def run(args) -> dict:
     return loop.summary()
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (``parser().parse_args([])``: the defaults, for tests)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="flash", choices=["flash", "pro"])
     p.add_argument("--spec", type=int, default=1, help="MTP drafts per step (0: no MTP layer, no drafts)")
@@ -386,7 +391,11 @@ def main(argv=None) -> int:
                    "be rejected): one new block id replaced by another live request's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     try:
         import vllm  # noqa: F401
     except ImportError as e:

@@ -1,0 +1,76 @@
+"""vLLM 0.33's own scheduler on CPU against the pipeline (issues 26 item 4 and 28), short loops of
+``benchmarks/vllm_scheduler_loop.py``: its KV-cache plan for V4-Flash and V4-Pro (with and without MTP), prefix
+caching, chunked prefill, preemption, rejected drafts; every ``SchedulerOutput`` must be accepted by
+``update()`` under ``checks="safe"`` and ``"full"``, and every corrupted copy (another live request's block id
+in a new block list) rejected.
+
+Optional: needs vLLM 0.33 (the ``vllm`` extra; on CPU ``pip install --no-deps vllm==0.33.0`` plus its light
+dependencies, run with ``VLLM_TARGET_DEVICE=cpu``). CI does not install vLLM, so this file is skipped there:
+it is a check to run by hand (``VLLM_TARGET_DEVICE=cpu /work/venv-vllm/bin/python -m pytest
+tests/integration/test_vllm_scheduler.py``), not one CI makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+
+import pytest
+
+from _scripts import ROOT
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+vllm = pytest.importorskip("vllm", reason="needs vLLM 0.33 (the 'vllm' extra, VLLM_TARGET_DEVICE=cpu); CI does "
+                                          "not install it")
+if not vllm.__version__.startswith("0.33."):
+    pytest.skip(f"written against vLLM 0.33's scheduler, found {vllm.__version__}", allow_module_level=True)
+
+_spec = importlib.util.spec_from_file_location("vllm_scheduler_loop", ROOT / "benchmarks" / "vllm_scheduler_loop.py")
+loop = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(loop)  # type: ignore[union-attr]
+
+BURST = ["--initial", "48", "--arrival", "0.9", "--shared-prefixes", "2", "--max-prompt", "600",
+         "--max-tokens", "4096"]  # NOTE: 48 prompts of 2 prefixes at once: same-step prefix hits
+TIGHT = ["--num-blocks", "1000", "--max-output", "3000", "--stop", "0", "--max-prompt", "800",
+         "--max-tokens", "2048", "--initial", "48"]  # NOTE: long outputs in a small pool: preemptions
+
+
+def _run(*argv):
+    """(summary, printed lines) of a loop."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        s = loop.run(loop.parser().parse_args([str(a) for a in argv]))
+    return s, out.getvalue()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--config", "flash", "--spec", 1, *BURST],
+    ["--config", "pro", "--spec", 2, *BURST],
+    ["--config", "flash", "--spec", 0, *BURST],
+], ids=["flash-mtp1", "pro-mtp2", "flash-nomtp"])
+def test_every_step_is_accepted(argv):
+    s, printed = _run("--steps", 60, *argv)
+    assert s["steps"] == 60 and s["idle_steps"] == 0, s
+    assert s["rejected"] == {"safe": 0, "full": 0}, printed
+    assert s["accepted"] == {"safe": 60, "full": 60}, s
+    # NOTE: the patterns the rules must let through did happen
+    assert s["prefix_hits"] > 0 and s["shared_writes"] > 0, s
+    assert (s["rejected_drafts"] > 0) == (s["spec"] > 0), s
+
+
+def test_preemption_and_resume_are_accepted():
+    s, printed = _run("--steps", 100, "--spec", 2, *TIGHT)
+    assert s["preempted"] > 0 and s["resumed"] > 0, s
+    assert s["rejected"] == {"safe": 0, "full": 0}, printed
+
+
+@pytest.mark.xfail(strict=True, reason="hole in state/ownership_checks.py check_runs (the lead's file): a fill is "
+                                       "not checked against the same step's prefix hits "
+                                       "(tests/state/test_owners_same_step_hit.py); remove this mark with the fix")
+def test_another_holders_block_id_is_rejected():
+    s, printed = _run("--steps", 60, "--mutate", 2, *BURST)
+    assert s["rejected"] == {"safe": 0, "full": 0}, printed  # NOTE: and the real steps after each mutation
+    assert s["mutations"]["safe"] > 50, s
+    assert s["mutations_rejected"] == s["mutations"], printed
