@@ -147,7 +147,7 @@ def _column(obj, name: str, n: int, where: str) -> list:
     return v if type(v) is list else list(v)
 
 
-def _replay_starts(new: list, new_rows: list) -> dict:
+def _replay_starts(new: Sequence, new_rows: list) -> dict:
     """``{req_id: replay_start}`` of the new requests that carry a nonzero ``replay_start`` (vLLM's V4.1
     ``NewRequestData`` field; absent before it, 0 = no replay). Values are checked with the step's rules."""
     out = {}
