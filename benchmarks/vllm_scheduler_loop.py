@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace as NS
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP = 7  # NOTE: the fake model's stop token
@@ -141,9 +141,10 @@ class Owners:
                     raise AssertionError(f"request {rid!r} gid {g}: replayed {mine} != vLLM's {real}")
             self.lists[rid] = theirs
 
-    def shared_writes(self, so) -> int:
-        """The (request, group, block) writes of ``so`` into a block another live request holds (circular
-        groups: a fixed ring per request, never shared, not counted)."""
+    def shared_writes(self, so) -> Tuple[int, int]:
+        """``(blocks, tokens)``: the (request, group, block) writes of ``so`` into a block another live request
+        holds, and the (token, group) writes among them (circular groups: a fixed ring per request, never
+        shared, not counted)."""
         holders: List[Dict[int, int]] = [{} for _ in self.bs]
         for lists in self.lists.values():
             for g, ids in enumerate(lists):
@@ -152,15 +153,18 @@ class Owners:
         c = so.scheduled_cached_reqs
         nc = dict(zip(c.req_ids, c.num_computed_tokens))
         nc.update({r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs})
-        shared = 0
+        blocks = tokens = 0
         for rid, n in so.num_scheduled_tokens.items():
+            lo, hi = nc[rid], nc[rid] + n
             for g, ids in enumerate(self.lists[rid]):
+                bs = self.bs[g]
                 if self.circular[g]:
                     continue
-                for j in range(nc[rid] // self.bs[g], (nc[rid] + n - 1) // self.bs[g] + 1):
+                for j in range(lo // bs, (hi - 1) // bs + 1):
                     if j < len(ids) and ids[j] and holders[g].get(ids[j], 0) > 1:
-                        shared += 1
-        return shared
+                        blocks += 1
+                        tokens += min(hi, (j + 1) * bs) - max(lo, j * bs)
+        return blocks, tokens
 
 
 def _model_output(sched, so, rng: random.Random, accept: float, stop: float, k: int):
@@ -190,14 +194,20 @@ def _model_output(sched, so, rng: random.Random, accept: float, stop: float, k: 
     return out, DraftTokenIds(drafted, drafts) if k else None, rejected
 
 
-def _prompts(rng: random.Random, n: int, shared: int, max_prompt: int) -> List[List[int]]:
-    """``n`` prompts: most start with one of a few shared prefixes (prefix-cache hits), then a random tail."""
-    prefixes = [[rng.randrange(100, 1000) for _ in range(max_prompt)] for _ in range(shared)]
-    out = []
-    for _ in range(n):
-        head = rng.choice(prefixes)[: rng.randrange(max_prompt // 4, max_prompt)] if rng.random() < 0.8 else []
-        out.append(head + [rng.randrange(100, 1000) for _ in range(rng.randrange(1, max_prompt // 2))])
-    return out
+def _prompts(rng: random.Random, n: int, shared: int, max_prompt: int, burst: int) -> List[List[int]]:
+    """``n`` prompts, ``burst`` at a time sharing a prefix, each with a random tail: one of ``shared`` prefixes
+    (80 % of the bursts; prefix-cache hits on blocks written before), or with ``shared = 0`` a fresh one per
+    burst (its requests hit the blocks the first one fills in the same step)."""
+    def fresh() -> List[int]:
+        return [rng.randrange(100, 1000) for _ in range(max_prompt)]
+    prefixes = [fresh() for _ in range(shared)]
+    out: List[List[int]] = []
+    while len(out) < n:
+        prefix = (rng.choice(prefixes) if shared else fresh()) if rng.random() < 0.8 else []
+        for _ in range(burst):
+            head = prefix[: rng.randrange(max_prompt // 4, max_prompt)]
+            out.append(head + [rng.randrange(100, 1000) for _ in range(rng.randrange(1, max_prompt // 2))])
+    return out[:n]
 
 
 class Loop:
@@ -227,27 +237,28 @@ class Loop:
                              [g.kind == "circular" for g in self.layout.groups])
         self.rng = random.Random(args.seed)
         self.mrng = random.Random(args.seed + 1)  # NOTE: mutations leave the scheduler's run as it was
-        self.prompts = _prompts(self.rng, args.requests, args.shared_prefixes, args.max_prompt)
+        self.prompts = _prompts(self.rng, args.requests, args.shared_prefixes, args.max_prompt, args.burst)
         self.next = 0
         self.history: list = []  # NOTE: the real steps so far, kept under --mutate only
         self.stats = dict(steps=0, idle_steps=0, tokens=0, new=0, prefix_hits=0, hit_tokens=0, preempted=0, resumed=0,
-                          finished=0, rejected_drafts=0, shared_writes=0, accepted={lvl: 0 for lvl in self.pipes},
+                          finished=0, rejected_drafts=0, shared_writes=0, shared_write_tokens=0,
+                          accepted={lvl: 0 for lvl in self.pipes},
                           rejected={lvl: 0 for lvl in self.pipes}, mutations={lvl: 0 for lvl in self.pipes},
                           mutations_rejected={lvl: 0 for lvl in self.pipes})
         self.update_s = {lvl: 0.0 for lvl in self.pipes}
 
     def arrivals(self) -> None:
-        """Submit the initial prompts, then one more per step with chance ``--arrival``."""
+        """Submit ``--initial`` prompts before the first step, then ``--burst`` more per step with chance
+        ``--arrival`` (a burst shares one prefix: same-step prefix hits)."""
         from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
         a, rng = self.args, self.rng
-        while self.next < len(self.prompts) and (self.next < a.initial or rng.random() < a.arrival):
+        n = a.initial if self.next == 0 else (a.burst if rng.random() < a.arrival else 0)
+        for _ in range(min(n, len(self.prompts) - self.next)):
             sp = SamplingParams(max_tokens=rng.randrange(4, a.max_output), stop_token_ids=[STOP])
-            from vllm.v1.request import Request
             self.sched.add_request(Request(f"r{self.next}", self.prompts[self.next], sp, None,
                                            block_hasher=self.hasher))
             self.next += 1
-            if self.next > a.initial:
-                break
 
     def schedule(self):
         """One ``Scheduler.schedule()``, counted and replayed; None when there is nothing left to do."""
@@ -268,7 +279,9 @@ class Loop:
         st["finished"] += len(so.finished_req_ids)
         self.owners.apply(so)
         self.owners.sync(self.sched.kv_cache_manager.get_block_ids)
-        st["shared_writes"] += self.owners.shared_writes(so)
+        blocks, tokens = self.owners.shared_writes(so)
+        st["shared_writes"] += blocks
+        st["shared_write_tokens"] += tokens
         return so
 
     def mutations(self, so, limit: int) -> list:
@@ -376,8 +389,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--requests", type=int, default=400, help="prompts submitted over the run")
     p.add_argument("--initial", type=int, default=24, help="prompts submitted before the first step")
-    p.add_argument("--arrival", type=float, default=0.5, help="chance of one more prompt per step")
-    p.add_argument("--shared-prefixes", type=int, default=4)
+    p.add_argument("--arrival", type=float, default=0.5, help="chance of a burst of prompts per step")
+    p.add_argument("--burst", type=int, default=1, help="prompts per arrival, sharing one prefix")
+    p.add_argument("--shared-prefixes", type=int, default=4, help="prefixes the prompts share (0: a fresh one "
+                   "per burst)")
     p.add_argument("--max-prompt", type=int, default=3000)
     p.add_argument("--max-output", type=int, default=200)
     p.add_argument("--accept", type=float, default=0.7, help="chance each draft is accepted (in order)")
