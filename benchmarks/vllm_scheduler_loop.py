@@ -22,7 +22,9 @@ Needs vLLM 0.33 (not a dependency: ``pip install --no-deps vllm==0.33.0`` and it
 
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=. /work/venv-vllm/bin/python benchmarks/vllm_scheduler_loop.py --steps 400
 
-``--mutate K`` first feeds up to K corrupted copies of each step (one new block id of a running request
+``--verify`` builds every step on the first pipeline and checks every output of every token (raw and compressed
+slot mappings, window lists, causal compressed lists) against docs/DESIGN.md §4 computed from vLLM's own block
+lists. ``--mutate K`` first feeds up to K corrupted copies of each step (one new block id of a running request
 replaced by an id another live request holds in that group): each must be rejected, and the pipeline must
 then accept the real step. Exit status 0 when no step was rejected and no mutation accepted, 1 otherwise
 (each printed with its step).
@@ -167,6 +169,55 @@ class Owners:
         return blocks, tokens
 
 
+def _slots(bt, x, unit: int):
+    """DESIGN §4 ``slot``: ``bt[x // unit] * unit + x % unit`` (``bt`` a block list, ``x`` int64 positions)."""
+    return bt[x // unit] * unit + x % unit
+
+
+def check_outputs(meta, layout, lists: Dict[str, List[List[int]]], req_ids) -> Tuple[int, List[str]]:
+    """The step's outputs against docs/DESIGN.md §4 computed from the replayed block lists (vLLM's): per
+    channel and valid token, the raw slot (``slot_mapping``), the compressed slot (``compressed_slot_mapping``:
+    row ``pos // R`` when ``(pos + 1) % R == 0``), the window list (``indices`` / ``lens`` of a windowed
+    channel: positions ``[max(pos - W + 1, 0), pos]``) and the causal compressed list (``c128a``). Returns
+    (tokens checked, the first differences)."""
+    import numpy as np
+
+    T = meta.num_tokens
+    pos = meta.positions[:T].cpu().numpy().astype(np.int64)
+    row = meta.token_to_req[:T].cpu().numpy().astype(np.int64)
+    bad: List[str] = []
+    for name, spec in layout.channels.items():
+        ch, bs, R = meta[name], layout.groups[spec.gid].block_size, spec.compress_ratio
+        got = {k: None if getattr(ch, k) is None else getattr(ch, k)[:T].cpu().numpy().astype(np.int64)
+               for k in ("slot_mapping", "compressed_slot_mapping", "indices", "lens")}
+        for b, rid in enumerate(req_ids):
+            sel = np.flatnonzero(row == b)
+            p, bt = pos[sel], np.asarray(lists[rid][spec.gid], dtype=np.int64)
+            want: Dict[str, np.ndarray] = {}
+            if got["slot_mapping"] is not None:
+                want["slot_mapping"] = _slots(bt, p, bs)
+            if got["compressed_slot_mapping"] is not None:
+                done = (p + 1) % R == 0
+                c = np.where(done, p // R, 0)
+                want["compressed_slot_mapping"] = np.where(done, _slots(bt, c, bs // R), -1)
+            if got["indices"] is not None:
+                lo = np.maximum(p - spec.window + 1, 0) if spec.window else np.zeros_like(p)
+                n = p - lo + 1 if spec.window else (p + 1) // R
+                j = np.arange(got["indices"].shape[1])[None, :]
+                x = (lo[:, None] + j) if spec.window else np.broadcast_to(j, (p.size, j.shape[1]))
+                ok = j < n[:, None]
+                want["indices"] = np.where(ok, _slots(bt, np.where(ok, x, 0), bs if spec.window else bs // R), -1)
+                want["lens"] = n
+            for k, w in want.items():
+                g = got[k][sel]
+                if not np.array_equal(g, w):
+                    t = int(np.flatnonzero((g != w).reshape(len(sel), -1).any(1))[0])
+                    bad.append(f"{name}.{k} of request {rid!r} at position {int(p[t])}: {g[t].tolist()} != "
+                               f"DESIGN §4 {w[t].tolist()}")
+                    break
+    return T, bad
+
+
 def _model_output(sched, so, rng: random.Random, accept: float, stop: float, k: int):
     """The fake runner: sampled tokens per scheduled request, and its drafts for the next step."""
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -244,7 +295,7 @@ class Loop:
                           finished=0, rejected_drafts=0, shared_writes=0, shared_write_tokens=0,
                           accepted={lvl: 0 for lvl in self.pipes},
                           rejected={lvl: 0 for lvl in self.pipes}, mutations={lvl: 0 for lvl in self.pipes},
-                          mutations_rejected={lvl: 0 for lvl in self.pipes})
+                          mutations_rejected={lvl: 0 for lvl in self.pipes}, verified_tokens=0, output_mismatches=0)
         self.update_s = {lvl: 0.0 for lvl in self.pipes}
 
     def arrivals(self) -> None:
@@ -351,6 +402,16 @@ class Loop:
             self.update_s[lvl] += time.perf_counter() - t0
         return errors
 
+    def verify(self, step: int) -> List[str]:
+        """``build()`` the first pipeline and check every output against the replayed lists (:func:`check_outputs`)."""
+        lvl, pipe = next(iter(self.pipes.items()))
+        if self.stats["rejected"][lvl] or pipe.req_ids is None:
+            return []
+        n, bad = check_outputs(pipe.build(), self.layout, self.owners.lists, pipe.req_ids)
+        self.stats["verified_tokens"] += n
+        self.stats["output_mismatches"] += len(bad)
+        return [f"OUTPUT step {step}: {b}" for b in bad[:3]]
+
     def finish(self, so) -> None:
         """The fake runner's output for ``so`` back into the scheduler (and its drafts)."""
         out, drafts, rejected = _model_output(self.sched, so, self.rng, self.args.accept, self.args.stop,
@@ -375,7 +436,8 @@ def run(args) -> dict:
         so = loop.schedule()
         if so is None:
             break
-        for line in loop.feed_mutations(so, step) + loop.feed(so, step):
+        lines = loop.feed_mutations(so, step) + loop.feed(so, step)
+        for line in lines + (loop.verify(step) if args.verify else []):
             print(line)
         loop.finish(so)
     return loop.summary()
@@ -404,6 +466,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checks", nargs="+", default=["safe", "full"], choices=["safe", "full"])
     p.add_argument("--mutate", type=int, default=0, help="corrupted copies of each step to feed first (each must "
                    "be rejected): one new block id replaced by another live request's")
+    p.add_argument("--verify", action="store_true", help="build() every step and check every output of the "
+                   "first pipeline against DESIGN §4 from vLLM's block lists")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
@@ -426,7 +490,7 @@ def main(argv=None) -> int:
         for key, v in s.items():
             print(f"{key}: {v}")
     missed = any(s["mutations"][lvl] != s["mutations_rejected"][lvl] for lvl in s["mutations"])
-    return 0 if not any(s["rejected"].values()) and not missed else 1
+    return 0 if not any(s["rejected"].values()) and not missed and not s["output_mismatches"] else 1
 
 
 if __name__ == "__main__":

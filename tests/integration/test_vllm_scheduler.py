@@ -1,8 +1,9 @@
 """vLLM 0.33's own scheduler on CPU against the pipeline (issues 26 item 4 and 28), short loops of
 ``benchmarks/vllm_scheduler_loop.py``: its KV-cache plan for V4-Flash and V4-Pro (with and without MTP), prefix
 caching, chunked prefill, preemption, rejected drafts; every ``SchedulerOutput`` must be accepted by
-``update()`` under ``checks="safe"`` and ``"full"``, and every corrupted copy (another live request's block id
-in a new block list) rejected.
+``update()`` under ``checks="safe"`` and ``"full"``, every output of ``build()`` must equal docs/DESIGN.md §4
+computed from vLLM's own block lists, and every corrupted copy (another live request's block id in a new block
+list) must be rejected.
 
 Optional: needs vLLM 0.33 (the ``vllm`` extra; on CPU ``pip install --no-deps vllm==0.33.0`` plus its light
 dependencies, run with ``VLLM_TARGET_DEVICE=cpu``). CI does not install vLLM, so this file is skipped there:
@@ -55,10 +56,12 @@ def _run(*argv):
     ["--config", "flash", "--spec", 1, *FRESH],
 ], ids=["flash-mtp1", "pro-mtp2", "flash-nomtp", "flash-mtp1-same-step-hits"])
 def test_every_step_is_accepted(argv):
-    s, printed = _run("--steps", 60, *argv)
+    s, printed = _run("--steps", 60, "--verify", *argv)
     assert s["steps"] == 60 and s["idle_steps"] == 0, s
     assert s["rejected"] == {"safe": 0, "full": 0}, printed
     assert s["accepted"] == {"safe": 60, "full": 60}, s
+    # NOTE: every output of every token equals DESIGN §4 computed from vLLM's own block lists
+    assert s["verified_tokens"] == s["tokens"] and s["output_mismatches"] == 0, printed
     # NOTE: the patterns the rules must let through did happen
     assert s["prefix_hits"] > 0 and s["shared_writes"] > 0, s
     assert (s["rejected_drafts"] > 0) == (s["spec"] > 0), s
