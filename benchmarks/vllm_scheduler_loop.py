@@ -280,7 +280,8 @@ class Loop:
         self.sched = Scheduler(vc, kcc, so_manager, block_size=self.sched_block, hash_block_size=self.hash_block)
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(self.hash_block, sha256, vc.num_hash_lookahead_tokens)
-        self.layout = DSV4Layout.from_kv_cache_config(kcc, cfg, args.max_model_len)
+        self.layout = (DSV4Layout.from_kv_cache_config(kcc, cfg, args.max_model_len) if args.layout == "plan" else
+                       DSV4Layout.from_config(cfg, args.max_model_len, groups="vllm"))
         self.pipes = {lvl: MetadataPipeline(self.layout, args.max_seqs, args.max_tokens, "cpu",
                                             num_speculative_tokens=k, checks=lvl, backend="reference", fused=False)
                       for lvl in args.checks}
@@ -463,6 +464,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-tokens", type=int, default=2048, help="max_num_batched_tokens (chunked prefill)")
     p.add_argument("--max-seqs", type=int, default=64)
+    p.add_argument("--layout", default="plan", choices=["plan", "shorthand"],
+                   help="the pipelines' layout: from vLLM's KVCacheConfig, or from_config(groups='vllm')")
     p.add_argument("--checks", nargs="+", default=["safe", "full"], choices=["safe", "full"])
     p.add_argument("--mutate", type=int, default=0, help="corrupted copies of each step to feed first (each must "
                    "be rejected): one new block id replaced by another live request's")

@@ -54,7 +54,8 @@ def _run(*argv):
     ["--config", "pro", "--spec", 2, *BURST],
     ["--config", "flash", "--spec", 0, *BURST],
     ["--config", "flash", "--spec", 1, *FRESH],
-], ids=["flash-mtp1", "pro-mtp2", "flash-nomtp", "flash-mtp1-same-step-hits"])
+    ["--config", "pro", "--spec", 0, "--layout", "shorthand", *BURST],
+], ids=["flash-mtp1", "pro-mtp2", "flash-nomtp", "flash-mtp1-same-step-hits", "pro-nomtp-groups-vllm"])
 def test_every_step_is_accepted(argv):
     s, printed = _run("--steps", 60, "--verify", *argv)
     assert s["steps"] == 60 and s["idle_steps"] == 0, s
