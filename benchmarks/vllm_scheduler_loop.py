@@ -293,7 +293,8 @@ class Loop:
         self.next = 0
         self.history: list = []  # NOTE: the real steps so far, kept under --mutate only
         self.stats = dict(steps=0, idle_steps=0, tokens=0, new=0, prefix_hits=0, hit_tokens=0, preempted=0, resumed=0,
-                          finished=0, rejected_drafts=0, shared_writes=0, shared_write_tokens=0,
+                          finished=0, rejected_drafts=0, shared_writes=0, shared_write_tokens=0, steps_zeroing_blocks=0,
+                          steps_copying_blocks=0,
                           accepted={lvl: 0 for lvl in self.pipes},
                           rejected={lvl: 0 for lvl in self.pipes}, mutations={lvl: 0 for lvl in self.pipes},
                           mutations_rejected={lvl: 0 for lvl in self.pipes}, verified_tokens=0, output_mismatches=0)
@@ -329,6 +330,8 @@ class Loop:
         st["preempted"] += len(so.preempted_req_ids or ())
         st["resumed"] += len(so.scheduled_cached_reqs.resumed_req_ids)
         st["finished"] += len(so.finished_req_ids)
+        st["steps_zeroing_blocks"] += bool(getattr(so, "new_block_ids_to_zero", None))  # NOTE: ignored by the
+        st["steps_copying_blocks"] += bool(getattr(so, "kv_cache_block_copies", None))  # library (README)
         self.owners.apply(so)
         self.owners.sync(self.sched.kv_cache_manager.get_block_ids)
         blocks, tokens = self.owners.shared_writes(so)
