@@ -24,10 +24,11 @@ Needs vLLM 0.33 (not a dependency: ``pip install --no-deps vllm==0.33.0`` and it
 
 ``--verify`` builds every step on the first pipeline and checks every output of every token (raw and compressed
 slot mappings, window lists, causal compressed lists) against docs/DESIGN.md §4 computed from vLLM's own block
-lists. ``--mutate K`` first feeds up to K corrupted copies of each step (one new block id of a running request
-replaced by an id another live request holds in that group): each must be rejected, and the pipeline must
-then accept the real step. Exit status 0 when no step was rejected and no mutation accepted, 1 otherwise
-(each printed with its step).
+lists. ``--mutate K`` first feeds up to K corrupted copies of each step for running requests (one new block id
+replaced by an id another live request holds in that group) and up to K for new requests (one block id they
+write replaced by a running request's): each must be rejected, and the pipeline must then accept the real step.
+Exit status 0 when no step was rejected, no mutation accepted and no output differed, 1 otherwise (each printed
+with its step).
 """
 
 from __future__ import annotations
@@ -362,7 +363,29 @@ class Loop:
                     bad.scheduled_cached_reqs.new_block_ids[i][g][self.mrng.randrange(len(ids))] = \
                         others[self.mrng.randrange(len(others))]
                     out.append((f"{rid!r} gid {g}", bad))
+        return out + self._new_mutations(so, limit)
+
+    def _new_mutations(self, so, limit: int) -> list:
+        """Up to ``limit`` copies of ``so``, each with one block id a new request writes (at or after its
+        ``num_computed_tokens``) replaced by an id a running request holds in that group."""
+        import copy
+        fresh, out = {r.req_id for r in so.scheduled_new_reqs}, []
+        for i, r in enumerate(so.scheduled_new_reqs):
+            for g, ids in enumerate(r.block_ids):
+                first = r.num_computed_tokens // self.bs_of(g)
+                if len(out) >= limit or self.owners.circular[g] or first >= len(ids):
+                    continue
+                others = sorted({b for q, lists in self.owners.lists.items() if q not in fresh for b in lists[g]
+                                 if b and b not in ids})
+                if others:
+                    bad = copy.deepcopy(so)
+                    bad.scheduled_new_reqs[i].block_ids[g][self.mrng.randrange(first, len(ids))] = \
+                        others[self.mrng.randrange(len(others))]
+                    out.append((f"new {r.req_id!r} gid {g}", bad))
         return out
+
+    def bs_of(self, g: int) -> int:
+        return self.owners.bs[g]
 
     def feed_mutations(self, so, step: int) -> List[str]:
         """Every pipeline must reject each of :meth:`mutations` (and stay as it was: the real step follows)."""
@@ -375,8 +398,8 @@ class Loop:
                 except ValueError:
                     self.stats["mutations_rejected"][lvl] += 1
                     continue
-                errors.append(f"MUTATION ACCEPTED step {step} checks={lvl}: a new block id of {what} replaced "
-                              f"by another live request's block")
+                errors.append(f"MUTATION ACCEPTED step {step} checks={lvl}: a block id of {what} replaced by "
+                              f"another live request's block")
                 self.pipes[lvl] = self._replayed(lvl)  # NOTE: the accepted corruption is now its state
         return errors
 
