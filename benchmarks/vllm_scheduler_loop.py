@@ -271,7 +271,7 @@ class Loop:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from dsv4_index import DSV4Layout, MetadataPipeline
+        from dsv4_index import DSV4Layout
 
         self.args, k = args, args.spec
         vc, kcc, self.sched_block, self.hash_block, cfg = vllm_setup(
@@ -283,9 +283,7 @@ class Loop:
         self.hasher = get_request_block_hasher(self.hash_block, sha256, vc.num_hash_lookahead_tokens)
         self.layout = (DSV4Layout.from_kv_cache_config(kcc, cfg, args.max_model_len) if args.layout == "plan" else
                        DSV4Layout.from_config(cfg, args.max_model_len, groups="vllm"))
-        self.pipes = {lvl: MetadataPipeline(self.layout, args.max_seqs, args.max_tokens, "cpu",
-                                            num_speculative_tokens=k, checks=lvl, backend="reference", fused=False)
-                      for lvl in args.checks}
+        self.pipes = {lvl: self.pipeline(lvl) for lvl in args.checks}
         self.owners = Owners([g.alloc_block_size for g in self.layout.groups],
                              [g.kind == "circular" for g in self.layout.groups])
         self.rng = random.Random(args.seed)
@@ -403,11 +401,17 @@ class Loop:
                 self.pipes[lvl] = self._replayed(lvl)  # NOTE: the accepted corruption is now its state
         return errors
 
+    def pipeline(self, lvl: str):
+        """A CPU reference pipeline on the layout: ``checks=lvl``, or ``validate=True`` for ``"validate"`` (the
+        full checks, both planners run and compared on every step, ``check_metadata`` after every build)."""
+        from dsv4_index import MetadataPipeline
+        level = dict(validate=True) if lvl == "validate" else dict(checks=lvl)
+        return MetadataPipeline(self.layout, self.args.max_seqs, self.args.max_tokens, "cpu",
+                                num_speculative_tokens=self.args.spec, backend="reference", fused=False, **level)
+
     def _replayed(self, lvl: str):
         """A new pipeline of level ``lvl`` fed every real step so far (after a mutation was accepted)."""
-        from dsv4_index import MetadataPipeline
-        pipe = MetadataPipeline(self.layout, self.args.max_seqs, self.args.max_tokens, "cpu",
-                                num_speculative_tokens=self.args.spec, checks=lvl, backend="reference", fused=False)
+        pipe = self.pipeline(lvl)
         for so in self.history:
             pipe.update(so)
         return pipe
@@ -492,7 +496,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--layout", default="plan", choices=["plan", "shorthand"],
                    help="the pipelines' layout: from vLLM's KVCacheConfig, or from_config(groups='vllm')")
-    p.add_argument("--checks", nargs="+", default=["safe", "full"], choices=["safe", "full"])
+    p.add_argument("--checks", nargs="+", default=["safe", "full"], choices=["safe", "full", "validate"],
+                   help="one pipeline per level ('validate': validate=True)")
     p.add_argument("--mutate", type=int, default=0, help="corrupted copies of each step to feed first (each must "
                    "be rejected): one new block id replaced by another live request's")
     p.add_argument("--verify", action="store_true", help="build() every step and check every output of the "

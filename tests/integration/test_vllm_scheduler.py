@@ -68,6 +68,13 @@ def test_every_step_is_accepted(argv):
     assert (s["rejected_drafts"] > 0) == (s["spec"] > 0), s
 
 
+def test_validate_runs_both_planners_and_check_metadata():
+    """``validate=True``: the fast and general planners give equal plans on every vLLM step (else AssertionError)
+    and ``check_metadata`` passes after every build."""
+    s, printed = _run("--steps", 60, "--checks", "validate", "--verify", "--spec", 2, *FRESH)
+    assert s["accepted"] == {"validate": 60} and s["output_mismatches"] == 0, printed
+
+
 def test_preemption_and_resume_are_accepted():
     s, printed = _run("--steps", 200, "--spec", 2, *TIGHT)  # NOTE: the first preemption comes at step 166
     assert s["preempted"] > 0 and s["resumed"] > 0, s
