@@ -11,9 +11,10 @@ random number of its drafts, a stop token ends a request at random) and the conf
 reads (a real ``VllmConfig`` without a model; the model and speculative configs are stand-ins holding the
 fields the scheduler reads, their methods vLLM's own).
 
-Each step goes, as vLLM sends it, to two pipelines on the layout ``DSV4Layout.from_kv_cache_config``
-builds from vLLM's own ``KVCacheConfig`` (CPU, ``backend="reference"``, ``fused=False``): one with
-``checks="safe"``, one with ``checks="full"``. The script counts, independently of the library, the writes
+Each step goes, as vLLM sends it, to one pipeline per ``--checks`` level (default ``safe`` and ``full``;
+``validate`` = ``validate=True``) on the layout ``DSV4Layout.from_kv_cache_config`` builds from vLLM's own
+``KVCacheConfig`` (``--layout shorthand``: ``from_config(groups="vllm")``), on CPU (``backend="reference"``,
+``fused=False``). The script counts, independently of the library, the writes
 into a block another live request holds (block lists replayed from the SchedulerOutputs and compared with
 vLLM's ``KVCacheManager.get_block_ids`` every step), the prefix-cache hits, preemptions and rejected drafts.
 
@@ -77,8 +78,8 @@ class _Spec:
 
 
 def vllm_setup(name: str, k: int, num_blocks: int, max_model_len: int, max_tokens: int, max_seqs: int):
-    """(vllm_config, kv_cache_config, scheduler_block, hash_block, groups) for config ``name`` with ``k``
-    MTP drafts (``k = 0``: no MTP layer, no speculative decoding)."""
+    """(vllm_config, kv_cache_config, scheduler_block, hash_block, model config dict) for config ``name`` with
+    ``k`` MTP drafts (``k = 0``: no MTP layer, no speculative decoding)."""
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, resolve_kv_cache_block_sizes
@@ -179,8 +180,8 @@ def check_outputs(meta, layout, lists: Dict[str, List[List[int]]], req_ids) -> T
     """The step's outputs against docs/DESIGN.md §4 computed from the replayed block lists (vLLM's): per
     channel and valid token, the raw slot (``slot_mapping``), the compressed slot (``compressed_slot_mapping``:
     row ``pos // R`` when ``(pos + 1) % R == 0``), the window list (``indices`` / ``lens`` of a windowed
-    channel: positions ``[max(pos - W + 1, 0), pos]``) and the causal compressed list (``c128a``). Returns
-    (tokens checked, the first differences)."""
+    channel: positions ``[max(pos - W + 1, 0), pos]``), the causal compressed list (``c128a``) and the indexer
+    lengths (``c4i``: ``(pos + 1) // R``). Returns (tokens checked, the first differences)."""
     import numpy as np
 
     T = meta.num_tokens
@@ -209,6 +210,8 @@ def check_outputs(meta, layout, lists: Dict[str, List[List[int]]], req_ids) -> T
                 ok = j < n[:, None]
                 want["indices"] = np.where(ok, _slots(bt, np.where(ok, x, 0), bs if spec.window else bs // R), -1)
                 want["lens"] = n
+            elif got["lens"] is not None:  # NOTE: the indexer's visible compressed rows (c4i)
+                want["lens"] = (p + 1) // R
             for k, w in want.items():
                 g = got[k][sel]
                 if not np.array_equal(g, w):
