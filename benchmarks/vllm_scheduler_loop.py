@@ -222,16 +222,21 @@ def check_outputs(meta, layout, lists: Dict[str, List[List[int]]], req_ids) -> T
     return T, bad
 
 
-def _model_output(sched, so, rng: random.Random, accept: float, stop: float, k: int):
-    """The fake runner: sampled tokens per scheduled request, and its drafts for the next step."""
+def _model_output(sched, so, rng: random.Random, accept: float, stop: float, k: int, late: bool = False):
+    """The fake runner: sampled tokens per scheduled request, and its drafts for the next step. ``late``: the
+    output of a step the scheduler has already scheduled past (async scheduling): a chunk is a partial prefill
+    when it ends before the prompt's end."""
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
+    c = so.scheduled_cached_reqs
+    end = {rid: nc + so.num_scheduled_tokens[rid] for rid, nc in zip(c.req_ids, c.num_computed_tokens)}
+    end.update({r.req_id: r.num_computed_tokens + so.num_scheduled_tokens[r.req_id] for r in so.scheduled_new_reqs})
     ids, sampled, drafted, drafts, rejected = [], [], [], [], 0
     for rid in so.num_scheduled_tokens:
-        req = sched.requests[rid]
+        req = sched.requests.get(rid)
         ids.append(rid)
         spec = so.scheduled_spec_decode_tokens.get(rid, [])
-        if req.num_computed_tokens < req.num_tokens:  # NOTE: num_computed is already advanced by n
+        if req is None or (end[rid] < req.num_prompt_tokens if late else req.num_computed_tokens < req.num_tokens):
             sampled.append([])  # a prefill chunk that does not end the prompt samples nothing
             continue
         a = 0
@@ -272,6 +277,7 @@ class Loop:
     def __init__(self, args):
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
 
         from dsv4_index import DSV4Layout
@@ -281,7 +287,10 @@ class Loop:
             args.config, k, args.num_blocks, args.max_model_len, args.max_tokens, args.max_seqs)
         so_manager = NS(grammar_bitmask=lambda *a, **kw: None, accept_tokens=lambda *a: True,
                         validate_tokens=lambda req, toks: toks)  # NOTE: no structured output
-        self.sched = Scheduler(vc, kcc, so_manager, block_size=self.sched_block, hash_block_size=self.hash_block)
+        vc.scheduler_config.async_scheduling = bool(args.async_scheduling)  # NOTE: read by the KV-cache manager
+        sched = AsyncScheduler if args.async_scheduling else Scheduler
+        self.sched = sched(vc, kcc, so_manager, block_size=self.sched_block, hash_block_size=self.hash_block)
+        self.in_flight: list = []  # NOTE: async scheduling: the step whose output comes after the next schedule
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(self.hash_block, sha256, vc.num_hash_lookahead_tokens)
         self.layout = (DSV4Layout.from_kv_cache_config(kcc, cfg, args.max_model_len) if args.layout == "plan" else
@@ -447,12 +456,20 @@ class Loop:
         return [f"OUTPUT step {step}: {b}" for b in bad[:3]]
 
     def finish(self, so) -> None:
-        """The fake runner's output for ``so`` back into the scheduler (and its drafts)."""
+        """The fake runner's output for ``so`` back into the scheduler (and its drafts). Async scheduling: the
+        output of the step before, once ``so`` is scheduled (vLLM's batch queue of two; the drafts stay in the
+        worker, the scheduler schedules placeholders)."""
+        late = bool(self.args.async_scheduling)
+        if late:
+            self.in_flight.append(so)
+            if len(self.in_flight) < 2:
+                return
+            so = self.in_flight.pop(0)
         out, drafts, rejected = _model_output(self.sched, so, self.rng, self.args.accept, self.args.stop,
-                                              self.args.spec)
+                                              self.args.spec, late)
         self.stats["rejected_drafts"] += rejected
         self.sched.update_from_output(so, out)
-        if drafts is not None:
+        if drafts is not None and not late:
             self.sched.update_draft_token_ids(drafts)
 
     def summary(self) -> dict:
@@ -501,6 +518,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the pipelines' layout: from vLLM's KVCacheConfig, or from_config(groups='vllm')")
     p.add_argument("--checks", nargs="+", default=["safe", "full"], choices=["safe", "full", "validate"],
                    help="one pipeline per level ('validate': validate=True)")
+    p.add_argument("--async-scheduling", action="store_true", help="vLLM's AsyncScheduler: each step is "
+                   "scheduled before the previous step's output (rejected drafts) is known")
     p.add_argument("--mutate", type=int, default=0, help="corrupted copies of each step to feed first (each must "
                    "be rejected): one new block id replaced by another live request's")
     p.add_argument("--verify", action="store_true", help="build() every step and check every output of the "

@@ -55,7 +55,9 @@ def _run(*argv):
     ["--config", "flash", "--spec", 0, *BURST],
     ["--config", "flash", "--spec", 1, *FRESH],
     ["--config", "pro", "--spec", 0, "--layout", "shorthand", *BURST],
-], ids=["flash-mtp1", "pro-mtp2", "flash-nomtp", "flash-mtp1-same-step-hits", "pro-nomtp-groups-vllm"])
+    ["--config", "flash", "--spec", 2, "--async-scheduling", *FRESH],
+], ids=["flash-mtp1", "pro-mtp2", "flash-nomtp", "flash-mtp1-same-step-hits", "pro-nomtp-groups-vllm",
+        "flash-mtp2-async"])
 def test_every_step_is_accepted(argv):
     s, printed = _run("--steps", 60, "--verify", *argv)
     assert s["steps"] == 60 and s["idle_steps"] == 0, s
