@@ -25,8 +25,9 @@ requests of a step, taken ``chunk_reqs`` at a time (batch rows ``num_decodes ..`
   bounded replay: the window starts at ``replay_start``); raw positions below a request's first window
   start are never listed, and their gather slots are ``-1``.
 
-With several SWA groups (vLLM's plan, ``from_config(groups="vllm")``) pass ``layer=``: the SWA channel
-is the layer's own (``meta.layout.layer_channels(layer)["swa"]``).
+Channels are found by role, never by name (:func:`swa_channel`, :func:`compressed_channel`): with
+several channels of a role (vLLM's two SWA groups, ``from_config(groups="vllm")``; V4.1's ``c1a`` and ``c2a``,
+both of role ``c4a``) pass ``layer=``: the layer's own (``meta.layout.layer_channels(layer)``).
 
 Widths depend only on the layout and ``K``, never on the batch. Device work is torch ops on the
 metadata's device tensors (any device), with no ``.item()`` and no host sync; the results are fresh
@@ -44,10 +45,11 @@ import torch
 from ._common import check_int, no_block, round_up
 
 __all__ = ["PrefillChunk", "prefill_chunk", "prefill_chunks", "prefill_workspace_size", "gather_workspace",
-           "PREFILL_INDEX_ALIGN", "swa_channel"]
+           "PREFILL_INDEX_ALIGN", "swa_channel", "compressed_channel"]
 
 PREFILL_INDEX_ALIGN = 128  # NOTE: FlashMLA's B_TOPK alignment
 _KINDS = ("swa", "c4", "c128")
+_COMPRESSED_ROLE = {"c4": "c4a", "c128": "c128a"}  # NOTE: a c4 layer reads through the top-k (V4.1: R 1, 2 too)
 
 
 @dataclass
@@ -99,7 +101,32 @@ def swa_channel(layout, layer_kind: str, layer: Optional[int] = None) -> str:
     return chans["swa"]
 
 
-def _kind_params(meta, layer_kind: str, topk: Optional[torch.Tensor]):
+def compressed_channel(layout, layer_kind: str, layer: Optional[int] = None) -> str:
+    """The compressed channel a layer reads, by role (``"c4a"`` for a ``"c4"`` layer, whatever its ratio:
+    ``c2a`` / ``c1a`` in V4.1; ``"c128a"`` for a ``"c128"`` layer): ``layout.layer_channels(layer)[role]``,
+    or, when ``layer`` is None, the layout's one channel of that role. ``layer_kind`` must be the layer's.
+
+    Raises ValueError for an SWA or unknown kind, a layout with no or several channels of the role and no
+    ``layer`` (naming them), or a ``layer`` of another kind.
+    """
+    role = _COMPRESSED_ROLE.get(layer_kind)
+    if role is None:
+        raise ValueError(f"layer_kind must be 'c4' or 'c128' (a compressed layer), got {layer_kind!r}")
+    if layer is None:
+        names = [c.name for c in layout.channels.values() if c.role == role]
+        if not names:
+            raise ValueError(f"layer_kind {layer_kind!r}: this layout has no channel of role {role!r}")
+        if len(names) > 1:
+            raise ValueError(f"layer: this layout has several {role!r} channels {names}; pass the layer index")
+        return names[0]
+    chans = layout.layer_channels(layer)
+    if layout.layer_kind(layer) != layer_kind:
+        raise ValueError(f"layer_kind {layer_kind!r} differs from layer {layer}'s kind "
+                         f"{layout.layer_kind(layer)!r}")
+    return chans[role]
+
+
+def _kind_params(meta, layer_kind: str, topk: Optional[torch.Tensor], layer: Optional[int] = None):
     """(R, K) of a layer kind: compress ratio (0 for swa) and compressed columns of a row."""
     if layer_kind not in _KINDS:
         raise ValueError(f"layer_kind must be one of {_KINDS}, got {layer_kind!r}")
@@ -109,7 +136,7 @@ def _kind_params(meta, layer_kind: str, topk: Optional[torch.Tensor]):
     if layer_kind == "swa":
         return 0, 0
     if layer_kind == "c128":
-        c = meta["c128a"]
+        c = meta[compressed_channel(meta.layout, layer_kind, layer)]
         return c.compress_ratio, c.indices.shape[1]
     if not isinstance(topk, torch.Tensor) or topk.dim() != 2 or topk.dtype not in (torch.int32, torch.int64):
         raise ValueError("topk: a c4 layer needs its request-local top-k picks, int32/int64 [>= T, K]")
@@ -117,7 +144,7 @@ def _kind_params(meta, layer_kind: str, topk: Optional[torch.Tensor]):
         raise ValueError(f"topk has {topk.shape[0]} rows, needs at least num_tokens = {meta.num_tokens}")
     if topk.device != meta.positions.device:
         raise ValueError(f"topk is on {topk.device}, expected {meta.positions.device} (the metadata's)")
-    return meta["c4a"].compress_ratio, topk.shape[1]
+    return meta[compressed_channel(meta.layout, layer_kind, layer)].compress_ratio, topk.shape[1]
 
 
 def _host_rows(meta, req_start: int, req_end: int):
@@ -129,10 +156,11 @@ def _host_rows(meta, req_start: int, req_end: int):
 
 
 def prefill_workspace_size(meta, layer_kind: str, req_start: Optional[int] = None,
-                           req_end: Optional[int] = None):
+                           req_end: Optional[int] = None, *, layer: Optional[int] = None):
     """Host ``(N, M)`` of the workspace for batch rows ``[req_start, req_end)`` (default: every
-    prefill request of the step): ``N = max L // R`` (0 for ``"swa"``), ``M = N + max g``.
-    Reads only the metadata's host copies (no device sync)."""
+    prefill request of the step): ``N = max L // R`` (0 for ``"swa"``; ``R`` of the layer's compressed
+    channel, :func:`compressed_channel`), ``M = N + max g``. Reads only the metadata's host copies (no
+    device sync)."""
     req_start = meta.num_decodes if req_start is None else req_start
     req_end = meta.num_reqs if req_end is None else req_end
     if layer_kind not in _KINDS:
@@ -140,7 +168,7 @@ def prefill_workspace_size(meta, layer_kind: str, req_start: Optional[int] = Non
     if req_end <= req_start:
         return 0, 0
     L, _, g = _host_rows(meta, req_start, req_end)
-    R = 0 if layer_kind == "swa" else meta["c4a" if layer_kind == "c4" else "c128a"].compress_ratio
+    R = 0 if layer_kind == "swa" else meta[compressed_channel(meta.layout, layer_kind, layer)].compress_ratio
     N = int((L // R).max()) if R else 0
     return N, N + int(g.max())
 
@@ -159,22 +187,22 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
         step's token rows (decodes first; vLLM's shared top-k buffer), ``-1`` = none.
     N, M : int, optional — workspace geometry; default :func:`prefill_workspace_size` of these rows.
         Larger values (e.g. one shape for every chunk of a step) are allowed; smaller raise.
-    layer : int, optional — the layer index: its own SWA channel (:func:`swa_channel`); needed when
-        the layout has several SWA groups.
+    layer : int, optional — the layer index: its own SWA and compressed channels (:func:`swa_channel`,
+        :func:`compressed_channel`); needed when the layout has several channels of the role.
 
     Returns
     -------
     PrefillChunk — see its attributes; ``indices int32 [T_chunk, 1, width]`` with ``width =
     round_up(K + W, 128)`` (``K`` = top-k for c4, the fixed C128A list width for c128, 0 for swa).
     """
-    R, K = _kind_params(meta, layer_kind, topk)
+    R, K = _kind_params(meta, layer_kind, topk, layer)
     swa_name = swa_channel(meta.layout, layer_kind, layer)
     check_int("req_start", req_start)
     check_int("req_end", req_end)
     if not meta.num_decodes <= req_start < req_end <= meta.num_reqs:
         raise ValueError(f"req_start, req_end = {req_start}, {req_end}: need prefill rows, num_decodes = "
                          f"{meta.num_decodes} <= req_start < req_end <= num_reqs = {meta.num_reqs}")
-    need_n, need_m = prefill_workspace_size(meta, layer_kind, req_start, req_end)
+    need_n, need_m = prefill_workspace_size(meta, layer_kind, req_start, req_end, layer=layer)
     N = need_n if N is None else N
     M = max(need_m, N + need_m - need_n) if M is None else M
     if isinstance(N, bool) or not isinstance(N, int) or N < need_n:
@@ -209,7 +237,7 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
 
     j = torch.arange(N, device=dev)[None, :]
     if R:
-        ch = meta["c4a" if layer_kind == "c4" else "c128a"]
+        ch = meta[compressed_channel(meta.layout, layer_kind, layer)]
         comp_slots = slots(ch, j.expand(n_reqs, N), j < (L // R)[:, None])
     else:
         comp_slots = torch.full((n_reqs, N), -1, dtype=torch.int32, device=dev)
@@ -254,10 +282,10 @@ def prefill_chunks(meta, layer_kind: str, topk: Optional[torch.Tensor] = None, *
     list of PrefillChunk — in batch order; empty when the step has no prefill.
     """
     check_int("chunk_reqs", chunk_reqs, lo=1)
-    _kind_params(meta, layer_kind, topk)
+    _kind_params(meta, layer_kind, topk, layer)
     N = M = None
     if same_shape:
-        N, M = prefill_workspace_size(meta, layer_kind)
+        N, M = prefill_workspace_size(meta, layer_kind, layer=layer)
     return [prefill_chunk(meta, layer_kind, s, min(s + chunk_reqs, meta.num_reqs), topk, N=N, M=M, layer=layer)
             for s in range(meta.num_decodes, meta.num_reqs, chunk_reqs)]
 

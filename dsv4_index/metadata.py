@@ -131,8 +131,8 @@ class DSV4Metadata:
             :meth:`topk_to_slots` result with ``compact=True`` (FlashMLA reads only the first
             ``extra_topk_length`` entries; uncompacted, a valid slot after an invalid pick is dropped).
         padded : bool — see :meth:`decode_view`.
-        layer : int, optional — the layer index: its own SWA channel (``layout.layer_channels``);
-            needed when the layout has several SWA groups (``from_config(groups="vllm")``).
+        layer : int, optional — the layer index: its own SWA and C128A channels (``layout.layer_channels``,
+            found by role); needed when the layout has several of them (``from_config(groups="vllm")``).
 
         Returns
         -------
@@ -140,7 +140,7 @@ class DSV4Metadata:
         ``extra_indices [Td, 1, K or Wc]`` + ``extra_topk_length [Td]`` (converted top-k for ``"c4"``,
         the causal C128A list for ``"c128"``, None for ``"swa"``). Widths are multiples of 128.
         """
-        from .consumers import swa_channel  # NOTE: lazy: consumers sits above metadata in the layer table
+        from .consumers import compressed_channel, swa_channel  # NOTE: lazy: consumers sits above metadata
         idx, lens = self.decode_view(swa_channel(self.layout, layer_kind, layer), padded=padded)
         n = idx.shape[0]
         extra = extra_len = None
@@ -150,7 +150,7 @@ class DSV4Metadata:
             slots, slot_lens = topk
             extra, extra_len = slots[:n].unsqueeze(1), slot_lens[:n]
         elif layer_kind == "c128":
-            extra, extra_len = self.decode_view("c128a", padded=padded)
+            extra, extra_len = self.decode_view(compressed_channel(self.layout, layer_kind, layer), padded=padded)
         elif layer_kind != "swa":
             raise ValueError(f"layer_kind must be 'swa', 'c4' or 'c128', got {layer_kind!r}")
         return dict(indices=idx, topk_length=lens, extra_indices=extra, extra_topk_length=extra_len)

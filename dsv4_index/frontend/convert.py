@@ -147,6 +147,17 @@ def _column(obj, name: str, n: int, where: str) -> list:
     return v if type(v) is list else list(v)
 
 
+def _replay_starts(new: Sequence, new_rows: list) -> dict:
+    """``{req_id: replay_start}`` of the new requests that carry a nonzero ``replay_start`` (vLLM's V4.1
+    ``NewRequestData`` field; absent before it, 0 = no replay). Values are checked with the step's rules."""
+    out = {}
+    for r, row in zip(new, new_rows):
+        v = getattr(r, "replay_start", 0)
+        if v is not None and v != 0:
+            out[row[0]] = v
+    return out
+
+
 def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int] = None, *,
                                 replay_start: Optional[dict] = None, replay_end: Optional[dict] = None
                                 ) -> Tuple[StepBatch, SlotMapDelta]:
@@ -159,8 +170,11 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
     (a list of bools, older vLLM)), ``out.num_scheduled_tokens`` (dict), ``out.finished_req_ids`` and,
     when present, ``out.preempted_req_ids``. A resumed request carries its whole block lists. Every
     other field (``scheduled_spec_decode_tokens``, ``new_token_ids``, ``num_output_tokens``, ...) is
-    ignored. vLLM has no replay bounds: pass ``replay_start`` / ``replay_end`` (dicts by request id)
-    for prefix hits (README "vLLM integration").
+    ignored. A new request's ``replay_start`` (vLLM's V4.1 bounded replay, ``NewRequestData.replay_start``;
+    absent in older vLLM, 0 = none) becomes the batch row's replay start in this step; ``replay_start`` /
+    ``replay_end`` (dicts by request id) give bounds vLLM does not send (``replay_end``: README "vLLM
+    integration"), the dict's entry winning over the object's. vLLM sends ``replay_start`` only in the step
+    that admits a request: a later chunk whose window still reaches below it needs it again in the dict.
     """
     c = _field(out, "scheduled_cached_reqs", "SchedulerOutput")
     ids = _field(c, "req_ids", "scheduled_cached_reqs")
@@ -192,6 +206,9 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
     preempted = getattr(out, "preempted_req_ids", None)  # NOTE: absent before vLLM's model runner v2
     new_rows = [(_field(r, "req_id", f"scheduled_new_reqs[{i}]"), _field(r, "block_ids", f"scheduled_new_reqs[{i}]"),
                  _field(r, "num_computed_tokens", f"scheduled_new_reqs[{i}]")) for i, r in enumerate(new)]
+    carried = _replay_starts(new, new_rows)
+    if carried:  # NOTE: the caller's dict, when given, wins for the requests it lists
+        replay_start = dict(carried, **replay_start) if replay_start else carried
     if not replay_start and not replay_end and not resumed:
         done = convert_repeat(slot_map, num_groups, new_rows, ids, nbs, ncs, nst, finished, preempted, False)
         if done is not None:

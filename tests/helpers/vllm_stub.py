@@ -1,6 +1,7 @@
-"""Stand-ins for vLLM's scheduler dataclasses (``vllm/v1/core/sched/output.py`` at HEAD), the fields
-this library reads with their real names and types, the others present and ignored; and the
-``SchedulerOutput`` of a :class:`~dsv4_index.frontend.StepInput` (as vLLM would send the same step)."""
+"""Stand-ins for vLLM's scheduler dataclasses (``vllm/v1/core/sched/output.py`` at HEAD; ``NewRequestData``
+as of vLLM 0.33, with V4.1's ``replay_start``), the fields this library reads with their real names and types,
+the others present and ignored; and the ``SchedulerOutput`` of a :class:`~dsv4_index.frontend.StepInput` (as
+vLLM would send the same step)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: object
     prompt_embeds: object = None
+    prompt_is_token_ids: Optional[List[bool]] = None
     prefill_token_ids: Optional[List[int]] = None
+    replay_start: int = 0  # NOTE: vLLM 0.33, DeepSeek-V4.1 bounded replay (0: none)
 
 
 @dataclass

@@ -1,0 +1,80 @@
+"""vLLM's V4.1 bounded replay as it arrives: ``NewRequestData.replay_start`` (vLLM 0.33; the scheduler rewinds
+a prefix hit's ``num_computed_tokens`` to it) becomes the batch row's replay start, so the sliding window of the
+replayed tokens starts there (docs/DESIGN.md §4 "Bounded replay"); older ``NewRequestData`` (no field) and 0 mean
+no replay; the caller's ``replay_start`` dict wins; a bad value is refused naming ``replay_start``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dsv4_index import MetadataPipeline, SlotMap, batch_from_scheduler_output
+
+from _meta_helpers import tiny_layout
+from _vllm_stub import CachedRequestData, NewRequestData, SchedulerOutput
+
+LAYOUT = tiny_layout()  # NOTE: W 8, swa blocks of 4
+G = len(LAYOUT.groups)
+W = LAYOUT.groups[[g.role for g in LAYOUT.groups].index("swa")].window
+NC, Q = 12, 4
+
+
+@dataclasses.dataclass
+class OldNewRequestData:  # NOTE: vLLM before V4.1: no replay_start field
+    req_id: str
+    block_ids: tuple
+    num_computed_tokens: int
+
+
+def _lists(upto):
+    return tuple([1 + 100 * g + j for j in range(-(-upto // grp.alloc_block_size))]
+                 for g, grp in enumerate(LAYOUT.groups))
+
+
+def _out(replay_start=None, cls=NewRequestData):
+    if cls is NewRequestData:
+        req = NewRequestData("a", [], [], None, None, _lists(NC + Q), NC, None,
+                             **({} if replay_start is None else {"replay_start": replay_start}))
+    else:
+        req = cls("a", _lists(NC + Q), NC)
+    return SchedulerOutput([req], CachedRequestData([], set(), [], {}, [], [], []), {"a": Q}, Q, {}, {}, [],
+                           set(), [])
+
+
+def test_the_objects_replay_start_is_the_rows():
+    b, _ = batch_from_scheduler_output(_out(replay_start=NC), SlotMap(4), G)
+    assert b.replay_start is not None and b.replay_start.tolist() == [NC]
+    assert b.replay_end is None
+
+
+@pytest.mark.parametrize("kind", ["zero", "old"])
+def test_no_replay_without_the_field_or_with_zero(kind):
+    out = _out(replay_start=0) if kind == "zero" else _out(cls=OldNewRequestData)
+    b, _ = batch_from_scheduler_output(out, SlotMap(4), G)
+    assert b.replay_start is None
+
+
+def test_the_callers_dict_wins():
+    b, _ = batch_from_scheduler_output(_out(replay_start=NC), SlotMap(4), G, replay_start={"a": 10})
+    assert b.replay_start.tolist() == [10]
+
+
+@pytest.mark.parametrize("replay_start", [None, NC])
+def test_window_of_the_replayed_tokens_starts_at_replay_start(replay_start):
+    pipe = MetadataPipeline(LAYOUT, 4, 32, "cpu", backend="reference", fused=False)
+    pipe.update(_out(replay_start=replay_start))
+    meta = pipe.build()
+    pos = np.arange(NC, NC + Q)
+    floor = 0 if replay_start is None else replay_start
+    want = pos - np.maximum(pos - W + 1, floor) + 1  # NOTE: DESIGN §4, sliding-window indices
+    assert meta["swa"].lens[:Q].tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("bad, err", [(NC + 1, ValueError), (True, TypeError), (1.5, TypeError)])
+def test_a_bad_replay_start_is_refused(bad, err):
+    sm = SlotMap(4)
+    with pytest.raises(err, match=r"replay_start\['a'\]"):
+        batch_from_scheduler_output(_out(replay_start=bad), sm, G)
+    assert sm.slot_of == {}
