@@ -12,6 +12,8 @@ from .ownership_rules import Step, count_in, old_keys
 
 __all__ = ["check_runs", "check_rewinds", "rewind_suspects"]
 
+_SLOTS = 1 << 16  # NOTE: above every slot (capacity.py bounds max_num_reqs by 2**16); keys stay below 2**28
+
 
 def check_runs(o, st: Step) -> None:
     """Rule 3: a fill acquisition has no other live holder (same-step hits aside); an old block a row
@@ -26,6 +28,11 @@ def check_runs(o, st: Step) -> None:
     if st.rel.size:
         base = base - count_in(st.rel_sorted, fk)
     bad = base > 0
+    if fill.size < st.acq.size:  # NOTE: another row's prefix hit of the id in this same step holds it too
+        hit = ~st.acq_fill
+        hk = st.acq[hit]
+        mine = count_in(np.sort(hk * _SLOTS + st.acq_slot[hit]), fk * _SLOTS + st.acq_slot.take(fill))
+        bad |= count_in(np.sort(hk), fk) > mine  # NOTE: the row's own duplicate is the "full" level's
     if fk.size > 1:
         srt = np.sort(fk)
         d = srt[1:] == srt[:-1]

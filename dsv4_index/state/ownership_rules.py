@@ -334,11 +334,16 @@ def _acquisitions(o, st: Step, plan) -> None:
     if inb.any():
         r = row[inb]
         ws[inb] = np.where(full[inb], st.ws_full.take(r), st.nc_b.take(r))
-    ws = o.owned(ws, gid).take(rep)
+    we = np.zeros(row.shape[0], dtype=np.int64)  # NOTE: the write end; a row outside the batch writes nothing
+    if inb.any():
+        we[inb] = st.seq.take(row[inb])
+    ws, we = o.owned(ws, gid).take(rep), o.owned(we, gid).take(rep)
     circ, bs = t.circular.take(gg), t.bs.take(gg)
     fill = circ | ((pos + 1) * bs > ws)
     st.acq, st.acq_slot, st.acq_pos, st.acq_run, st.acq_fill = key, slot.take(rep), pos, rep, fill
-    st.acq_fresh = circ | (pos * bs >= ws)  # NOTE: the row writes the whole block (a fresh allocation)
+    # NOTE: the row writes the whole block in this step (a fresh allocation, filled now: vLLM registers a block
+    # for prefix hits once the step's tokens cover it)
+    st.acq_fresh = circ | ((pos * bs >= ws) & ((pos + 1) * bs <= we))
 
 
 def count_in(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:

@@ -83,10 +83,6 @@ def test_preemption_and_resume_are_accepted():
     assert s["rejected"] == {"safe": 0, "full": 0}, printed
 
 
-@pytest.mark.xfail(strict=True, reason="two holes in the lead's files (state/ownership_checks.py check_runs: a fill "
-                                       "is not checked against the same step's prefix hits; ownership_rules.py: a "
-                                       "'fresh' fill need not be written whole), tests/state/"
-                                       "test_owners_same_step_hit.py; remove this mark with the fix")
 def test_another_holders_block_id_is_rejected():
     s, printed = _run("--steps", 60, "--mutate", 4, *BURST)
     assert s["rejected"] == {"safe": 0, "full": 0}, printed  # NOTE: and the real steps after each mutation

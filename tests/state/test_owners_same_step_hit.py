@@ -54,9 +54,6 @@ def test_same_step_hit_at_the_fillers_position_is_accepted(checks):
         pipe.update(step)
 
 
-@pytest.mark.xfail(strict=True, reason="hole in state/ownership_checks.py check_runs (the lead's file): a fill "
-                                       "is not checked against the same step's prefix hits; proposed fix in "
-                                       "the vllmloop report; remove this mark with the fix")
 @pytest.mark.parametrize("checks", ["safe", "full"])
 def test_fill_of_a_block_another_new_request_hits_elsewhere_is_rejected(checks):
     pipe = _pipe(checks)
@@ -66,9 +63,6 @@ def test_fill_of_a_block_another_new_request_hits_elsewhere_is_rejected(checks):
         pipe.update(second)
 
 
-@pytest.mark.xfail(strict=True, reason="hole in state/ownership_rules.py _acquisitions (the lead's file): a "
-                                       "'fresh' fill is one that starts at the write start, not one the step "
-                                       "writes whole; proposed fix in the vllmloop report; remove this mark with it")
 @pytest.mark.parametrize("checks", ["safe", "full"])
 def test_a_same_position_hit_of_a_block_the_filler_writes_only_in_part_is_rejected(checks):
     """Found the same way (an MTP lookahead block): 'a' writes positions 32, 33 of X this step, 'b' claims
