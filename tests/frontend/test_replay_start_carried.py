@@ -12,8 +12,8 @@ import pytest
 
 from dsv4_index import MetadataPipeline, SlotMap, batch_from_scheduler_output
 
-from _meta_helpers import tiny_layout
-from _vllm_stub import CachedRequestData, NewRequestData, SchedulerOutput
+from helpers.layouts import tiny_layout
+from helpers.vllm_stub import CachedRequestData, NewRequestData, SchedulerOutput
 
 LAYOUT = tiny_layout()  # NOTE: W 8, swa blocks of 4
 G = len(LAYOUT.groups)

@@ -2,7 +2,7 @@
 reference (``backend="reference"``), bit for bit.
 
 Pipelines see the same steps; before each ``build()`` every output buffer of each pipeline is
-poisoned at capacity with its own value (``_meta_helpers.poison``), so any entry in ``[0, T_pad)``
+poisoned at capacity with its own value (``helpers.pipelines.poison``), so any entry in ``[0, T_pad)``
 that one path leaves unwritten fails ``torch.equal``. Block tables, top-k conversions and the host
 counts are compared too, and the fused metadata goes through ``check_metadata``.
 """

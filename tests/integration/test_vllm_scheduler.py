@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from _scripts import ROOT
+from helpers.scripts import ROOT
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 vllm = pytest.importorskip("vllm", reason="needs vLLM 0.33 (the 'vllm' extra, VLLM_TARGET_DEVICE=cpu); CI does "

@@ -11,7 +11,7 @@ from dsv4_index import DSV4Layout
 from dsv4_index.consumers import compressed_channel, prefill_chunk, prefill_workspace_size
 from dsv4_index.frontend import NewRequest, StepInput
 
-from _meta_helpers import Pool, make_pipeline
+from helpers.pipelines import Pool, make_pipeline
 
 FLASH = DSV4Layout.from_config("flash", 4096)
 VLLM = DSV4Layout.from_config("flash", 4096, groups="vllm")
