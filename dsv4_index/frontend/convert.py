@@ -174,7 +174,8 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
     absent in older vLLM, 0 = none) becomes the batch row's replay start in this step; ``replay_start`` /
     ``replay_end`` (dicts by request id) give bounds vLLM does not send (``replay_end``: README "vLLM
     integration"), the dict's entry winning over the object's. vLLM sends ``replay_start`` only in the step
-    that admits a request: a later chunk whose window still reaches below it needs it again in the dict.
+    that admits a request: the slot map remembers it (committed with the step) and applies it to the
+    request's later steps while their windows reach below it (:meth:`SlotMap` ``replay_reach``).
     """
     c = _field(out, "scheduled_cached_reqs", "SchedulerOutput")
     ids = _field(c, "req_ids", "scheduled_cached_reqs")
@@ -207,16 +208,38 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
     new_rows = [(_field(r, "req_id", f"scheduled_new_reqs[{i}]"), _field(r, "block_ids", f"scheduled_new_reqs[{i}]"),
                  _field(r, "num_computed_tokens", f"scheduled_new_reqs[{i}]")) for i, r in enumerate(new)]
     carried = _replay_starts(new, new_rows)
-    if carried:  # NOTE: the caller's dict, when given, wins for the requests it lists
-        replay_start = dict(carried, **replay_start) if replay_start else carried
+    remembered, spent = _remembered_replays(slot_map, ids, ncs) if slot_map.replay else ({}, [])
+    if carried or remembered:  # NOTE: the caller's dict, when given, wins for the requests it lists
+        replay_start = {**remembered, **carried, **(replay_start or {})}
     if not replay_start and not replay_end and not resumed:
         done = convert_repeat(slot_map, num_groups, new_rows, ids, nbs, ncs, nst, finished, preempted, False)
         if done is not None:
+            done[1].replay_done = spent
             return done
     back = set(resumed)
     running = [(rid, nb, nc, rid in back) for rid, nb, nc in zip(ids, nbs, ncs, strict=True)]
-    return convert(slot_map, num_groups, SCHED, new_rows, running, nst, finished, preempted,
-                   replay_start or {}, replay_end or {})
+    batch, delta = convert(slot_map, num_groups, SCHED, new_rows, running, nst, finished, preempted,
+                           replay_start or {}, replay_end or {})
+    given = replay_start or {}
+    delta.replay, delta.replay_done = {rid: given[rid] for rid in carried}, spent
+    return batch, delta
+
+
+def _remembered_replays(slot_map: SlotMap, ids: list, ncs: Sequence) -> Tuple[dict, list]:
+    """``({req_id: replay_start}, spent ids)`` of the scheduled running requests admitted with a
+    ``replay_start`` (:attr:`SlotMap.replay`): it applies while the request's first token's window reaches
+    below it (``num_computed_tokens < replay_start + replay_reach``), then it is dropped."""
+    live, spent = {}, []
+    reach, replay = slot_map.replay_reach, slot_map.replay
+    for rid, nc in zip(ids, ncs):
+        rs = replay.get(rid)
+        if rs is None or type(nc) is not int:  # NOTE: a bad count is the step rules' to name
+            continue
+        if nc < rs + reach:
+            live[rid] = rs
+        else:
+            spent.append(rid)
+    return live, spent
 # ----------------------------------------------------------------------------------------------
 # the pipeline's array-level errors, in the scheduler's terms
 # ----------------------------------------------------------------------------------------------

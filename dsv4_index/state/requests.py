@@ -133,6 +133,8 @@ class SlotMapDelta:
     order: List[str] = field(default_factory=list)          # ids of the batch rows
     new: List[str] = field(default_factory=list)            # ids sent as new requests (for error messages)
     slots: Optional[np.ndarray] = field(default=None, compare=False, repr=False)  # int64 [rows]: their slots
+    replay: Dict[str, int] = field(default_factory=dict)   # id -> replay_start to remember (vLLM sends it once)
+    replay_done: List[str] = field(default_factory=list)   # ids whose remembered replay_start no longer matters
 
 
 class RowIds(Sequence):
@@ -186,17 +188,25 @@ class SlotMap:
     ----------
     max_num_reqs : int
         Number of slots.
+    replay_reach : int
+        How far past a request's ``replay_start`` its windows reach down to it: the layout's largest sliding
+        window minus 1 (0: no sliding group). A remembered ``replay_start`` applies to the request's steps
+        with ``num_computed_tokens < replay_start + replay_reach``.
 
     Attributes
     ----------
     slot_of : dict[str, int] — the slot each request in the batch holds (read only).
     preempted : set[str] — preempted requests that may come back as resumed (read only).
+    replay : dict[str, int] — the ``replay_start`` a live request was admitted with (vLLM's V4.1
+        ``NewRequestData.replay_start`` comes only in the admitting step; its later chunks need it too).
     """
 
-    def __init__(self, max_num_reqs: int):
+    def __init__(self, max_num_reqs: int, replay_reach: int = 0):
         self.max_num_reqs = max_num_reqs
+        self.replay_reach = replay_reach
         self.slot_of: Dict[str, int] = {}
         self.preempted: Set[str] = set()
+        self.replay: Dict[str, int] = {}
         self._free = list(range(max_num_reqs))  # NOTE: ascending; updated by bisection, never rebuilt
         self._order: List[str] = []             # NOTE: rows of the last committed batch, and their slots
         self._order_slots: Optional[np.ndarray] = EMPTY
@@ -293,6 +303,10 @@ class SlotMap:
                 del free[i]
             slot_of[rid] = slot
             self.preempted.discard(rid)
+        if self.replay or d.replay:
+            for rid in chain(d.freed, d.preempted, d.replay_done):
+                self.replay.pop(rid, None)
+            self.replay.update(d.replay)
         self._order = list(d.order)
         if d.slots is not None and len(d.slots) == len(d.order):
             self._order_slots = d.slots if not d.slots.flags.writeable else frozen(d.slots.copy())

@@ -78,3 +78,47 @@ def test_a_bad_replay_start_is_refused(bad, err):
     with pytest.raises(err, match=r"replay_start\['a'\]"):
         batch_from_scheduler_output(_out(replay_start=bad), sm, G)
     assert sm.slot_of == {}
+
+
+def _running(nc, q):
+    return SchedulerOutput([], CachedRequestData(["a"], set(), [[]], {}, [None], [nc], [0]), {"a": q}, q, {}, {},
+                           [], set(), [])
+
+
+def test_later_chunks_keep_the_admitted_replay_start():
+    """vLLM sends ``replay_start`` only when it admits the request; the request's later chunks (short ones
+    here) still have windows reaching below it: the slot map remembers it, applies it while
+    ``num_computed_tokens < replay_start + replay_reach``, then drops it; a finished request drops it too."""
+    pipe = MetadataPipeline(LAYOUT, 4, 32, "cpu", backend="reference", fused=False)
+    reach = pipe.slot_map.replay_reach
+    assert reach >= W - 1
+    q = 2
+    req = NewRequestData("a", [], [], None, None, _lists(NC + reach + 8 * q), NC, None, replay_start=NC)
+    pipe.update(SchedulerOutput([req], CachedRequestData([], set(), [], {}, [], [], []), {"a": q}, q, {}, {}, [],
+                                set(), []))
+    assert pipe.slot_map.replay == {"a": NC}
+    nc, seen_drop = NC + q, False
+    while nc < NC + reach + 4 * q:
+        pipe.update(_running(nc, q))
+        meta = pipe.build()
+        pos = np.arange(nc, nc + q)
+        floor = NC if nc < NC + reach else 0
+        want = pos - np.maximum(pos - W + 1, floor) + 1
+        assert meta["swa"].lens[:q].tolist() == want.tolist(), nc
+        assert ("a" in pipe.slot_map.replay) == (nc < NC + reach), nc
+        seen_drop |= "a" not in pipe.slot_map.replay
+        nc += q
+    assert seen_drop
+    # a finished request forgets it
+    pipe2 = MetadataPipeline(LAYOUT, 4, 32, "cpu", backend="reference", fused=False)
+    pipe2.update(SchedulerOutput([req], CachedRequestData([], set(), [], {}, [], [], []), {"a": q}, q, {}, {}, [],
+                                 set(), []))
+    pipe2.update(SchedulerOutput([], CachedRequestData([], set(), [], {}, [], [], []), {}, 0, {}, {}, [], {"a"}, []))
+    assert pipe2.slot_map.replay == {}
+
+
+def test_a_rejected_step_remembers_nothing():
+    sm = SlotMap(4, replay_reach=W - 1)
+    with pytest.raises(ValueError):
+        batch_from_scheduler_output(_out(replay_start=NC + 1), sm, G)
+    assert sm.replay == {}
