@@ -113,6 +113,7 @@ def deepseek_v4_config_cls():
     return cls
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_transformers_deepseek_v4_config(shipped, tmp_path):
     cls = deepseek_v4_config_cls()
     name, ref = shipped

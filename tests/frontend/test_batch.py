@@ -392,6 +392,7 @@ def test_step_batch_rejections_name_the_array_and_change_nothing(over, match):
     assert [pipe.tables.row(g, 0).tolist() for g in range(G)] == [[4 + g] for g in range(G)]
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_long_decode_trace_fast_path_equals_hand_built_batches(monkeypatch):
     """A decode-heavy trace (8 requests, 60 steps): the id-keyed path (mostly the fast path, with the
     slot map's cached rows) and hand-built StepBatches give the same metadata every step."""

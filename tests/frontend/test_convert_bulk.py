@@ -63,6 +63,7 @@ def _trusted(lists) -> bool:
     return lists is None or (type(lists) is tuple and all(type(x) in (list, tuple) for x in lists))
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), bad=st.booleans(), extra=st.booleans(), n_held=st.integers(0, 10), cached=st.booleans(),
        trusted=st.booleans())
@@ -109,6 +110,7 @@ def test_fast_takes_the_common_step(cached):
 ids_set = st.lists(st.sampled_from([f"r{i}" for i in range(10)] + ["n0", "never"]), max_size=3)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), bad=st.booleans(), finished=ids_set, preempted=ids_set, n_held=st.integers(0, 14),
        cached=st.booleans(), trusted=st.booleans())
@@ -152,6 +154,7 @@ class _CountingDict(dict):
         return super().get(*a)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), n_held=st.integers(1, 10), bad=st.booleans(), running_first=st.booleans())
 def test_last_rows_less_finished_equals_general(data, n_held, bad, running_first):

@@ -84,6 +84,7 @@ def _trace_case(case):
         assert m["c4a"].compact_slot_mapping is not None and m["c128a"].compact_cu is not None
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_dcp_rank0_and_the_partition_of_writes():
     """Rank 0 of a DCP trace (rank 1 is a case above): fused == reference, and at every step the two
     ranks' outputs partition every write of the sharded groups (``check_cp_partition``)."""
@@ -123,6 +124,7 @@ def test_build_twice_is_idempotent(kind):
             assert torch.equal(a, b), (kind, i, "tables changed by a second build")
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("kind", ["fused", "unfused"])
 def test_update_without_build_still_leaves_tables_right(kind):
     """Step ``k`` is staged but never built; the next ``update()`` applies its writes (one extra
@@ -214,6 +216,7 @@ def test_flash_one_step(kind, pad):
     step_all(pipes, step, pad_to=step.total_tokens + pad)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("make", [tiny_layout, flash_layout])
 def test_dcp_rank1_interleave_hand_written(make):
     inter = 4

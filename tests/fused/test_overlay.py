@@ -59,6 +59,7 @@ def run(layout, steps, device, max_reqs, max_tokens, spec):
     assert n > 0  # NOTE: the trace staged writes (else nothing was held back)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
 def test_circular_groups_read_the_overlay(device):
     layout = two_layer_layout(circular=CIRCULAR_BOTH)

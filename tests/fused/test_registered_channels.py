@@ -165,6 +165,7 @@ def test_builder_without_fused_tasks_runs_its_own_launch(registry):
         assert lone.last_step_stats.num_launches == 2 and fused.last_step_stats.num_launches == 1
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_registered_window_subclass_joins_the_fused_launch(registry):
     class MyWindow(WindowChannel):
         pass

@@ -50,6 +50,7 @@ def poison(shape, dtype, device):
     return torch.full(shape, POISON, dtype=dtype, device=device)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(batches())
 def test_slot_mapping_window_and_ring(backend, batch):
@@ -71,6 +72,7 @@ def test_slot_mapping_window_and_ring(backend, batch):
         assert torch.equal(got_n, ref_n), kw      # NOTE: lens count window positions, masked or not
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(batches())
 def test_compressed_ops_and_topk(backend, batch):

@@ -67,6 +67,7 @@ def test_window_ring_and_circular_int32(backend):
         dsv4_index.window_indices(qsl, sl, circ, 256, 128, circular_capacity=256, backend=backend)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @needs_triton
 @given(st.integers(LAST - 3, LAST + 3), st.integers(0, 3))
 def test_window_never_returns_a_wrapped_slot(bid, col):

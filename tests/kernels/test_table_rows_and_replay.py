@@ -157,6 +157,7 @@ def test_replay_end_reference_matches_python_model(batch, seed, pad, fracs, dcp)
 @given(batch=batches(unit=4, max_ctx=300), seed=st.integers(0, 999), pad=st.integers(0, 40),
        fracs=st.lists(st.floats(0, 1), min_size=4, max_size=4), use_idx=st.booleans(),
        dcp=st.sampled_from([(1, 0, 1), (2, 1, 1), (4, 3, 8)]))
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_replay_end_kernel_matches_reference(batch, seed, pad, fracs, use_idx, dcp):
     q_lens, seq_lens = batch
     world, rank, inter = dcp

@@ -178,6 +178,7 @@ def test_bad_arguments():
 SCENARIOS = COMPRESSED_SCENARIOS  # R = 4, S = 4 (block = 16 tokens)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 @pytest.mark.parametrize("world,inter", [(1, 1), (2, 8), (4, 1)])
@@ -213,6 +214,7 @@ def python_token_info(q, ctx, R, T, rows=None):
     return torch.tensor(tr, dtype=torch.int32), torch.tensor(nc, dtype=torch.int32)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @needs_kernel
 @given(cases(), st.integers(0, 3), st.booleans())
 def test_launch_rows_equals_public_op_and_reference(c, extra, use_idx):

@@ -138,6 +138,7 @@ def test_two_requests_and_padding(backend):
     assert tail.cpu().tolist() == want
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cap", [32, 64, 128])
 def test_vllm_ascend_long_requests_on_small_rings(backend, cap):

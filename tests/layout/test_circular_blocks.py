@@ -273,6 +273,7 @@ def test_pipeline_multi_block_rings_flash(device):
     _trace(lay, device, 16, 400, 5, 256, (150, 500))
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_trace_round_trip(tmp_path):
     # a recorded trace keeps the ring's capacity and block size; the replay rebuilds the same layout
     from dsv4_index.testing.scheduler import scripted_trace

@@ -267,6 +267,7 @@ def _ring_trace(steps, device, blocks=(7, 2), cap=256, window=128, floor=0):
     return model
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_vllm_steps_ring_emulation(device):
     # capacity 256 = vllm_capacity(5), window 128 (C128 state)
     _ring_trace(VLLM_STEPS, device)

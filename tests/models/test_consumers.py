@@ -437,6 +437,7 @@ def _flash_steps():
                               {"a": 2, "b": 2})]
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_widths_at_flash_geometry():
     """consumers.md: prefill widths 640 (C4A, K = 512), 128 (SWA-only), round_up(Wc + 128, 128)
     (C128A); N / M from the host lengths; decode lists 128 / K / Wc wide."""
@@ -463,6 +464,7 @@ def test_widths_at_flash_geometry():
         assert x is None if extra is None else x.shape == (4, 1, extra)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_prefill_argument_errors():
     layout, (s1, _) = _flash_steps()
     pipe = MetadataPipeline(layout, 4, 256, "cpu", num_speculative_tokens=1)

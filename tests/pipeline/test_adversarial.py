@@ -277,6 +277,7 @@ def _garbage(muts, backend):
                 assert torch.equal(getattr(ch, f).cpu(), getattr(exp, f).cpu()), (name, f)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_garbage_base_is_accepted():
     """The unmutated base of the garbage test is a valid step (so mutations probe real checks)."""
     layout = tiny_layout()

@@ -126,6 +126,7 @@ def _reject(pipe, step, pad_to, pattern, name):
     assert not changed, f"{name} (pad_to={pad_to}): the rejected step changed {changed}"
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_huge_counts_are_rejected_and_change_nothing():
     steps, pads = trace(VARIANT)
     want = clean_run(VARIANT, "safe", False)

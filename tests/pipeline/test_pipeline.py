@@ -175,6 +175,7 @@ def test_tiny_trace_kernels(device):
     run_trace(tiny_layout(), 12, 3, pad=4, num_blocks=96, device=device)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_custom_channel_registered_outside_the_package(monkeypatch, registry):
     """A ratio-2 cache on the MLA group, added without touching dsv4_index."""
     from dsv4_index import ChannelSpec, register_channel
@@ -247,6 +248,7 @@ def test_scheduler_trace_fused_vs_unfused_vs_python(device):
     assert writes > 0
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_step_input_path_stages_what_the_step_batch_path_stages(monkeypatch):
     """``update(StepInput)`` converts through the pipeline's slot map; the same step converted by
     hand (``batch_from_step`` + commit) and given as a ``StepBatch`` stages the same bytes and builds
@@ -314,6 +316,7 @@ def _scheduler_output(step: StepInput):
                preempted_req_ids=set(step.preempted_req_ids))
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_scheduler_output_path_equals_step_input(monkeypatch):
     """``update(SchedulerOutput)`` converts with ``batch_from_scheduler_output``, commits the slot map
     only once the step is accepted, and fills ``meta.req_ids``; a rejected one changes nothing."""
@@ -357,6 +360,7 @@ class _Launcher:
             raise TypeError("run() takes 12 positional arguments")
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
 @pytest.mark.parametrize("fail", [False, True], ids=["writes-nothing", "raises"])
 def test_direct_launch_that_differs_falls_back_to_jit(device, fail):

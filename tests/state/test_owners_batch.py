@@ -65,6 +65,7 @@ def test_batch_path_keeps_the_general_state_on_serving_steps(monkeypatch, checks
     assert len(batch) >= 40 and sum(batch) >= 10, (len(batch), sum(batch), len(taken))
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("checks", ["safe", "full"])
 @settings(max_examples=25, deadline=None)
 @given(seed=st.sampled_from(range(2 ** 16)), muts=st.lists(MUTATION, min_size=8, max_size=16))

@@ -147,6 +147,7 @@ def test_an_id_twice_in_a_sliding_row():
     p.build()
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_validate_true_never_fails_after_an_accepted_duplicate():
     """Random single-id duplications inside the sliding rows of reference-scheduler steps: update() refuses
     each one or build() (check_metadata) accepts it."""

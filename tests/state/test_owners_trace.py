@@ -169,6 +169,7 @@ def _mutations(pipe, sched, step, rng, before):
     return out
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("kind", ["rings", "circular", "hybrid"])
 def test_every_write_into_another_holders_block_is_rejected(kind):
     lay = layout(kind)

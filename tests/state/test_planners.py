@@ -45,6 +45,7 @@ def _same(a, b):
 
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("variant", ["ring", "circular"])
 @pytest.mark.parametrize("checks", ["safe", "full"])
 @settings(max_examples=30, deadline=None)

@@ -55,6 +55,7 @@ def _lines(path: Path, ids: bool):
     return out
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_three_input_forms_record_three_equal_traces(tmp_path):
     sched = ReferenceScheduler(_layout(), 64, max_num_batched_tokens=24, max_num_seqs=4, num_speculative_tokens=1)
     steps = [s for s, _ in scripted_trace(sched, SCRIPT)]

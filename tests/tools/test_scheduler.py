@@ -230,6 +230,7 @@ def drive(sched, num_steps, seed, *, arrival_prob=0.5, prompt_hi=200, max_new_hi
 # ------------------------------------------------------------------------------------------------
 # random traces
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_trace_invariants(seed):
     sched = ReferenceScheduler(two_layer_layout(), 56, max_num_batched_tokens=32, max_num_seqs=5,
@@ -241,6 +242,7 @@ def test_random_trace_invariants(seed):
         assert stats[k] > 0, (k, stats)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 @pytest.mark.parametrize("circular", [CIRCULAR, CIRCULAR_BOTH], ids=["c128_state", "both_states"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_trace_invariants_circular(seed, circular):

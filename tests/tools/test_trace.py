@@ -136,6 +136,7 @@ def test_replay_reports_a_divergence_from_the_reference(trace, monkeypatch):
     assert p.found[0] == 12345 and p.expected[0] != 12345
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_rejected_steps_are_recorded_and_replayed_as_rejected(tmp_path):
     lay = layout()
     pipe = MetadataPipeline(lay, 4, 32, "cpu", 1)

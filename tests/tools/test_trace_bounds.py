@@ -122,6 +122,7 @@ def test_edited_values_under_an_unchanged_digest_are_refused(trace, tmp_path, ca
     capsys.readouterr()
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_a_cut_trace_is_incomplete(trace, tmp_path, capsys):
     ds = lines(trace)
     assert ds[-1]["type"] == "end" and ds[-1] == dict(type="end", steps=3, rejected=0, outputs=3)

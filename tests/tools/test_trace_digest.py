@@ -101,6 +101,7 @@ def _first_accepted(src, tmp_path, name, change, backend=None):
     raise AssertionError(f"no row of step {TAMPERED} takes the tamper {name}")
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_one_more_scheduled_token_is_named(trace, tmp_path):
     res, r, d0 = _first_accepted(trace, tmp_path, "sched", lambda s, r: s["num_scheduled_tokens"].__setitem__(
         r, s["num_scheduled_tokens"][r] + 1))
@@ -111,6 +112,7 @@ def test_one_more_scheduled_token_is_named(trace, tmp_path):
     assert "more field(s) differ: seq_lens" in p.message and "positions" in p.message   # the others that differ
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_three_fewer_computed_tokens_are_named(trace, tmp_path):
     # NOTE: three fewer (a rewind): three more would skip positions nobody wrote, a rejected step
     res, r, d0 = _first_accepted(trace, tmp_path, "comp", lambda s, r: s["num_computed_tokens"].__setitem__(
@@ -121,6 +123,7 @@ def test_three_fewer_computed_tokens_are_named(trace, tmp_path):
     assert p.req_id == d0["req_ids"][r]
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_a_swapped_block_id_is_named(trace, tmp_path, capsys):
     """Step 2 admits request c: swap two of the block ids it writes into one group."""
     def swap(d):

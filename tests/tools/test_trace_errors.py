@@ -205,6 +205,7 @@ def test_cli_subprocess_no_traceback(tmp_path):
     assert str(p) in r.stderr and "python -m dsv4_index: error:" in r.stderr
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_good_trace_still_replays(trace):
     assert replay_trace(trace, device="cpu").ok
 

@@ -213,6 +213,7 @@ def test_engine_groups_by_layer_names():
         DSV4Layout.from_config("tiny_v41", 512, mla_block_size=16, groups=bad)
 
 
+@pytest.mark.slow  # NOTE: among the heaviest of the quick subset (./dev quick: about a minute); CI runs it
 def test_trace_record_and_replay(tmp_path):
     from dsv4_index.testing.scheduler import scripted_trace
     from dsv4_index.tools.replay import replay_trace
