@@ -45,7 +45,6 @@ OV_LO, OV_HI, OV_PAY = 0, 1, 2         # fields of an overlay record
 ROW_ARRAY_PAD = 1                      # NOTE: a per-batch-row array holds rows + 1 int32 (qsl's closing entry)
 W_VALUES, W_DESTS = 0, 1               # halves of the writes region, N int32 each
 WRITE_HALVES = 2
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # NOTE: int handle, no Stream object
 
 
 def write_halves(h, writes: int, n: int):
@@ -126,9 +125,6 @@ class StepStaging:
         self.dev = torch.zeros(self.capacity, dtype=torch.int32, device=device)
         self._dev_np = self.dev.numpy() if device.type == "cpu" else None  # NOTE: CPU: a plain memcpy
         # NOTE: one reusable event per host buffer (recorded after that buffer's copy)
-        self._stream: Optional[torch.cuda.Stream] = None  # NOTE: _copy_stream's cache
-        self._stream_raw = 0
-        self._dev_index = self.dev.device.index if self.dev.device.index is not None else 0
         self._events: List[Optional[torch.cuda.Event]] = (
             [torch.cuda.Event() for _ in self.host] if self.async_copy else [None] * len(self.host))
         self._recorded = [False] * len(self.host)
@@ -256,16 +252,6 @@ class StepStaging:
             self._recorded[self._cur] = False
         return self.host_np[self._cur]
 
-    def _copy_stream(self):
-        """The current CUDA stream (the one the copy was queued on), without building a ``torch.cuda.Stream``
-        per step (``torch.cuda.current_stream()`` costs tens of µs of Python on a slow host): the last one is
-        kept and reused while the raw current stream is the same."""
-        raw = _RAW_STREAM(self._dev_index) if _RAW_STREAM is not None else None
-        if raw is None or self._stream is None or raw != self._stream_raw:
-            self._stream = torch.cuda.current_stream(self.dev.device)
-            self._stream_raw = self._stream.cuda_stream
-        return self._stream
-
     def copy(self, used: int) -> None:
         """One host-to-device copy of ``[0, used)`` of the buffer filled since :meth:`begin`."""
         if self._dev_np is not None:
@@ -276,6 +262,6 @@ class StepStaging:
         if self.async_copy:
             ev = self._events[self._cur]
             assert ev is not None  # NOTE: async_copy: one event per host buffer
-            ev.record(self._copy_stream())
+            ev.record()
             self._recorded[self._cur] = True
             self._cur = (self._cur + 1) % len(self.host)
