@@ -1,8 +1,9 @@
 """Benchmark workloads: steps built directly as arrays (no scheduler), with random contexts and block
-ids from a large pool, for the cases of docs/DESIGN.md §8 / issue 12. Shared by ``bench_step.py`` and
+ids from per-group counters, for the cases of docs/DESIGN.md §8 / issue 12. Shared by ``bench_step.py`` and
 ``host_profile.py``.
 
-Every case admits its batch in a first step, then produces steady-state steps; each step is
+Every case admits its batch in a first step, then produces steady-state steps (block ids from one counter
+per group: no block is held by two requests); each step is
 available as a :class:`~dsv4_index.batch.StepBatch` (the fast path, slots owned here) and as the
 equivalent :class:`~dsv4_index.frontend.StepInput` (to time the id-keyed front door).
 """
@@ -17,8 +18,9 @@ import numpy as np
 from dsv4_index.batch import APPEND, StepBatch
 from dsv4_index import NewRequest, RunningRequest, StepInput
 
-ID_LO, ID_HI = 1, 3_000_000          # ids of admitted requests (distinct within a row)
-APPEND_START = 3_000_000             # appended ids: a counter (never a duplicate in a row)
+ID_LO = 1          # NOTE: block ids: one counter per group (no id held by two requests: the ownership checks
+ID_GAP = 16        # reject a write into another live request's block), a random gap of up to ID_GAP - 1 ids
+                   # before each admitted list (ids are not one dense range)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class Workload:
         self.rng = np.random.default_rng(seed)
         self.G = len(layout.groups)
         self.alloc = np.asarray([g.alloc_block_size for g in layout.groups], dtype=np.int64)
-        self.next_append = APPEND_START
+        self.next_id = np.full(self.G, ID_LO, dtype=np.int64)  # NOTE: per group, the next free block id
         self.slots: Dict[str, int] = {}
         self.computed: Dict[str, int] = {}
         self.blocks: Dict[str, np.ndarray] = {}   # alloc blocks held per group
@@ -75,8 +77,7 @@ class Workload:
         rid = f"r{self.n}"
         self.n += 1
         need = self._need(ctx + q)
-        # NOTE: a random base per row and consecutive ids: distinct within the row, cheap to draw
-        lists = tuple(int(self.rng.integers(ID_LO, ID_HI - n)) + np.arange(n, dtype=np.int64) for n in need.tolist())
+        lists = tuple(self._take(g, n, gap=int(self.rng.integers(0, ID_GAP))) for g, n in enumerate(need.tolist()))
         self.slots[rid] = self.free.pop()
         self.computed[rid] = ctx
         self.blocks[rid] = need
@@ -85,12 +86,15 @@ class Workload:
     def _append(self, rid: str, q: int):
         need = self._need(self.computed[rid] + q)
         k = np.maximum(need - self.blocks[rid], 0)
-        lists = []
-        for n in k.tolist():
-            lists.append(np.arange(self.next_append, self.next_append + n, dtype=np.int64))
-            self.next_append += n
+        lists = [self._take(g, n) for g, n in enumerate(k.tolist())]
         self.blocks[rid] = np.maximum(need, self.blocks[rid])
         return lists
+
+    def _take(self, g: int, n: int, gap: int = 0) -> np.ndarray:
+        """``n`` new block ids of group ``g`` (consecutive, after ``gap`` unused ones)."""
+        first = int(self.next_id[g]) + gap
+        self.next_id[g] = first + n
+        return np.arange(first, first + n, dtype=np.int64)
 
     def next_step(self):
         c = self.case
