@@ -71,5 +71,6 @@ except ImportError:
         def __getattr__(self, name):
             raise TritonUnavailable(f"triton.language.{name}: {MISSING_MESSAGE}")
 
+    # NOTE: the ignores: without Triton the module names are stand-ins that raise on use
     triton = _Triton()  # type: ignore[assignment]
     tl = _Language()  # type: ignore[assignment]

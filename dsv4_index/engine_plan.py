@@ -200,6 +200,7 @@ def read_engine_plan(kv_cache_config) -> EnginePlan:
                              f"library does not know yet (full MLA, sliding window, circular buffer)")
         window: Optional[int] = None
         if kind == "sliding":
+            # NOTE: the ignores: `win` is the engine's duck-typed spec attribute, an int once is_int passed
             if not (is_int(win) and win >= 1):  # type: ignore[operator]
                 raise ValueError(f"kv_cache_groups[{i}] (spec {spec}): sliding_window must be an int >= 1, "
                                  f"got {win!r}")
