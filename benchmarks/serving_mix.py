@@ -12,7 +12,10 @@ realistic serving mix and a churn stream, in vLLM V1 semantics.
   (the "10 % of rows crossing a block" of the churn target, BENCHMARKS.md).
 
 A group gets a block id exactly when ``nc + q`` needs one (the row keeps blocks that rejected drafts
-needed). Ids come from a counter (never a duplicate).
+needed). Ids come from one pool shared by the groups, as in vLLM's block pool: a finished request's ids
+return to the pool's tail when its finish is reported (the step where new requests may take them), and
+allocation takes from the head, so a bounded set of ids is reused; the pool grows from a counter only when
+it runs short.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Stream:
         self.bs = np.asarray([g.alloc_block_size for g in layout.groups], dtype=np.int64)
         self.G, self.B, self.churn = len(layout.groups), B, churn
         self.next_id = 1
+        self.pool = np.zeros(0, dtype=np.int64)  # NOTE: freed ids, oldest first
+        self.pending_ids: List[np.ndarray] = []  # NOTE: ids of the finished requests not reported yet
         self.free = list(range(num_slots))[::-1]
         self.run: List[dict] = []
         self.pending_free: List[int] = []
@@ -44,13 +49,16 @@ class Stream:
         self.stats = dict(steps=0, finishes=0, arrivals=0, runs=0, crossing=0, rejected=0, drafts=0)
 
     def _ids(self, n: int) -> np.ndarray:
-        out = np.arange(self.next_id, self.next_id + n, dtype=np.int64)
-        self.next_id += n
+        k = min(n, self.pool.shape[0])
+        out, self.pool = self.pool[:k], self.pool[k:]
+        if k < n:
+            out = np.concatenate([out, np.arange(self.next_id, self.next_id + n - k, dtype=np.int64)])
+            self.next_id += n - k
         return out
 
     def _request(self, nc: int, q: int, out_len: int) -> dict:
         return dict(slot=self.free.pop(), nc=nc, q=q, held=np.zeros(self.G, dtype=np.int64), new=True,
-                    left=out_len)
+                    left=out_len, ids=[])
 
     def _arrival(self) -> dict:
         if self.churn:
@@ -65,11 +73,15 @@ class Stream:
                 r = self._request(int(self.rng.integers(1024, 16385)), 2, int(self.rng.geometric(1 / 600)))
                 self.run.append(r)
         free, self.pending_free = self.pending_free, []
+        freed, self.pending_ids = self.pending_ids, []
         if not self.first:
             if self.churn:
                 r = self.run.pop(int(self.rng.integers(len(self.run))))
                 free.append(r["slot"])
+                freed += r["ids"]
             st["finishes"] += len(free)
+            if freed:  # NOTE: reported finished: their blocks go back to the pool before this step allocates
+                self.pool = np.concatenate([self.pool, *freed])
             self.free += free[::-1]  # NOTE: a freed slot is taken again first (free + new in one step)
             while len(self.run) < self.B:
                 self.run.append(self._arrival())
@@ -85,6 +97,7 @@ class Stream:
                 if n or r["new"]:
                     g_.append(g), s_.append(r["slot"]), st_.append(0 if r["new"] else APPEND)
                     ids.append(self._ids(n))
+                    r["ids"].append(ids[-1])
                     cu.append(cu[-1] + n)
                     st["crossing"] += not r["new"]
             r["held"] = r["held"] + add
@@ -122,6 +135,7 @@ class Stream:
             r["left"] -= acc
             if r["left"] <= 0 and not self.churn:
                 self.pending_free.append(r["slot"])
+                self.pending_ids += r["ids"]
             else:
                 keep.append(r)
         self.run = keep

@@ -48,6 +48,7 @@ __all__ = ["BatchView", "plan_batch", "commit_batch"]
 
 _I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
 _BIG = 1 << 62
+_CAP = 1 << 40  # NOTE: above every position; _CAP * block size stays below 2**63
 _EMPTY = np.zeros(0, dtype=np.int64)
 _count = np.count_nonzero
 _RETRY = 8  # NOTE: a batch whose view could not be built is retried after this many steps
@@ -68,6 +69,7 @@ class BatchView:
 
     ok: bool
     priv: np.ndarray
+    privmax: Optional[np.ndarray] = None  # NOTE: [B] max over groups of priv * bs, None when priv changed
 
     def __init__(self, o, b: np.ndarray, fresh: Optional[np.ndarray] = None, nc: Optional[np.ndarray] = None,
                  prev: Optional["BatchView"] = None):
@@ -251,19 +253,23 @@ def _releases(o, v: BatchView, st: Step, nc, plan) -> bool:
         dc = d2.reshape(-1).take(cells)
         if dc.item(dc.argmin()) < 0:
             return False                                 # NOTE: a window moved back: blocks held again
-        f0 = v.floor.take(cells)
-        if dc.item(dc.argmax()) > 1:  # NOTE: a window crossed more than one block: [floor, min(lo, blocks)) left
-            lo = lo2.reshape(-1).take(cells)
-            parts.append(old_keys(o, v.g.take(cells), v.b.take(v.row.take(cells)), f0,
-                                  np.minimum(lo, o.tables.num_blocks.reshape(-1).take(v.kb.take(cells)))))
+        if dc.item(dc.argmax()) > 1:  # NOTE: cells whose window crossed more than one block (a prefill's
+            far = dc > 1             # last chunk): [floor, min(lo, blocks)) left, the others below
+            fc, cells1 = cells[far], cells[~far]
+            parts.append(old_keys(o, v.g.take(fc), v.b.take(v.row.take(fc)), v.floor.take(fc),
+                                  np.minimum(lo2.reshape(-1).take(fc),
+                                             o.tables.num_blocks.reshape(-1).take(v.kb.take(fc)))))
         else:
+            cells1 = cells
+        if cells1.size:                                  # NOTE: one block left: the floor block
+            f0 = v.floor.take(cells1)
             if o.S_ring:
-                f0 %= v.rmod.take(cells)
-            f0 += v.pb.take(cells)                       # NOTE: the floor block's mirror index
+                f0 %= v.rmod.take(cells1)
+            f0 += v.pb.take(cells1)                      # NOTE: the floor block's mirror index
             ids = o.tables.mirror.take(f0)
             rel = ids.astype(_I64)
             rel *= o.G
-            rel += v.g.take(cells)
+            rel += v.g.take(cells1)
             parts.append(rel if ids.item(ids.argmin()) >= 1 else rel[ids >= 1])  # NOTE: the null block is id 0
     if plan.free_slots.size:
         parts.append(freed_keys(o, plan.free_slots))
@@ -306,10 +312,15 @@ def _rewinds_clear(o, v: BatchView, plan, low, nc, st) -> bool:
     other holder, and no acquisition of this step takes a held id: fills have none, and a step with a hit
     on a held id gathers), or gathered."""
     if not st.shared_hit:
-        bad = np.take(v.priv, low, axis=1) > nc.take(low) // o.nc_bs
+        pm = v.privmax
+        if pm is None:  # NOTE: priv > nc // bs  <=>  priv * bs > nc (both sides integers; priv capped)
+            pm = np.minimum(v.priv, _CAP)
+            pm *= o.nc_bs
+            pm = v.privmax = pm.max(axis=0)
+        bad = pm.take(low) > nc.take(low)
         if not _count(bad):
             return True
-        low = low.take(np.flatnonzero(bad.any(axis=0)))
+        low = low.take(np.flatnonzero(bad))
     return _rewinds_gather(o, v, plan, low, nc, st.acq, st.acq_sorted)
 
 
@@ -329,6 +340,7 @@ def _rewinds_gather(o, v: BatchView, plan, low, nc, acq, acq_sorted) -> bool:
         if acq.size and _count(count_in(acq_sorted if acq_sorted is not None else acq, keys)):
             return False
     v.priv[:, low] = np.minimum(np.take(v.priv, low, axis=1), lo)
+    v.privmax = None
     return True
 
 

@@ -144,4 +144,5 @@ def commit_rows(o, v, st) -> None:
         v.priv.fill(_BIG)  # NOTE: a new row shares a held block: whose is not known here
     if st.fresh_b is not None:  # NOTE: a new row's blocks from its write start on are its fills (private)
         v.priv[:, rows] = st.view_nc.take(rows) // o.nc_bs
+    v.privmax = None
     o.view, o.view_retry = v, 0
