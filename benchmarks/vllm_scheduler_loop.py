@@ -18,6 +18,12 @@ Each step goes, as vLLM sends it, to one pipeline per ``--checks`` level (defaul
 into a block another live request holds (block lists replayed from the SchedulerOutputs and compared with
 vLLM's ``KVCacheManager.get_block_ids`` every step), the prefix-cache hits, preemptions and rejected drafts.
 
+``--config v41`` (DeepSeek-V4.1-Flash): the specs vLLM's ``models/deepseek_v41`` modules declare on an H200
+(``vllm_parts.v41_specs``), DSpark drafts (``--spec``), model runner V2 (the scheduler's output form), and SWA
+bounded replay (``--replay on``, the default as on the H200): a prefix hit comes back with
+``NewRequestData.replay_start``, and the script passes ``replay_end = replay_start + W`` while the request's chunk
+starts below it, as runner V2 pads those tokens' full-group slots (``Loop.replay_bounds``).
+
 The vLLM side (plan, configs, the replay and its checks, the fake runner) is ``vllm_parts.py`` beside this file.
 
 Needs vLLM 0.33 (not a dependency: ``pip install --no-deps vllm==0.33.0`` and its light dependencies, or the
