@@ -18,6 +18,12 @@ Each step goes, as vLLM sends it, to one pipeline per ``--checks`` level (defaul
 into a block another live request holds (block lists replayed from the SchedulerOutputs and compared with
 vLLM's ``KVCacheManager.get_block_ids`` every step), the prefix-cache hits, preemptions and rejected drafts.
 
+``--config v41`` (DeepSeek-V4.1-Flash): the specs vLLM's ``models/deepseek_v41`` modules declare on an H200
+(``vllm_parts.v41_specs``), DSpark drafts (``--spec``), model runner V2 (the scheduler's output form), and SWA
+bounded replay (``--replay on``, the default as on the H200): a prefix hit comes back with
+``NewRequestData.replay_start``, and the script passes ``replay_end = replay_start + W`` while the request's chunk
+starts below it, as runner V2 pads those tokens' full-group slots (``Loop.replay_bounds``).
+
 The vLLM side (plan, configs, the replay and its checks, the fake runner) is ``vllm_parts.py`` beside this file.
 
 Needs vLLM 0.33 (not a dependency: ``pip install --no-deps vllm==0.33.0`` and its light dependencies, or the
@@ -46,7 +52,8 @@ from types import SimpleNamespace as NS
 from typing import List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_parts import STOP, Owners, check_outputs, model_output, prompts, vllm_setup  # noqa: E402
+from vllm_parts import (STOP, Owners, check_outputs, model_output, model_runner_v2, prompts,  # noqa: E402
+                        vllm_setup)
 
 
 class Loop:
@@ -63,12 +70,16 @@ class Loop:
 
         self.args, k = args, args.spec
         vc, kcc, self.sched_block, self.hash_block, cfg = vllm_setup(
-            args.config, k, args.num_blocks, args.max_model_len, args.max_tokens, args.max_seqs)
+            args.config, k, args.num_blocks, args.max_model_len, args.max_tokens, args.max_seqs, args.replay == "on")
         so_manager = NS(grammar_bitmask=lambda *a, **kw: None, accept_tokens=lambda *a: True,
                         validate_tokens=lambda req, toks: toks)  # NOTE: no structured output
         vc.scheduler_config.async_scheduling = bool(args.async_scheduling)  # NOTE: read by the KV-cache manager
         sched = AsyncScheduler if args.async_scheduling else Scheduler
-        self.sched = sched(vc, kcc, so_manager, block_size=self.sched_block, hash_block_size=self.hash_block)
+        with model_runner_v2(args.config == "v41"):  # NOTE: V4.1's DSpark and bounded replay run on runner V2 only
+            self.sched = sched(vc, kcc, so_manager, block_size=self.sched_block, hash_block_size=self.hash_block)
+        self.replays: dict = {}  # NOTE: request id -> NewRequestData.replay_start (nonzero)
+        self.live: dict = {}  # NOTE: this step's replaying requests: id -> (replay_start, replay_end)
+        self.req_ids: dict = {}  # NOTE: per pipeline, the request id of each batch row of its last step
         self.in_flight: list = []  # NOTE: async scheduling: the step whose output comes after the next schedule
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(self.hash_block, sha256, vc.num_hash_lookahead_tokens)
@@ -76,7 +87,8 @@ class Loop:
                        DSV4Layout.from_config(cfg, args.max_model_len, groups="vllm"))
         self.pipes = {lvl: self.pipeline(lvl) for lvl in args.checks}
         self.owners = Owners([g.alloc_block_size for g in self.layout.groups],
-                             [g.kind == "circular" for g in self.layout.groups])
+                             [g.kind == "circular" for g in self.layout.groups],
+                             [g.kind == "full" for g in self.layout.groups])
         self.rng = random.Random(args.seed)
         self.mrng = random.Random(args.seed + 1)  # NOTE: mutations leave the scheduler's run as it was
         self.prompts = prompts(self.rng, args.requests, args.shared_prefixes, args.max_prompt, args.burst)
@@ -84,7 +96,7 @@ class Loop:
         self.history: list = []  # NOTE: the real steps so far, kept under --mutate only
         self.stats = dict(steps=0, idle_steps=0, tokens=0, new=0, prefix_hits=0, hit_tokens=0, preempted=0, resumed=0,
                           finished=0, rejected_drafts=0, shared_writes=0, shared_write_tokens=0, steps_zeroing_blocks=0,
-                          steps_copying_blocks=0,
+                          steps_copying_blocks=0, replays=0, replay_steps=0,
                           accepted={lvl: 0 for lvl in self.pipes},
                           rejected={lvl: 0 for lvl in self.pipes}, mutations={lvl: 0 for lvl in self.pipes},
                           mutations_rejected={lvl: 0 for lvl in self.pipes}, verified_tokens=0, output_mismatches=0)
@@ -120,11 +132,14 @@ class Loop:
         st["preempted"] += len(so.preempted_req_ids or ())
         st["resumed"] += len(so.scheduled_cached_reqs.resumed_req_ids)
         st["finished"] += len(so.finished_req_ids)
+        self.live = self.replay_bounds(so)
+        st["replays"] += sum(bool(getattr(r, "replay_start", 0)) for r in so.scheduled_new_reqs)
+        st["replay_steps"] += bool(self.live)
         st["steps_zeroing_blocks"] += bool(getattr(so, "new_block_ids_to_zero", None))  # NOTE: ignored by the
         st["steps_copying_blocks"] += bool(getattr(so, "kv_cache_block_copies", None))  # library (README)
         self.owners.apply(so)
         self.owners.sync(self.sched.kv_cache_manager.get_block_ids)
-        blocks, tokens = self.owners.shared_writes(so)
+        blocks, tokens = self.owners.shared_writes(so, {r: e for r, (_, e) in self.live.items()})
         st["shared_writes"] += blocks
         st["shared_write_tokens"] += tokens
         return so
@@ -173,6 +188,40 @@ class Loop:
                     out.append((f"new {r.req_id!r} gid {g}", bad))
         return out
 
+    def replay_bounds(self, so) -> dict:
+        """``{req_id: (replay_start, replay_end)}`` of the step's requests that replay (vLLM V4.1's SWA bounded
+        replay): ``replay_start`` as ``NewRequestData`` carries it when vLLM admits the request (nonzero), and
+        ``replay_end = replay_start + W`` (``Scheduler.prefix_replay_tokens``) while the request's chunk starts
+        below it: what model runner V2 does with them (``models/deepseek_v41/nvidia/model_state.py``:
+        ``_pad_replayed_slots_kernel`` pads the prefix-cacheable groups' slots of positions ``[replay_start,
+        replay_start + W)`` of a prefilling request, and returns at once when ``replay_start == 0``)."""
+        for rid in list(so.finished_req_ids) + list(so.preempted_req_ids or ()):
+            self.replays.pop(rid, None)
+        for r in so.scheduled_new_reqs:
+            self.replays.pop(r.req_id, None)
+            if getattr(r, "replay_start", 0):
+                self.replays[r.req_id] = r.replay_start
+        c, W = so.scheduled_cached_reqs, self.sched.prefix_replay_tokens
+        nc = dict(zip(c.req_ids, c.num_computed_tokens))
+        nc.update({r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs})
+        return {rid: (rs, rs + W) for rid, rs in self.replays.items()
+                if rid in so.num_scheduled_tokens and nc[rid] < rs + W}
+
+    def update(self, lvl: str, pipe, so) -> None:
+        """``pipe.update(so)``; with replaying requests the explicit form (``batch_from_scheduler_output`` with
+        their ``replay_start`` / ``replay_end``, then the slot map's commit: README "vLLM integration")."""
+        if not self.live:
+            pipe.update(so)
+            self.req_ids[lvl] = pipe.req_ids
+            return
+        from dsv4_index.frontend.convert import batch_from_scheduler_output
+        batch, delta = batch_from_scheduler_output(so, pipe.slot_map, self.layout.num_groups,
+                                                   replay_start={r: a for r, (a, _) in self.live.items()},
+                                                   replay_end={r: b for r, (_, b) in self.live.items()})
+        pipe.update(batch)
+        pipe.slot_map.commit(delta)
+        self.req_ids[lvl] = list(delta.order)
+
     def bs_of(self, g: int) -> int:
         return self.owners.bs[g]
 
@@ -183,7 +232,7 @@ class Loop:
             for lvl, pipe in self.pipes.items():
                 self.stats["mutations"][lvl] += 1
                 try:
-                    pipe.update(bad)
+                    self.update(lvl, pipe, bad)
                 except ValueError:
                     self.stats["mutations_rejected"][lvl] += 1
                     continue
@@ -203,8 +252,9 @@ class Loop:
     def _replayed(self, lvl: str):
         """A new pipeline of level ``lvl`` fed every real step so far (after a mutation was accepted)."""
         pipe = self.pipeline(lvl)
-        for so in self.history:
-            pipe.update(so)
+        for so, live in self.history:
+            self.live = live
+            self.update(lvl, pipe, so)
         return pipe
 
     def feed(self, so, step: int) -> List[str]:
@@ -212,11 +262,11 @@ class Loop:
         errors = []
         if self.args.mutate:
             import copy
-            self.history.append(copy.deepcopy(so))
+            self.history.append((copy.deepcopy(so), self.live))
         for lvl, pipe in self.pipes.items():
             t0 = time.perf_counter()
             try:
-                pipe.update(so)
+                self.update(lvl, pipe, so)
                 self.stats["accepted"][lvl] += 1
             except ValueError as e:
                 self.stats["rejected"][lvl] += 1
@@ -227,9 +277,9 @@ class Loop:
     def verify(self, step: int) -> List[str]:
         """``build()`` the first pipeline and check every output against the replayed lists (:func:`check_outputs`)."""
         lvl, pipe = next(iter(self.pipes.items()))
-        if self.stats["rejected"][lvl] or pipe.req_ids is None:
+        if self.stats["rejected"][lvl] or self.req_ids.get(lvl) is None:
             return []
-        n, bad = check_outputs(pipe.build(), self.layout, self.owners.lists, pipe.req_ids)
+        n, bad = check_outputs(pipe.build(), self.layout, self.owners.lists, self.req_ids[lvl], self.live)
         self.stats["verified_tokens"] += n
         self.stats["output_mismatches"] += len(bad)
         return [f"OUTPUT step {step}: {b}" for b in bad[:3]]
@@ -276,7 +326,10 @@ def run(args) -> dict:
 def parser() -> argparse.ArgumentParser:
     """The command line (``parser().parse_args([])``: the defaults, for tests)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="flash", choices=["flash", "pro"])
+    p.add_argument("--config", default="flash", choices=["flash", "pro", "v41"],
+                   help="v41: DeepSeek-V4.1-Flash (vllm_parts.v41_specs; --spec K: DSpark drafts)")
+    p.add_argument("--replay", default="on", choices=["on", "off"], help="v41: vLLM's SWA bounded replay "
+                   "(CacheConfig.swa_bounded_replay, on with model runner V2 as on the H200)")
     p.add_argument("--spec", type=int, default=1, help="MTP drafts per step (0: no MTP layer, no drafts)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--requests", type=int, default=400, help="prompts submitted over the run")

@@ -30,8 +30,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._common import is_int
+from .specs import ratio_kinds
 
-__all__ = ["EngineGroup", "EnginePlan", "read_engine_plan", "check_block_counts", "layout_from_kv_cache_config"]
+__all__ = ["EngineGroup", "EnginePlan", "read_engine_plan", "check_block_counts", "layout_from_kv_cache_config",
+           "kv_owners"]
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _KINDS = (("CircularBuffer", "circular"), ("SlidingWindow", "sliding"), ("MLAAttention", "full"),
@@ -60,18 +62,25 @@ class EnginePlan:
     groups: Tuple[EngineGroup, ...]
 
     def resolve(self, ratios: Sequence[int], r4: Optional[int], r128: Optional[int], num_hidden_layers: int,
-                window: int) -> Tuple[List[dict], Dict[str, int]]:
+                window: int, kv_sources: Sequence[int] = ()) -> Tuple[List[dict], Dict[str, int]]:
         """``(groups, circular)`` for :meth:`DSV4Layout.from_config`: one explicit group dict per engine
         group (``layer_names``, ``block_size``, ``name``) and the circular groups' capacities.
 
+        ``kv_sources`` (DeepSeek-V4.1's ``kv_source_layer_ids``; empty: every compressed layer owns its
+        caches): only those layers own an MLA cache and a compressor state, each other compressed layer
+        reads those of the nearest source at or below it (:func:`kv_owners`); a group holding a source's
+        cache serves the layers that read it.
+
         Raises ValueError naming the group (``kv_cache_groups[i]`` and its spec) and the layer for: a
         layer name without ``layers.<i>.`` or past the config's layers; a cache the layer does not have
-        (an MLA or state cache of an SWA-only layer); a group whose spec kind does not hold that cache
-        (full MLA / sliding / ring); a sliding window other than the cache's (``sliding_window`` for
-        SWA, ``2 * R4`` for the C4 state, ``R128`` for the C128 state); two caches kinds in one group; a
-        compressed layer whose MLA cache is in no group.
+        (an MLA or state cache of an SWA-only layer, a state of a ratio-1 layer); a group whose spec kind
+        does not hold that cache (full MLA / sliding / ring); a sliding window other than the cache's
+        (``sliding_window`` for SWA, the state window of its ratio: ``2 * R4`` for the C4 state, ``R128``
+        for the C128 state, :func:`~dsv4_index.specs.ratio_kinds`); two caches kinds in one group; a
+        compressed layer whose MLA cache (or its kv source's) is in no group.
         """
-        wants = {"swa": window, "c4_state": None if r4 is None else 2 * r4, "c128_state": r128}
+        kinds = ratio_kinds(ratios)
+        wants: Dict[str, Optional[int]] = {"swa": window, **{k.state: k.state_window for k in kinds if k.state}}
         roles: List[str] = []
         layer_sets: List[Tuple[int, ...]] = []
         mla_layers: set = set()
@@ -85,7 +94,7 @@ class EnginePlan:
                 full_seen = i
             found: Dict[str, str] = {}
             for name in g.layer_names:
-                role, layer = _cache_of(where, name, ratios, r4)
+                role, layer = _cache_of(where, name, ratios, kinds)
                 found.setdefault(role, name)
                 if role == "mla":
                     mla_layers.add(layer)
@@ -100,18 +109,39 @@ class EnginePlan:
                 raise ValueError(f"{where} holds caches of several kinds ({a[1]!r}: {a[0]}, {b[1]!r}: {b[0]}) "
                                  f"or none; one group holds one kind")
             roles.append(next(iter(found)))
-            layer_sets.append(tuple(sorted({_cache_of(where, n, ratios, r4)[1] for n in g.layer_names})))
-        missing = sorted(i for i, r in enumerate(ratios) if r > 0 and i not in mla_layers and i < num_hidden_layers)
+            layer_sets.append(tuple(sorted({_cache_of(where, n, ratios, kinds)[1] for n in g.layer_names})))
+        owner = kv_owners(ratios, kv_sources)
+        missing = sorted(i for i, s in owner.items() if s not in mla_layers and i < num_hidden_layers)
         if missing:
-            raise ValueError(f"kv_cache_groups: no group holds the MLA cache of compressed layer(s) {missing[:8]}")
+            raise ValueError(f"kv_cache_groups: no group holds the MLA cache of compressed layer(s) {missing[:8]}"
+                             + (" (nor of their kv source)" if kv_sources else ""))
+        # NOTE: a source's state group serves the layers of its ratio that read it (the mla group serves all)
+        layer_sets = [ls if role in ("swa", "mla") else tuple(sorted(
+            {i for i, s in owner.items() if s in ls and ratios[i] == ratios[s]} | set(ls)))
+            for role, ls in zip(roles, layer_sets)]
         names = _names(roles, layer_sets, num_hidden_layers)
-        out = [{"layer_names": list(g.layer_names), "block_size": g.block_size, "name": n}
-               for g, n in zip(self.groups, names)]
+        out = [{"role": role, "layers": None if role == "mla" else list(ls), "block_size": g.block_size, "name": n}
+               for g, role, ls, n in zip(self.groups, roles, layer_sets, names)]
         circular = {n: g.block_size for g, n in zip(self.groups, names) if g.kind == "circular"}
         return out, circular
 
 
-def _cache_of(where: str, name: str, ratios: Sequence[int], r4: Optional[int]) -> Tuple[str, int]:
+def kv_owners(ratios: Sequence[int], kv_sources: Sequence[int] = ()) -> Dict[int, int]:
+    """``{layer: owner}`` for every compressed layer (``ratios[layer] > 0``): the layer whose MLA cache and
+    compressor state it reads. Without ``kv_sources`` each layer owns its own; with DeepSeek-V4.1's
+    ``kv_source_layer_ids`` the owner is the nearest source at or below the layer (vLLM 0.33
+    ``models/deepseek_v41/attention.py``, ``DeepseekV4Attention.__init__``: ``kv_source_layer_id = max(s for s
+    in kv_source_layers if s <= layer_id)``), or the layer itself when no source lies below it."""
+    src = sorted(set(kv_sources))
+    out = {}
+    for i, r in enumerate(ratios):
+        if r > 0:
+            below = [s for s in src if s <= i]
+            out[i] = below[-1] if below else i
+    return out
+
+
+def _cache_of(where: str, name: str, ratios: Sequence[int], kinds) -> Tuple[str, int]:
     """(role, layer) of one engine layer name."""
     m = _LAYER_RE.search(name) if isinstance(name, str) else None
     if m is None:
@@ -124,7 +154,11 @@ def _cache_of(where: str, name: str, ratios: Sequence[int], r4: Optional[int]) -
         return "swa", layer
     role = "mla"
     if name.endswith("state_cache"):
-        role = "c4_state" if ratios[layer] == r4 else "c128_state"
+        state = next((k.state for k in kinds if k.ratio == ratios[layer]), None)
+        if state is None and ratios[layer] > 0:
+            raise ValueError(f"{where}: {name!r} is a compressor state of layer {layer}, whose ratio "
+                             f"{ratios[layer]} has none")
+        role = state or "c4_state"
     if ratios[layer] == 0:
         raise ValueError(f"{where}: {name!r} is a {role} cache of layer {layer}, which is SWA-only "
                          f"(compress ratio 0) in the config")

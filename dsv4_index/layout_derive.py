@@ -56,6 +56,7 @@ class _Model:
     r4: Optional[int]
     r128: Optional[int]
     index_topk: Optional[int]
+    kv_sources: Tuple[int, ...] = ()  # NOTE: V4.1's kv_source_layer_ids (engine_plan.kv_owners)
 
 
 def derive_layout(cfg: dict, max_model_len: int, *, mla_block_size, swa_block_size, c4_state_block_size,
@@ -120,7 +121,12 @@ def _read_config(cfg: dict) -> _Model:
         index_topk = check_int("config['index_topk']", index_topk, lo=1) if "index_topk" in cfg else None
         if index_topk is None:
             raise ValueError("config is missing key(s) ['index_topk'] (needed by c4 layers)")
-    return _Model(n_hidden, ratios, window, kinds, r4, r128, index_topk)
+    sources = cfg.get("kv_source_layer_ids") or ()
+    if not isinstance(sources, (list, tuple)) or any(not is_int(s) or not 0 <= s < n_hidden or ratios[s] == 0
+                                                     for s in sources):
+        raise ValueError(f"config['kv_source_layer_ids'] must be a list of compressed backbone layers (ints in "
+                         f"[0, {n_hidden}) with a compress ratio > 0), got {sources!r}")
+    return _Model(n_hidden, ratios, window, kinds, r4, r128, index_topk, tuple(int(s) for s in sources))
 
 
 def _kernel_block_sizes(kernel_block_size) -> Dict[str, int]:
@@ -139,7 +145,8 @@ def _plan(groups, model: _Model, args: _Args, swa_group_per_layer: bool) -> List
     and every group ``kernel_block_size`` / ``circular`` names checked against them."""
     kinds, circular, alloc = model.kinds, args.circular, args.alloc
     if isinstance(groups, EnginePlan):
-        groups, rings = groups.resolve(model.ratios, model.r4, model.r128, model.n_hidden, model.window)
+        groups, rings = groups.resolve(model.ratios, model.r4, model.r128, model.n_hidden, model.window,
+                                       model.kv_sources)
         circular.update(rings)
     plan = plan_groups(groups, model.ratios, model.r4, model.r128, model.n_hidden)
     if swa_group_per_layer:  # NOTE: one sliding group per layer, in layer order, where the swa group was

@@ -1,6 +1,7 @@
 """vLLM 0.33's own scheduler on CPU against the pipeline (issues 26 item 4 and 28), short loops of
 ``benchmarks/vllm_scheduler_loop.py``: its KV-cache plan for V4-Flash and V4-Pro (with and without MTP), prefix
-caching, chunked prefill, preemption, rejected drafts; every ``SchedulerOutput`` must be accepted by
+caching, chunked prefill, preemption, rejected drafts, and for V4.1-Flash (DSpark drafts, SWA bounded replay)
+``replay_start``; every ``SchedulerOutput`` must be accepted by
 ``update()`` under ``checks="safe"`` and ``"full"``, every output of ``build()`` must equal docs/DESIGN.md §4
 computed from vLLM's own block lists, and every corrupted copy (another live request's block id in a new block
 list) must be rejected.
@@ -56,8 +57,10 @@ def _run(*argv):
     ["--config", "flash", "--spec", 1, *FRESH],
     ["--config", "pro", "--spec", 0, "--layout", "shorthand", *BURST],
     ["--config", "flash", "--spec", 2, "--async-scheduling", *FRESH],
+    ["--config", "v41", "--spec", 3, *BURST],
+    ["--config", "v41", "--spec", 0, "--replay", "off", *BURST],
 ], ids=["flash-mtp1", "pro-mtp2", "flash-nomtp", "flash-mtp1-same-step-hits", "pro-nomtp-groups-vllm",
-        "flash-mtp2-async"])
+        "flash-mtp2-async", "v41-dspark3-replay", "v41-noreplay"])
 def test_every_step_is_accepted(argv):
     s, printed = _run("--steps", 60, "--verify", *argv)
     assert s["steps"] == 60 and s["idle_steps"] == 0, s
@@ -68,6 +71,18 @@ def test_every_step_is_accepted(argv):
     # NOTE: the patterns the rules must let through did happen
     assert s["prefix_hits"] > 0 and s["shared_writes"] > 0, s
     assert (s["rejected_drafts"] > 0) == (s["spec"] > 0), s
+
+
+def test_v41_bounded_replay_is_exercised():
+    """V4.1 (vLLM's deepseek_v41 specs, runner V2, SWA bounded replay on): prefix hits come back with a
+    ``replay_start``; the replayed tokens write no full-group row (``replay_end``), every output equals DESIGN §4
+    with the window floor, and every corrupted copy is rejected."""
+    s, printed = _run("--steps", 60, "--config", "v41", "--spec", 1, "--verify", "--mutate", 2, *BURST)
+    assert s["groups"][-2:] == ["mla", "c2_state"] and len(s["groups"]) == 10, s  # NOTE: 8 SWA sub-groups
+    assert s["replays"] == s["prefix_hits"] > 0 and s["replay_steps"] > 0, s
+    assert s["rejected"] == {"safe": 0, "full": 0} and s["accepted"] == {"safe": 60, "full": 60}, printed
+    assert s["verified_tokens"] == s["tokens"] and s["output_mismatches"] == 0, printed
+    assert s["mutations"]["safe"] > 0 and s["mutations_rejected"] == s["mutations"], printed
 
 
 def test_validate_runs_both_planners_and_check_metadata():

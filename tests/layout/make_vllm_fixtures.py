@@ -1,6 +1,6 @@
 """Regenerate ``tests/layout/fixtures/vllm033_*.json``: vLLM 0.33's own KV-cache grouping
 (``vllm.v1.core.kv_cache_planning.get_kv_cache_groups``) run on CPU for DeepSeek-V4 Flash and Pro, with
-and without the MTP layer.
+and without the MTP layer, and for DeepSeek-V4.1-Flash with 0 and 3 DSpark drafts (:func:`plan_v41`).
 
 Not a test (needs vLLM, which the suite does not): run it with a venv that has ``vllm==0.33.0``
 installed (``VLLM_TARGET_DEVICE=cpu pip install --no-deps vllm==0.33.0`` plus its light deps)::
@@ -137,9 +137,39 @@ def allocations(name: str, mtp: bool, n: int = 24) -> dict:
             "lookahead": k, "new_requests": cases}
 
 
+def plan_v41(k: int, replay: bool) -> dict:
+    """vLLM 0.33's grouping of DeepSeek-V4.1-Flash's specs (``benchmarks/vllm_parts.py``'s ``v41_specs``: vLLM's
+    spec classes with the arguments its ``models/deepseek_v41`` modules pass on SM90) with ``k`` DSpark drafts."""
+    import importlib.util
+
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = importlib.util.spec_from_file_location("_vllm_parts", ROOT / "benchmarks" / "vllm_parts.py")
+    parts = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(parts)  # type: ignore[union-attr]
+    cfg = json.loads((ROOT / "dsv4_index" / "configs" / "v41_flash.json").read_text())
+    vllm_config = NS(scheduler_config=NS(disable_hybrid_kv_cache_manager=False),
+                     cache_config=NS(get_resolved_kv_cache_layout=lambda: KVCacheLayout.BLHNC),
+                     attention_config=None, speculative_config=None)
+    groups = get_kv_cache_groups(vllm_config, parts.v41_specs(cfg, k, replay))
+    out = []
+    for g in groups:
+        first = g.kv_cache_spec.first_spec if hasattr(g.kv_cache_spec, "first_spec") else g.kv_cache_spec
+        out.append({"layer_names": list(g.layer_names), "spec": _kind(g.kv_cache_spec),
+                    "layer_spec": type(first).__name__, "block_size": g.kv_cache_spec.block_size,
+                    "sliding_window": getattr(first, "sliding_window", None),
+                    "prefix_cacheable": g.kv_cache_spec.prefix_cacheable})
+    return {"vllm": __import__("vllm").__version__, "config": "v41_flash", "dspark": k, "bounded_replay": replay,
+            "kv_cache_groups": out}
+
+
 def main() -> int:
     dest = Path(__file__).resolve().parent / "fixtures"
     dest.mkdir(exist_ok=True)
+    for k in (0, 3):
+        (dest / f"vllm033_v41_flash{'_dspark3' if k else ''}.json").write_text(
+            json.dumps(plan_v41(k, True), indent=1) + "\n")
     for name in ("flash", "pro"):
         for mtp in (True, False):
             p = plan(name, mtp)

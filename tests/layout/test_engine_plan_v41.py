@@ -1,0 +1,68 @@
+"""DeepSeek-V4.1 layouts from vLLM 0.33's own KV-cache plan (issue 28): only ``kv_source_layer_ids`` own a
+compressed (MLA) cache and a compressor state in vLLM's ``models/deepseek_v41`` (the other compressed layers read
+their source's), and the ratio-2 state is ``c2_state``. Fixtures: vLLM's ``get_kv_cache_groups`` on the specs
+vLLM's V4.1 modules declare (``make_vllm_fixtures.py``, ``plan_v41``). Before the fix, ``from_kv_cache_config``
+refused every such plan ("no group holds the MLA cache of compressed layer(s) [3, 4, 5, ...]")."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv4_index import DSV4Layout, MetadataPipeline
+from dsv4_index.config import shipped_config
+from dsv4_index.engine_plan import kv_owners
+from dsv4_index.frontend import NewRequest, StepInput
+
+FIX = Path(__file__).resolve().parent / "fixtures"
+
+
+def fixture(name):
+    return json.loads((FIX / f"vllm033_{name}.json").read_text())
+
+
+def test_kv_owners_is_vllms_nearest_source_below():
+    cfg = shipped_config("v41_flash")
+    own = kv_owners(cfg["compress_ratios"], cfg["kv_source_layer_ids"])
+    assert sorted(own) == list(range(2, 40))  # NOTE: the compressed layers
+    assert [own[i] for i in (2, 3, 7, 8, 13, 14, 19, 20, 39)] == [2, 2, 2, 8, 8, 14, 14, 20, 20]
+    assert kv_owners([0, 2, 2], ()) == {1: 1, 2: 2}  # NOTE: without sources every layer owns its caches
+
+
+@pytest.mark.parametrize("name,swa", [("v41_flash", 7), ("v41_flash_dspark3", 8)])
+def test_v41_plan_of_vllm_033(name, swa):
+    plan = fixture(name)
+    lay = DSV4Layout.from_kv_cache_config(plan, "v41_flash", 8192)
+    assert [g.name for g in lay.groups] == [f"swa_{i}" for i in range(swa)] + ["mla", "c2_state"]
+    assert [g.block_size for g in lay.groups] == [g["block_size"] for g in plan["kv_cache_groups"]]
+    ring = lay.group("c2_state")
+    assert (ring.kind, ring.ring_capacity, ring.window) == ("circular", 8, 4)
+    assert ring.layers == tuple(range(2, 20))  # NOTE: sources 2, 8, 14 and the ratio-2 layers reading them
+    assert lay.group("mla").kind == "full" and lay.group("mla").block_size == 64
+    assert {c: lay.channels[c].rows_per_block for c in ("c1a", "c2a")} == {"c1a": 64, "c2a": 32}
+    assert lay.layer_channels(5)["c4_state"] == "c2_state" and "c4_state" not in lay.layer_channels(30)
+    holds_9 = next(i for i, g in enumerate(plan["kv_cache_groups"])
+                   if "model.layers.9.attn.swa_cache" in g["layer_names"])
+    assert lay.layer_channels(9)["swa"] == f"swa_{holds_9}" == f"swa_{9 % swa}"  # NOTE: sub-group i: layers i::k
+    # NOTE: a first step of one request on this plan passes (one list per engine group, vLLM's block counts)
+    lists = tuple([100 * g.gid + j + 1 for j in range(1 if g.kind == "circular" else -(-300 // g.block_size))]
+                  for g in lay.groups)
+    pipe = MetadataPipeline(lay, 4, 512, "cpu", 0, backend="reference", fused=False)
+    pipe.update(StepInput([NewRequest("a", lists, 0)], [], {"a": 300}))
+    assert pipe.build().num_tokens == 300
+
+
+def test_a_plan_without_the_sources_mla_cache_is_refused():
+    plan = copy.deepcopy(fixture("v41_flash"))
+    mla = next(g for g in plan["kv_cache_groups"] if g["layer_spec"] == "MLAAttentionSpec")
+    mla["layer_names"] = [n for n in mla["layer_names"] if not n.startswith("model.layers.8.")]
+    with pytest.raises(ValueError, match=r"compressed layer\(s\) \[8, 9, 10, 11, 12, 13\].*kv source"):
+        DSV4Layout.from_kv_cache_config(plan, "v41_flash", 8192)
+
+
+@pytest.mark.parametrize("bad", [[2, 40], [0], ["2"], 2])
+def test_bad_kv_source_layer_ids_are_refused(bad):
+    cfg = dict(shipped_config("v41_flash"), kv_source_layer_ids=bad)
+    with pytest.raises(ValueError, match="kv_source_layer_ids"):
+        DSV4Layout.from_kv_cache_config(fixture("v41_flash"), cfg, 8192)
