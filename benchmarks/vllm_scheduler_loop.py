@@ -21,8 +21,9 @@ vLLM's ``KVCacheManager.get_block_ids`` every step), the prefix-cache hits, pree
 ``--config v41`` (DeepSeek-V4.1-Flash): the specs vLLM's ``models/deepseek_v41`` modules declare on an H200
 (``vllm_parts.v41_specs``), DSpark drafts (``--spec``), model runner V2 (the scheduler's output form), and SWA
 bounded replay (``--replay on``, the default as on the H200): a prefix hit comes back with
-``NewRequestData.replay_start``, and the script passes ``replay_end = replay_start + W`` while the request's chunk
-starts below it, as runner V2 pads those tokens' full-group slots (``Loop.replay_bounds``).
+``NewRequestData.replay_start``; ``pipe.update(so)`` remembers it and derives ``replay_end = replay_start + W``,
+as runner V2 pads those tokens' full-group slots; the script computes the same bounds on its own
+(``Loop.replay_bounds``) and ``--verify`` checks every output against them.
 
 The vLLM side (plan, configs, the replay and its checks, the fake runner) is ``vllm_parts.py`` beside this file.
 
@@ -208,19 +209,11 @@ class Loop:
                 if rid in so.num_scheduled_tokens and nc[rid] < rs + W}
 
     def update(self, lvl: str, pipe, so) -> None:
-        """``pipe.update(so)``; with replaying requests the explicit form (``batch_from_scheduler_output`` with
-        their ``replay_start`` / ``replay_end``, then the slot map's commit: README "vLLM integration")."""
-        if not self.live:
-            pipe.update(so)
-            self.req_ids[lvl] = pipe.req_ids
-            return
-        from dsv4_index.frontend.convert import batch_from_scheduler_output
-        batch, delta = batch_from_scheduler_output(so, pipe.slot_map, self.layout.num_groups,
-                                                   replay_start={r: a for r, (a, _) in self.live.items()},
-                                                   replay_end={r: b for r, (_, b) in self.live.items()})
-        pipe.update(batch)
-        pipe.slot_map.commit(delta)
-        self.req_ids[lvl] = list(delta.order)
+        """``pipe.update(so)``: the library reads ``NewRequestData.replay_start``, remembers it and derives
+        ``replay_end = replay_start + W`` itself; the script's own bounds (:meth:`replay_bounds`) are what
+        ``--verify`` checks the outputs against."""
+        pipe.update(so)
+        self.req_ids[lvl] = pipe.req_ids
 
     def bs_of(self, g: int) -> int:
         return self.owners.bs[g]

@@ -104,8 +104,8 @@ class MetadataPipeline:
         self.cp = (cp_world_size, cp_rank, cp_interleave)
         self.validate = bool(validate)
         self.checks = "full" if validate else checks
-        self.slot_map = SlotMap(max_num_reqs, replay_reach=max([(g.window or 1) - 1 for g in layout.groups],
-                                                               default=0))
+        self.slot_map = SlotMap(max_num_reqs, replay_reach=max([(g.window or 1) - 1 for g in layout.groups], default=0),
+                                replay_window=max([g.window or 0 for g in layout.groups if g.role == "swa"], default=0))
 
         self._builders = {name: builder_for(spec, layout) for name, spec in layout.channels.items()}
         units = [max([1] + [b.int32_unit for b in self._builders.values() if b.spec.gid == g])

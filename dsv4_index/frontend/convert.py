@@ -171,11 +171,14 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
     when present, ``out.preempted_req_ids``. A resumed request carries its whole block lists. Every
     other field (``scheduled_spec_decode_tokens``, ``new_token_ids``, ``num_output_tokens``, ...) is
     ignored. A new request's ``replay_start`` (vLLM's V4.1 bounded replay, ``NewRequestData.replay_start``;
-    absent in older vLLM, 0 = none) becomes the batch row's replay start in this step; ``replay_start`` /
-    ``replay_end`` (dicts by request id) give bounds vLLM does not send (``replay_end``: README "vLLM
-    integration"), the dict's entry winning over the object's. vLLM sends ``replay_start`` only in the step
-    that admits a request: the slot map remembers it (committed with the step) and applies it to the
-    request's later steps while their windows reach below it (:meth:`SlotMap` ``replay_reach``).
+    absent in older vLLM, 0 = none) becomes the batch row's replay start in this step, and its ``replay_end``
+    is ``replay_start + W`` (``W`` = ``slot_map.replay_window``, vLLM's ``prefix_replay_tokens``: vLLM's model
+    runner V2 pads the prefix-cacheable slots of positions ``[replay_start, replay_start + W)``). vLLM sends
+    ``replay_start`` only in the step that admits a request: the slot map remembers it (committed with the
+    step) and applies both bounds to the request's later steps while they need them (``num_computed_tokens <
+    replay_start + max(replay_reach, W)``). ``replay_start`` / ``replay_end`` (dicts by request id) give
+    other bounds (README "vLLM integration"): the dict's entry wins over the object's, and a request whose
+    ``replay_start`` the caller gives gets no derived ``replay_end``.
     """
     c = _field(out, "scheduled_cached_reqs", "SchedulerOutput")
     ids = _field(c, "req_ids", "scheduled_cached_reqs")
@@ -209,7 +212,8 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
                  _field(r, "num_computed_tokens", f"scheduled_new_reqs[{i}]")) for i, r in enumerate(new)]
     carried = _replay_starts(new, new_rows)
     remembered, spent = _remembered_replays(slot_map, ids, ncs) if slot_map.replay else ({}, [])
-    if carried or remembered:  # NOTE: the caller's dict, when given, wins for the requests it lists
+    if carried or remembered:  # NOTE: the caller's dicts, when given, win for the requests they list
+        replay_end = _derived_ends(slot_map.replay_window, {**remembered, **carried}, replay_start, replay_end)
         replay_start = {**remembered, **carried, **(replay_start or {})}
     if not replay_start and not replay_end and not resumed:
         done = convert_repeat(slot_map, num_groups, new_rows, ids, nbs, ncs, nst, finished, preempted, False)
@@ -225,12 +229,25 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
     return batch, delta
 
 
+def _derived_ends(W: int, sched: dict, start: Optional[dict], end: Optional[dict]) -> Optional[dict]:
+    """The step's ``replay_end`` dict: ``replay_start + W`` for each scheduler-sent ``replay_start`` in
+    ``sched`` whose request the caller's ``start`` does not list, under the caller's ``end`` entries."""
+    if not W:
+        return end
+    own = start if isinstance(start, Mapping) else {}  # NOTE: a bad dict is the step rules' to name
+    derived = {rid: rs + W for rid, rs in sched.items() if rid not in own and type(rs) is int}
+    if not derived:
+        return end
+    return {**derived, **end} if isinstance(end, Mapping) else (derived if end is None else end)
+
+
 def _remembered_replays(slot_map: SlotMap, ids: list, ncs: Sequence) -> Tuple[dict, list]:
     """``({req_id: replay_start}, spent ids)`` of the scheduled running requests admitted with a
-    ``replay_start`` (:attr:`SlotMap.replay`): it applies while the request's first token's window reaches
-    below it (``num_computed_tokens < replay_start + replay_reach``), then it is dropped."""
+    ``replay_start`` (:attr:`SlotMap.replay`): it applies while the request's first token's windows reach
+    below it or the token is replayed (``num_computed_tokens < replay_start + max(replay_reach,
+    replay_window)``), then it is dropped."""
     live, spent = {}, []
-    reach, replay = slot_map.replay_reach, slot_map.replay
+    reach, replay = max(slot_map.replay_reach, slot_map.replay_window), slot_map.replay
     for rid, nc in zip(ids, ncs):
         rs = replay.get(rid)
         if rs is None or type(nc) is not int:  # NOTE: a bad count is the step rules' to name

@@ -189,9 +189,14 @@ class SlotMap:
     max_num_reqs : int
         Number of slots.
     replay_reach : int
-        How far past a request's ``replay_start`` its windows reach down to it: the layout's largest sliding
-        window minus 1 (0: no sliding group). A remembered ``replay_start`` applies to the request's steps
-        with ``num_computed_tokens < replay_start + replay_reach``.
+        How far past a request's ``replay_start`` its windows reach down to it: the layout's largest window
+        minus 1 (0: no windowed group).
+    replay_window : int
+        ``W`` of the scheduler's bounded replay: the window of the layout's ``swa`` groups (vLLM's
+        ``Scheduler.prefix_replay_tokens``; 0: none). The ``replay_end`` of a scheduler-sent ``replay_start``
+        is ``replay_start + replay_window`` unless the caller gives one
+        (:func:`~dsv4_index.frontend.batch_from_scheduler_output`). A remembered ``replay_start`` applies to
+        the request's steps with ``num_computed_tokens < replay_start + max(replay_reach, replay_window)``.
 
     Attributes
     ----------
@@ -201,9 +206,9 @@ class SlotMap:
         ``NewRequestData.replay_start`` comes only in the admitting step; its later chunks need it too).
     """
 
-    def __init__(self, max_num_reqs: int, replay_reach: int = 0):
+    def __init__(self, max_num_reqs: int, replay_reach: int = 0, replay_window: int = 0):
         self.max_num_reqs = max_num_reqs
-        self.replay_reach = replay_reach
+        self.replay_reach, self.replay_window = replay_reach, replay_window
         self.slot_of: Dict[str, int] = {}
         self.preempted: Set[str] = set()
         self.replay: Dict[str, int] = {}

@@ -1,7 +1,9 @@
 """vLLM's V4.1 bounded replay as it arrives: ``NewRequestData.replay_start`` (vLLM 0.33; the scheduler rewinds
 a prefix hit's ``num_computed_tokens`` to it) becomes the batch row's replay start, so the sliding window of the
 replayed tokens starts there (docs/DESIGN.md §4 "Bounded replay"); older ``NewRequestData`` (no field) and 0 mean
-no replay; the caller's ``replay_start`` dict wins; a bad value is refused naming ``replay_start``."""
+no replay; the caller's ``replay_start`` dict wins; a bad value is refused naming ``replay_start``. Its
+``replay_end`` is ``replay_start + W`` (``W`` the swa window, vLLM's ``prefix_replay_tokens``: model runner V2
+pads the prefix-cacheable slots of ``[replay_start, replay_start + W)``) unless the caller gives bounds."""
 
 from __future__ import annotations
 
@@ -88,10 +90,14 @@ def _running(nc, q):
 def test_later_chunks_keep_the_admitted_replay_start():
     """vLLM sends ``replay_start`` only when it admits the request; the request's later chunks (short ones
     here) still have windows reaching below it: the slot map remembers it, applies it while
-    ``num_computed_tokens < replay_start + replay_reach``, then drops it; a finished request drops it too."""
+    ``num_computed_tokens < replay_start + max(replay_reach, W)``, then drops it; a finished request drops it
+    too. Every token below ``replay_start + W`` writes no compressed row into the full group (DESIGN §4)."""
     pipe = MetadataPipeline(LAYOUT, 4, 32, "cpu", backend="reference", fused=False)
-    reach = pipe.slot_map.replay_reach
-    assert reach >= W - 1
+    reach = max(pipe.slot_map.replay_reach, W)
+    assert pipe.slot_map.replay_reach == max(g.window or 1 for g in LAYOUT.groups) - 1
+    assert pipe.slot_map.replay_window == W
+    R4 = 4  # NOTE: the tiny layout's c4 ratio
+    written = {"replayed": 0, "after": 0}
     q = 2
     req = NewRequestData("a", [], [], None, None, _lists(NC + reach + 8 * q), NC, None, replay_start=NC)
     pipe.update(SchedulerOutput([req], CachedRequestData([], set(), [], {}, [], [], []), {"a": q}, q, {}, {}, [],
@@ -105,10 +111,16 @@ def test_later_chunks_keep_the_admitted_replay_start():
         floor = NC if nc < NC + reach else 0
         want = pos - np.maximum(pos - W + 1, floor) + 1
         assert meta["swa"].lens[:q].tolist() == want.tolist(), nc
+        sm = meta["c4a"].compressed_slot_mapping[:q].tolist()
+        for p, s in zip(pos.tolist(), sm):
+            completes = (p + 1) % R4 == 0
+            assert (s >= 0) == (completes and p >= NC + W), (p, s)  # NOTE: replayed rows are never rewritten
+            written["replayed" if p < NC + W else "after"] += completes
         assert ("a" in pipe.slot_map.replay) == (nc < NC + reach), nc
         seen_drop |= "a" not in pipe.slot_map.replay
         nc += q
     assert seen_drop
+    assert written["replayed"] >= 2 and written["after"] >= 2  # NOTE: both sides of replay_end were exercised
     # a finished request forgets it
     pipe2 = MetadataPipeline(LAYOUT, 4, 32, "cpu", backend="reference", fused=False)
     pipe2.update(SchedulerOutput([req], CachedRequestData([], set(), [], {}, [], [], []), {"a": q}, q, {}, {}, [],
@@ -122,3 +134,17 @@ def test_a_rejected_step_remembers_nothing():
     with pytest.raises(ValueError):
         batch_from_scheduler_output(_out(replay_start=NC + 1), sm, G)
     assert sm.replay == {}
+
+
+def test_replay_end_is_replay_start_plus_w_unless_the_caller_gives_bounds():
+    sm = SlotMap(4, replay_reach=15, replay_window=W)
+    b, _ = batch_from_scheduler_output(_out(replay_start=NC), sm, G)
+    assert b.replay_start.tolist() == [NC] and b.replay_end.tolist() == [NC + W]
+    b, _ = batch_from_scheduler_output(_out(replay_start=NC), sm, G, replay_end={"a": NC + 1})
+    assert b.replay_end.tolist() == [NC + 1]
+    b, _ = batch_from_scheduler_output(_out(replay_start=NC), sm, G, replay_start={"a": 10})
+    assert b.replay_start.tolist() == [10] and b.replay_end is None  # NOTE: the caller's start: its own bounds
+    b, _ = batch_from_scheduler_output(_out(replay_start=0), sm, G)
+    assert b.replay_start is None and b.replay_end is None
+    b, _ = batch_from_scheduler_output(_out(replay_start=NC), SlotMap(4), G)  # NOTE: no swa window: no end
+    assert b.replay_end is None

@@ -53,16 +53,19 @@ def installed(tmp_path_factory):
     rc, site = sh([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp)
     assert rc == 0, site
     site = Path(site.strip())
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PYTHONNOUSERSITE"] = "1"
+    # NOTE: pip must not see the working tree's dsv4-index (an egg-info on PYTHONPATH, or the editable install
+    # behind the deps line below): pip 26.3 then installs nothing ("already installed with the same version")
+    rc, out = sh([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index",
+                  "--ignore-installed", wheel], cwd=tmp, env=env)
+    assert rc == 0, out
+    assert (site / "dsv4_index" / "__init__.py").is_file(), out
     here = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (site / "_dsv4_test_deps.pth").write_text("".join(f"{p}\n" for p in sorted(here)))
-    rc, out = sh([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", wheel],
-                 cwd=tmp)
-    assert rc == 0, out
 
     run_dir = tmp / "elsewhere"
     run_dir.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env["PYTHONNOUSERSITE"] = "1"
     return {"wheel": wheel, "py": py, "env_dir": env_dir, "site": site, "cwd": run_dir, "env": env}
 
 
