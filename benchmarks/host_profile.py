@@ -3,6 +3,7 @@
     python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"]
                                       [--build | --build-only | --lines]
     python benchmarks/host_profile.py --mix [--old /work/main] [--steps 300]   # issue 26: old vs new
+    python benchmarks/host_profile.py --cases "decode B=256,MTP 256x2" [--swa-per-layer]  # 4 vs 47 groups
 
 ``--mix`` (issue 26): the serving mix, the churn stream (``serving_mix.py``) and steady decode B=256;
 arms ``safe`` / ``full`` of this tree and, with ``--old PATH``, of the tree at PATH (its ``dsv4_index``
@@ -322,12 +323,14 @@ def main():
     ap.add_argument("--lines", action="store_true", help="per-statement profile of the steady path (CPU)")
     ap.add_argument("--device", default="cpu", help="device of the update() arms' pipelines (pinned staging "
                                                    "and a real H2D copy on cuda)")
+    ap.add_argument("--swa-per-layer", action="store_true", help="V4-Flash with one sliding group per layer "
+                    "(47 groups; host cost against the number of groups)")
     ap.add_argument("--mix", action="store_true", help="issue 26: serving mix, churn and steady decode, old vs new")
     ap.add_argument("--old", default=None, help="with --mix: a tree whose dsv4_index is the old arm")
     ap.add_argument("--steps", type=int, default=300, help="with --mix: steps per case")
     ap.add_argument("--replicas", type=int, default=1, help="with --mix: pipelines per arm (fastest counts)")
     args = ap.parse_args()
-    layout = DSV4Layout.from_config("flash", max_model_len=131072)
+    layout = DSV4Layout.from_config("flash", max_model_len=131072, swa_group_per_layer=args.swa_per_layer)
     gc.disable()
     if args.mix:
         mix_profile(args.steps, args.old, args.replicas)
