@@ -1,5 +1,5 @@
 """The write runs and bounds of the incremental path (:mod:`.steady`): one-id appends vectorised, up to
-:data:`MAX_OTHER_RUNS` other runs (a joining request's lists, a row cut back) one by one in Python
+:data:`MAX_OTHER_RUNS` (or two per group) other runs (a joining request's lists, a row cut back) one by one in Python
 ints; the slack of each run's (group, batch row) cell updated; then one unsigned compare proving
 coverage, every ring bound and the table width (the inequality of :mod:`.steady`'s docstring)."""
 
@@ -16,7 +16,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 _ZERO1 = np.zeros(1, dtype=np.int64)
 _count = np.count_nonzero
 _APPEND = -1
-MAX_OTHER_RUNS = 32  # NOTE: runs that are not one-id appends, checked one by one in Python ints
+MAX_OTHER_RUNS = 32  # NOTE: runs that are not one-id appends, checked one by one in Python ints (or two per
+                     # group: two joining requests' lists)
 
 
 def _umax(x: np.ndarray) -> int:
@@ -86,8 +87,8 @@ def check_runs(batch, c, tables, flat, row_map, occ, new_slots, seq, b_nc, max_w
     app = start == _APPEND
     app &= n == 1
     other = (~app).nonzero()[0]
-    if other.shape[0] > MAX_OTHER_RUNS:
-        return None
+    if other.shape[0] > max(MAX_OTHER_RUNS, 2 * len(tables.groups)):
+        return None  # NOTE: at least the lists of two joining requests (one run per group each)
     a = app.nonzero()[0]
     if a.shape[0]:
         flat[cells.take(a)] += geo.bs_of.take(gid.take(a))
