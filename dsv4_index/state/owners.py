@@ -69,7 +69,7 @@ from .contract import held_and_duplicates
 from .ownership_fast import commit_fast, plan_fast
 from .ownership_batch import BatchView, commit_batch
 from .ownership_checks import check_rewinds, check_runs, rewind_suspects
-from .ownership_rules import Step, begin, bump, plan_general
+from .ownership_rules import Step, begin, bump, plan_general, release
 
 __all__ = ["BlockOwners", "check_ring_capacity"]
 
@@ -199,7 +199,7 @@ class BlockOwners:
 
     def _commit_general(self, st: Step) -> None:
         if st.rel.size:
-            bump(self.count, st.rel, -1)
+            release(self.count, st.rel)
         if st.acq.size:
             bump(self.count, st.acq, 1)
         if st.reacq.size:

@@ -42,7 +42,7 @@ from typing import Optional
 import numpy as np
 
 from .ownership_churn import commit_rows, freed_keys, fresh_runs
-from .ownership_rules import Step, bump, count_in, old_keys
+from .ownership_rules import Step, count_in, old_keys, release
 
 __all__ = ["BatchView", "plan_batch", "commit_batch"]
 
@@ -348,7 +348,7 @@ def commit_batch(o, st: Step) -> None:
     """Apply a batch step (the view and the slot-keyed state together)."""
     v, cells = st.view, st.cells
     if st.rel.size:
-        bump(o.count, st.rel, -1)
+        release(o.count, st.rel)
     if st.acq.size:
         o.count[st.acq] += 1                              # NOTE: distinct keys (checked)
     if st.churn:

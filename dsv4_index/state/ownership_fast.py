@@ -19,7 +19,7 @@ import numpy as np
 
 from .ownership_batch import plan_batch
 from .ownership_checks import rewind_suspects
-from .ownership_rules import Step, begin, bump, count_in, old_keys
+from .ownership_rules import Step, begin, count_in, old_keys, release
 
 __all__ = ["plan_fast", "commit_fast"]
 
@@ -126,7 +126,7 @@ def _no_held_null_to_scan(o, st: Step) -> bool:
 def commit_fast(o, st: Step) -> None:
     """Apply a fast step (after the no-jump check's frontier update of the caller)."""
     if st.rel.size:
-        bump(o.count, st.rel, -1)
+        release(o.count, st.rel)
     if st.acq.size:
         o.count[st.acq] += 1                            # NOTE: distinct keys (checked)
     o.floor.reshape(-1)[st.kb] = st.lo

@@ -12,7 +12,7 @@ from typing import Any, Collection, List, Optional, Tuple, Union
 
 import numpy as np
 
-__all__ = ["Step", "begin", "plan_general", "old_keys", "count_in", "bump"]
+__all__ = ["Step", "begin", "plan_general", "old_keys", "count_in", "bump", "release"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -348,6 +348,19 @@ def _acquisitions(o, st: Step, plan) -> None:
 
 def count_in(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return np.searchsorted(sorted_keys, keys, side="right") - np.searchsorted(sorted_keys, keys, side="left")
+
+
+def release(count: np.ndarray, keys: np.ndarray) -> None:
+    """``bump(count, keys, -1)`` for held keys. A key's count is its number of holdings and a release
+    gives up one holding, so a key listed ``m`` times has count ``>= m``: when every key has count 1
+    they are distinct, and one gather and one fancy write do it (no sort)."""
+    if keys.shape[0] > 1:
+        c = count.take(keys)
+        if c.item(c.argmax()) <= 1:
+            c -= 1
+            count[keys] = c
+            return
+    bump(count, keys, -1)
 
 
 def bump(count: np.ndarray, keys: np.ndarray, d: int) -> None:
