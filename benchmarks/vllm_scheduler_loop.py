@@ -78,6 +78,8 @@ class Loop:
         sched = AsyncScheduler if args.async_scheduling else Scheduler
         with model_runner_v2(args.config == "v41"):  # NOTE: V4.1's DSpark and bounded replay run on runner V2 only
             self.sched = sched(vc, kcc, so_manager, block_size=self.sched_block, hash_block_size=self.hash_block)
+        self.lookups: dict = {}  # NOTE: request id -> hit tokens of its last prefix-cache lookup
+        self._count_lookups()
         self.replays: dict = {}  # NOTE: request id -> NewRequestData.replay_start (nonzero)
         self.live: dict = {}  # NOTE: this step's replaying requests: id -> (replay_start, replay_end)
         self.req_ids: dict = {}  # NOTE: per pipeline, the request id of each batch row of its last step
@@ -97,11 +99,25 @@ class Loop:
         self.history: list = []  # NOTE: the real steps so far, kept under --mutate only
         self.stats = dict(steps=0, idle_steps=0, tokens=0, new=0, prefix_hits=0, hit_tokens=0, preempted=0, resumed=0,
                           finished=0, rejected_drafts=0, shared_writes=0, shared_write_tokens=0, steps_zeroing_blocks=0,
-                          steps_copying_blocks=0, replays=0, replay_steps=0,
+                          steps_copying_blocks=0, replays=0, replay_steps=0, short_hits=0, short_hit_tokens=0,
                           accepted={lvl: 0 for lvl in self.pipes},
                           rejected={lvl: 0 for lvl in self.pipes}, mutations={lvl: 0 for lvl in self.pipes},
                           mutations_rejected={lvl: 0 for lvl in self.pipes}, verified_tokens=0, output_mismatches=0)
         self.update_s = {lvl: 0.0 for lvl in self.pipes}
+
+    def _count_lookups(self) -> None:
+        """Record what each prefix-cache lookup found (``KVCacheManager.get_computed_blocks``): V4.1 bounded
+        replay drops a hit of at most ``W`` tokens (the scheduler admits the request from 0, with no replay
+        and none of the hit's blocks), so ``num_computed_tokens`` alone does not show it (``short_hits``)."""
+        mgr = self.sched.kv_cache_manager
+        lookup, seen = mgr.get_computed_blocks, self.lookups
+
+        def get_computed_blocks(request, *a, **kw):
+            got = lookup(request, *a, **kw)
+            seen[request.request_id] = got[1]
+            return got
+
+        mgr.get_computed_blocks = get_computed_blocks
 
     def arrivals(self) -> None:
         """Submit ``--initial`` prompts before the first step, then ``--burst`` more per step with chance
@@ -130,6 +146,12 @@ class Loop:
         hits = [r.num_computed_tokens for r in so.scheduled_new_reqs if r.num_computed_tokens > 0]
         st["prefix_hits"] += len(hits)
         st["hit_tokens"] += sum(hits)
+        W = self.sched.prefix_replay_tokens
+        short = [self.lookups.get(r.req_id, 0) for r in so.scheduled_new_reqs if not r.num_computed_tokens]
+        short = [n for n in short if 0 < n <= W]  # NOTE: dropped by vLLM: admitted from 0 (no replay)
+        st["short_hits"] += len(short)
+        st["short_hit_tokens"] += sum(short)
+        self.lookups.clear()
         st["preempted"] += len(so.preempted_req_ids or ())
         st["resumed"] += len(so.scheduled_cached_reqs.resumed_req_ids)
         st["finished"] += len(so.finished_req_ids)

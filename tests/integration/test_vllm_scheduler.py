@@ -85,6 +85,16 @@ def test_v41_bounded_replay_is_exercised():
     assert s["mutations"]["safe"] > 0 and s["mutations_rejected"] == s["mutations"], printed
 
 
+def test_v41_short_hits_are_admitted_from_zero():
+    """V4.1 with short prompts: a prefix hit of at most ``W`` tokens is dropped by vLLM (the request is admitted
+    from 0, no ``replay_start``, none of the hit's blocks); the loop counts them from the prefix-cache lookups
+    (``short_hits``) and every such step is accepted with every output equal to DESIGN §4."""
+    s, printed = _run("--steps", 80, "--config", "v41", "--spec", 1, "--verify", "--max-prompt", "400")
+    assert s["short_hits"] > 0 and 0 < s["short_hit_tokens"] <= 128 * s["short_hits"], s
+    assert s["rejected"] == {"safe": 0, "full": 0}, printed
+    assert s["verified_tokens"] == s["tokens"] and s["output_mismatches"] == 0, printed
+
+
 def test_validate_runs_both_planners_and_check_metadata():
     """``validate=True``: the fast and general planners give equal plans on every vLLM step (else AssertionError)
     and ``check_metadata`` passes after every build."""
