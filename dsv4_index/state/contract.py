@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._index import cp_owned, window_start
+from .ownership_checks import holders_by_key
 
 __all__ = ["full_checks"]
 
@@ -222,10 +223,11 @@ def _sliding_duplicates(o, st) -> None:
         key, slot = k2 // o.num_slots, k2 % o.num_slots
         _twice(o, key, slot)
     hits = np.flatnonzero(sl & ~st.acq_fill)
+    hits = hits[st.N0r.take(st.acq_run.take(hits)) > 0]  # NOTE: rows that held blocks before the step
+    held = holders_by_key(o, st.acq.take(hits), st) if hits.size else {}
     for h in hits.tolist():
         key, slot = int(st.acq[h]), int(st.acq_slot[h])
-        if st.N0r[int(st.acq_run[h])] and any(s == slot for s, _, how in o.holders(key % o.G, key // o.G, st)
-                                                  if how == "held"):
+        if any(s == slot for s, _, how in held[key] if how == "held"):
             _twice(o, key, slot)
 
 

@@ -38,15 +38,29 @@ def check_runs(o, st: Step) -> None:
         d = srt[1:] == srt[:-1]
         if d.any():
             bad |= count_in(srt, fk) > 1
-    for i in fill[bad].tolist():
-        _judge(o, st, i)
+    sus = fill[bad]
+    if sus.size:
+        held = holders_by_key(o, st.acq.take(sus), st)
+        for i in sus.tolist():
+            _judge(o, st, i, held[int(st.acq[i])])
 
 
-def _judge(o, st: Step, i: int) -> None:
-    """Slow path of one suspicious fill acquisition ``i``: name the other holder, or accept an own duplicate."""
+def holders_by_key(o, keys: np.ndarray, st: Step) -> dict:
+    """``{id key: holders}`` (:meth:`~.owners.BlockOwners.holders`) of ``keys``, one table scan per group."""
+    keys = np.unique(keys)
+    out = {}
+    for g in np.unique(keys % o.G).tolist():
+        kg = keys[keys % o.G == g]
+        for kid, hs in o.holders_of(g, kg // o.G, st).items():
+            out[kid * o.G + g] = hs
+    return out
+
+
+def _judge(o, st: Step, i: int, hs: list) -> None:
+    """Slow path of one suspicious fill acquisition ``i`` (``hs``: the holders of its id): name the other
+    holder, or accept an own duplicate."""
     key, slot, pos = int(st.acq[i]), int(st.acq_slot[i]), int(st.acq_pos[i])
     g, kid = key % o.G, key // o.G
-    hs = o.holders(g, kid, st)
     # NOTE: a same-step hit is the vLLM pattern only at the filler's block position (prefix sharing) and
     # when the filler writes the whole block (a fresh block; one whose head it claims computed has content)
     fresh = bool(st.acq_fresh[i])
@@ -127,9 +141,10 @@ def check_rewinds(o, st: Step, suspects) -> None:
     if suspects is None:
         return
     t, b = o.tables, st.b
+    held = holders_by_key(o, suspects[0], st)
     for key, slot, p in zip(*(x.tolist() for x in suspects)):
         g, kid = key % o.G, key // o.G
-        others = [h for h in o.holders(g, kid, st) if h[0] != slot]
+        others = [h for h in held[key] if h[0] != slot]
         if others:
             i = int(np.flatnonzero(b == slot)[0])
             ws = int(st.ws_full[i] if t.full[g] else st.nc_b[i])
@@ -153,10 +168,13 @@ def _check_reacquired(o, st: Step) -> None:
         return
     keys, slots, pos = (np.concatenate(x) for x in zip(*(old_keys(o, g_, s_, lo_, hi_, detail=True)
                                                          for g_, s_, lo_, hi_ in st.back)))
+    sus = np.isin(keys, st.reacq[bad])  # NOTE: only these can have another holder (one table scan each)
+    keys, slots, pos = keys[sus], slots[sus], pos[sus]
     t = o.tables
+    held = holders_by_key(o, keys, st) if keys.size else {}
     for key, slot, p in zip(keys.tolist(), slots.tolist(), pos.tolist()):
         g, kid = key % o.G, key // o.G
-        others = [h for h in o.holders(g, kid, st) if h[0] != slot]
+        others = [h for h in held[key] if h[0] != slot]
         if others:
             f = int(t.f[g])
             raise ValueError(f"slot {slot} reads gid {g} ({t.groups[g].name}) at block position {p // f} again (its "
