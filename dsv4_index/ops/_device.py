@@ -210,6 +210,32 @@ def window_row(bt_ptr, row, first, n, j, block_size, table_width, ring_cols, row
 
 
 @triton.jit
+def window_row_blocks(bt_ptr, row, first, n, j0, block_size: tl.constexpr, table_width, ring_cols, row_stride,
+                      stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY: tl.constexpr, BC: tl.constexpr):
+    """:func:`window_row` of the ``BC`` columns ``j0 + [0, BC)`` with one table read per block instead of
+    one per column: the chunk's local positions ``first + j0 + [0, BC)`` span at most three blocks when
+    ``2 * block_size >= BC`` (callers' condition), read once per row (:func:`table_entry`, the same entry
+    :func:`window_row` reads for each of their columns) and selected per column. int32 ``[BT, BC]``."""
+    j = j0 + tl.arange(0, BC)[None, :]
+    lp = first[:, None] + j
+    blk = lp // block_size
+    ok = (j < n[:, None]) & (blk < table_width)
+    b0 = (first + j0) // block_size
+    last = (first + tl.minimum(n, j0 + BC) - 1) // block_size  # NOTE: the chunk's last listed block
+    some = n > j0
+    e0 = table_entry(bt_ptr, row, b0, some & (b0 < table_width), row_stride, ring_cols, stage_ptr,
+                     ov_lo, ov_hi, ov_pay, HAS_OVERLAY)
+    e1 = table_entry(bt_ptr, row, b0 + 1, some & (b0 + 1 <= last) & (b0 + 1 < table_width), row_stride, ring_cols,
+                     stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY)
+    e2 = table_entry(bt_ptr, row, b0 + 2, some & (b0 + 2 <= last) & (b0 + 2 < table_width), row_stride, ring_cols,
+                     stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY)
+    k = blk - b0[:, None]
+    bid = tl.where(k == 0, e0[:, None], tl.where(k == 1, e1[:, None], e2[:, None]))
+    slot = no_block(bid.to(tl.int64) * block_size + lp % block_size).to(tl.int32)
+    return tl.where(ok, slot, -1)
+
+
+@triton.jit
 def circular_split(idx, t, pos, first, n, j, q_start):
     """Window entries of a circular group (docs/DESIGN.md §4 "circular group"): an entry whose position
     ``p = first + j`` lies inside the request's chunk of this step is read from the step's own token
