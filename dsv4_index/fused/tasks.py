@@ -136,7 +136,7 @@ class TileConfig:
     whole_row : one program writes whole index-list rows (a loop over chunks, the chunks past
     every token's length stored as ``-1`` with no table work) instead of one chunk per program.
     block_loads : causal lists read one table entry per block (``S`` columns) and expand it,
-        instead of one per column.
+        instead of one per column; window lists one per block when a chunk spans at most three.
     """
 
     bt1: int = 8

@@ -201,7 +201,7 @@ def test_tasks_of_one_code_are_one_unit():
 
     def units(**kw):
         lay = DSV4Layout.from_config("tiny_v41", 256, mla_block_size=16, **kw)
-        plan = MetadataPipeline(lay, 4, 64, "cpu", 1).fused_plan
+        plan = MetadataPipeline(lay, 4, 64, "cuda" if torch.cuda.is_available() else "cpu", 1).fused_plan
         tok, nf = plan._variants[1]["consts"]["TOK"], int(tasks.NF)
         us = [tok[i:i + nf] for i in range(0, len(tok), nf)]
         n_tok = sum(t.kind in tasks.TOKEN_KINDS for t in plan.tasks)
