@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple, Union
 
 from ._common import check_int
-from .engine_plan import layout_from_kv_cache_config
+from .engine_plan import kv_owners, layout_from_kv_cache_config
 from .layout_derive import derive_layout
 from .specs import CHANNEL_OUTPUTS, GROUP_ORDER, ChannelSpec, GroupSpec, ratio_kinds
 
@@ -65,6 +65,9 @@ class DSV4Layout:
         Whether ``c4i`` also produces causal index lists.
     cp_world_size, cp_interleave : int
         DCP geometry the table widths were sized for.
+    kv_sources : tuple of int
+        DeepSeek-V4.1's ``kv_source_layer_ids`` (empty for V4): the layers that compute a compressed cache and
+        a compressor state; every other compressed layer reads its source's (:meth:`kv_source`).
     """
 
     groups: Tuple[GroupSpec, ...]
@@ -79,6 +82,7 @@ class DSV4Layout:
     indexer_causal_indices: bool = False
     cp_world_size: int = 1
     cp_interleave: int = 1
+    kv_sources: Tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config, max_model_len: int, *, mla_block_size: int = 256,
@@ -219,7 +223,8 @@ class DSV4Layout:
         "c4_state": ...}`` for a c4 layer, ``{"swa", "c128a", "c128_state"}`` for a c128 layer,
         ``{"swa"}`` for an SWA-only layer; values are channel names (``"swa_1"`` for a layer of
         vLLM's second SWA sub-group, ``"c2a"`` / ``"c2i"`` / ``"c2_state"`` for a V4.1 ratio-2 layer; a
-        ratio-1 layer has no ``c4_state``). User-registered channels are not listed."""
+        ratio-1 layer has no ``c4_state``). User-registered channels are not listed. A V4.1 layer that is not
+        its own :meth:`kv_source` lists the same channels as its source; it writes none of them."""
         check_int("layer", layer, lo=0, hi=self.num_layers - 1)
         kind, r = self.layer_kind(layer), self.compress_ratios[layer]
         wants = {"swa": {"swa"}, "c4": {"swa", "c4a", "c4i", "c4_state"},
@@ -236,6 +241,16 @@ class DSV4Layout:
             raise ValueError(f"layer: layer {layer} is served by no group of this layout (an MTP draft layer "
                              f"the engine's plan leaves out)")
         return out
+
+    def kv_source(self, layer: int) -> Optional[int]:
+        """The layer whose compressed cache (and compressor state) compressed layer ``layer`` reads: itself in
+        V4 and for a V4.1 source, else the nearest of :attr:`kv_sources` below it (vLLM's ``kv_source_layer_id``,
+        :func:`~dsv4_index.engine_plan.kv_owners`); None for an SWA-only layer. Every layer of one ratio reads
+        the same channels (slots are per request, not per layer): a consumer that follows the engine writes
+        the compressed rows and the compressor state (``layer_channels(layer)``'s ``*_state``) only where
+        ``kv_source(layer) == layer``."""
+        check_int("layer", layer, lo=0, hi=self.num_layers - 1)
+        return kv_owners(self.compress_ratios, self.kv_sources).get(layer)
 
     def with_channel(self, spec: ChannelSpec) -> "DSV4Layout":
         """A new layout with one more (user-registered) channel."""

@@ -79,7 +79,7 @@ def derive_layout(cfg: dict, max_model_len: int, *, mla_block_size, swa_block_si
                 sliding_window=model.window, index_topk=model.index_topk, compress_ratios=model.ratios,
                 num_layers=len(model.ratios), c4_ratio=model.r4, c128_ratio=model.r128,
                 indexer_causal_indices=bool(indexer_causal_indices), cp_world_size=args.cp_world_size,
-                cp_interleave=args.cp_interleave)
+                cp_interleave=args.cp_interleave, kv_sources=model.kv_sources)
 
 
 def _check_arguments(max_model_len, sliding_tables, circular, cp_world_size, cp_interleave, mla_block_size,

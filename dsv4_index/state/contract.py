@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 
 from ._index import cp_owned, window_start
-from .ownership_checks import holders_by_key
 
 __all__ = ["full_checks"]
 
@@ -224,7 +223,7 @@ def _sliding_duplicates(o, st) -> None:
         _twice(o, key, slot)
     hits = np.flatnonzero(sl & ~st.acq_fill)
     hits = hits[st.N0r.take(st.acq_run.take(hits)) > 0]  # NOTE: rows that held blocks before the step
-    held = holders_by_key(o, st.acq.take(hits), st) if hits.size else {}
+    held = o.holders_by_key(st.acq.take(hits), st) if hits.size else {}
     for h in hits.tolist():
         key, slot = int(st.acq[h]), int(st.acq_slot[h])
         if any(s == slot for s, _, how in held[key] if how == "held"):

@@ -226,6 +226,16 @@ class BlockOwners:
         being checked (``how``: ``"held"``, or ``"acquired"`` in this step); slow (error path)."""
         return self.holders_of(g, [kid], st)[int(kid)]
 
+    def holders_by_key(self, keys: np.ndarray, st: Optional[Step] = None) -> Dict[int, List[Tuple[int, int, str]]]:
+        """``{id key: holders}`` (:meth:`holders`) of id keys ``keys`` (``id * G + gid``), one table scan per
+        group (:meth:`holders_of`)."""
+        keys = np.unique(keys)
+        out = {}
+        for g in np.unique(keys % self.G).tolist():
+            for kid, hs in self.holders_of(g, keys[keys % self.G == g] // self.G, st).items():
+                out[kid * self.G + g] = hs
+        return out
+
     def holders_of(self, g: int, kids, st: Optional[Step] = None) -> Dict[int, List[Tuple[int, int, str]]]:
         """:meth:`holders` of every kernel id of ``kids`` in group ``g``, with one scan of the group's table
         (a step with many suspects costs one scan per group, not one per suspect)."""

@@ -40,20 +40,9 @@ def check_runs(o, st: Step) -> None:
             bad |= count_in(srt, fk) > 1
     sus = fill[bad]
     if sus.size:
-        held = holders_by_key(o, st.acq.take(sus), st)
+        held = o.holders_by_key(st.acq.take(sus), st)
         for i in sus.tolist():
             _judge(o, st, i, held[int(st.acq[i])])
-
-
-def holders_by_key(o, keys: np.ndarray, st: Step) -> dict:
-    """``{id key: holders}`` (:meth:`~.owners.BlockOwners.holders`) of ``keys``, one table scan per group."""
-    keys = np.unique(keys)
-    out = {}
-    for g in np.unique(keys % o.G).tolist():
-        kg = keys[keys % o.G == g]
-        for kid, hs in o.holders_of(g, kg // o.G, st).items():
-            out[kid * o.G + g] = hs
-    return out
 
 
 def _judge(o, st: Step, i: int, hs: list) -> None:
@@ -141,7 +130,7 @@ def check_rewinds(o, st: Step, suspects) -> None:
     if suspects is None:
         return
     t, b = o.tables, st.b
-    held = holders_by_key(o, suspects[0], st)
+    held = o.holders_by_key(suspects[0], st)
     for key, slot, p in zip(*(x.tolist() for x in suspects)):
         g, kid = key % o.G, key // o.G
         others = [h for h in held[key] if h[0] != slot]
@@ -171,7 +160,7 @@ def _check_reacquired(o, st: Step) -> None:
     sus = np.isin(keys, st.reacq[bad])  # NOTE: only these can have another holder (one table scan each)
     keys, slots, pos = keys[sus], slots[sus], pos[sus]
     t = o.tables
-    held = holders_by_key(o, keys, st) if keys.size else {}
+    held = o.holders_by_key(keys, st) if keys.size else {}
     for key, slot, p in zip(keys.tolist(), slots.tolist(), pos.tolist()):
         g, kid = key % o.G, key // o.G
         others = [h for h in held[key] if h[0] != slot]

@@ -77,6 +77,7 @@ def layout_to_json(layout: DSV4Layout) -> dict:
                    for g in layout.groups]
     d["channels"] = [dict(dataclasses.asdict(c), outputs=sorted(c.outputs)) for c in layout.channels.values()]
     d["compress_ratios"] = list(layout.compress_ratios)
+    d["kv_sources"] = list(layout.kv_sources)
     return d
 
 
@@ -84,7 +85,8 @@ def layout_from_json(d: dict) -> DSV4Layout:
     d = dict(d)
     groups = tuple(GroupSpec(**g) for g in d.pop("groups"))
     channels = {c["name"]: ChannelSpec(**dict(c, outputs=frozenset(c["outputs"]))) for c in d.pop("channels")}
-    return DSV4Layout(groups=groups, channels=channels, **dict(d, compress_ratios=tuple(d["compress_ratios"])))
+    return DSV4Layout(groups=groups, channels=channels, **dict(d, compress_ratios=tuple(d["compress_ratios"]),
+                                                               kv_sources=tuple(d.get("kv_sources", ()))))
 
 
 def pipeline_args(pipe) -> dict:

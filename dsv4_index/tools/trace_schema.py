@@ -124,7 +124,7 @@ _G_OPT = ("blocks_per_kv_block", "ring", "sharded", "role", "layers", "capacity"
 _C_REQ = ("name", "gid", "compress_ratio", "rows_per_block")
 _C_OPT = ("window", "index_width", "outputs", "compact", "builder")
 _L_REQ = ("groups", "channels", "max_model_len", "sliding_window", "index_topk", "compress_ratios", "num_layers")
-_L_OPT = ("c4_ratio", "c128_ratio", "indexer_causal_indices", "cp_world_size", "cp_interleave")
+_L_OPT = ("c4_ratio", "c128_ratio", "indexer_causal_indices", "cp_world_size", "cp_interleave", "kv_sources")
 
 
 def _group(at: _At, d, f: str, i: int) -> GroupSpec:
@@ -212,6 +212,8 @@ def _layout(at: _At, d) -> DSV4Layout:
     kw["indexer_causal_indices"] = at.bool(d.get("indexer_causal_indices", False), "layout.indexer_causal_indices")
     kw["cp_world_size"] = at.int(d.get("cp_world_size", 1), "layout.cp_world_size", 1, LIMITS["cp"])
     kw["cp_interleave"] = at.int(d.get("cp_interleave", 1), "layout.cp_interleave", 1, LIMITS["block_size"])
+    kw["kv_sources"] = tuple(at.int(x, f"layout.kv_sources[{i}]", 0, max(kw["num_layers"] - 1, 0))
+                             for i, x in enumerate(at.list(d.get("kv_sources", []), "layout.kv_sources")))
     at.unchecked |= _passthrough(d, extra, kw)
     try:
         layout = DSV4Layout(groups=groups, channels=channels, **kw)
@@ -250,7 +252,7 @@ def _derivable(at: _At, layout: DSV4Layout) -> None:
         return
     config = dict(num_hidden_layers=len(layout.compress_ratios), num_nextn_predict_layers=0,
                   compress_ratios=list(layout.compress_ratios), sliding_window=layout.sliding_window,
-                  index_topk=layout.index_topk)
+                  index_topk=layout.index_topk, kv_source_layer_ids=list(layout.kv_sources))
     try:
         derived = rebuild_layout(layout, config)
     except ValueError as e:

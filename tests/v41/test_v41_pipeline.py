@@ -41,6 +41,26 @@ def test_shipped_v41_flash_layout():
     assert DSV4Layout.from_config("v41_flash", 8192, circular={"c2_state": 16}).group("c2_state").block_size == 16
 
 
+def test_kv_source_is_the_nearest_source_at_or_below():
+    """``kv_source(layer)``: the layer whose compressed cache a V4.1 layer reads (vLLM's ``kv_source_layer_id``,
+    written out here from the shipped config); V4 layers read their own; SWA-only layers none. The sources
+    survive a trace's layout JSON."""
+    from dsv4_index.tools.trace import layout_from_json, layout_to_json
+    cfg = shipped_config("v41_flash")
+    src = cfg["kv_source_layer_ids"]
+    lay = DSV4Layout.from_config("v41_flash", max_model_len=8192)
+    assert lay.kv_sources == tuple(src) and len(src) >= 2
+    for i, r in enumerate(cfg["compress_ratios"]):
+        want = None if r == 0 else max(s for s in src if s <= i)
+        assert lay.kv_source(i) == want, i
+    assert lay.kv_source(src[1]) == src[1] and lay.kv_source(src[1] + 1) == src[1]
+    assert layout_from_json(layout_to_json(lay)) == lay
+    v4 = DSV4Layout.from_config("flash", max_model_len=8192)
+    assert v4.kv_sources == () and v4.kv_source(2) == 2 and v4.kv_source(0) is None
+    with pytest.raises(ValueError, match="layer"):
+        lay.kv_source(lay.num_layers)
+
+
 def test_one_sliding_group_per_layer():
     lay = DSV4Layout.from_config("v41_flash", max_model_len=8192, swa_group_per_layer=True)
     names = [g.name for g in lay.groups]
