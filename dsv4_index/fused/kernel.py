@@ -24,7 +24,7 @@ from __future__ import annotations
 from .._triton import triton, tl
 
 from ..ops._device import (causal_row, causal_row_blocks, circular_split, compressed_slot, decode_row_lens, raw_slot,
-                           visible_rows, window_len, window_row, window_row_blocks)
+                           visible_rows, window_chunk, window_len)
 from ..state.staging import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START,
                              OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, ROW_ARRAY_PAD, W_DESTS, W_VALUES)
 from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, FLAG_CIRCULAR, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR,
@@ -185,12 +185,8 @@ def _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j, 
     BC: tl.constexpr = TAB[TI * NF + S_BC]
     BT: tl.constexpr = TAB[TI * NF + S_BT]
     if KIND == WINDOW:
-        WBS: tl.constexpr = TAB[TI * NF + S_BLOCK_SIZE]
-        if BLOCK_LOADS and 2 * WBS >= BC:  # NOTE: a chunk spans at most three blocks: one read per block
-            idx = window_row_blocks(bt, row, first, n, j0, WBS, twidth, ring, stride, stage_ptr, lo, hi, pay, True,
-                                    BC)
-        else:
-            idx = window_row(bt, row, first, n, j, WBS, twidth, ring, stride, stage_ptr, lo, hi, pay, True)
+        idx = window_chunk(bt, row, first, n, j0, j, TAB[TI * NF + S_BLOCK_SIZE], twidth, ring, stride, stage_ptr, lo,
+                           hi, pay, True, BC, BLOCK_LOADS)
         if CIRCULAR:
             idx = circular_split(idx, t, pos, first, n, j, q_start)
     else:

@@ -236,6 +236,20 @@ def window_row_blocks(bt_ptr, row, first, n, j0, block_size: tl.constexpr, table
 
 
 @triton.jit
+def window_chunk(bt_ptr, row, first, n, j0, j, block_size: tl.constexpr, table_width, ring_cols, row_stride,
+                 stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY: tl.constexpr, BC: tl.constexpr,
+                 BLOCK_LOADS: tl.constexpr):
+    """Window columns ``j = j0 + [0, BC)``: one table read per block where a chunk spans at most three blocks
+    (``BLOCK_LOADS``, :func:`window_row_blocks`), else one per column (:func:`window_row`)."""
+    if BLOCK_LOADS and 2 * block_size >= BC:
+        return window_row_blocks(bt_ptr, row, first, n, j0, block_size, table_width, ring_cols, row_stride,
+                                 stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY, BC)
+    else:
+        return window_row(bt_ptr, row, first, n, j, block_size, table_width, ring_cols, row_stride, stage_ptr,
+                          ov_lo, ov_hi, ov_pay, HAS_OVERLAY)
+
+
+@triton.jit
 def circular_split(idx, t, pos, first, n, j, q_start):
     """Window entries of a circular group (docs/DESIGN.md §4 "circular group"): an entry whose position
     ``p = first + j`` lies inside the request's chunk of this step is read from the step's own token
