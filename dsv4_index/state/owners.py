@@ -221,14 +221,9 @@ class BlockOwners:
             ck[st.kr_s] = np.where(st.inb_s, st.F1r_s, st.e_s)
             rl[st.kr_s] = st.Lr_s
 
-    def holders(self, g: int, kid: int, st: Optional[Step] = None) -> List[Tuple[int, int, str]]:
-        """``(slot, block position, how)`` of every holder of kernel id ``kid`` in group ``g`` after the step
-        being checked (``how``: ``"held"``, or ``"acquired"`` in this step); slow (error path)."""
-        return self.holders_of(g, [kid], st)[int(kid)]
-
     def holders_by_key(self, keys: np.ndarray, st: Optional[Step] = None) -> Dict[int, List[Tuple[int, int, str]]]:
-        """``{id key: holders}`` (:meth:`holders`) of id keys ``keys`` (``id * G + gid``), one table scan per
-        group (:meth:`holders_of`)."""
+        """``{id key: holders}`` (:meth:`holders_of`) of id keys ``keys`` (``id * G + gid``), one table scan per
+        group."""
         keys = np.unique(keys)
         out = {}
         for g in np.unique(keys % self.G).tolist():
@@ -237,8 +232,10 @@ class BlockOwners:
         return out
 
     def holders_of(self, g: int, kids, st: Optional[Step] = None) -> Dict[int, List[Tuple[int, int, str]]]:
-        """:meth:`holders` of every kernel id of ``kids`` in group ``g``, with one scan of the group's table
-        (a step with many suspects costs one scan per group, not one per suspect)."""
+        """``{kernel id: [(slot, block position, how)]}``: every holder of each id of ``kids`` in group ``g``
+        after the step being checked (``how``: ``"held"``, or ``"fill"`` / ``"hit"`` acquired in this step), with
+        one scan of the group's table (a step with many suspects costs one scan per group, not one per
+        suspect); slow (suspect and error paths)."""
         t = self.tables
         want = np.unique(np.asarray(kids, dtype=np.int64))
         out: Dict[int, List[Tuple[int, int, str]]] = {k: [] for k in want.tolist()}

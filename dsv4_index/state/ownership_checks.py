@@ -1,7 +1,7 @@
 """The judging half of :mod:`.owners`' rules on a planned :class:`~.ownership_rules.Step`: fills against
 other holders (rule 3), blocks held again after a window moved back, and rows writing below their frontier
-(rule 4). Each suspect goes through :meth:`BlockOwners.holders` (slow, the rare path) before a one-line
-error naming both holders.
+(rule 4). The suspects go through :meth:`BlockOwners.holders_by_key` (one table scan per group: the rare
+path) before a one-line error naming both holders.
 """
 
 from __future__ import annotations
