@@ -126,6 +126,15 @@ def _read_config(cfg: dict) -> _Model:
                                                      for s in sources):
         raise ValueError(f"config['kv_source_layer_ids'] must be a list of compressed backbone layers (ints in "
                          f"[0, {n_hidden}) with a compress ratio > 0), got {sources!r}")
+    if sources:  # NOTE: a layer reads the nearest source at or below it: that cache must be of its ratio
+        src = sorted(set(int(s) for s in sources))
+        for i, r in enumerate(ratios):
+            below = [s for s in src if s <= i]
+            if r > 0 and (not below or ratios[below[-1]] != r):
+                raise ValueError(f"config['kv_source_layer_ids'] {list(src)}: compressed layer {i} (ratio {r}) "
+                                 + (f"reads layer {below[-1]}'s cache, of ratio {ratios[below[-1]]}" if below else
+                                    "has no source at or below it") + ": every compressed layer needs a source of "
+                                 "its own ratio at or below it (vLLM's kv_source_layer_id rule)")
     return _Model(n_hidden, ratios, window, kinds, r4, r128, index_topk, tuple(int(s) for s in sources))
 
 

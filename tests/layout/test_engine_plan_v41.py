@@ -63,6 +63,19 @@ def test_a_plan_without_the_sources_mla_cache_is_refused():
 
 @pytest.mark.parametrize("bad", [[2, 40], [0], ["2"], 2])
 def test_bad_kv_source_layer_ids_are_refused(bad):
+    """Not a list of compressed backbone layers."""
     cfg = dict(shipped_config("v41_flash"), kv_source_layer_ids=bad)
     with pytest.raises(ValueError, match="kv_source_layer_ids"):
+        DSV4Layout.from_kv_cache_config(fixture("v41_flash"), cfg, 8192)
+
+
+@pytest.mark.parametrize("bad, layer", [([2, 8, 14], 20), ([8, 20], 2), ([2, 8, 14, 21], 20)])
+def test_a_source_of_another_ratio_is_refused(bad, layer):
+    """Every compressed layer reads the nearest source at or below it (vLLM's ``kv_source_layer_id``): with
+    ``[2, 8, 14]`` the ratio-1 layer 20 would read ratio-2 layer 14's cache; with ``[8, 20]`` layers 2-7 have
+    no source. Refused by ``from_config`` and ``from_kv_cache_config``, naming the layer."""
+    cfg = dict(shipped_config("v41_flash"), kv_source_layer_ids=bad)
+    with pytest.raises(ValueError, match=rf"kv_source_layer_ids.*compressed layer {layer} "):
+        DSV4Layout.from_config(cfg, 8192)
+    with pytest.raises(ValueError, match=rf"kv_source_layer_ids.*compressed layer {layer} "):
         DSV4Layout.from_kv_cache_config(fixture("v41_flash"), cfg, 8192)
