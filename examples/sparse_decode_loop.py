@@ -191,9 +191,15 @@ def main(argv=None) -> int:
     groups = dict(default={}, vllm=dict(groups="vllm"), **{"per-layer": dict(swa_group_per_layer=True)})[args.groups]
     layout = DSV4Layout.from_config(cfg.to_dict(), MAX_LEN, mla_block_size=MLA_BLOCK, swa_block_size=SWA_BLOCK,
                                     indexer_causal_indices=True, circular=circular, **groups)
-    # one layer of each kind, labelled swa / c4 / c128 (V4) or swa / c1 / c2 (V4.1: by ratio)
+    # one layer of each kind, labelled swa / c4 / c128 (V4) or swa / c1 / c2 (V4.1: by ratio), and on V4.1
+    # the first layer of each ratio that reads its kv source's caches (c1_shared / c2_shared)
     kinds = {"swa": cfg.layer_ids("swa")[0],
              **{k.main[:-1]: cfg.compress_ratios.index(k.ratio) for k in ratio_kinds(cfg.compress_ratios)}}
+    for k in ratio_kinds(cfg.compress_ratios):  # NOTE: V4.1 KV sharing: a layer reading its kv source's caches
+        shared = [i for i, r in enumerate(cfg.compress_ratios) if r == k.ratio and cfg.kv_source(i) != i][:1]
+        kinds.update({f"{k.main[:-1]}_shared": i for i in shared})
+    kinds = dict(sorted(kinds.items(), key=lambda kv: kv[1]))  # NOTE: a step runs a source before its sharers
+    kind_of = {i: k for k, i in kinds.items()}
 
     # weights from the seed, round-tripped through a safetensors file
     ref = torch.nn.ModuleDict({k: init_weights(DSV4Attention(cfg, i), args.seed * 1000 + i) for k, i in kinds.items()})
@@ -292,7 +298,10 @@ def main(argv=None) -> int:
                     # NOTE: bounded replay after a prefix hit: window lists start at replay_start at the
                     # earliest (an engine discards the outputs of the replayed tokens, but they are
                     # defined: the dense model with the same floor; no token after them reaches it)
-                    ref_y = m.forward_dense(dense_in[rid], window_floor=v.replay_start)[v.num_computed_tokens:]
+                    src = None if m.kind == "swa" or m.owns_kv else \
+                        models[kind_of[m.kv_source]].compressed_rows(dense_in[rid])
+                    ref_y = m.forward_dense(dense_in[rid], window_floor=v.replay_start,
+                                            source_rows=src)[v.num_computed_tokens:]
                     d = (y[qsl[b]:qsl[b + 1]] - ref_y).abs()
                     e = max(e, torch.nan_to_num(d, nan=float("inf")).amax().item() if d.numel() else 0.0)
                     if kind == "swa":

@@ -178,13 +178,15 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer: ``score(t, j) = sum_h w_h(t) relu(q_h(t) . k_j)``."""
 
-    def __init__(self, config: DSV4Config, ratio: int, span: int = 0):
+    def __init__(self, config: DSV4Config, ratio: int, span: int = 0, own_keys: bool = True):
         super().__init__()
         h, d = config.index_n_heads, config.index_head_dim
         self.n_heads = h
         self.wq = nn.Linear(config.hidden_size, h * d, bias=False)
         self.wweights = nn.Linear(config.hidden_size, h, bias=False)
-        self.compressor = Compressor(config.hidden_size, d, span or 2 * ratio, config.rms_norm_eps)
+        # NOTE: the keys' compressor lives on the layer that owns the compressed caches (V4.1: its kv source)
+        self.compressor = Compressor(config.hidden_size, d, span or 2 * ratio, config.rms_norm_eps) if own_keys \
+            else None
 
     def scores(self, x: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """x float [T, hidden], keys float [T, N, d], valid bool [T, N] -> float [T, N] (-inf if not valid)."""
@@ -196,13 +198,21 @@ class Indexer(nn.Module):
 
 
 class DSV4Attention(nn.Module):
-    """One DSV4 attention layer; its kind comes from ``config.compress_ratios[layer_id]``."""
+    """One DSV4 attention layer; its kind comes from ``config.compress_ratios[layer_id]``.
+
+    KV sharing (DeepSeek-V4.1, ``config.kv_source(layer_id) != layer_id``): the layer has no compressor;
+    it reads the compressed rows and indexer keys of its kv source, which writes them (the source runs
+    first in a step); its indexer queries are its own. Dense: pass ``source_rows`` (the source's
+    :meth:`compressed_rows`); paged: :class:`PagedCaches` gives it the source's caches.
+    """
 
     def __init__(self, config: DSV4Config, layer_id: int):
         super().__init__()
         self.config, self.layer_id = config, layer_id
         self.kind = config.layer_kind(layer_id)  # "swa" | "c4" | "c128"
         self.ratio = config.compress_ratios[layer_id]
+        self.kv_source = config.kv_source(layer_id)  # NOTE: None for SWA-only layers
+        self.owns_kv = self.kv_source == layer_id
         H, D, hid, eps = config.num_attention_heads, config.head_dim, config.hidden_size, config.rms_norm_eps
         self.wq = nn.Linear(hid, H * D, bias=False)
         self.wkv = nn.Linear(hid, D, bias=False)
@@ -211,9 +221,10 @@ class DSV4Attention(nn.Module):
         self.wo = nn.Linear(H * D, hid, bias=False)
         if self.kind != "swa":
             span = config.compressor_span(layer_id)
-            self.compressor = Compressor(hid, D, span, eps)
+            if self.owns_kv:
+                self.compressor = Compressor(hid, D, span, eps)
         if self.kind == "c4":
-            self.indexer = Indexer(config, self.ratio, span)
+            self.indexer = Indexer(config, self.ratio, span, own_keys=self.owns_kv)
 
     # -- shared ------------------------------------------------------------------------------
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
@@ -239,17 +250,45 @@ class DSV4Attention(nn.Module):
         span_pos = last[:, None] - comp.span + torch.arange(comp.span, device=state.device)
         return comp.pool(state[span_pos.clamp(min=0)], span_pos >= 0)
 
-    def dense_topk(self, x: torch.Tensor) -> torch.Tensor:
+    def compressed_rows(self, x: torch.Tensor) -> dict:
+        """A kv source's compressed rows of a whole sequence ``x [L, hidden]``: ``{"comp": float [L // R, D]}``,
+        and on c4 layers ``"idx"``: the indexer's keys float [L // R, d]. What layers sharing its caches read."""
+        if not self.owns_kv:
+            raise ValueError(f"layer {self.layer_id} owns no compressed cache (its kv source: layer {self.kv_source})")
+        rows = {"comp": self._dense_rows(self.compressor, self.compressor.state(x))}
+        if self.kind == "c4":
+            rows["idx"] = self._dense_rows(self.indexer.compressor, self.indexer.compressor.state(x))
+        return rows
+
+    def _rows_of(self, x: torch.Tensor, source_rows: Optional[dict]) -> dict:
+        """This layer's compressed rows: its own, or its kv source's (``source_rows``, required then)."""
+        if self.owns_kv:
+            if source_rows is not None:
+                raise ValueError(f"source_rows: layer {self.layer_id} is its own kv source")
+            return self.compressed_rows(x)
+        if source_rows is None:
+            raise ValueError(f"source_rows: layer {self.layer_id} reads the compressed rows of its kv source, layer "
+                             f"{self.kv_source}: pass that layer's compressed_rows() of its own input")
+        return source_rows
+
+    def dense_topk(self, x: torch.Tensor, source_rows: Optional[dict] = None) -> torch.Tensor:
         """c4 layers: indexer top-k rows of each token of a whole sequence ``x [L, hidden]``;
-        int32 [L, index_topk], ``-1`` padded."""
+        int32 [L, index_topk], ``-1`` padded (``source_rows``: as in :meth:`forward_dense`)."""
+        return self._topk(x, self._rows_of(x, source_rows)["idx"])
+
+    def _topk(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """The indexer's top-k over the indexer keys float [n, d] of the sequence."""
         L, K = x.shape[0], self.config.index_topk
-        keys = self._dense_rows(self.indexer.compressor, self.indexer.compressor.state(x))  # [n, d]
         n_c = (torch.arange(L, device=x.device) + 1) // self.ratio
         visible = torch.arange(keys.shape[0], device=x.device)[None, :] < n_c[:, None]
         return select_topk(self.indexer.scores(x, keys.expand(L, -1, -1), visible), K)
 
-    def forward_dense(self, x: torch.Tensor, *, window_floor: int = 0) -> torch.Tensor:
+    def forward_dense(self, x: torch.Tensor, *, window_floor: int = 0,
+                      source_rows: Optional[dict] = None) -> torch.Tensor:
         """One whole sequence at positions ``0..L-1``: float [L, hidden] -> float [L, hidden].
+
+        ``source_rows``: a layer sharing its kv source's caches (V4.1) reads the source's rows, the source's
+        :meth:`compressed_rows` of the source's input; None for every other layer.
 
         ``window_floor``: the sliding window of every token starts at this position at the earliest
         (bounded replay after a prefix-cache hit, docs/DESIGN.md §4: what a replayed token's window list holds;
@@ -261,9 +300,10 @@ class DSV4Attention(nn.Module):
         win = pos[:, None] - W + 1 + torch.arange(W, device=x.device)  # [L, W], the token itself last
         keys, valid = [kv[win.clamp(min=0)]], [win >= max(0, window_floor)]
         if self.kind != "swa" and L >= self.ratio:
-            comp = self._dense_rows(self.compressor, self.compressor.state(x))  # [L // R, D]
+            own = self._rows_of(x, source_rows)
+            comp = own["comp"]  # [L // R, D]
             if self.kind == "c4":
-                rows = self.dense_topk(x).long()
+                rows = self._topk(x, own["idx"]).long()
             else:
                 rows = torch.arange(comp.shape[0], device=x.device).expand(L, -1)
                 rows = torch.where(rows < ((pos + 1) // self.ratio)[:, None], rows, -1)
@@ -327,7 +367,9 @@ class DSV4Attention(nn.Module):
         q, kv = self._qkv(x, meta.positions)
         swa = meta[ch["swa"]]
         write_rows(caches.swa, swa.slot_mapping, kv, ok)
-        if self.kind == "c4":
+        if not self.owns_kv:
+            pass  # NOTE: V4.1 KV sharing: the source wrote this step's compressed rows and state
+        elif self.kind == "c4":
             st = ch.get("c4_state")
             self._paged_compress(self.compressor, x, meta, st, ch["c4a"], caches.state, caches.comp)
             self._paged_compress(self.indexer.compressor, x, meta, st, ch["c4i"], caches.idx_state, caches.idx_comp)

@@ -36,8 +36,9 @@ class PagedCaches:
 
     Each layer's caches are the channels it reads (:meth:`DSV4Layout.layer_channels`: its own SWA group
     under vLLM's sub-groups or one group per layer, ``c2a`` / ``c1a`` on V4.1 ...); a channel's cache has
-    ``num_blocks * rows_per_block`` rows (its slots). ``fill`` pre-poisons every row (NaN by default) so
-    a read of a row nobody wrote shows up in the output.
+    ``num_blocks * rows_per_block`` rows (its slots). A V4.1 layer that shares its kv source's caches
+    (``config.kv_source(layer) != layer``) gets the source's compressed and state tensors themselves.
+    ``fill`` pre-poisons every row (NaN by default) so a read of a row nobody wrote shows up in the output.
 
     Raises ValueError at construction when the layout does not describe ``config``'s layers or lacks an
     option a layer needs (``indexer_causal_indices=True``: the c4 layers score every visible row).
@@ -57,7 +58,11 @@ class PagedCaches:
             kind = config.layer_kind(layer_id)
             ch = layer_channels(layout, layer_id, config)
             lc = LayerCache(swa=alloc(ch["swa"], D))
-            if kind == "c4":
+            src = config.kv_source(layer_id)
+            if src is not None and src != layer_id:  # NOTE: V4.1 KV sharing: the source's tensors (same channels)
+                s = self.layers[src]
+                lc.state, lc.comp, lc.idx_state, lc.idx_comp = s.state, s.comp, s.idx_state, s.idx_comp
+            elif kind == "c4":
                 lc.comp, lc.idx_comp = alloc(ch["c4a"], D), alloc(ch["c4i"], d)
                 if "c4_state" in ch:  # NOTE: V4.1's ratio-1 layers have no compressor state
                     lc.state, lc.idx_state = alloc(ch["c4_state"], 2 * D), alloc(ch["c4_state"], 2 * d)

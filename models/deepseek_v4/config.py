@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Tuple, Union
 
 from dsv4_index.config import CONFIG_DIR, SHIPPED  # the shipped configs are package data of dsv4_index
+from dsv4_index.engine_plan import kv_owners
 from dsv4_index.specs import ratio_kinds
 
 __all__ = ["DSV4Config", "load_config", "CONFIG_DIR"]
@@ -83,6 +84,13 @@ class DSV4Config:
         r = self.compress_ratios[layer_id]
         k = next(k for k in ratio_kinds(self.compress_ratios) if k.ratio == r)
         return k.state_window if k.state else r
+
+    def kv_source(self, layer_id: int):
+        """The layer whose compressed cache and compressor state a compressed layer reads: itself, or on
+        DeepSeek-V4.1 the nearest of ``kv_source_layer_ids`` at or below it (vLLM's ``kv_source_layer_id``,
+        :func:`dsv4_index.engine_plan.kv_owners`); None for an SWA-only layer."""
+        self.layer_kind(layer_id)  # NOTE: the range check
+        return kv_owners(self.compress_ratios, self.raw.get("kv_source_layer_ids") or ()).get(layer_id)
 
     def layer_ids(self, kind: str):
         """Layer ids of one kind, ascending."""

@@ -81,7 +81,8 @@ def test_sparse_decode_loop_any_layout(args):
     assert s["check_metadata passes"] == "40" and "OK: paged == dense" in out, out
     assert "events seen: chunked prefill, decode" in out and "prefix-cache hit, replayed tokens" in out, out
     if "tiny_v41" in args:
-        assert {"max |paged - dense| c1 (layer 2)", "max |paged - dense| c2 (layer 1)"} <= set(s), out
+        assert {"max |paged - dense| c1 (layer 3)", "max |paged - dense| c2 (layer 1)",
+                "max |paged - dense| c1_shared (layer 4)", "max |paged - dense| c2_shared (layer 2)"} <= set(s), out
         assert s["state groups"] == "circular", out
     assert s["writes into blocks held by another request"] == "0", out
 

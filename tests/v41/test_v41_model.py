@@ -5,6 +5,7 @@ tiny model (ratio-2 layers with the C2 state ring, ratio-1 layers without state)
 bounded replay included. A layout that lacks an option a layer needs is refused at construction."""
 
 import pytest
+import torch
 
 from dsv4_index import DSV4Layout
 from models.deepseek_v4 import DSV4Attention, PagedCaches, load_config
@@ -15,12 +16,34 @@ V41 = load_config("tiny_v41")
 
 
 def test_v41_tiny_config():
-    assert V41.compress_ratios == (0, 2, 1, 2, 1, 0)
+    assert V41.compress_ratios == (0, 2, 2, 1, 1, 0)
     assert [V41.layer_kind(i) for i in range(6)] == ["swa", "c4", "c4", "c4", "c4", "swa"]
-    assert [V41.compressor_span(i) for i in (1, 2)] == [4, 1]
-    assert layer_picks(V41) == [0, 2, 1]
-    m = DSV4Attention(V41, 2)
+    assert [V41.compressor_span(i) for i in (1, 3)] == [4, 1]
+    assert [V41.kv_source(i) for i in range(6)] == [None, 1, 1, 3, 3, None]
+    assert layer_picks(V41) == [0, 1, 2, 3, 4]  # NOTE: sources 1 and 3, and the layers reading their caches
+    m = DSV4Attention(V41, 3)
     assert m.compressor.span == 1 and m.indexer.compressor.span == 1
+
+
+def test_v41_kv_sharing_layers_have_no_compressor():
+    """A layer reading its kv source's caches (vLLM: no compressor, the source's indexer K cache, its own
+    indexer queries) computes no compressed row itself: dense needs the source's rows, paged the source's
+    cache tensors (the same objects)."""
+    m = DSV4Attention(V41, 2)
+    assert not m.owns_kv and m.kv_source == 1 and not hasattr(m, "compressor") and m.indexer.compressor is None
+    assert not any("compressor" in n for n, _ in m.named_parameters())
+    x = torch.randn(12, V41.hidden_size)
+    with pytest.raises(ValueError, match="source_rows: layer 2 reads the compressed rows of its kv source, layer 1"):
+        m.forward_dense(x)
+    src = DSV4Attention(V41, 1)
+    with pytest.raises(ValueError, match="source_rows: layer 1 is its own kv source"):
+        src.forward_dense(x, source_rows=src.compressed_rows(x))
+    with pytest.raises(ValueError, match="layer 2 owns no compressed cache"):
+        m.compressed_rows(x)
+    lay = DSV4Layout.from_config(V41.to_dict(), 256, mla_block_size=32, swa_block_size=4, indexer_causal_indices=True)
+    c = PagedCaches(V41, lay, 8)
+    assert c[2].comp is c[1].comp and c[2].idx_comp is c[1].idx_comp and c[2].state is c[1].state
+    assert c[4].comp is c[3].comp and c[4].state is None and c[2].swa is not c[1].swa
 
 
 def test_missing_option_is_named_at_construction():
@@ -39,8 +62,8 @@ def test_caches_sized_per_layer():
                                  indexer_causal_indices=True, swa_group_per_layer=True)
     c = PagedCaches(V41, lay, 8)
     assert c[1].state.shape == (8 * 8, 2 * V41.head_dim)       # c2_state: one ring block of 8 rows
-    assert c[2].state is None and c[2].idx_state is None        # ratio 1: no compressor state
-    assert c[1].comp.shape[0] == 8 * 16 and c[2].comp.shape[0] == 8 * 32  # S = 32 // R
+    assert c[3].state is None and c[3].idx_state is None        # ratio 1: no compressor state
+    assert c[1].comp.shape[0] == 8 * 16 and c[3].comp.shape[0] == 8 * 32  # S = 32 // R
     assert c[0].swa.shape[0] == 8 * 4
 
 

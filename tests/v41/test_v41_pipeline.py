@@ -222,14 +222,15 @@ def test_engine_groups_by_layer_names():
     names = [f"model.layers.{i}.attn.swa_cache" for i in range(6)]
     groups = [{"layer_names": [n]} for n in names] + [
         {"layer_names": [f"model.layers.{i}.attn.kv_cache" for i in (1, 2, 3, 4)]},
-        {"layer_names": [f"model.layers.{i}.attn.compressor.state_cache" for i in (1, 3)]
-         + [f"model.layers.{i}.attn.indexer.compressor.state_cache" for i in (1, 3)]}]
+        {"layer_names": [f"model.layers.{i}.attn.compressor.state_cache" for i in (1, 2)]
+         + [f"model.layers.{i}.attn.indexer.compressor.state_cache" for i in (1, 2)]}]
     lay = DSV4Layout.from_config("tiny_v41", 512, mla_block_size=16, groups=groups)
     assert [(g.name, g.role, g.kind) for g in lay.groups][5:] == \
         [("swa_5", "swa", "sliding"), ("mla", "mla", "full"), ("c2_state", "c2_state", "circular")]
-    assert lay.layer_channels(3) == {"swa": "swa_3", "c4a": "c2a", "c4i": "c2i", "c4_state": "c2_state"}
-    bad = groups[:-1] + [{"layer_names": ["model.layers.2.attn.compressor.state_cache"]}]
-    with pytest.raises(ValueError, match=r"layer 2 \(ratio 1\) has none"):
+    assert lay.layer_channels(2) == {"swa": "swa_2", "c4a": "c2a", "c4i": "c2i", "c4_state": "c2_state"}
+    assert lay.layer_channels(3) == {"swa": "swa_3", "c4a": "c1a", "c4i": "c1i"}
+    bad = groups[:-1] + [{"layer_names": ["model.layers.3.attn.compressor.state_cache"]}]
+    with pytest.raises(ValueError, match=r"layer 3 \(ratio 1\) has none"):
         DSV4Layout.from_config("tiny_v41", 512, mla_block_size=16, groups=bad)
 
 
