@@ -136,6 +136,60 @@ def sweep(args):
         args.out.write_text(json.dumps(out, indent=1))
 
 
+def fold_sweep(args):
+    """The large tiles at each ``--fold-sweep`` entry (``F`` or ``FrN``: ``TileConfig.fold = F``, ``maxnreg = N``) on
+    every ``--sweep-layouts`` layout and ``--sweep-cases`` case, each plan's outputs checked against the
+    pipeline's build; ``--rounds`` interleaved rounds of every arm, medians, and the ratio of each layout to
+    the first one per arm."""
+    from dsv4_index.fused.plan import LARGE, FusedPlan
+    cfgs = []
+    for tok in args.fold_sweep.split(","):
+        f, _, r = tok.partition("r")
+        cfgs.append((tok, replace(LARGE, fold=int(f), maxnreg=int(r or 0))))
+    arms = []
+    for lname, name in [(lname, name) for name in CASES for lname in args.sweep_layouts.split(",")
+                        if not args.sweep_cases or name in args.sweep_cases.split(",")]:
+        cfg_name, _, groups = lname.partition(":")
+        layout = DSV4Layout.from_config(cfg_name, max_model_len=131072, **({"groups": groups} if groups else {}))
+        pipe = make_pipe(layout, CASES[name], True)
+        wl, _ = steady(layout, CASES[name], pipe, 3)
+        batch, _ = wl.next_step()
+        pipe.update(batch)
+        pipe.build()
+        lay = pipe.stage_layout
+        outs = list({o.data_ptr(): o for t in pipe.fused_plan.tasks for o in t.outputs if o is not None}.values())
+        want = [o.clone() for o in outs]
+        for tag, cfg in cfgs:
+            plan = FusedPlan(pipe.fused_plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, pipe.ctx.next_n,
+                             tiny=cfg, small=cfg, large=cfg, large_from=0)
+            for o in outs:
+                o.fill_(True if o.dtype == torch.bool else -7)
+            plan.launch(lay)
+            _sync(pipe.device)
+            bad = sum(not torch.equal(a, b) for a, b in zip(outs, want))
+            assert bad == 0, f"fold sweep {lname} {name} {tag}: {bad} outputs differ from the pipeline's build"
+            k = plan._variants[2]["kernel"]
+            arms.append(dict(layout=lname, case=name, cfg=tag, plan=plan, lay=lay,
+                             programs=plan.num_programs(lay.t_pad), regs=getattr(k, "n_regs", None),
+                             spills=getattr(k, "n_spills", None), graph_us=[]))
+    for _ in range(args.rounds):
+        for a in arms:
+            a["graph_us"].append(graph_time(lambda: a["plan"].launch(a["lay"]), args.k, args.replays)[0])
+    first = {}
+    out = []
+    for a in arms:
+        med = statistics.median(a["graph_us"])
+        first.setdefault((a["case"], a["cfg"]), med)
+        ratio = med / first[(a["case"], a["cfg"])]
+        rounds = " ".join(f"{x:.2f}" for x in a["graph_us"])
+        print(f"fold sweep | {a['layout']} | {a['case']} | {a['cfg']} | programs {a['programs']} | regs {a['regs']} "
+              f"spills {a['spills']} | graph µs median {med:.2f} (rounds: {rounds}) | / first layout {ratio:.3f}",
+              flush=True)
+        out.append({k: v for k, v in a.items() if k not in ("plan", "lay")} | dict(median_us=med, ratio=ratio))
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+
+
 def _arms(t_pad: int):
     """(name, tiny, small, large) of the same-run comparison: round 1's kernel (``r1``: one table read
     per causal column everywhere) against per-block causal reads (``blocks``) and, for small-variant
@@ -485,6 +539,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="fused-launch tile sweep (both variants, every case)")
     ap.add_argument("--sweep-layouts", default="flash", help="with --sweep: layouts (e.g. flash,flash:vllm)")
     ap.add_argument("--sweep-cases", default="", help="with --sweep: comma-separated case names (default all)")
+    ap.add_argument("--fold-sweep", default="", help="large tiles at these folds (F or FrN: maxnreg N), with "
+                    "--sweep-layouts, --sweep-cases and --rounds")
+    ap.add_argument("--cases", default="", help="comma-separated case names of the timing table (default: all)")
     ap.add_argument("--no-host", action="store_true", help="skip the host-time phases")
     ap.add_argument("--floors", action="store_true", help="launch floors (empty kernels) and the write bandwidth")
     ap.add_argument("--topk-sweep", action="store_true", help="top-k conversion tiles (rows x warps)")
@@ -501,6 +558,9 @@ def main():
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_step.py: every mode but --smoke needs CUDA (try --smoke --device cpu)")
+    if args.fold_sweep:
+        fold_sweep(args)
+        return
     if args.sweep:
         sweep(args)
         return
@@ -526,6 +586,8 @@ def main():
         torch.cuda.synchronize()
         return
     names = ["decode B=1", "decode B=256", "MTP 256x2", "prefill 8K"] if args.quick else list(CASES)
+    if args.cases:
+        names = [n for n in names if n in args.cases.split(",")]
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "k": args.k, "cases": []}
     rows = []
     floor0 = empty_floor(args)

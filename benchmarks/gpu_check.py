@@ -84,13 +84,16 @@ def main():
         ("tiny circular", DSV4Layout.from_config("tiny", max_model_len=1024, mla_block_size=16, swa_block_size=8,
                                                  circular={"c128_state": 64}), dict(long_prefill_threshold=32)),
         ("flash", DSV4Layout.from_config("flash", max_model_len=16384), {}),
+        # NOTE: five groups, two SWA groups of one code: the large tiles fold them into one program
+        ("flash vllm", DSV4Layout.from_config("flash", max_model_len=16384, groups="vllm"), {}),
     ]
     if args.cases is not None:
         cases = [c for c in cases if c[0] in args.cases.split(",")]
     for name, layout, kw in cases:
         for large_from, label in ((None, "default tiles"), (1, "large tiles forced")):
-            n = compare(layout, args.steps, seed=1, max_reqs=8, max_tokens=256 if name == "flash" else 64, spec=1,
-                        validate_every=10, num_blocks=4000 if name == "flash" else 96, large_from=large_from,
+            flash = name.startswith("flash")
+            n = compare(layout, args.steps, seed=1, max_reqs=8, max_tokens=256 if flash else 64, spec=1,
+                        validate_every=10, num_blocks=4000 if flash else 96, large_from=large_from,
                         device=args.device, **kw)
             print(f"OK {name} ({label}): {n} steps, GPU fused == reference (outputs, tables, top-k)", flush=True)
     if args.long_steps:

@@ -26,12 +26,13 @@ from .._triton import triton, tl
 from ..ops._device import (causal_row, causal_row_blocks, circular_split, compressed_slot, decode_row_lens, raw_slot,
                            visible_rows, window_chunk, window_len)
 from ..state.staging import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START,
-                             OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, ROW_ARRAY_PAD, W_DESTS, W_VALUES)
+                             ROW_ARRAY_PAD, W_DESTS, W_VALUES)
 from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, FLAG_CIRCULAR, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR,
-                    G_GID, G_RING, G_STRIDE, G_TABLE, G_WIDTH, HAS_OUT1, HAS_OUT2, HAS_OUT3, INDEXER, NF, OUTS_GEO,
-                    OUTS_WORDS, REPLAYS, REQUESTS, S_BC, S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_EXTRA, S_FLAGS,
-                    S_HAS, S_KIND, S_MUL, S_NCHUNK, S_NEXT_N, S_NPROG, S_RATIO, S_REP, S_RING, S_ROWS_PER_BLOCK,
+                    G_TABLE, HAS_OUT1, HAS_OUT2, HAS_OUT3, INDEXER, NF, OUTS_WORDS, REPLAYS, REQUESTS, S_BC,
+                    S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_EXTRA, S_FLAGS, S_FOLD, S_HAS, S_KIND, S_NCHUNK,
+                    S_NEXT_N, S_NPROG, S_RATIO, S_REP, S_RING, S_ROWS_PER_BLOCK,
                     S_START, S_TASK, S_WIDTH, S_WINDOW, STAGED_COPY, TOKEN_ROWS, WINDOW)
+from .window import out_ptr, overlay, table_words, token_rows, window_fold
 
 # NOTE: the staging format's numbers are plain ints (state/staging.py is host code); Triton reads a
 # global in @triton.jit code only as a tl.constexpr (the interpreter reads plain ints too), hence the
@@ -44,28 +45,9 @@ _H_NUM_DECODES: tl.constexpr = tl.constexpr(H_NUM_DECODES)
 _H_NUM_WRITES: tl.constexpr = tl.constexpr(H_NUM_WRITES)
 _H_REPLAY_START: tl.constexpr = tl.constexpr(H_REPLAY_START)
 _H_REPLAY_END: tl.constexpr = tl.constexpr(H_REPLAY_END)
-_OVERLAY_STRIDE: tl.constexpr = tl.constexpr(OVERLAY_STRIDE)
-_OV_LO: tl.constexpr = tl.constexpr(OV_LO)
-_OV_HI: tl.constexpr = tl.constexpr(OV_HI)
-_OV_PAY: tl.constexpr = tl.constexpr(OV_PAY)
 _ROW_ARRAY_PAD: tl.constexpr = tl.constexpr(ROW_ARRAY_PAD)
 _W_VALUES: tl.constexpr = tl.constexpr(W_VALUES)
 _W_DESTS: tl.constexpr = tl.constexpr(W_DESTS)
-
-
-@triton.jit
-def _out(base32, base64, base8, orow, TAB: tl.constexpr, TI: tl.constexpr, K: tl.constexpr,
-         ESIZE: tl.constexpr):
-    """Pointer to output ``K`` of spec ``TI``, ``orow`` its task's row of ``outs`` (element offsets / the
-    output's unit)."""
-    MUL: tl.constexpr = TAB[TI * NF + S_MUL + K]
-    off = tl.load(orow + K) * MUL
-    if ESIZE == 8:
-        return base64 + off
-    elif ESIZE == 1:
-        return base8 + off
-    else:
-        return base32 + off
 
 
 @triton.jit
@@ -100,15 +82,15 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
         qsl = tl.load(stage_ptr + off_qsl + r, mask=r <= B, other=0)
         seq = tl.load(stage_ptr + off_seq + r, mask=r < B, other=0)
         slot = tl.load(stage_ptr + off_slots + r, mask=r < B, other=0)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + r, tl.where(r <= B, qsl, T),
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + r, tl.where(r <= B, qsl, T),
                  mask=r <= T_pad)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + r, seq, mask=r <= T_pad)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 2, 4) + r, slot, mask=r <= T_pad)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + r, seq, mask=r <= T_pad)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 2, 4) + r, slot, mask=r <= T_pad)
     elif KIND == REPLAYS:
         rs = tl.load(stage_ptr + off_rs + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_START) != 0), other=0)
         re = tl.load(stage_ptr + off_re + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + r, rs, mask=r <= T_pad)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + r, re, mask=r <= T_pad)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + r, rs, mask=r <= T_pad)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + r, re, mask=r <= T_pad)
     elif KIND == DECODE_LENS:
         NEXT_N: tl.constexpr = TAB[TI * NF + S_NEXT_N]
         nd = tl.load(stage_ptr + _H_NUM_DECODES)
@@ -122,14 +104,14 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
         n = tl.where(dec[:, None], n, 0)
         m = (r < T_pad)[:, None] & (j < NEXT_N)
         off = r.to(tl.int64)[:, None] * NEXT_N + j
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + off, n, mask=m)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + off, n, mask=m)
         if (HAS_OUT1 & TAB[TI * NF + S_HAS]) != 0:  # the clamped copy
-            tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + off, tl.maximum(n, 1), mask=m)
+            tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + off, tl.maximum(n, 1), mask=m)
     elif KIND == STAGED_COPY:
         src = _staged_array(stage_ptr, off_extra, rows, TAB, TI)
         last = tl.load(src + B)
         v = tl.load(src + r, mask=r <= B, other=0)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + r, tl.where(r <= B, v, last),
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + r, tl.where(r <= B, v, last),
                  mask=r <= T_pad)
 
 
@@ -202,21 +184,12 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t0, col0, T_
     """Token rows ``t0 + [0, BT)`` (index-list columns from ``col0``) of token task ``TI``: each token's
     batch row ``b`` and position, then the kind's outputs (:func:`_table_task` for the kinds that read
     the group's table)."""
-    t = t0 + tl.arange(0, TAB[TI * NF + S_BT])
-    in_out = t < T_pad
-    # NOTE: the token map is read under in_out (entries [T, T_pad] hold stale values, dropped by
-    # valid), so it loads beside the header instead of after it
-    T = tl.load(stage_ptr + _H_NUM_TOKENS)
-    b = tl.load(stage_ptr + off_tok + t, mask=in_out, other=0)
-    valid = t < T
-    b = tl.where(valid, b, 0)
-    seq = tl.load(stage_ptr + off_seq + b, mask=valid, other=0)
-    end = tl.load(stage_ptr + off_qsl + b + 1, mask=valid, other=0)
-    pos = tl.where(valid, seq - end + t, 0)
+    t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok,
+                                                    TAB[TI * NF + S_BT])
     if TAB[TI * NF + S_KIND] == COMMON:
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + t, b, mask=in_out)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 8) + t, pos.to(tl.int64), mask=in_out)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 2, 1) + t, valid.to(tl.int8), mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + t, b, mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 8) + t, pos.to(tl.int64), mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 2, 1) + t, valid.to(tl.int8), mask=in_out)
     else:
         _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, col0,
                     T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI, BLOCK_LOADS)
@@ -235,19 +208,10 @@ def _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b
     CPI: tl.constexpr = TAB[TI * NF + S_CPI]
     row = tl.load(stage_ptr + off_slots + b, mask=valid, other=0)
     # NOTE: table geometry words: loaded beside the token map, used two loads later
-    geo = orow + OUTS_GEO
+    geo, stride, twidth, ring, gid = table_words(orow, TAB[TI * NF + S_RING])
     bt = tables_ptr + tl.load(geo + G_TABLE)
-    stride = tl.load(geo + G_STRIDE)
-    twidth = tl.load(geo + G_WIDTH).to(tl.int32)
-    if TAB[TI * NF + S_RING] != 0:
-        ring = tl.load(geo + G_RING).to(tl.int32)
-    else:
-        ring = 0
     if KIND == WINDOW or KIND == CAUSAL or KIND == COMPRESSED:
-        ov = off_ov + (tl.load(geo + G_GID).to(tl.int32) * rows + b) * _OVERLAY_STRIDE
-        lo = tl.load(stage_ptr + ov + _OV_LO, mask=valid, other=0)
-        hi = tl.load(stage_ptr + ov + _OV_HI, mask=valid, other=0)
-        pay = tl.load(stage_ptr + ov + _OV_PAY, mask=valid, other=0)
+        lo, hi, pay = overlay(stage_ptr, off_ov, gid, rows, b, valid)
     if (FLAG_WRITE_FLOOR & TAB[TI * NF + S_FLAGS]) != 0:
         wfloor = tl.load(stage_ptr + off_re + b, mask=valid & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
     else:
@@ -259,25 +223,25 @@ def _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b
         PB: tl.constexpr = TAB[TI * NF + S_ROWS_PER_BLOCK]
         n = visible_rows(pos, valid, R, CPW, CPR, CPI)
         n = tl.minimum(tl.minimum(n, TAB[TI * NF + S_WIDTH]), twidth * PB)
-        _index_rows(stage_ptr, bt, _out(base32, base64, base8, orow, TAB, TI, 0, 4), t, in_out, row,
+        _index_rows(stage_ptr, bt, out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4), t, in_out, row,
                     pos, n, n, pos, lo, hi, pay, col0, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
         if col0 == 0:
-            tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + t, n, mask=in_out)
+            tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + t, n, mask=in_out)
     elif KIND == COMPRESSED:
         _compressed_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, row, bt,
                          stride, twidth, lo, hi, pay, wfloor, T_pad, rows, off_qsl, off_extra, TAB, TI)
     elif KIND == INDEXER:
         n = visible_rows(pos, valid, R, CPW, CPR, CPI)
         ks = tl.load(_staged_array(stage_ptr, off_extra, rows, TAB, TI) + b, mask=valid, other=0)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + t, n, mask=in_out)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + t, ks, mask=in_out)
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 2, 4) + t, tl.where(valid, ks + n, 0), mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + t, n, mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + t, ks, mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 2, 4) + t, tl.where(valid, ks + n, 0), mask=in_out)
         if (HAS_OUT3 & TAB[TI * NF + S_HAS]) != 0:  # max(lens, 1)
-            tl.store(_out(base32, base64, base8, orow, TAB, TI, 3, 4) + t, tl.maximum(n, 1), mask=in_out)
+            tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 3, 4) + t, tl.maximum(n, 1), mask=in_out)
     elif KIND == TOKEN_ROWS:
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 4) + t, tl.where(valid, row, -1), mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + t, tl.where(valid, row, -1), mask=in_out)
         # NOTE: n_c of every row, owned or not: top-k picks are global row ids
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + t, visible_rows(pos, valid, R, 1, 0, 1),
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + t, visible_rows(pos, valid, R, 1, 0, 1),
                  mask=in_out)
 
 
@@ -302,20 +266,20 @@ def _window_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, se
         q_start = tl.load(stage_ptr + off_qsl + b, mask=valid, other=0)
     else:
         q_start = tl.zeros_like(pos)
-    _index_rows(stage_ptr, bt, _out(base32, base64, base8, orow, TAB, TI, 0, 4), t, in_out, row,
+    _index_rows(stage_ptr, bt, out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4), t, in_out, row,
                 pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
     if col0 == 0:
-        tl.store(_out(base32, base64, base8, orow, TAB, TI, 1, 4) + t, n, mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + t, n, mask=in_out)
         if (HAS_OUT2 & HAS) != 0:  # slot_mapping
             slot = raw_slot(bt, row, pos, valid, wfloor, BLOCK_SIZE, twidth, ring, stride, CPW,
                             CPR, CPI, stage_ptr, lo, hi, pay, True)
-            tl.store(_out(base32, base64, base8, orow, TAB, TI, 2, 8) + t, slot, mask=in_out)
+            tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 2, 8) + t, slot, mask=in_out)
         if (HAS_OUT3 & HAS) != 0:  # tail_slot_mapping
             # NOTE: circular write plan: the last `capacity` tokens of the request's chunk; the
             # ring holds `ring` blocks of BLOCK_SIZE rows (a circular group's ring width is its block count)
             slot = raw_slot(bt, row, pos, valid, seq - BLOCK_SIZE * tl.maximum(ring, 1), BLOCK_SIZE, twidth, ring,
                             stride, CPW, CPR, CPI, stage_ptr, lo, hi, pay, True)
-            tl.store(_out(base32, base64, base8, orow, TAB, TI, 3, 8) + t, slot, mask=in_out)
+            tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 3, 8) + t, slot, mask=in_out)
 
 
 @triton.jit
@@ -327,7 +291,7 @@ def _compressed_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid
     slot = compressed_slot(bt, row, pos, valid, wfloor, R, TAB[TI * NF + S_ROWS_PER_BLOCK], twidth, stride,
                            TAB[TI * NF + S_CPW], TAB[TI * NF + S_CPR], TAB[TI * NF + S_CPI], stage_ptr, lo, hi, pay,
                            True)
-    tl.store(_out(base32, base64, base8, orow, TAB, TI, 0, 8) + t, slot, mask=in_out)
+    tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 8) + t, slot, mask=in_out)
     if (HAS_OUT1 & TAB[TI * NF + S_HAS]) != 0:
         # NOTE: compact form: the k-th row the request completes this step goes to cu[b] + k;
         # entries from cu[B] on are -1 (written by the token with that index: disjoint stores)
@@ -336,7 +300,7 @@ def _compressed_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid
         ctx = seq - (end - start)
         done = valid & ((pos + 1) % R == 0)
         e = tl.load(cu + b, mask=valid, other=0) + pos // R - ctx // R
-        compact = _out(base32, base64, base8, orow, TAB, TI, 1, 8)
+        compact = out_ptr(base32, base64, base8, orow, TAB, TI, 1, 8)
         tl.store(compact + e, slot, mask=done & (e < T_pad))
         total = tl.load(cu + tl.load(stage_ptr + _H_NUM_REQS))
         tl.store(compact + t, tl.full([TAB[TI * NF + S_BT]], -1, tl.int64), mask=in_out & (t >= total))
@@ -354,7 +318,14 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
     BT: tl.constexpr = TAB[TI * NF + S_BT]
     PER: tl.constexpr = T_SUPER // BT
     COLS: tl.constexpr = TAB[TI * NF + S_NCHUNK] * TAB[TI * NF + S_BC]
-    if (r >= START) & (r < START + NPROG * REP):
+    FOLD: tl.constexpr = TAB[TI * NF + S_FOLD]
+    if FOLD > 0:
+        if (r >= START) & (r < START + NPROG * (REP // FOLD)):
+            q = r - START
+            window_fold(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
+                         s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
+                         off_tok, off_ov, TAB, TI, BLOCK_LOADS)
+    elif (r >= START) & (r < START + NPROG * REP):
         q = r - START
         if REP > 1:
             orow = outs_ptr + (TAB[TI * NF + S_TASK] + q // NPROG) * OUTS_WORDS

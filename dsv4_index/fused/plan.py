@@ -26,13 +26,15 @@ __all__ = ["FusedPlan", "TileConfig"]
 # small programs (8 token rows x one 128-column chunk; 8 warps while the step is a handful of tokens, 16-row
 # 1-D tiles and 4 warps from 64 tokens on); prefill-sized steps want fewer, larger programs that write
 # whole index-list rows (8 token rows, chunks past every token's length stored as -1). Causal lists
-# read one table entry per block only in the whole-row variant (the small tiles are slower with it)
+# read one table entry per block only in the whole-row variant (the small tiles are slower with it). There,
+# one-chunk window lists load every table entry before their stores (fold=1: 64 registers, not 72); two
+# sliding groups in one program (fold=2) measured slower (benchmarks/results/h200_2026-12-02_s10/PREFILL.md)
 TINY = TileConfig(bt1=8, bt2=8, bc=128, whole_row=False, num_warps=8)
 SMALL = TileConfig(bt1=16, bt2=8, bc=128, whole_row=False, num_warps=4)
-LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4, block_loads=True)
+LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4, block_loads=True, fold=1)
 SMALL_FROM, LARGE_FROM = 64, 2048
 INTERP = TileConfig(bt1=64, bt2=16, bc=128, whole_row=False, num_warps=4)
-INTERP_LARGE = TileConfig(bt1=64, bt2=16, bc=64, whole_row=True, num_warps=4, block_loads=True)
+INTERP_LARGE = TileConfig(bt1=64, bt2=16, bc=64, whole_row=True, num_warps=4, block_loads=True, fold=1)
 
 
 class FusedPlan:
@@ -142,7 +144,7 @@ class FusedPlan:
         for v in self._variants:
             if v["kernel"] is None:
                 v["kernel"] = fused_step_kernel.warmup(*self._ptrs, 1, 1, *lay.kernel_args(), grid=(1,),
-                                                       num_warps=v["cfg"].num_warps, **v["consts"])
+                                                       **self._options(v["cfg"]), **v["consts"])
         self._compiled = self._variants[0]["kernel"]
 
     def grid(self, t_pad: int) -> int:
@@ -174,7 +176,11 @@ class FusedPlan:
     def _launch_jit(self, v: dict, lay: StageLayout):
         """The documented path: Triton's JIT call (binds arguments, picks the compiled kernel)."""
         grid, args = self._args(v, lay)
-        return fused_step_kernel[(grid,)](*args, num_warps=v["cfg"].num_warps, **v["consts"])
+        return fused_step_kernel[(grid,)](*args, **self._options(v["cfg"]), **v["consts"])
+
+    @staticmethod
+    def _options(cfg: TileConfig) -> dict:
+        return dict(num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 
     def _launch_direct(self, v: dict, k, lay: StageLayout) -> None:
         """Triton's private ``CompiledKernel.run`` with the positional layout of Triton 3.x (checked

@@ -85,7 +85,8 @@ S_NCHUNK: tl.constexpr = tl.constexpr(19)  # chunks per program (whole rows: eve
 S_START: tl.constexpr = tl.constexpr(20)   # first program of the unit in a super tile
 S_NPROG: tl.constexpr = tl.constexpr(21)   # programs of one task of the unit per super tile
 S_REP: tl.constexpr = tl.constexpr(22)     # tasks of the unit: S_TASK, S_TASK + 1, ... (same code, own outs rows)
-NF: tl.constexpr = tl.constexpr(23)
+S_FOLD: tl.constexpr = tl.constexpr(23)    # window units of one-chunk lists: tasks per program (0: one, unfolded)
+NF: tl.constexpr = tl.constexpr(24)
 MAX_OUTPUTS = 4
 
 # the parameter fields under their per-kind names (module table)
@@ -137,6 +138,9 @@ class TileConfig:
     every token's length stored as ``-1`` with no table work) instead of one chunk per program.
     block_loads : causal lists read one table entry per block (``S`` columns) and expand it,
         instead of one per column; window lists one per block when a chunk spans at most three.
+    fold : window units whose lists are one chunk (``width <= bc``) run ``fold`` of their ``S_REP`` tasks
+        in one program, every table read before any store (``fold`` divides ``S_REP``, else 1); 0: off.
+    maxnreg : registers per thread the compiled variant may use (0: the compiler's choice).
     """
 
     bt1: int = 8
@@ -145,6 +149,8 @@ class TileConfig:
     whole_row: bool = False
     num_warps: int = 4
     block_loads: bool = False
+    fold: int = 0
+    maxnreg: int = 0
 
     def __post_init__(self):
         for name in ("bt1", "bt2", "bc"):
@@ -225,11 +231,10 @@ def token_units(specs: Sequence[Tuple[int, ...]], tasks: Sequence["FusedTask"], 
             shapes.append((cfg.bt1, 1, 1, 1))
     t_super = max([bt for bt, *_ in shapes] or [1])
     units: List[List[int]] = []
-    start = 0
     for s, (bt, bc, nchunk, ncu) in zip(specs, shapes):
         nprog = ncu * (t_super // bt)
         u = list(s)
-        u[S_BT], u[S_BC], u[S_NCHUNK], u[S_START], u[S_NPROG], u[S_REP] = bt, bc, nchunk, start, nprog, 1
+        u[S_BT], u[S_BC], u[S_NCHUNK], u[S_NPROG], u[S_REP] = bt, bc, nchunk, nprog, 1
         last = units[-1] if units else None
         # NOTE: a task compiling to the last unit's code, in the next outs row, joins that unit (the
         # kernel's code grows with the kinds of code, not with the number of groups)
@@ -238,7 +243,13 @@ def token_units(specs: Sequence[Tuple[int, ...]], tasks: Sequence["FusedTask"], 
             last[S_REP] += 1
         else:
             units.append(u)
-        start += nprog
+    start = 0
+    for u in units:
+        # NOTE: a folded window program runs S_FOLD tasks of its unit (one chunk each: width <= bc)
+        one_chunk = u[S_KIND] == KINDS["window"] and u[S_NCHUNK] == 1 and u[S_NPROG] == t_super // u[S_BT]
+        u[S_FOLD] = (cfg.fold if u[S_REP] % cfg.fold == 0 else 1) if cfg.fold > 0 and one_chunk else 0
+        u[S_START] = start
+        start += u[S_NPROG] * (u[S_REP] // max(u[S_FOLD], 1))
     return tuple(v for u in units for v in u), t_super, max(start, 1)
 
 

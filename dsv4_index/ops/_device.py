@@ -115,8 +115,8 @@ def table_entry(bt_ptr,     # [rows, >= cols] int32
     col = blk
     if ring_cols > 0:
         col = blk % ring_cols
+    k = blk - ov_lo  # NOTE: the staged run's entry for this logical block, if it holds one (HAS_OVERLAY)
     if HAS_OVERLAY:
-        k = blk - ov_lo  # NOTE: the staged run's entry for this logical block, if it holds one
         if ring_cols > 0:
             # NOTE: a ring column holds the newest block written to it, and a staged run keeps at most
             # ring_cols ids (one per column): match by column, so every block of a circular group (one
@@ -125,12 +125,7 @@ def table_entry(bt_ptr,     # [rows, >= cols] int32
             lo_col = tl.where(lo_col < 0, lo_col + ring_cols, lo_col)
             k = col - lo_col            # in (-ring_cols, ring_cols): one add instead of a second modulo
             k = tl.where(k < 0, k + ring_cols, k)
-        staged = ok & (k >= 0) & (k < ov_hi - ov_lo)
-        v = tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok & (staged == 0), other=0)
-        w = tl.load(stage_ptr + ov_pay + k, mask=staged, other=0)
-        return tl.where(staged, w, v)
-    else:
-        return tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok, other=0)
+    return _entry_at(bt_ptr, row, col, k, ok, row_stride, stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY)
 
 
 @triton.jit
@@ -212,24 +207,56 @@ def window_row(bt_ptr, row, first, n, j, block_size, table_width, ring_cols, row
 @triton.jit
 def window_row_blocks(bt_ptr, row, first, n, j0, block_size: tl.constexpr, table_width, ring_cols, row_stride,
                       stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY: tl.constexpr, BC: tl.constexpr):
-    """:func:`window_row` of the ``BC`` columns ``j0 + [0, BC)`` with one table read per block instead of
-    one per column: the chunk's local positions ``first + j0 + [0, BC)`` span at most three blocks when
-    ``2 * block_size >= BC`` (callers' condition), read once per row (:func:`table_entry`, the same entry
-    :func:`window_row` reads for each of their columns) and selected per column. int32 ``[BT, BC]``."""
+    """:func:`window_row` of the ``BC`` columns ``j0 + [0, BC)``, one table read per block: the chunk spans at most
+    three blocks when ``2 * block_size >= BC`` (callers' condition), read once per row (:func:`window_blocks`),
+    selected per column (:func:`window_from_blocks`). int32 ``[BT, BC]``."""
+    e = window_blocks(bt_ptr, row, first, n, j0, block_size, table_width, ring_cols, row_stride, stage_ptr, ov_lo,
+                      ov_hi, ov_pay, HAS_OVERLAY, BC)
+    return window_from_blocks(e[0], e[1], e[2], first, n, j0, block_size, table_width, BC)
+
+
+@triton.jit
+def window_blocks(bt_ptr, row, first, n, j0, block_size: tl.constexpr, table_width, ring_cols, row_stride,
+                  stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY: tl.constexpr, BC: tl.constexpr):
+    """The entries :func:`table_entry` reads for the blocks ``b0 + [0, 3)`` of :func:`window_row_blocks`' chunk
+    (``b0 = (first + j0) // block_size >= 0``), the ring column and staged index stepped from b0's: 3 x ``[BT]``."""
+    b0 = (first + j0) // block_size
+    last = (first + tl.minimum(n, j0 + BC) - 1) // block_size  # NOTE: the chunk's last listed block
+    col, k = b0, b0 - ov_lo
+    if ring_cols > 0:
+        col = b0 % ring_cols  # NOTE: table_entry's column match, once; the next blocks' step and wrap
+        lo_col = ov_lo % ring_cols
+        k = col - tl.where(lo_col < 0, lo_col + ring_cols, lo_col)
+        k = tl.where(k < 0, k + ring_cols, k)
+    e = ()  # type: tuple
+    for i in tl.static_range(3):  # NOTE: b0 <= last wherever n > j0
+        e = e + (_entry_at(bt_ptr, row, col, k, (n > j0) & (b0 + i <= last) & (b0 + i < table_width), row_stride,
+                           stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY),)
+        col, k = col + 1, k + 1
+        if ring_cols > 0:
+            col = tl.where(col >= ring_cols, col - ring_cols, col)
+            k = tl.where(k >= ring_cols, k - ring_cols, k)
+    return e
+
+
+@triton.jit
+def _entry_at(bt_ptr, row, col, k, ok, row_stride, stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY: tl.constexpr):
+    """:func:`table_entry`'s read once its table column ``col`` and staged index ``k`` are known."""
+    if HAS_OVERLAY:
+        staged = ok & (k >= 0) & (k < ov_hi - ov_lo)
+        v = tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok & (staged == 0), other=0)
+        return tl.where(staged, tl.load(stage_ptr + ov_pay + k, mask=staged, other=0), v)
+    return tl.load(bt_ptr + row.to(tl.int64) * row_stride + col, mask=ok, other=0)
+
+
+@triton.jit
+def window_from_blocks(e0, e1, e2, first, n, j0, block_size: tl.constexpr, table_width, BC: tl.constexpr):
+    """Columns ``j0 + [0, BC)`` of window rows from their blocks' entries (:func:`window_blocks`), int32."""
     j = j0 + tl.arange(0, BC)[None, :]
     lp = first[:, None] + j
     blk = lp // block_size
     ok = (j < n[:, None]) & (blk < table_width)
-    b0 = (first + j0) // block_size
-    last = (first + tl.minimum(n, j0 + BC) - 1) // block_size  # NOTE: the chunk's last listed block
-    some = n > j0
-    e0 = table_entry(bt_ptr, row, b0, some & (b0 < table_width), row_stride, ring_cols, stage_ptr,
-                     ov_lo, ov_hi, ov_pay, HAS_OVERLAY)
-    e1 = table_entry(bt_ptr, row, b0 + 1, some & (b0 + 1 <= last) & (b0 + 1 < table_width), row_stride, ring_cols,
-                     stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY)
-    e2 = table_entry(bt_ptr, row, b0 + 2, some & (b0 + 2 <= last) & (b0 + 2 < table_width), row_stride, ring_cols,
-                     stage_ptr, ov_lo, ov_hi, ov_pay, HAS_OVERLAY)
-    k = blk - b0[:, None]
+    k = blk - ((first + j0) // block_size)[:, None]
     bid = tl.where(k == 0, e0[:, None], tl.where(k == 1, e1[:, None], e2[:, None]))
     slot = no_block(bid.to(tl.int64) * block_size + lp % block_size).to(tl.int32)
     return tl.where(ok, slot, -1)
