@@ -11,11 +11,11 @@ XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 16"
 S="tests/fused tests/kernels tests/layout"
 python3 -m pytest --collect-only -q -p no:cacheprovider $S 2>/dev/null | grep "::" | sort > "$OUT/collected.txt"
 echo "collected $(wc -l < "$OUT/collected.txt")"
-s=$(date +%s); timeout 370 python3 -m pytest -v -rfs $XD -p no:cacheprovider --durations=12 $S > "$OUT/cuda.log" 2>&1
+s=$(date +%s); timeout 330 python3 -m pytest -v -rfs $XD -p no:cacheprovider --durations=12 $S > "$OUT/cuda.log" 2>&1
 echo "== cuda rc=$? $(( $(date +%s)-s ))s"
 grep -E "passed|failed|FAILED|ERROR" "$OUT/cuda.log" | tail -8
 sed -n '/slowest/,/^$/p' "$OUT/cuda.log" | head -16
 grep -oE "(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) tests/[^ ]+" "$OUT/cuda.log" | awk '{print $2}' | sort -u > "$OUT/done.txt"
 echo "not finished:"; comm -23 "$OUT/collected.txt" "$OUT/done.txt" | head
-s=$(date +%s); timeout 80 python3 -m pytest -q -rfs $XD -p no:cacheprovider tests/v41/test_v41_pipeline.py > "$OUT/v41.log" 2>&1
+s=$(date +%s); timeout 50 python3 -m pytest -q -rfs $XD -p no:cacheprovider tests/v41/test_v41_pipeline.py > "$OUT/v41.log" 2>&1
 echo "== v41 rc=$? $(( $(date +%s)-s ))s"; tail -3 "$OUT/v41.log"
