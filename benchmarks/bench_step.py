@@ -93,23 +93,37 @@ SWEEP_LARGE = [TileConfig(128, 16, 128, True, 4), TileConfig(128, 16, 128, True,
                TileConfig(128, 8, 128, True, 4, True)]  # NOTE: the shipped LARGE (per-block reads)
 
 
+def _built_step(lname: str, name: str):
+    """A server-sized pipeline of layout ``lname`` (``cfg[:groups]``) after 3 steps of case ``name`` and one
+    more built: (pipe, its stage layout, the fused plan's distinct outputs, their values now)."""
+    cfg_name, _, groups = lname.partition(":")
+    layout = DSV4Layout.from_config(cfg_name, max_model_len=131072, **({"groups": groups} if groups else {}))
+    pipe = make_pipe(layout, CASES[name], True)
+    wl, _ = steady(layout, CASES[name], pipe, 3)
+    batch, _ = wl.next_step()
+    pipe.update(batch)
+    pipe.build()
+    outs = list({o.data_ptr(): o for t in pipe.fused_plan.tasks for o in t.outputs if o is not None}.values())
+    return pipe, pipe.stage_layout, outs, [o.clone() for o in outs]
+
+
+def _check_plan(plan, pipe, lay, outs, want, what: str) -> None:
+    """Launch ``plan`` on the staged step with its outputs poisoned; every output must equal ``want``."""
+    for o in outs:
+        o.fill_(True if o.dtype == torch.bool else -7)
+    plan.launch(lay)
+    _sync(pipe.device)
+    bad = sum(not torch.equal(a, b) for a, b in zip(outs, want))
+    assert bad == 0, f"{what}: {bad} outputs differ from the pipeline's build"
+
+
 def sweep(args):
     """Graph / single µs of every tile config of both variants (forced), on every Flash case."""
     from dsv4_index.fused.plan import FusedPlan
     out = []
     for lname, name in [(lname, name) for lname in args.sweep_layouts.split(",") for name in CASES
                         if not args.sweep_cases or name in args.sweep_cases.split(",")]:
-        cfg_name, _, groups = lname.partition(":")
-        layout = DSV4Layout.from_config(cfg_name, max_model_len=131072, **({"groups": groups} if groups else {}))
-        case = CASES[name]
-        pipe = make_pipe(layout, case, True)
-        wl, _ = steady(layout, case, pipe, 3)
-        batch, _ = wl.next_step()
-        pipe.update(batch)
-        pipe.build()
-        lay = pipe.stage_layout
-        outs = list({o.data_ptr(): o for t in pipe.fused_plan.tasks for o in t.outputs if o is not None}.values())
-        want = [o.clone() for o in outs]
+        pipe, lay, outs, want = _built_step(lname, name)
         line = []
         for v, cfgs in ((0, SWEEP_SMALL), (1, SWEEP_LARGE)):
             if name.startswith("prefill") and v == 0 and cfgs is SWEEP_SMALL:
@@ -118,12 +132,7 @@ def sweep(args):
                 plan = FusedPlan(pipe.fused_plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev,
                                  pipe.ctx.next_n,
                                  tiny=cfg, small=cfg, large=cfg, large_from=0 if v else 1 << 30)
-                for o in outs:
-                    o.fill_(True if o.dtype == torch.bool else -7)
-                plan.launch(lay)
-                _sync(pipe.device)
-                bad = sum(not torch.equal(a, b) for a, b in zip(outs, want))
-                assert bad == 0, f"sweep {lname} {name} {cfg}: {bad} outputs differ from the pipeline's build"
+                _check_plan(plan, pipe, lay, outs, want, f"sweep {lname} {name} {cfg}")
                 g, s1 = graph_time(lambda: plan.launch(lay), args.k, args.replays)
                 tag = (f"{'L' if v else 'S'}{cfg.bt1}/{cfg.bt2}/{cfg.bc}/w{cfg.num_warps}"
                        + ("/bl" if cfg.block_loads else ""))
@@ -149,25 +158,11 @@ def fold_sweep(args):
     arms = []
     for lname, name in [(lname, name) for name in CASES for lname in args.sweep_layouts.split(",")
                         if not args.sweep_cases or name in args.sweep_cases.split(",")]:
-        cfg_name, _, groups = lname.partition(":")
-        layout = DSV4Layout.from_config(cfg_name, max_model_len=131072, **({"groups": groups} if groups else {}))
-        pipe = make_pipe(layout, CASES[name], True)
-        wl, _ = steady(layout, CASES[name], pipe, 3)
-        batch, _ = wl.next_step()
-        pipe.update(batch)
-        pipe.build()
-        lay = pipe.stage_layout
-        outs = list({o.data_ptr(): o for t in pipe.fused_plan.tasks for o in t.outputs if o is not None}.values())
-        want = [o.clone() for o in outs]
+        pipe, lay, outs, want = _built_step(lname, name)
         for tag, cfg in cfgs:
             plan = FusedPlan(pipe.fused_plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, pipe.ctx.next_n,
                              tiny=cfg, small=cfg, large=cfg, large_from=0)
-            for o in outs:
-                o.fill_(True if o.dtype == torch.bool else -7)
-            plan.launch(lay)
-            _sync(pipe.device)
-            bad = sum(not torch.equal(a, b) for a, b in zip(outs, want))
-            assert bad == 0, f"fold sweep {lname} {name} {tag}: {bad} outputs differ from the pipeline's build"
+            _check_plan(plan, pipe, lay, outs, want, f"fold sweep {lname} {name} {tag}")
             k = plan._variants[2]["kernel"]
             arms.append(dict(layout=lname, case=name, cfg=tag, plan=plan, lay=lay,
                              programs=plan.num_programs(lay.t_pad), regs=getattr(k, "n_regs", None),
