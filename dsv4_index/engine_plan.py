@@ -141,6 +141,17 @@ def kv_owners(ratios: Sequence[int], kv_sources: Sequence[int] = ()) -> Dict[int
     return out
 
 
+def topk_owners(ratios: Sequence[int], index_sources: Sequence[int] = ()) -> Dict[int, int]:
+    """``{layer: owner}`` for every indexed layer (kind ``"c4"`` of :func:`~dsv4_index.specs.ratio_kinds`): the
+    layer whose indexer top-k it attends with. Without ``index_sources`` each runs its own indexer; with
+    DeepSeek-V4.1's ``index_source_layer_ids`` a layer that is no index source reuses ("consumes") the top-k of
+    the nearest index source at or below it, the last one a step ran (the rule of :func:`kv_owners`), or itself
+    when none lies below (``from_config`` refuses that, and a source of another ratio). Its ``topk_to_slots``
+    takes that top-k with its own ratio's channel: no metadata of its own."""
+    indexed = {k.ratio for k in ratio_kinds(ratios) if k.kind == "c4"}
+    return {layer: o for layer, o in kv_owners(ratios, index_sources).items() if ratios[layer] in indexed}
+
+
 def _cache_of(where: str, name: str, ratios: Sequence[int], kinds) -> Tuple[str, int]:
     """(role, layer) of one engine layer name."""
     m = _LAYER_RE.search(name) if isinstance(name, str) else None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ._common import cdiv, check_int, is_int, round_up
-from .engine_plan import EnginePlan
+from .engine_plan import EnginePlan, topk_owners
 from .group_plan import PlannedGroup, plan_groups
 from .specs import CHANNEL_OUTPUTS, INDEX_ALIGN, ChannelSpec, GroupSpec, RatioKind, parse_circular, ratio_kinds
 
@@ -135,7 +135,27 @@ def _read_config(cfg: dict) -> _Model:
                                  + (f"reads layer {below[-1]}'s cache, of ratio {ratios[below[-1]]}" if below else
                                     "has no source at or below it") + ": every compressed layer needs a source of "
                                  "its own ratio at or below it (vLLM's kv_source_layer_id rule)")
+    _check_index_sources(cfg.get("index_source_layer_ids") or (), ratios, n_hidden)
     return _Model(n_hidden, ratios, window, kinds, r4, r128, index_topk, tuple(int(s) for s in sources))
+
+
+def _check_index_sources(sources, ratios, n_hidden: int) -> None:
+    """V4.1's ``index_source_layer_ids``: compressed backbone layers; every indexed layer that is no index source
+    attends with the top-k of the nearest one below it (:func:`~dsv4_index.engine_plan.topk_owners`), whose row
+    ids must be of its own ratio (its ``topk_to_slots`` reads its own ratio's channel)."""
+    if not isinstance(sources, (list, tuple)) or any(not is_int(s) or not 0 <= s < n_hidden or ratios[s] == 0
+                                                     for s in sources):
+        raise ValueError(f"config['index_source_layer_ids'] must be a list of compressed backbone layers (ints in "
+                         f"[0, {n_hidden}) with a compress ratio > 0), got {sources!r}")
+    if not sources:
+        return
+    for layer, owner in topk_owners(ratios, sources).items():
+        if owner == layer and layer not in sources or ratios[owner] != ratios[layer]:
+            raise ValueError(f"config['index_source_layer_ids'] {sorted(set(sources))}: indexed layer {layer} (ratio "
+                             f"{ratios[layer]}) " + (f"would attend with layer {owner}'s top-k, rows of ratio "
+                                                     f"{ratios[owner]}" if owner != layer else
+                                                     "runs no indexer and has no index source below it")
+                             + ": every indexed layer needs an index source of its own ratio at or below it")
 
 
 def _kernel_block_sizes(kernel_block_size) -> Dict[str, int]:

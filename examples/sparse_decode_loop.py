@@ -198,8 +198,11 @@ def main(argv=None) -> int:
     for k in ratio_kinds(cfg.compress_ratios):  # NOTE: V4.1 KV sharing: a layer reading its kv source's caches
         shared = [i for i, r in enumerate(cfg.compress_ratios) if r == k.ratio and cfg.kv_source(i) != i][:1]
         kinds.update({f"{k.main[:-1]}_shared": i for i in shared})
+        reuse = [i for i, r in enumerate(cfg.compress_ratios)  # NOTE: V4.1 top-k reuse: a layer with no indexer
+                 if r == k.ratio and cfg.topk_source(i) not in (None, i)][:1]
+        kinds.update({f"{k.main[:-1]}_topk": i for i in reuse if i not in kinds.values()})
+    assert all(cfg.topk_source(i) in (None, *kinds.values()) for i in kinds.values()), "a top-k source is not run"
     kinds = dict(sorted(kinds.items(), key=lambda kv: kv[1]))  # NOTE: a step runs a source before its sharers
-    kind_of = {i: k for k, i in kinds.items()}
 
     # weights from the seed, round-tripped through a safetensors file
     ref = torch.nn.ModuleDict({k: init_weights(DSV4Attention(cfg, i), args.seed * 1000 + i) for k, i in kinds.items()})
@@ -210,6 +213,7 @@ def main(argv=None) -> int:
         models = load(torch.nn.ModuleDict({k: DSV4Attention(cfg, i) for k, i in kinds.items()}), path)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), models.parameters()))
     models = models.to(device).eval()
+    by_layer = {i: models[k] for k, i in kinds.items()}  # NOTE: a layer's kv and index sources, by id
     print(f"{args.config} DSV4 attention: layers {kinds} (kind: layer id); weights seed {args.seed}, "
           f"safetensors round trip {size / 1024:.1f} KiB")
     print(f"device {device}, metadata backend: {backend}")
@@ -291,17 +295,15 @@ def main(argv=None) -> int:
             dense_in[rid] = seq
         with torch.no_grad():
             for kind, m in models.items():
-                y = m.forward_paged(x, meta, caches[kinds[kind]])
+                y = m.forward_paged(x, meta, caches[kinds[kind]], **m.paged_kwargs(by_layer, x, meta, caches))
                 e = y[T:].abs().amax().item() if Tp > T else 0.0  # padded tokens must give zeros
                 for b, rid in enumerate(meta.req_ids):
                     v = by_id[rid]
                     # NOTE: bounded replay after a prefix hit: window lists start at replay_start at the
                     # earliest (an engine discards the outputs of the replayed tokens, but they are
                     # defined: the dense model with the same floor; no token after them reaches it)
-                    src = None if m.kind == "swa" or m.owns_kv else \
-                        models[kind_of[m.kv_source]].compressed_rows(dense_in[rid])
                     ref_y = m.forward_dense(dense_in[rid], window_floor=v.replay_start,
-                                            source_rows=src)[v.num_computed_tokens:]
+                                            **m.dense_kwargs(by_layer, dense_in[rid]))[v.num_computed_tokens:]
                     d = (y[qsl[b]:qsl[b + 1]] - ref_y).abs()
                     e = max(e, torch.nan_to_num(d, nan=float("inf")).amax().item() if d.numel() else 0.0)
                     if kind == "swa":

@@ -25,7 +25,7 @@ One token ``t`` at position ``pos`` (fp32 throughout):
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from einops import rearrange
@@ -33,168 +33,11 @@ from torch import nn
 
 from .caches import LayerCache, PagedCaches, layer_channels
 from .config import DSV4Config
+from .layers import (NEG_INF, Compressor, Indexer, apply_rope, gather_rows, merge_partials,  # noqa: F401
+                     rms_norm, select_topk, sink_attention, sink_attention_lse, write_rows)
 
 __all__ = ["DSV4Attention", "Compressor", "Indexer", "PagedCaches", "LayerCache", "layer_channels",
            "rms_norm", "apply_rope", "sink_attention", "sink_attention_lse", "merge_partials", "select_topk"]
-
-NEG_INF = float("-inf")
-
-
-# math shared by both forms
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float) -> torch.Tensor:
-    """Rotate the last ``rope_dim`` dims of ``x [T, ..., D]`` by ``positions [T]`` (rotate-half pairs)."""
-    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float32, device=x.device) / rope_dim)
-    ang = positions.to(torch.float32)[:, None] * inv_freq  # [T, rope_dim / 2]
-    ang = ang.reshape(ang.shape[:1] + (1,) * (x.dim() - 2) + ang.shape[1:])
-    cos, sin = ang.cos(), ang.sin()
-    keep, rot = x[..., :-rope_dim], x[..., -rope_dim:]
-    a, b = rot.chunk(2, dim=-1)
-    return torch.cat([keep, a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-
-def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-                   sink: torch.Tensor) -> torch.Tensor:
-    """Per-token attention over its own key list, one softmax including a per-head sink logit.
-
-    Parameters
-    ----------
-    q : float [T, H, D]
-    keys : float [T, N, D] -- key = value; entries with ``valid`` False may hold anything (NaN too).
-    valid : bool [T, N]
-    sink : float [H]
-
-    Returns
-    -------
-    float [T, H, D]
-    """
-    keys = torch.where(valid[..., None], keys, 0.0)
-    s = torch.einsum("thd,tnd->thn", q, keys) * q.shape[-1] ** -0.5
-    s = s.masked_fill(~valid[:, None, :], NEG_INF)
-    s = torch.cat([s, sink.expand(q.shape[0], -1)[..., None]], dim=-1)
-    p = torch.softmax(s, dim=-1)[..., :-1]  # the sink takes its share and gives nothing back
-    return torch.einsum("thn,tnd->thd", p, keys)
-
-
-def sink_attention_lse(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-                       sink: Optional[torch.Tensor]):
-    """Partial attention over one rank's share of the keys, with its log-sum-exp (for a DCP merge).
-
-    Parameters
-    ----------
-    q : float [T, H, D]
-    keys : float [T, N, D] -- key = value; entries with ``valid`` False may hold anything.
-    valid : bool [T, N]
-    sink : float [H] or None -- the per-head sink logit; give it on exactly one rank of a merge.
-
-    Returns
-    -------
-    (float [T, H, D], float [T, H]) -- output normalised over this rank's keys (+ sink), and
-    ``logsumexp`` of those logits (``-inf`` and a zero output where nothing is visible).
-    """
-    keys = torch.where(valid[..., None], keys, 0.0)
-    s = torch.einsum("thd,tnd->thn", q, keys) * q.shape[-1] ** -0.5
-    s = s.masked_fill(~valid[:, None, :], NEG_INF)
-    if sink is not None:
-        s = torch.cat([s, sink.expand(q.shape[0], -1)[..., None]], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)  # [T, H]
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])[..., :keys.shape[1]]
-    return torch.einsum("thn,tnd->thd", p, keys), lse
-
-
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """Log-sum-exp merge of per-rank partial attention.
-
-    Parameters
-    ----------
-    outs : float [Wc, T, H, D] -- each rank's normalised partial output.
-    lses : float [Wc, T, H] -- each rank's log-sum-exp (``-inf``: the rank saw nothing).
-
-    Returns
-    -------
-    float [T, H, D] -- the attention over the union of the ranks' keys (zero where no rank saw any).
-    """
-    total = torch.logsumexp(lses, dim=0)  # [T, H]
-    w = torch.exp(lses - torch.where(torch.isfinite(total), total, 0.0))  # [Wc, T, H]; 0 for -inf ranks
-    return (w[..., None] * outs).sum(0)
-
-
-def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-``k`` columns of ``scores [T, N]`` (``-inf`` = not visible), best first, ties to the lower
-    column; ``-1`` where fewer than ``k`` are visible. Returns int32 [T, k]."""
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    taken = scores.gather(1, order) > NEG_INF
-    out = torch.where(taken, order, -1).to(torch.int32)
-    return torch.nn.functional.pad(out, (0, k - out.shape[1]), value=-1)
-
-
-def gather_rows(cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor):
-    """Rows of ``cache`` named by an index list (``indices [T, N]``, first ``lens [T]`` entries, ``-1``
-    masked). Returns (float [T, N, D], bool valid [T, N])."""
-    n = torch.arange(indices.shape[1], device=indices.device)
-    valid = (n[None, :] < lens[:, None]) & (indices >= 0)
-    return cache[indices.clamp(min=0).long()], valid
-
-
-def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, ok: torch.Tensor):
-    """``cache[slots[t]] = values[t]`` for tokens with ``ok[t]`` and ``slots[t] >= 0``."""
-    sel = ok & (slots >= 0)
-    cache[slots[sel].long()] = values[sel]
-
-
-# modules
-class Compressor(nn.Module):
-    """Gated pooling of a span of ``span`` tokens into one compressed row of ``dim``.
-
-    Per-token state ``[kv_c | z]`` (``[2 * dim]``) is what the paged form caches in a state channel.
-    """
-
-    def __init__(self, hidden: int, dim: int, span: int, eps: float):
-        super().__init__()
-        self.dim, self.span, self.eps = dim, span, eps
-        self.wkv = nn.Linear(hidden, dim, bias=False)
-        self.wgate = nn.Linear(hidden, dim, bias=False)
-        self.pos_bias = nn.Parameter(torch.zeros(span, dim))
-        self.norm = nn.Parameter(torch.ones(dim))
-
-    def state(self, x: torch.Tensor) -> torch.Tensor:
-        """float [T, hidden] -> per-token state float [T, 2 * dim]."""
-        return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
-
-    def pool(self, state: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """float [G, span, 2 * dim] states of each row's span (oldest first), bool valid [G, span]
-        -> float [G, dim] compressed rows."""
-        state = torch.where(valid[..., None], state, 0.0)
-        kv, z = state.split(self.dim, dim=-1)
-        logits = (z + self.pos_bias).masked_fill(~valid[..., None], NEG_INF)
-        w = torch.softmax(logits, dim=1)  # over the span's tokens, per dim
-        return rms_norm((w * kv).sum(1), self.norm, self.eps)
-
-
-class Indexer(nn.Module):
-    """Lightning indexer: ``score(t, j) = sum_h w_h(t) relu(q_h(t) . k_j)``."""
-
-    def __init__(self, config: DSV4Config, ratio: int, span: int = 0, own_keys: bool = True):
-        super().__init__()
-        h, d = config.index_n_heads, config.index_head_dim
-        self.n_heads = h
-        self.wq = nn.Linear(config.hidden_size, h * d, bias=False)
-        self.wweights = nn.Linear(config.hidden_size, h, bias=False)
-        # NOTE: the keys' compressor lives on the layer that owns the compressed caches (V4.1: its kv source)
-        self.compressor = Compressor(config.hidden_size, d, span or 2 * ratio, config.rms_norm_eps) if own_keys \
-            else None
-
-    def scores(self, x: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """x float [T, hidden], keys float [T, N, d], valid bool [T, N] -> float [T, N] (-inf if not valid)."""
-        q = rearrange(self.wq(x), "t (h d) -> t h d", h=self.n_heads)
-        keys = torch.where(valid[..., None], keys, 0.0)
-        s = torch.relu(torch.einsum("thd,tnd->thn", q, keys))
-        s = torch.einsum("th,thn->tn", self.wweights(x), s)
-        return s.masked_fill(~valid, NEG_INF)
 
 
 class DSV4Attention(nn.Module):
@@ -204,6 +47,10 @@ class DSV4Attention(nn.Module):
     it reads the compressed rows and indexer keys of its kv source, which writes them (the source runs
     first in a step); its indexer queries are its own. Dense: pass ``source_rows`` (the source's
     :meth:`compressed_rows`); paged: :class:`PagedCaches` gives it the source's caches.
+
+    Top-k reuse (DeepSeek-V4.1, ``config.topk_source(layer_id) != layer_id``: an indexed layer that is no index
+    source): the layer runs no indexer; it attends with its index source's top-k (pass ``topk``: the source's
+    :meth:`dense_topk` / :meth:`paged_topk` of the same tokens) through its own ``topk_to_slots``.
     """
 
     def __init__(self, config: DSV4Config, layer_id: int):
@@ -223,7 +70,10 @@ class DSV4Attention(nn.Module):
             span = config.compressor_span(layer_id)
             if self.owns_kv:
                 self.compressor = Compressor(hid, D, span, eps)
-        if self.kind == "c4":
+        self.topk_source = config.topk_source(layer_id)  # NOTE: None unless indexed
+        self.runs_indexer = self.topk_source == layer_id
+        self.indexer = None  # NOTE: a kv source keeps the indexer keys' compressor even when it reuses a top-k
+        if self.kind == "c4" and (self.runs_indexer or self.owns_kv):
             self.indexer = Indexer(config, self.ratio, span, own_keys=self.owns_kv)
 
     # -- shared ------------------------------------------------------------------------------
@@ -241,6 +91,26 @@ class DSV4Attention(nn.Module):
     def project(self, o: torch.Tensor) -> torch.Tensor:
         """Output projection: attention output float [T, H, D] -> float [T, hidden]."""
         return self.wo(rearrange(o, "t h d -> t (h d)"))
+
+    def dense_kwargs(self, layers: Mapping[int, "DSV4Attention"], x: torch.Tensor) -> dict:
+        """:meth:`forward_dense` keyword arguments of a V4.1 layer that reads other layers' work, for the whole
+        sequence ``x``: ``source_rows`` (its kv source's rows) and ``topk`` (its index source's top-k); ``{}`` for
+        every other layer. ``layers``: the model's layers by id, the sources included."""
+        kw = {}
+        if self.kind != "swa" and not self.owns_kv:
+            kw["source_rows"] = layers[self.kv_source].compressed_rows(x)
+        if self.kind == "c4" and not self.runs_indexer:
+            src = layers[self.topk_source]
+            kw["topk"] = src.dense_topk(x, **src.dense_kwargs(layers, x))
+        return kw
+
+    def paged_kwargs(self, layers: Mapping[int, "DSV4Attention"], x: torch.Tensor, meta, caches: "PagedCaches"):
+        """:meth:`forward_paged` keyword arguments of a V4.1 layer that runs no indexer: ``topk``, its index
+        source's :meth:`paged_topk` of this step (the source's kv source ran its forward first); ``{}`` for every
+        other layer. ``layers``: as in :meth:`dense_kwargs`; ``caches``: the model's :class:`PagedCaches`."""
+        if self.kind != "c4" or self.runs_indexer:
+            return {}
+        return {"topk": layers[self.topk_source].paged_topk(x, meta, caches[self.topk_source])}
 
     # -- dense ---------------------------------------------------------------------------------
     def _dense_rows(self, comp: Compressor, state: torch.Tensor) -> torch.Tensor:
@@ -274,7 +144,18 @@ class DSV4Attention(nn.Module):
     def dense_topk(self, x: torch.Tensor, source_rows: Optional[dict] = None) -> torch.Tensor:
         """c4 layers: indexer top-k rows of each token of a whole sequence ``x [L, hidden]``;
         int32 [L, index_topk], ``-1`` padded (``source_rows``: as in :meth:`forward_dense`)."""
-        return self._topk(x, self._rows_of(x, source_rows)["idx"])
+        return self._topk_or(None, lambda: self._topk(x, self._rows_of(x, source_rows)["idx"]))
+
+    def _topk_or(self, topk: Optional[torch.Tensor], compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``compute()`` on a layer that runs its indexer; else its index source's ``topk`` (required)."""
+        if self.runs_indexer:
+            if topk is not None:
+                raise ValueError(f"topk: layer {self.layer_id} runs its own indexer; pass no top-k")
+            return compute()
+        if topk is None:
+            raise ValueError(f"topk: layer {self.layer_id} runs no indexer (index_source_layer_ids): it attends with "
+                             f"layer {self.topk_source}'s top-k of the same tokens; pass it")
+        return topk
 
     def _topk(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """The indexer's top-k over the indexer keys float [n, d] of the sequence."""
@@ -283,12 +164,13 @@ class DSV4Attention(nn.Module):
         visible = torch.arange(keys.shape[0], device=x.device)[None, :] < n_c[:, None]
         return select_topk(self.indexer.scores(x, keys.expand(L, -1, -1), visible), K)
 
-    def forward_dense(self, x: torch.Tensor, *, window_floor: int = 0,
-                      source_rows: Optional[dict] = None) -> torch.Tensor:
+    def forward_dense(self, x: torch.Tensor, *, window_floor: int = 0, source_rows: Optional[dict] = None,
+                      topk: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One whole sequence at positions ``0..L-1``: float [L, hidden] -> float [L, hidden].
 
         ``source_rows``: a layer sharing its kv source's caches (V4.1) reads the source's rows, the source's
-        :meth:`compressed_rows` of the source's input; None for every other layer.
+        :meth:`compressed_rows` of the source's input; None for every other layer. ``topk``: a layer that runs no
+        indexer (V4.1) attends with its index source's :meth:`dense_topk` of ``x``; None for every other layer.
 
         ``window_floor``: the sliding window of every token starts at this position at the earliest
         (bounded replay after a prefix-cache hit, docs/DESIGN.md §4: what a replayed token's window list holds;
@@ -303,7 +185,7 @@ class DSV4Attention(nn.Module):
             own = self._rows_of(x, source_rows)
             comp = own["comp"]  # [L // R, D]
             if self.kind == "c4":
-                rows = self._topk(x, own["idx"]).long()
+                rows = self._topk_or(topk, lambda: self._topk(x, own["idx"])).long()
             else:
                 rows = torch.arange(comp.shape[0], device=x.device).expand(L, -1)
                 rows = torch.where(rows < ((pos + 1) // self.ratio)[:, None], rows, -1)
@@ -347,8 +229,18 @@ class DSV4Attention(nn.Module):
         if circular:
             write_rows(state_cache, st.tail_slot_mapping, cur, ok)
 
+    def paged_topk(self, x: torch.Tensor, meta, caches: "LayerCache", topk_fn: Optional[Callable] = None):
+        """Indexed layers that run their indexer: this step's top-k, int32 [T_pad, index_topk] request-local
+        compressed row ids (``-1`` padded), over the indexer keys cached through ``meta["c4i"]`` (written by this
+        step's :meth:`forward_paged` of the layer's kv source; ``topk_fn`` as there)."""
+        c4i = meta[layer_channels(meta.layout, self.layer_id, self.config)["c4i"]]  # causal: entry j is row j
+        idx_keys, idx_valid = gather_rows(caches.idx_comp, c4i.indices, c4i.lens)
+        scores = self.indexer.scores(x, idx_keys, idx_valid)
+        return (topk_fn or select_topk)(scores, self.config.index_topk)
+
     def forward_paged(self, x: torch.Tensor, meta, caches: "LayerCache", *, return_lse: bool = False,
-                      with_sink: bool = True, topk_fn: Optional[Callable] = None):
+                      with_sink: bool = True, topk_fn: Optional[Callable] = None,
+                      topk: Optional[torch.Tensor] = None):
         """One step's tokens (batch order of ``meta``): float [T_pad, hidden] -> float [T_pad, hidden].
 
         Writes this step's kv / compressor state / completed compressed rows into ``caches`` and reads
@@ -360,7 +252,8 @@ class DSV4Attention(nn.Module):
         sink logit in this partial (True on exactly one rank). ``topk_fn(scores, k)`` picks the
         indexer's rows: ``scores float [T_pad, N]`` over the entries of ``meta["c4i"].indices``
         (``-inf`` = not listed) -> int32 [T_pad, k] request-local row ids (default
-        :func:`select_topk`; a DCP rank passes one that selects over every rank's scores).
+        :func:`select_topk`; a DCP rank passes one that selects over every rank's scores). ``topk``: a layer
+        that runs no indexer (V4.1) attends with its index source's :meth:`paged_topk` of this step.
         """
         ok = meta.is_valid_token
         ch = layer_channels(meta.layout, self.layer_id, self.config)  # NOTE: channel names of this layer
@@ -379,10 +272,7 @@ class DSV4Attention(nn.Module):
         win, win_valid = gather_rows(caches.swa, swa.indices, swa.lens)
         keys, valid = [win], [win_valid]
         if self.kind == "c4":
-            c4i = meta[ch["c4i"]]  # causal list: entry j is compressed row j
-            idx_keys, idx_valid = gather_rows(caches.idx_comp, c4i.indices, c4i.lens)
-            scores = self.indexer.scores(x, idx_keys, idx_valid)
-            topk = (topk_fn or select_topk)(scores, self.config.index_topk)
+            topk = self._topk_or(topk, lambda: self.paged_topk(x, meta, caches, topk_fn))
             slots, lens = meta.topk_to_slots(ch["c4a"], topk)
             # NOTE: converted in place (not compacted): under DCP rows owned elsewhere are -1 between
             # owned ones, so an entry is valid iff its slot is (lens only counts them).

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Tuple, Union
 
 from dsv4_index.config import CONFIG_DIR, SHIPPED  # the shipped configs are package data of dsv4_index
-from dsv4_index.engine_plan import kv_owners
+from dsv4_index.engine_plan import kv_owners, topk_owners
 from dsv4_index.specs import ratio_kinds
 
 __all__ = ["DSV4Config", "load_config", "CONFIG_DIR"]
@@ -91,6 +91,13 @@ class DSV4Config:
         :func:`dsv4_index.engine_plan.kv_owners`); None for an SWA-only layer."""
         self.layer_kind(layer_id)  # NOTE: the range check
         return kv_owners(self.compress_ratios, self.raw.get("kv_source_layer_ids") or ()).get(layer_id)
+
+    def topk_source(self, layer_id: int):
+        """The layer whose indexer top-k an indexed (``"c4"``) layer attends with: itself, or on DeepSeek-V4.1
+        when it is no index source the nearest of ``index_source_layer_ids`` at or below it
+        (:func:`dsv4_index.engine_plan.topk_owners`); None for other layers."""
+        self.layer_kind(layer_id)  # NOTE: the range check
+        return topk_owners(self.compress_ratios, self.raw.get("index_source_layer_ids") or ()).get(layer_id)
 
     def layer_ids(self, kind: str):
         """Layer ids of one kind, ascending."""

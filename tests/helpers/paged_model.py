@@ -44,10 +44,14 @@ def x_of(rid: str, length: int, draft: bool, keys=()) -> torch.Tensor:
 def layer_picks(cfg):
     """One layer of every kind of ``cfg``, ascending (a step runs a kv source before the layers sharing its
     caches): the first SWA-only layer, the first of each ratio and, on V4.1, the first layer of each ratio that
-    reads its kv source's caches."""
+    reads its kv source's caches and the first that attends with an index source's top-k (with their sources)."""
     picks = {cfg.layer_ids("swa")[0]} | {cfg.compress_ratios.index(r) for r in cfg.ratios}
     for r in cfg.ratios:
         picks |= set([i for i, x in enumerate(cfg.compress_ratios) if x == r and cfg.kv_source(i) != i][:1])
+        picks |= set([i for i, x in enumerate(cfg.compress_ratios)
+                      if x == r and cfg.topk_source(i) not in (None, i)][:1])
+    picks |= {cfg.topk_source(i) for i in picks} - {None}                 # NOTE: the sources a pick reads
+    picks |= {cfg.kv_source(i) for i in picks} - {None}
     return sorted(picks)
 
 
@@ -113,14 +117,13 @@ def run_trace(seed, num_steps, *, num_blocks, budget, chunk, pad=3, prefix=False
         x[T:] = float("nan")  # padded tokens: must give zeros and write nothing
         with torch.no_grad():
             for layer, m in models.items():
-                y = m.forward_paged(x, meta, caches[layer])
+                y = m.forward_paged(x, meta, caches[layer], **m.paged_kwargs(models, x, meta, caches))
                 assert torch.equal(y[T:], torch.zeros_like(y[T:])), (layer, "padded token output")
                 for b, rid in enumerate(meta.req_ids):
                     v = views[rid]
                     # every token, replayed ones included: window lists start at replay_start
-                    src = None if m.owns_kv or m.kind == "swa" else models[m.kv_source].compressed_rows(dense_in[rid])
                     ref = m.forward_dense(dense_in[rid], window_floor=v.replay_start,
-                                          source_rows=src)[v.num_computed_tokens:]
+                                          **m.dense_kwargs(models, dense_in[rid]))[v.num_computed_tokens:]
                     if layer == layer_picks(cfg)[0]:
                         seen["replayed"] += max(0, min(v.seq_len, v.replay_end) - v.num_computed_tokens)
                     err = (y[qsl[b]:qsl[b + 1]] - ref).abs().amax(-1)

@@ -79,3 +79,36 @@ def test_a_source_of_another_ratio_is_refused(bad, layer):
         DSV4Layout.from_config(cfg, 8192)
     with pytest.raises(ValueError, match=rf"kv_source_layer_ids.*compressed layer {layer} "):
         DSV4Layout.from_kv_cache_config(fixture("v41_flash"), cfg, 8192)
+
+
+@pytest.mark.parametrize("bad, layer, why", [
+    ([8, 20], 2, "has no index source below it"),           # layers 2-7 run no indexer and have none below
+    ([2, 8, 14], 20, "layer 14's top-k, rows of ratio 2"),  # ratio-1 layer 20 would reuse ratio-2 row ids
+])
+def test_an_index_source_of_another_ratio_is_refused(bad, layer, why):
+    """An indexed V4.1 layer that is no index source attends with the top-k of the nearest index source below
+    it (its row ids then go through its own ratio's ``topk_to_slots``): a source of another ratio, or none, is
+    refused by ``from_config`` and ``from_kv_cache_config``, naming the layer."""
+    cfg = dict(shipped_config("v41_flash"), index_source_layer_ids=bad)
+    with pytest.raises(ValueError, match=rf"index_source_layer_ids.*indexed layer {layer} .*{why}"):
+        DSV4Layout.from_config(cfg, 8192)
+    with pytest.raises(ValueError, match=rf"index_source_layer_ids.*indexed layer {layer} "):
+        DSV4Layout.from_kv_cache_config(fixture("v41_flash"), cfg, 8192)
+    with pytest.raises(ValueError, match="index_source_layer_ids"):
+        DSV4Layout.from_config(dict(cfg, index_source_layer_ids=[2, 40]), 8192)
+
+
+def test_topk_source_is_the_nearest_index_source_at_or_below():
+    """The shipped V4.1-Flash config: layers 3-7 reuse layer 2's top-k, 21-23 layer 20's, 25 layer 24's (the rule
+    written out); V4 layers run their own indexer; SWA-only and causal layers have none."""
+    from dsv4_index.engine_plan import topk_owners
+    cfg = shipped_config("v41_flash")
+    src, ratios = cfg["index_source_layer_ids"], cfg["compress_ratios"]
+    got = topk_owners(ratios, src)
+    for i, r in enumerate(ratios):
+        assert got.get(i) == (None if r == 0 else max(s for s in src if s <= i)), i
+    assert [got[i] for i in (3, 7, 19, 21, 25, 39)] == [2, 2, 14, 20, 24, 36]
+    v4 = shipped_config("flash")["compress_ratios"]
+    c4 = [i for i, r in enumerate(v4) if r == 4]
+    assert topk_owners(v4) == {i: i for i in c4} and c4
+

@@ -20,6 +20,7 @@ def test_v41_tiny_config():
     assert [V41.layer_kind(i) for i in range(6)] == ["swa", "c4", "c4", "c4", "c4", "swa"]
     assert [V41.compressor_span(i) for i in (1, 3)] == [4, 1]
     assert [V41.kv_source(i) for i in range(6)] == [None, 1, 1, 3, 3, None]
+    assert [V41.topk_source(i) for i in range(6)] == [None, 1, 1, 3, 4, None]
     assert layer_picks(V41) == [0, 1, 2, 3, 4]  # NOTE: sources 1 and 3, and the layers reading their caches
     m = DSV4Attention(V41, 3)
     assert m.compressor.span == 1 and m.indexer.compressor.span == 1
@@ -30,8 +31,11 @@ def test_v41_kv_sharing_layers_have_no_compressor():
     indexer queries) computes no compressed row itself: dense needs the source's rows, paged the source's
     cache tensors (the same objects)."""
     m = DSV4Attention(V41, 2)
-    assert not m.owns_kv and m.kv_source == 1 and not hasattr(m, "compressor") and m.indexer.compressor is None
+    assert not m.owns_kv and m.kv_source == 1 and not hasattr(m, "compressor")
     assert not any("compressor" in n for n, _ in m.named_parameters())
+    m4 = DSV4Attention(V41, 4)  # NOTE: an index source that owns no K cache: its own queries, no key compressor
+    assert not m4.owns_kv and m4.runs_indexer and m4.indexer.compressor is None
+    assert not any("compressor" in n for n, _ in m4.named_parameters())
     x = torch.randn(12, V41.hidden_size)
     with pytest.raises(ValueError, match="source_rows: layer 2 reads the compressed rows of its kv source, layer 1"):
         m.forward_dense(x)
@@ -44,6 +48,28 @@ def test_v41_kv_sharing_layers_have_no_compressor():
     c = PagedCaches(V41, lay, 8)
     assert c[2].comp is c[1].comp and c[2].idx_comp is c[1].idx_comp and c[2].state is c[1].state
     assert c[4].comp is c[3].comp and c[4].state is None and c[2].swa is not c[1].swa
+
+
+def test_v41_topk_reuse_layer_runs_no_indexer():
+    """A V4.1 indexed layer that is no index source (layer 2: ``index_source_layer_ids`` [1, 3, 4]) has no
+    indexer; it attends with the top-k of the nearest index source below it (layer 1) and says so when none is
+    given; a layer running its own indexer refuses one. Its paged forward, fed that top-k through its own
+    ``topk_to_slots``, equals its dense forward in :func:`test_v41_tiny_paged_equals_dense`."""
+    m, src = DSV4Attention(V41, 2), DSV4Attention(V41, 1)
+    assert m.indexer is None and not m.runs_indexer and m.topk_source == 1 and src.runs_indexer
+    assert not any("indexer" in n for n, _ in m.named_parameters())
+    x = torch.randn(12, V41.hidden_size)
+    rows = src.compressed_rows(x)
+    with pytest.raises(ValueError, match="topk: layer 2 runs no indexer .* layer 1's top-k"):
+        m.forward_dense(x, source_rows=rows)
+    with pytest.raises(ValueError, match="topk: layer 2 runs no indexer"):
+        m.dense_topk(x, source_rows=rows)
+    with pytest.raises(ValueError, match="topk: layer 1 runs its own indexer"):
+        src.forward_dense(x, topk=src.dense_topk(x))
+    layers = {1: src, 2: m}
+    kw = m.dense_kwargs(layers, x)
+    assert torch.equal(kw["topk"], src.dense_topk(x)) and kw["source_rows"].keys() == rows.keys()
+    assert m.forward_dense(x, **kw).shape == x.shape and src.dense_kwargs(layers, x) == {}
 
 
 def test_missing_option_is_named_at_construction():
