@@ -31,7 +31,8 @@ from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, FLAG_CIRCULAR, FLAG
                     G_TABLE, HAS_OUT1, HAS_OUT2, HAS_OUT3, INDEXER, NF, OUTS_WORDS, REPLAYS, REQUESTS, S_BC,
                     S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_EXTRA, S_FLAGS, S_FOLD, S_HAS, S_KIND, S_NCHUNK,
                     S_NEXT_N, S_NPROG, S_RATIO, S_REP, S_RING, S_ROWS_PER_BLOCK,
-                    S_START, S_TASK, S_WIDTH, S_WINDOW, STAGED_COPY, TOKEN_ROWS, WINDOW)
+                    S_SPLIT, S_START, S_TASK, S_WIDTH, S_WINDOW, STAGED_COPY, TOKEN_ROWS, WINDOW)
+from .rows import window_split
 from .window import out_ptr, overlay, table_words, token_rows, window_fold
 
 # NOTE: the staging format's numbers are plain ints (state/staging.py is host code); Triton reads a
@@ -322,9 +323,14 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
     if FOLD > 0:
         if (r >= START) & (r < START + NPROG * (REP // FOLD)):
             q = r - START
-            window_fold(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
-                         s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
-                         off_tok, off_ov, TAB, TI, BLOCK_LOADS)
+            if TAB[TI * NF + S_SPLIT] != 0:
+                window_split(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
+                             s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
+                             off_tok, off_ov, TAB, TI)
+            else:
+                window_fold(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
+                            s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
+                            off_tok, off_ov, TAB, TI, BLOCK_LOADS)
     elif (r >= START) & (r < START + NPROG * REP):
         q = r - START
         if REP > 1:
