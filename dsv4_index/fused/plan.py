@@ -28,11 +28,14 @@ __all__ = ["FusedPlan", "TileConfig"]
 # 1-D tiles and 4 warps from 64 tokens on); prefill-sized steps want fewer, larger programs that write
 # whole index-list rows (8 token rows, chunks past every token's length stored as -1). Causal lists
 # read one table entry per block only in the whole-row variant (the small tiles are slower with it). There,
-# one-chunk window lists load every table entry before their stores (fold=1: 64 registers, not 72); two
-# sliding groups in one program (fold=2) measured slower (benchmarks/results/h200_2026-12-02_s10/PREFILL.md)
+# one-chunk window lists load every table entry before their stores (fold=1); two sliding groups in one program
+# (fold=2) measured slower (benchmarks/results/h200_2026-12-02_s10/PREFILL.md). Such lists whose chunk spans at most
+# three blocks run split (split=32: 32 token rows a program, the per-row chain one row per lane, then the tiles;
+# fused/rows.py), capped at 64 registers (8 programs per SM; no spill) (benchmarks/results/h200_2026-12-02_s11)
 TINY = TileConfig(bt1=8, bt2=8, bc=128, whole_row=False, num_warps=8)
 SMALL = TileConfig(bt1=16, bt2=8, bc=128, whole_row=False, num_warps=4)
-LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4, block_loads=True, fold=1, split=32)
+LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4, block_loads=True, fold=1, split=32,
+                  maxnreg=64)
 SMALL_FROM, LARGE_FROM = 64, 2048
 INTERP = TileConfig(bt1=64, bt2=16, bc=128, whole_row=False, num_warps=4)
 INTERP_LARGE = TileConfig(bt1=64, bt2=16, bc=64, whole_row=True, num_warps=4, block_loads=True, fold=1, split=32)

@@ -90,8 +90,9 @@ def window_split(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, k0, t0,
 @triton.jit
 def _words(stage_ptr, tables_ptr, orow, t, valid, seq, pos, row, wfloor, first, n, b, rows, off_ov,
            TAB: tl.constexpr, TI: tl.constexpr):
-    """One task's loads for rows ``t`` (1-D): (the tile's words ``c1, S_0..S_2, L_0..L_2`` and, circular groups,
-    ``t - pos + first``), the slot mapping, the write plan (zeros where the task has none)."""
+    """One task's loads for rows ``t`` (1-D): (the tile's words ``c1, S_0..S_2, L, L_0..L_2`` and, circular groups,
+    ``t - pos + first``), the slot mapping, the write plan (zeros where the task has none), and whether a listed
+    block id is negative (int32)."""
     HAS: tl.constexpr = TAB[TI * NF + S_HAS]
     S: tl.constexpr = TAB[TI * NF + S_BLOCK_SIZE]
     CPW: tl.constexpr = TAB[TI * NF + S_CPW]
@@ -113,8 +114,9 @@ def _words(stage_ptr, tables_ptr, orow, t, valid, seq, pos, row, wfloor, first, 
     off = first % S
     # NOTE: the listed entries inside the table's logical width (window_from_blocks' ok), int64: no wrap
     lim = tl.maximum(tl.minimum(n.to(tl.int64), twidth.to(tl.int64) * S - first), -1).to(tl.int32)
-    words = (S - off, e[0] * S + off, e[1] * S + (off - S), e[2] * S + (off - 2 * S), lim,
-             tl.where(e[0] < 0, -1, lim), tl.where(e[1] < 0, -1, lim), tl.where(e[2] < 0, -1, lim))
+    words = ()  # type: tuple
+    words = words + (S - off, e[0] * S + off, e[1] * S + (off - S), e[2] * S + (off - 2 * S), lim,
+                     tl.where(e[0] < 0, -1, lim), tl.where(e[1] < 0, -1, lim), tl.where(e[2] < 0, -1, lim))
     if (FLAG_CIRCULAR & TAB[TI * NF + S_FLAGS]) != 0:
         words = words + (t - pos + first,)
     return words, slot, tail, ((e[0] < 0) | (e[1] < 0) | (e[2] < 0)).to(tl.int32)
@@ -123,8 +125,8 @@ def _words(stage_ptr, tables_ptr, orow, t, valid, seq, pos, row, wfloor, first, 
 @triton.jit
 def _tile(scr, out0, t0, T_pad, SLOW: tl.constexpr, TAB: tl.constexpr, TI: tl.constexpr):
     """Index-list rows ``t0 + [0, BT)`` from their scratch words, ``SLAB`` rows at a time (8 entries a thread), a
-    slab's words loaded before the previous slab's store; ``SLOW``: some listed block id is negative (``L_k`` per block, else
-    the row's limit ``L``)."""
+    slab's words loaded before the previous slab's store; ``SLOW``: some listed block id is negative (``L_k`` per
+    block, else the row's limit ``L``)."""
     BT: tl.constexpr = TAB[TI * NF + S_BT]
     BC: tl.constexpr = TAB[TI * NF + S_BC]
     WIDTH: tl.constexpr = TAB[TI * NF + S_WIDTH]
@@ -161,7 +163,8 @@ def _slab_words(scr, r0, SLOW: tl.constexpr, TAB: tl.constexpr, TI: tl.constexpr
     BT: tl.constexpr = TAB[TI * NF + S_BT]
     SLAB: tl.constexpr = BT // ((BT * TAB[TI * NF + S_BC] + 1023) // 1024)
     p = scr + r0 + tl.arange(0, SLAB)[:, None]
-    w = (tl.load(p), tl.load(p + BT), tl.load(p + 2 * BT), tl.load(p + 3 * BT))
+    w = ()  # type: tuple
+    w = w + (tl.load(p), tl.load(p + BT), tl.load(p + 2 * BT), tl.load(p + 3 * BT))
     if SLOW:
         w = w + (tl.load(p + 5 * BT), tl.load(p + 6 * BT), tl.load(p + 7 * BT))
     else:
