@@ -137,7 +137,6 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, 
     WIDTH: tl.constexpr = TAB[TI * NF + S_WIDTH]
     BC: tl.constexpr = TAB[TI * NF + S_BC]
     NCHUNK: tl.constexpr = TAB[TI * NF + S_NCHUNK]
-    BT: tl.constexpr = TAB[TI * NF + S_BT]
     rowp = out + t.to(tl.int64)[:, None] * WIDTH
     nmax = 0
     if NCHUNK > 1:
