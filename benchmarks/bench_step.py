@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -146,15 +147,18 @@ def sweep(args):
 
 
 def fold_sweep(args):
-    """The large tiles at each ``--fold-sweep`` entry (``F`` or ``FrN``: ``TileConfig.fold = F``, ``maxnreg = N``) on
+    """The large tiles at each ``--fold-sweep`` entry (``F[rN][sM]``: ``TileConfig.fold = F``, ``maxnreg = N``,
+    ``split = M``, 0 where not given) on
     every ``--sweep-layouts`` layout and ``--sweep-cases`` case, each plan's outputs checked against the
     pipeline's build; ``--rounds`` interleaved rounds of every arm, medians, and the ratio of each layout to
     the first one per arm."""
     from dsv4_index.fused.plan import LARGE, FusedPlan
     cfgs = []
     for tok in args.fold_sweep.split(","):
-        f, _, r = tok.partition("r")
-        cfgs.append((tok, replace(LARGE, fold=int(f), maxnreg=int(r or 0))))
+        m = re.fullmatch(r"(\d+)((?:[rs]\d+)*)", tok)
+        assert m, f"--fold-sweep entry {tok!r}: F, then rN and / or sM"
+        kw = {"r": 0, "s": 0} | {k: int(v) for k, v in re.findall(r"([rs])(\d+)", m[2])}
+        cfgs.append((tok, replace(LARGE, fold=int(m[1]), maxnreg=kw["r"], split=kw["s"])))
     arms = []
     for lname, name in [(lname, name) for name in CASES for lname in args.sweep_layouts.split(",")
                         if not args.sweep_cases or name in args.sweep_cases.split(",")]:
@@ -534,7 +538,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="fused-launch tile sweep (both variants, every case)")
     ap.add_argument("--sweep-layouts", default="flash", help="with --sweep: layouts (e.g. flash,flash:vllm)")
     ap.add_argument("--sweep-cases", default="", help="with --sweep: comma-separated case names (default all)")
-    ap.add_argument("--fold-sweep", default="", help="large tiles at these folds (F or FrN: maxnreg N), with "
+    ap.add_argument("--fold-sweep", default="", help="large tiles at these folds (F[rN][sM]: maxnreg N, split M), with "
                     "--sweep-layouts, --sweep-cases and --rounds")
     ap.add_argument("--cases", default="", help="comma-separated case names of the timing table (default: all)")
     ap.add_argument("--no-host", action="store_true", help="skip the host-time phases")

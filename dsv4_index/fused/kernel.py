@@ -31,7 +31,8 @@ from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, FLAG_CIRCULAR, FLAG
                     G_TABLE, HAS_OUT1, HAS_OUT2, HAS_OUT3, INDEXER, NF, OUTS_WORDS, REPLAYS, REQUESTS, S_BC,
                     S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_EXTRA, S_FLAGS, S_FOLD, S_HAS, S_KIND, S_NCHUNK,
                     S_NEXT_N, S_NPROG, S_RATIO, S_REP, S_RING, S_ROWS_PER_BLOCK,
-                    S_START, S_TASK, S_WIDTH, S_WINDOW, STAGED_COPY, TOKEN_ROWS, WINDOW)
+                    S_SPLIT, S_START, S_TASK, S_WIDTH, S_WINDOW, STAGED_COPY, TOKEN_ROWS, WINDOW)
+from .rows import window_split
 from .window import out_ptr, overlay, table_words, token_rows, window_fold
 
 # NOTE: the staging format's numbers are plain ints (state/staging.py is host code); Triton reads a
@@ -48,6 +49,7 @@ _H_REPLAY_END: tl.constexpr = tl.constexpr(H_REPLAY_END)
 _ROW_ARRAY_PAD: tl.constexpr = tl.constexpr(ROW_ARRAY_PAD)
 _W_VALUES: tl.constexpr = tl.constexpr(W_VALUES)
 _W_DESTS: tl.constexpr = tl.constexpr(W_DESTS)
+_UNROLL_CHUNKS: tl.constexpr = tl.constexpr(16)  # whole rows of more chunks loop over them (kernel size, compile time)
 
 
 @triton.jit
@@ -135,26 +137,42 @@ def _index_rows(stage_ptr, bt, out, t, in_out, row, pos, first, n, q_start, lo, 
     WIDTH: tl.constexpr = TAB[TI * NF + S_WIDTH]
     BC: tl.constexpr = TAB[TI * NF + S_BC]
     NCHUNK: tl.constexpr = TAB[TI * NF + S_NCHUNK]
-    BT: tl.constexpr = TAB[TI * NF + S_BT]
     rowp = out + t.to(tl.int64)[:, None] * WIDTH
+    nmax = 0
     if NCHUNK > 1:
         nmax = tl.max(n, axis=0)
-    for c in tl.static_range(NCHUNK):
-        j = col0 + c * BC + tl.arange(0, BC)[None, :]
-        if WIDTH % BC == 0:
-            m = tl.broadcast_to(in_out[:, None], [BT, BC])
+    if NCHUNK > _UNROLL_CHUNKS:  # NOTE: a very wide row (e.g. 65536 columns): a loop, not NCHUNK copies to compile
+        for c in range(NCHUNK):
+            _index_rows_chunk(stage_ptr, bt, rowp, t, in_out, row, pos, first, n, q_start, lo, hi, pay,
+                              col0 + c * BC, nmax, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
+    else:
+        for c in tl.static_range(NCHUNK):
+            _index_rows_chunk(stage_ptr, bt, rowp, t, in_out, row, pos, first, n, q_start, lo, hi, pay,
+                              col0 + c * BC, nmax, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
+
+
+@triton.jit
+def _index_rows_chunk(stage_ptr, bt, rowp, t, in_out, row, pos, first, n, q_start, lo, hi, pay, j0, nmax, twidth,
+                      ring, stride, TAB: tl.constexpr, TI: tl.constexpr, BLOCK_LOADS: tl.constexpr):
+    """Columns ``j0 + [0, BC)`` of :func:`_index_rows`' rows (``nmax``: the rows' longest length)."""
+    WIDTH: tl.constexpr = TAB[TI * NF + S_WIDTH]
+    BC: tl.constexpr = TAB[TI * NF + S_BC]
+    BT: tl.constexpr = TAB[TI * NF + S_BT]
+    j = j0 + tl.arange(0, BC)[None, :]
+    if WIDTH % BC == 0:
+        m = tl.broadcast_to(in_out[:, None], [BT, BC])
+    else:
+        m = in_out[:, None] & (j < WIDTH)
+    if TAB[TI * NF + S_NCHUNK] > 1:
+        # NOTE: a chunk past every token's length holds only -1: no table read
+        if j0 < nmax:
+            tl.store(rowp + j, _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j, j0, twidth,
+                                            ring, stride, TAB, TI, BLOCK_LOADS), mask=m)
         else:
-            m = in_out[:, None] & (j < WIDTH)
-        if NCHUNK > 1:
-            # NOTE: a chunk past every token's length holds only -1: no table read
-            if col0 + c * BC < nmax:
-                tl.store(rowp + j, _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j,
-                                                col0 + c * BC, twidth, ring, stride, TAB, TI, BLOCK_LOADS), mask=m)
-            else:
-                tl.store(rowp + j, tl.full([BT, BC], -1, tl.int32), mask=m)
-        else:
-            tl.store(rowp + j, _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j,
-                                            col0 + c * BC, twidth, ring, stride, TAB, TI, BLOCK_LOADS), mask=m)
+            tl.store(rowp + j, tl.full([BT, BC], -1, tl.int32), mask=m)
+    else:
+        tl.store(rowp + j, _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j, j0, twidth,
+                                        ring, stride, TAB, TI, BLOCK_LOADS), mask=m)
 
 
 @triton.jit
@@ -322,9 +340,14 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
     if FOLD > 0:
         if (r >= START) & (r < START + NPROG * (REP // FOLD)):
             q = r - START
-            window_fold(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
-                         s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
-                         off_tok, off_ov, TAB, TI, BLOCK_LOADS)
+            if TAB[TI * NF + S_SPLIT] != 0:
+                window_split(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
+                             s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
+                             off_tok, off_ov, TAB, TI)
+            else:
+                window_fold(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
+                            s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
+                            off_tok, off_ov, TAB, TI, BLOCK_LOADS)
     elif (r >= START) & (r < START + NPROG * REP):
         q = r - START
         if REP > 1:

@@ -17,8 +17,9 @@ from .._common import cdiv, interpreting
 from .._triton import triton
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
-from .tasks import (ESIZE, G_RING, KINDS, MAX_OUTPUTS, NF, OUTS_GEO, OUTS_WORDS, REQUEST_KINDS, TOKEN_KINDS, FusedTask,
-                    TileConfig, code_order, geometry, request_specs, task_spec, token_units)
+from .tasks import (ESIZE, G_RING, GEO_WORDS, KINDS, MAX_OUTPUTS, NF, O_SCRATCH, OUTS_GEO, OUTS_WORDS, REQUEST_KINDS,
+                    S_BT, S_REP, S_SPLIT, S_TASK, SPLIT_WORDS, TOKEN_KINDS, FusedTask, TileConfig, code_order, geometry,
+                    request_specs, task_spec, token_units)
 
 __all__ = ["FusedPlan", "TileConfig"]
 
@@ -27,14 +28,17 @@ __all__ = ["FusedPlan", "TileConfig"]
 # 1-D tiles and 4 warps from 64 tokens on); prefill-sized steps want fewer, larger programs that write
 # whole index-list rows (8 token rows, chunks past every token's length stored as -1). Causal lists
 # read one table entry per block only in the whole-row variant (the small tiles are slower with it). There,
-# one-chunk window lists load every table entry before their stores (fold=1: 64 registers, not 72); two
-# sliding groups in one program (fold=2) measured slower (benchmarks/results/h200_2026-12-02_s10/PREFILL.md)
+# one-chunk window lists load every table entry before their stores (fold=1); two sliding groups in one program
+# (fold=2) measured slower (benchmarks/results/h200_2026-12-02_s10/PREFILL.md). Such lists whose chunk spans at most
+# three blocks run split (split=32: 32 token rows a program, the per-row chain one row per lane, then the tiles;
+# fused/rows.py), capped at 64 registers (8 programs per SM; no spill) (benchmarks/results/h200_2026-12-02_s11)
 TINY = TileConfig(bt1=8, bt2=8, bc=128, whole_row=False, num_warps=8)
 SMALL = TileConfig(bt1=16, bt2=8, bc=128, whole_row=False, num_warps=4)
-LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4, block_loads=True, fold=1)
+LARGE = TileConfig(bt1=128, bt2=8, bc=128, whole_row=True, num_warps=4, block_loads=True, fold=1, split=32,
+                  maxnreg=64)
 SMALL_FROM, LARGE_FROM = 64, 2048
 INTERP = TileConfig(bt1=64, bt2=16, bc=128, whole_row=False, num_warps=4)
-INTERP_LARGE = TileConfig(bt1=64, bt2=16, bc=64, whole_row=True, num_warps=4, block_loads=True, fold=1)
+INTERP_LARGE = TileConfig(bt1=64, bt2=16, bc=64, whole_row=True, num_warps=4, block_loads=True, fold=1, split=32)
 
 
 class FusedPlan:
@@ -104,25 +108,46 @@ class FusedPlan:
                 off = (o.data_ptr() - self._bases[es].data_ptr()) // es
                 muls[k] = 16 // es if o.data_ptr() % 16 == 0 else 1
                 outs[i, k] = off // muls[k]
-            outs[i, OUTS_GEO:] = geometry(t, tables)
+            outs[i, OUTS_GEO:OUTS_GEO + GEO_WORDS] = geometry(t, tables)
             specs.append(task_spec(i, t, group_cp, muls, bool(outs[i, OUTS_GEO + G_RING])))
         self._num_req = len(req)
         self._req = request_specs(specs[:len(req)])
         self._tok_specs, self._tok_tasks = specs[len(req):], tok
-        self._outs = torch.from_numpy(outs).to(dev)
-        self._ptrs = (stage, tables.flat, self._bases[4], self._bases[8], self._bases[1], self._outs)
         self.next_n_pad = triton.next_power_of_2(max(next_n, 1))
         self._variants, cache = [], {}
         for c in self.configs:
             if c not in cache:
                 cache[c] = self._variant(c)
             self._variants.append(cache[c])
+        self.scratch = self._scratch(outs, stage)
+        self._outs = torch.from_numpy(outs).to(dev)
+        self._ptrs = (stage, tables.flat, self._bases[4], self._bases[8], self._bases[1], self._outs)
         self.num_units = (len(req), self._variants[1]["p_super"])
         self._direct = (dev.type == "cuda" and not interp
                         and os.environ.get("DSV4_INDEX_DIRECT_LAUNCH", "1") not in ("", "0"))
         self._compiled = None
         if self._direct:
             self.compile()
+
+    def _scratch(self, outs: np.ndarray, stage: torch.Tensor) -> torch.Tensor:
+        """The split window tasks' scratch (``SPLIT_WORDS`` int32 words per token row, in blocks of the unit's
+        rows), allocated once; each task's offset from the 4-byte base goes to its ``O_SCRATCH`` word."""
+        need: Dict[int, int] = {}
+        nf = int(NF)
+        for v in self._variants:
+            tok = v["consts"]["TOK"]
+            for u in (tok[i:i + nf] for i in range(0, len(tok), nf)):
+                if u[S_SPLIT]:
+                    for k in range(u[S_REP]):
+                        n = self.tasks[u[S_TASK] + k].outputs[1].numel()
+                        need[u[S_TASK] + k] = max(need.get(u[S_TASK] + k, 0), cdiv(n, u[S_BT]) * u[S_BT])
+        words = int(SPLIT_WORDS)
+        scratch = torch.zeros(max(sum(need.values()) * words, 1), dtype=torch.int32, device=stage.device)
+        at = 0
+        for i, n in sorted(need.items()):
+            outs[i, O_SCRATCH] = (scratch.data_ptr() - stage.data_ptr()) // 4 + at
+            at += n * words
+        return scratch
 
     def _variant(self, cfg: TileConfig) -> dict:
         units, t_super, p_super = token_units(self._tok_specs, self._tok_tasks, cfg)

@@ -86,7 +86,8 @@ S_START: tl.constexpr = tl.constexpr(20)   # first program of the unit in a supe
 S_NPROG: tl.constexpr = tl.constexpr(21)   # programs of one task of the unit per super tile
 S_REP: tl.constexpr = tl.constexpr(22)     # tasks of the unit: S_TASK, S_TASK + 1, ... (same code, own outs rows)
 S_FOLD: tl.constexpr = tl.constexpr(23)    # window units of one-chunk lists: tasks per program (0: one, unfolded)
-NF: tl.constexpr = tl.constexpr(24)
+S_SPLIT: tl.constexpr = tl.constexpr(24)   # 1: a folded unit's rows run one per lane, then its tiles (fused/rows.py)
+NF: tl.constexpr = tl.constexpr(25)
 MAX_OUTPUTS = 4
 
 # the parameter fields under their per-kind names (module table)
@@ -114,10 +115,13 @@ HAS_OUT3: tl.constexpr = tl.constexpr(has_bit(3))
 
 # ``outs``: int64 [num_tasks, OUTS_WORDS]; words [0, MAX_OUTPUTS): output k's offset from its dtype's base (in
 # units of S_MUL + k), then from OUTS_GEO the table words of geometry(): G_TABLE (the table's offset in the flat
-# buffer), G_STRIDE (row stride), G_WIDTH (logical width), G_RING (ring width), G_GID (the group: overlay records)
+# buffer), G_STRIDE (row stride), G_WIDTH (logical width), G_RING (ring width), G_GID (the group: overlay records);
+# last, O_SCRATCH: a split window task's scratch (int32 offset from the 4-byte base, ``SPLIT_WORDS`` words a token)
 GEO_WORDS = 5
 OUTS_GEO: tl.constexpr = tl.constexpr(MAX_OUTPUTS)
-OUTS_WORDS: tl.constexpr = tl.constexpr(MAX_OUTPUTS + GEO_WORDS)
+O_SCRATCH: tl.constexpr = tl.constexpr(MAX_OUTPUTS + GEO_WORDS)
+OUTS_WORDS: tl.constexpr = tl.constexpr(MAX_OUTPUTS + GEO_WORDS + 1)
+SPLIT_WORDS: tl.constexpr = tl.constexpr(11)
 G_TABLE: tl.constexpr = tl.constexpr(0)
 G_STRIDE: tl.constexpr = tl.constexpr(1)
 G_WIDTH: tl.constexpr = tl.constexpr(2)
@@ -140,6 +144,8 @@ class TileConfig:
         instead of one per column; window lists one per block when a chunk spans at most three.
     fold : window units whose lists are one chunk (``width <= bc``) run ``fold`` of their ``S_REP`` tasks
         in one program, every table read before any store (``fold`` divides ``S_REP``, else 1); 0: off.
+    split : folded units whose chunk spans at most three blocks (``block_loads``) run ``split`` token rows
+        (at least their own) a program, one row per lane first, then their tiles (``fused/rows.py``); 0: off.
     maxnreg : registers per thread the compiled variant may use (0: the compiler's choice).
     """
 
@@ -151,9 +157,10 @@ class TileConfig:
     block_loads: bool = False
     fold: int = 0
     maxnreg: int = 0
+    split: int = 0
 
     def __post_init__(self):
-        for name in ("bt1", "bt2", "bc"):
+        for name in ("bt1", "bt2", "bc") + (("split",) if self.split else ()):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
@@ -248,6 +255,9 @@ def token_units(specs: Sequence[Tuple[int, ...]], tasks: Sequence["FusedTask"], 
         # NOTE: a folded window program runs S_FOLD tasks of its unit (one chunk each: width <= bc)
         one_chunk = u[S_KIND] == KINDS["window"] and u[S_NCHUNK] == 1 and u[S_NPROG] == t_super // u[S_BT]
         u[S_FOLD] = (cfg.fold if u[S_REP] % cfg.fold == 0 else 1) if cfg.fold > 0 and one_chunk else 0
+        if u[S_FOLD] and cfg.split and cfg.block_loads and 2 * u[S_BLOCK_SIZE] >= u[S_BC]:
+            u[S_SPLIT], u[S_BT] = 1, min(max(u[S_BT], cfg.split), t_super)
+            u[S_NPROG] = t_super // u[S_BT]
         u[S_START] = start
         start += u[S_NPROG] * (u[S_REP] // max(u[S_FOLD], 1))
     return tuple(v for u in units for v in u), t_super, max(start, 1)

@@ -107,7 +107,8 @@ def test_descriptor_fields_are_one_layout():
     assert {int(tasks.S_WINDOW), int(tasks.S_ROWS_PER_BLOCK), int(tasks.S_NEXT_N)} == {tasks._S_B}
     assert sorted(int(f) for f in (tasks.FLAG_WRITE_FLOOR, tasks.FLAG_WINDOW_FLOOR, tasks.FLAG_CIRCULAR)) == [1, 2, 4]
     assert [int(h) for h in (tasks.HAS_OUT1, tasks.HAS_OUT2, tasks.HAS_OUT3)] == [2, 4, 8]
-    assert int(tasks.OUTS_GEO) == tasks.MAX_OUTPUTS and int(tasks.OUTS_WORDS) == tasks.MAX_OUTPUTS + tasks.GEO_WORDS
+    assert int(tasks.OUTS_GEO) == tasks.MAX_OUTPUTS and int(tasks.O_SCRATCH) == tasks.MAX_OUTPUTS + tasks.GEO_WORDS
+    assert int(tasks.OUTS_WORDS) == int(tasks.O_SCRATCH) + 1
     geo = sorted(int(g) for g in (tasks.G_TABLE, tasks.G_STRIDE, tasks.G_WIDTH, tasks.G_RING, tasks.G_GID))
     assert geo == list(range(tasks.GEO_WORDS))
 
