@@ -121,11 +121,7 @@ def _read_config(cfg: dict) -> _Model:
         index_topk = check_int("config['index_topk']", index_topk, lo=1) if "index_topk" in cfg else None
         if index_topk is None:
             raise ValueError("config is missing key(s) ['index_topk'] (needed by c4 layers)")
-    sources = cfg.get("kv_source_layer_ids") or ()
-    if not isinstance(sources, (list, tuple)) or any(not is_int(s) or not 0 <= s < n_hidden or ratios[s] == 0
-                                                     for s in sources):
-        raise ValueError(f"config['kv_source_layer_ids'] must be a list of compressed backbone layers (ints in "
-                         f"[0, {n_hidden}) with a compress ratio > 0), got {sources!r}")
+    sources = _layer_list(cfg, "kv_source_layer_ids", ratios, n_hidden)
     if sources:  # NOTE: a layer reads the nearest source at or below it: that cache must be of its ratio
         src = sorted(set(int(s) for s in sources))
         for i, r in enumerate(ratios):
@@ -135,18 +131,24 @@ def _read_config(cfg: dict) -> _Model:
                                  + (f"reads layer {below[-1]}'s cache, of ratio {ratios[below[-1]]}" if below else
                                     "has no source at or below it") + ": every compressed layer needs a source of "
                                  "its own ratio at or below it (vLLM's kv_source_layer_id rule)")
-    _check_index_sources(cfg.get("index_source_layer_ids") or (), ratios, n_hidden)
+    _check_index_sources(_layer_list(cfg, "index_source_layer_ids", ratios, n_hidden), ratios)
     return _Model(n_hidden, ratios, window, kinds, r4, r128, index_topk, tuple(int(s) for s in sources))
 
 
-def _check_index_sources(sources, ratios, n_hidden: int) -> None:
-    """V4.1's ``index_source_layer_ids``: compressed backbone layers; every indexed layer that is no index source
-    attends with the top-k of the nearest one below it (:func:`~dsv4_index.engine_plan.topk_owners`), whose row
-    ids must be of its own ratio (its ``topk_to_slots`` reads its own ratio's channel)."""
-    if not isinstance(sources, (list, tuple)) or any(not is_int(s) or not 0 <= s < n_hidden or ratios[s] == 0
-                                                     for s in sources):
-        raise ValueError(f"config['index_source_layer_ids'] must be a list of compressed backbone layers (ints in "
-                         f"[0, {n_hidden}) with a compress ratio > 0), got {sources!r}")
+def _layer_list(cfg: dict, key: str, ratios, n_hidden: int):
+    """``cfg[key]`` (absent: empty), a list of compressed backbone layers (V4.1's source lists)."""
+    layers = cfg.get(key) or ()
+    if not isinstance(layers, (list, tuple)) or any(not is_int(s) or not 0 <= s < n_hidden or ratios[s] == 0
+                                                    for s in layers):
+        raise ValueError(f"config[{key!r}] must be a list of compressed backbone layers (ints in "
+                         f"[0, {n_hidden}) with a compress ratio > 0), got {layers!r}")
+    return layers
+
+
+def _check_index_sources(sources, ratios) -> None:
+    """V4.1's ``index_source_layer_ids``: every indexed layer that is no index source attends with the top-k of the
+    nearest one below it (:func:`~dsv4_index.engine_plan.topk_owners`), whose row ids must be of its own ratio
+    (its ``topk_to_slots`` reads its own ratio's channel)."""
     if not sources:
         return
     for layer, owner in topk_owners(ratios, sources).items():
