@@ -88,7 +88,7 @@ def test_wheel_contents(installed):
     # runtime dependencies = what the package imports; the rest only in extras
     base = sorted(line.split(":", 1)[1].strip() for line in metadata.splitlines()
                   if line.startswith("Requires-Dist:") and "extra ==" not in line)
-    assert [d.split(">")[0].split("<")[0].split("=")[0].strip() for d in base] == ["numpy", "torch"], base
+    assert [d.split(">")[0].split("<")[0].split("=")[0].strip() for d in base] == ["numba", "numpy", "torch"], base
     for extra in ("triton", "models", "plot", "dev"):
         assert f"Provides-Extra: {extra}" in metadata, extra
     assert "Classifier: Typing :: Typed" in metadata and "Project-URL" not in metadata
