@@ -126,6 +126,18 @@ class GroupSpec:
         """Circular groups: blocks of the ring per request, ``capacity // block_size`` (1 otherwise)."""
         return self.ring_capacity // self.block_size if self.kind == "circular" else 1
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Block ids a request of ``num_tokens`` tokens (computed + scheduled) holds in this group, as a
+        scheduler allocates them (blocks of :attr:`alloc_block_size` tokens): ``cdiv(num_tokens,
+        alloc_block_size)`` for full and sliding groups (a sliding group's blocks behind the window may
+        be freed and sent as the null block, but the list keeps their places), :attr:`ring_blocks` for a
+        circular group whatever ``num_tokens`` (its ring is allocated once). ``num_tokens`` int >= 0."""
+        if not is_int(num_tokens) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if self.kind == "circular":
+            return self.ring_blocks
+        return -(-int(num_tokens) // self.alloc_block_size)
+
     @property
     def kernel_block_size(self) -> int:
         """Tokens per stored (kernel) block; same as ``block_size``."""

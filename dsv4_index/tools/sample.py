@@ -56,7 +56,7 @@ def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] 
         seq = int(nc[b] + q[b])
         for g in layout.groups:
             bs = g.alloc_block_size
-            n = g.ring_blocks if g.kind == "circular" else cdiv(seq, bs)
+            n = g.blocks_for(seq)
             first = 0 if g.kind != "sliding" else max(int(nc[b]) - g.window + 1, 0) // bs
             fresh = np.arange(next_id, next_id + n - first, dtype=np.int64)
             next_id += n - first + int(rng.integers(0, 3))   # NOTE: gaps: ids are not consecutive rows
