@@ -38,6 +38,8 @@ import math
 from typing import Dict, List, Optional, Sequence
 
 from .._common import cdiv
+from ..engine_plan import kv_owners
+from ..specs import ratio_kinds
 
 __all__ = ["audit", "format_audit", "add_arguments", "audit_cmd", "ROW_BYTES"]
 
@@ -51,20 +53,34 @@ DEFAULT_CHUNKS = (512, 2048, 8192)
 
 
 def _group_layers(layout, g) -> List[int]:
+    """The layers whose ``g.role`` cache ``g`` serves (its ``layers``, else every layer with such a cache)."""
     if g.layers is not None:
         return list(g.layers)
-    kind = {"mla": lambda r: r > 0, "swa": lambda r: True, "c4_state": lambda r: r == layout.c4_ratio,
-            "c128_state": lambda r: r == layout.c128_ratio}.get(g.role or "", lambda r: False)
+    state_of = {k.state: k.ratio for k in ratio_kinds(layout.compress_ratios) if k.state}
+    kind = {"mla": lambda r: r > 0, "swa": lambda r: True}.get(g.role or "")
+    if kind is None:
+        kind = (lambda r: r == state_of[g.role]) if g.role in state_of else (lambda r: False)
     return [i for i, r in enumerate(layout.compress_ratios) if kind(r)]
 
 
 def _bytes_per_token(layout, g) -> float:
-    layers = _group_layers(layout, g)
-    if g.role == "mla":
-        r4, r128 = layout.c4_ratio, layout.c128_ratio
-        return sum((ROW_BYTES["mla"] + ROW_BYTES["indexer"]) / r4 if layout.compress_ratios[i] == r4
-                   else ROW_BYTES["mla"] / r128 for i in layers)
-    return len(layers) * ROW_BYTES.get(g.role or "", 0)
+    """Bytes one token costs in group ``g``: every layer that holds its own cache there (a V4.1 layer that reads
+    its kv source's cache and state holds none), a compressed row of ratio ``R`` per ``R`` tokens (an indexed
+    ratio adds its indexer row), a state row of its ratio's kind, an SWA row per token."""
+    kinds = {k.ratio: k for k in ratio_kinds(layout.compress_ratios)}
+    owner = kv_owners(layout.compress_ratios, layout.kv_sources)
+    total = 0.0
+    for i in _group_layers(layout, g):
+        r = layout.compress_ratios[i]
+        if g.role == "swa":
+            total += ROW_BYTES["swa"]
+        elif r > 0 and owner.get(i) == i and g.role is not None:
+            indexed = kinds[r].kind == "c4"
+            if g.role == "mla":
+                total += (ROW_BYTES["mla"] + (ROW_BYTES["indexer"] if indexed else 0)) / r
+            elif g.role == kinds[r].state:
+                total += ROW_BYTES["c4_state" if indexed else "c128_state"]
+    return total
 
 
 def _covering(lo: int, hi: int, b: int) -> range:
