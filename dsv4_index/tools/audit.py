@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .._common import cdiv
+from .._common import cdiv, check_int
 from ..engine_plan import kv_owners
 from ..specs import ratio_kinds
 
@@ -133,6 +133,10 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     bytes_per_token, demand ``{chunk: blocks}``, columns, overlap, overlap_spec) and ``warnings`` (list
     of one-line str).
     """
+    if draft_drop not in ("scheduler", "block"):
+        raise ValueError(f"draft_drop must be 'scheduler' or 'block', got {draft_drop!r}")
+    chunks = _check_args(layout, num_speculative_tokens, max_num_batched_tokens, chunks, short_prompt, draft_groups,
+                         num_hidden_layers)
     first = num_hidden_layers if num_hidden_layers is not None else layout.num_layers - _num_mtp(layout)
     mtp = set(range(first, layout.num_layers))
     if draft_groups is None:
@@ -140,8 +144,6 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     hashed = [g for g in layout.groups if g.kind != "circular"]
     L = math.lcm(*(g.alloc_block_size for g in hashed)) if hashed else 0
     spec = num_speculative_tokens > 0
-    if draft_drop not in ("scheduler", "block"):
-        raise ValueError(f"draft_drop must be 'scheduler' or 'block', got {draft_drop!r}")
     out: Dict = {"draft_drop": draft_drop, "scheduler_block": L,
                  "hash_block": min((g.alloc_block_size for g in hashed), default=0),
                  "min_prefix_hit": L, "min_prefix_hit_spec": 2 * L,
@@ -184,6 +186,34 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
                                 f"(max_num_batched_tokens {max_num_batched_tokens}): never admitted "
                                 f"(vllm-ascend #15204)")
     return out
+
+
+def _check_args(layout, num_speculative_tokens, max_num_batched_tokens, chunks, short_prompt, draft_groups,
+                num_hidden_layers) -> Tuple[int, ...]:
+    """:func:`audit`'s arguments (the pipeline's bounds, :data:`dsv4_index.capacity.BOUNDS`); ``chunks`` as a
+    tuple. TypeError / ValueError naming the argument."""
+    from ..capacity import BOUNDS
+    from ..geometry import DSV4Layout
+
+    if not isinstance(layout, DSV4Layout):
+        raise TypeError(f"layout must be a DSV4Layout (DSV4Layout.from_config(...)), got {type(layout).__name__}")
+    check_int("num_speculative_tokens", num_speculative_tokens, lo=0, hi=BOUNDS["num_speculative_tokens"][0])
+    check_int("max_num_batched_tokens", max_num_batched_tokens, lo=1, hi=BOUNDS["max_num_batched_tokens"][0])
+    check_int("short_prompt", short_prompt, lo=0)
+    if num_hidden_layers is not None:
+        check_int("num_hidden_layers", num_hidden_layers, lo=0, hi=layout.num_layers)
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, (list, tuple, range)):
+        raise TypeError(f"chunks must be a list of chunk lengths (ints), got {type(chunks).__name__}")
+    for i, c in enumerate(chunks):
+        check_int(f"chunks[{i}]", c, lo=1, hi=BOUNDS["max_num_batched_tokens"][0])
+    if draft_groups is not None:
+        names = [g.name for g in layout.groups]
+        if isinstance(draft_groups, (str, bytes)) or not isinstance(draft_groups, (list, tuple, set, frozenset)):
+            raise TypeError(f"draft_groups must be a list of group names, got {draft_groups!r}")
+        bad = [x for x in draft_groups if x not in names]
+        if bad:
+            raise ValueError(f"draft_groups names {bad!r}, not groups of this layout ({names})")
+    return tuple(chunks)
 
 
 def _num_mtp(layout) -> int:

@@ -30,3 +30,35 @@ def test_bytes_per_token_of_v41_counts_the_kv_sources_only():
     assert g["c2_state"]["bytes_per_token"] == C4_STATE          # layer 1's state only (indexed kind: kv + index)
     assert g["swa"]["bytes_per_token"] == 6 * MLA
     assert a["warnings"] == [] or all("#16270" in w for w in a["warnings"])
+
+
+# ---------------------------------------------------------------------------------------------- cases 9 and 11
+@pytest.mark.parametrize("kw,name", [
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+    (dict(num_speculative_tokens="2"), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=True), "num_speculative_tokens"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(max_num_batched_tokens=-5), "max_num_batched_tokens"),
+    (dict(max_num_batched_tokens=2 ** 70), "max_num_batched_tokens"),
+    (dict(chunks=[-100]), "chunks"), (dict(chunks=512), "chunks"), (dict(chunks=[0]), "chunks"),
+    (dict(chunks=["512"]), "chunks"), (dict(chunks=[2 ** 70]), "chunks"),
+    (dict(draft_groups=["nope"]), "draft_groups"), (dict(draft_groups="swa"), "draft_groups"),
+    (dict(short_prompt=-1), "short_prompt"), (dict(num_hidden_layers=-1), "num_hidden_layers"),
+    (dict(num_hidden_layers=99), "num_hidden_layers"), (dict(draft_drop="x"), "draft_drop")])
+def test_bad_arguments_are_refused_by_name(kw, name):
+    lay = DSV4Layout.from_config("flash", 8192)
+    with pytest.raises((ValueError, TypeError), match=rf"^{name}"):
+        audit(lay, **kw)
+
+
+@pytest.mark.parametrize("layout", [None, "flash", {"groups": []}])
+def test_a_layout_that_is_not_one_is_a_type_error(layout):
+    with pytest.raises(TypeError, match=r"^layout must be a DSV4Layout"):
+        audit(layout)
+
+
+def test_good_arguments_still_audit():
+    lay = DSV4Layout.from_config("flash", 8192, groups="vllm")
+    a = audit(lay, num_speculative_tokens=1, max_num_batched_tokens=1 << 20, chunks=(1, 512),
+              draft_groups=("swa_1",), num_hidden_layers=43)
+    assert [g["name"] for g in a["groups"] if g["draft"]] == ["swa_1"] and a["groups"][0]["demand"][1] >= 1
