@@ -142,3 +142,13 @@ def test_audit_groups_file_that_cannot_be_used_is_named(capsys, tmp_path, conten
     rc, out, err = run(capsys, ["audit", "--config", "flash", "--groups", str(path)])
     assert rc == 2 and err.count("\n") == 1 and "internal error" not in err, err
     assert "--groups" in err and str(path) in err and why in err, err
+
+
+def test_audit_of_vllms_own_v41_plan(capsys):
+    from pathlib import Path
+
+    plan = Path(__file__).resolve().parents[1] / "layout" / "fixtures" / "vllm033_v41_flash.json"
+    rc, out, err = run(capsys, ["audit", "--config", "v41_flash", "--groups", str(plan), "--json"])
+    assert rc == 0 and not err, err
+    g = {r["name"]: r for r in json.loads(out)["groups"]}
+    assert g["c2_state"]["kind"] == "circular" and g["mla"]["bytes_per_token"] > 0
