@@ -265,28 +265,25 @@ MAX_GROUPS_BYTES = 16 << 20
 
 def read_groups_file(path: str):
     """The JSON of an ``audit --groups`` file, bounded in size and depth before parsing; an
-    :class:`~dsv4_index.tools.cli.OptionError` naming ``--groups`` and the file otherwise."""
+    ``ValueError`` reading ``"--groups: ..."`` and naming the file otherwise (the CLI prints it as one line)."""
     from .._json import BadJSON, decode_utf8, loads_bounded
-    from .cli import OptionError
 
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_GROUPS_BYTES + 1)
     except OSError as e:
-        raise OptionError("--groups", f"cannot read {path}: {e.strerror or e}") from None
+        raise ValueError(f"--groups: cannot read {path}: {e.strerror or e}") from None
     if len(raw) > MAX_GROUPS_BYTES:
-        raise OptionError("--groups", f"{path} is larger than {MAX_GROUPS_BYTES} bytes; not a KV-cache plan")
+        raise ValueError(f"--groups: {path} is larger than {MAX_GROUPS_BYTES} bytes; not a KV-cache plan")
     try:
         return loads_bounded(decode_utf8(raw, path), path, raw=raw)
     except BadJSON as e:
-        raise OptionError("--groups", f"{path} is not valid JSON: line {e.line}: {e.msg}") from None
+        raise ValueError(f"--groups: {path} is not valid JSON: line {e.line}: {e.msg}") from None
 
 
 def audit_cmd(args) -> int:
     """``python -m dsv4_index audit``."""
     from .. import DSV4Layout
-
-    from .cli import OptionError
 
     n = args.max_model_len or 32768
     if args.groups and args.groups != "vllm":
@@ -294,7 +291,7 @@ def audit_cmd(args) -> int:
         try:
             layout = DSV4Layout.from_kv_cache_config(plan, args.config, n)
         except ValueError as e:
-            raise OptionError("--groups", f"{args.groups}: {e}") from None
+            raise ValueError(f"--groups: {args.groups}: {e}") from None
     else:
         layout = DSV4Layout.from_config(args.config, n, groups=args.groups)
     from ..config import normalize_config
