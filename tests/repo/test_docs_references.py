@@ -278,8 +278,8 @@ def test_every_documented_argument_is_a_parameter():
 def test_the_name_checks_can_fail():
     doc = [("docs/X.md", "see `state/no_such_module.py`, `dsv4_index.tools.trace.no_such_name`, "
                          "`dsv4_index.no_such_module`, `step_rules.explain` and `tools/{trace,nope}.py`.\n"
-                         "`MetadataPipeline(layout, max_num_reqs, *, fused, record)` and `from_config(cfg, 1, mla_block=2)`"
-                         " and `record_steps(pipe, path, values_limit=3)`")]
+                         "`MetadataPipeline(layout, max_num_reqs, *, fused, record)` and "
+                         "`from_config(cfg, 1, mla_block=2)` and `record_steps(pipe, path, values_limit=3)`")]
     bad, _ = missing_names(doc)
     assert [b.split(": ", 1)[1].split(" (")[0] for b in bad] == [
         "state/no_such_module.py", "dsv4_index.tools.trace.no_such_name", "dsv4_index.no_such_module",
