@@ -337,7 +337,6 @@ class MetadataPipeline:
         """Slot (block-table row) of a request (id-keyed updates)."""
         return self.slot_map.slot_of[req_id]
 
-    row_of = slot_of
 
     @property
     def num_launches(self) -> int:
