@@ -21,7 +21,7 @@ import torch
 
 from ._common import INT32_MAX, check_cp, check_int
 
-__all__ = ["BOUNDS", "check_capacities", "check_arguments", "memory_estimate"]
+__all__ = ["BOUNDS", "check_capacities", "check_arguments", "check_flags", "memory_estimate"]
 
 BOUNDS: Dict[str, Tuple[int, str]] = {
     "max_num_reqs": (1 << 16, "request slots (rows of every block table); the trace format's bound too, and "
@@ -135,6 +135,16 @@ def check_arguments(layout, max_num_reqs: int, max_num_batched_tokens: int, num_
     if cp_world_size != layout.cp_world_size and cp_world_size > 1:
         raise ValueError(f"cp_world_size={cp_world_size} differs from the layout's "
                          f"cp_world_size={layout.cp_world_size} (its tables were sized for that)")
+
+
+def check_flags(**flags) -> None:
+    """Each of the constructor's on/off arguments (``fused``, ``validate``, ``cuda_graphs``, ``steady``) a bool
+    (numpy's too): ``TypeError`` naming it (a string such as ``"no"`` would otherwise read as on)."""
+    import numpy as np
+
+    for name, v in flags.items():
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {v!r}")
 
 
 def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",

@@ -23,7 +23,7 @@ import torch
 
 from ._common import check_device, use_triton
 from .batch import StepBatch
-from .capacity import BOUNDS, check_arguments, memory_estimate
+from .capacity import BOUNDS, check_arguments, check_flags, memory_estimate
 from .engine_plan import check_block_counts
 from .channels import BuildContext, ChannelBuilder, ChannelMetadata, builder_for
 from .fused.plan import FusedPlan
@@ -78,6 +78,7 @@ class MetadataPipeline:
                  cuda_graphs: bool = False, steady: bool = True):
         check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          (cp_world_size, cp_rank, cp_interleave), checks)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs, steady=steady)
         self.layout = layout
         self.device = check_device(device)
         self.max_num_reqs = max_num_reqs
@@ -171,6 +172,7 @@ class MetadataPipeline:
         cp = (cp_world_size, cp_rank, cp_interleave)
         check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          cp, checks)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs, steady=steady)
         dev = check_device(device, available=False)
         use_triton(dev, backend)  # NOTE: the constructor's backend check
         if cuda_graphs and dev.type != "cuda":

@@ -119,7 +119,7 @@ class Recorder:
     """
 
     def __init__(self, path: Union[str, Path], pipe, *, outputs: bool = True, values_limit: int = 4096):
-        _check_recording_args(path, outputs, values_limit)   # NOTE: before the file is created
+        _check_recording_args(pipe, path, outputs, values_limit)   # NOTE: before the file is created
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "w", encoding="utf-8")
@@ -194,8 +194,12 @@ class Recorder:
         self.close()
 
 
-def _check_recording_args(path, outputs, values_limit) -> None:
+def _check_recording_args(pipe, path, outputs, values_limit) -> None:
     """``Recorder`` / ``record_steps`` arguments: TypeError / ValueError naming the argument."""
+    from ..pipeline import MetadataPipeline
+
+    if not isinstance(pipe, MetadataPipeline):
+        raise TypeError(f"pipe must be a MetadataPipeline, got {type(pipe).__name__}")
     if not isinstance(path, (str, Path)):
         raise TypeError(f"path must be a str or pathlib.Path, got {type(path).__name__}")
     if not isinstance(outputs, bool):

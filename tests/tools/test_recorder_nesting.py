@@ -62,4 +62,8 @@ def test_values_limit_is_checked_before_the_file_is_created(tmp_path):
         with record_steps(pipe, tmp_path / "u.jsonl", outputs="yes"):
             pass
     assert not (tmp_path / "u.jsonl").exists()
+    with pytest.raises(TypeError, match="pipe must be a MetadataPipeline"):
+        with record_steps(None, tmp_path / "v.jsonl"):
+            pass
+    assert not (tmp_path / "v.jsonl").exists()
     assert "update" not in pipe.__dict__
