@@ -285,7 +285,7 @@ def audit_cmd(args) -> int:
     """``python -m dsv4_index audit``."""
     from .. import DSV4Layout
 
-    n = args.max_model_len or 32768
+    n = args.max_model_len or 32768   # NOTE: the CLI sets the documented default (cli.max_model_len_of)
     if args.groups and args.groups != "vllm":
         plan = read_groups_file(args.groups)
         try:

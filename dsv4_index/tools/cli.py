@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-model-len", type=_int_in(1, longest), default=None, metavar="N",
                        help="longest request in tokens; sizes every table (default: the config's "
                        f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN}; largest: 2**20 for demo and "
-                       "inspect, 2**24 for layout)")
+                       "inspect, 2**24 for layout and audit)")
         return p
 
     command("layout", "print the kv-cache groups and channels a config gives, with a key to the columns")
@@ -355,6 +355,7 @@ def main(argv=None) -> int:
     elif args.cmd == "inspect":
         return inspect_step(args)
     elif args.cmd == "audit":
+        args.max_model_len = max_model_len_of(args)   # NOTE: the default every command documents
         return audit_cmd(args)
     else:
         return replay(args)

@@ -152,3 +152,20 @@ def test_audit_of_vllms_own_v41_plan(capsys):
     assert rc == 0 and not err, err
     g = {r["name"]: r for r in json.loads(out)["groups"]}
     assert g["c2_state"]["kind"] == "circular" and g["mla"]["bytes_per_token"] > 0
+
+
+def test_audit_default_max_model_len_is_the_documented_one(monkeypatch):
+    """No --max-model-len: the config's max_position_embeddings, at most 32768 (tiny: 1024), as every command."""
+    from argparse import Namespace
+
+    from dsv4_index.tools.cli import max_model_len_of
+
+    seen = []
+    orig = DSV4Layout.from_config.__func__
+
+    def spy(cls, config, max_model_len, **kw):
+        seen.append(max_model_len)
+        return orig(cls, config, max_model_len, **kw)
+    monkeypatch.setattr(DSV4Layout, "from_config", classmethod(spy))
+    assert main(["audit", "--config", "tiny"]) == 0
+    assert seen == [max_model_len_of(Namespace(config="tiny", max_model_len=None))] == [1024]
