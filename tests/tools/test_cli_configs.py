@@ -169,3 +169,10 @@ def test_audit_default_max_model_len_is_the_documented_one(monkeypatch):
     monkeypatch.setattr(DSV4Layout, "from_config", classmethod(spy))
     assert main(["audit", "--config", "tiny"]) == 0
     assert seen == [max_model_len_of(Namespace(config="tiny", max_model_len=None))] == [1024]
+
+
+@pytest.mark.parametrize("option,value", [("--spec", "-1"), ("--spec", "x"), ("--spec", str(2 ** 70)),
+                                          ("--max-num-batched-tokens", "0"), ("--max-num-batched-tokens", "-5")])
+def test_audit_options_out_of_range_name_the_option(capsys, option, value):
+    rc, out, err = run(capsys, ["audit", "--config", "tiny", option, value])
+    assert rc == 2 and err.count("\n") == 1 and f"argument {option}" in err, err
