@@ -266,6 +266,13 @@ def read_engine_plan(kv_cache_config) -> EnginePlan:
         if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)) or not names:
             raise ValueError(f"kv_cache_groups[{i}].layer_names must be a non-empty list of layer names, "
                              f"got {names!r}")
+        twice = next((n for j, n in enumerate(names) if n in names[:j]), None)
+        if twice is not None:
+            raise ValueError(f"kv_cache_groups[{i}].layer_names lists {twice!r} twice")
+        eagle = _get(g, "is_eagle_group", None)
+        eagle = False if eagle is None else eagle   # NOTE: absent or null: not a draft group
+        if not isinstance(eagle, bool):
+            raise ValueError(f"kv_cache_groups[{i}].is_eagle_group must be a bool, got {eagle!r}")
         spec, bs, win = _spec_fields(i, g)
         kind = SPEC_KINDS.get(spec)
         if kind is None:
@@ -278,8 +285,7 @@ def read_engine_plan(kv_cache_config) -> EnginePlan:
                 raise ValueError(f"kv_cache_groups[{i}] (spec {spec}): sliding_window must be an int >= 1, "
                                  f"got {win!r}")
             window = int(win)  # type: ignore[call-overload]
-        out.append(EngineGroup(tuple(names), kind, bs, window, spec,
-                               bool(_get(g, "is_eagle_group", False))))
+        out.append(EngineGroup(tuple(names), kind, bs, window, spec, eagle))
     return EnginePlan(tuple(out))
 
 

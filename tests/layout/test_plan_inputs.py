@@ -97,6 +97,18 @@ def test_uniform_type_specs_whose_inner_specs_differ_are_refused(field, other):
         DSV4Layout.from_kv_cache_config(groups, "flash", 4096)
 
 
+def test_a_layer_listed_twice_or_a_non_bool_eagle_flag_is_refused():
+    plan = copy.deepcopy(_plan("flash"))
+    g = plan["kv_cache_groups"][3]
+    g["layer_names"].append(g["layer_names"][0])
+    with pytest.raises(ValueError, match=r"kv_cache_groups\[3\].layer_names lists .* twice"):
+        DSV4Layout.from_kv_cache_config(plan, "flash", 4096)
+    plan = copy.deepcopy(_plan("flash"))
+    plan["kv_cache_groups"][0]["is_eagle_group"] = "yes"
+    with pytest.raises(ValueError, match=r"kv_cache_groups\[0\].is_eagle_group must be a bool"):
+        DSV4Layout.from_kv_cache_config(plan, "flash", 4096)
+
+
 # ---------------------------------------------------------------------------------------------- case 5
 @pytest.mark.parametrize("opt", [dict(mla_block_size=64), dict(swa_block_size=32), dict(c4_state_block_size=2),
                                  dict(c128_state_block_size=4), dict(swa_group_per_layer=True),
