@@ -267,9 +267,12 @@ class DSV4Layout:
         return dataclasses.replace(self, channels={**self.channels, spec.name: spec})
 
     def __str__(self) -> str:
+        kinds = ratio_kinds(self.compress_ratios)
+        v4 = all(k.main in ("c4a", "c128a") for k in kinds)   # NOTE: V4.1's ratios are named by value
+        ratios = (f"c4={self.c4_ratio}, c128={self.c128_ratio}" if v4 else
+                  "ratios=" + "/".join(str(k.ratio) for k in kinds))
         lines = [f"DSV4Layout(max_model_len={self.max_model_len}, layers={self.num_layers}, "
-                 f"W={self.sliding_window}, c4={self.c4_ratio}, c128={self.c128_ratio}, "
-                 f"index_topk={self.index_topk}"
+                 f"W={self.sliding_window}, {ratios}, index_topk={self.index_topk}"
                  + (f", cp={self.cp_world_size}x{self.cp_interleave}" if self.cp_world_size > 1 else "")
                  + ")"]
         head = f"{'gid':>3}  {'group':<11}{'kind':<8}{'block':>6}{'f':>3}{'window':>7}{'width':>8}  channels"
@@ -279,6 +282,7 @@ class DSV4Layout:
                               + (f", idx={c.index_width}" if c.index_width is not None else "") + ")"
                               for c in self.channels_of(g.gid))
             win = "-" if g.window is None else str(g.window)
+            width = g.ring_blocks if g.kind == "circular" else g.table_width   # NOTE: a ring's blocks
             lines.append(f"{g.gid:>3}  {g.name:<11}{g.kind:<8}{g.block_size:>6}{g.blocks_per_kv_block:>3}"
-                         f"{win:>7}{g.table_width:>8}  {chans}")
+                         f"{win:>7}{width:>8}  {chans}")
         return "\n".join(lines)

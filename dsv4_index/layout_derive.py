@@ -16,7 +16,7 @@ from .engine_plan import EnginePlan, topk_owners
 from .group_plan import PlannedGroup, plan_groups
 from .specs import CHANNEL_OUTPUTS, INDEX_ALIGN, ChannelSpec, GroupSpec, RatioKind, parse_circular, ratio_kinds
 
-__all__ = ["derive_layout"]
+__all__ = ["derive_layout", "check_kv_sources"]
 
 
 @dataclass
@@ -121,9 +121,19 @@ def _read_config(cfg: dict) -> _Model:
         index_topk = check_int("config['index_topk']", index_topk, lo=1) if "index_topk" in cfg else None
         if index_topk is None:
             raise ValueError("config is missing key(s) ['index_topk'] (needed by c4 layers)")
-    sources = _layer_list(cfg, "kv_source_layer_ids", ratios, n_hidden)
-    if sources:  # NOTE: a layer reads the nearest source at or below it: that cache must be of its ratio
-        src = sorted(set(int(s) for s in sources))
+    sources = check_kv_sources(cfg.get("kv_source_layer_ids"), ratios, n_hidden)
+    _check_index_sources(_layer_list(cfg.get("index_source_layer_ids"), "index_source_layer_ids", ratios, n_hidden),
+                         ratios)
+    return _Model(n_hidden, ratios, window, kinds, r4, r128, index_topk, sources)
+
+
+def check_kv_sources(sources, ratios, n_hidden: int) -> Tuple[int, ...]:
+    """V4.1's ``kv_source_layer_ids`` checked (None: no sources, every compressed layer owns its caches): a list of
+    compressed backbone layers such that every compressed layer has a source of its own ratio at or below it (vLLM's
+    ``kv_source_layer_id`` rule, :func:`~dsv4_index.engine_plan.kv_owners`). The one rule ``from_config`` and the
+    trace reader apply; ValueError naming ``config['kv_source_layer_ids']`` and the layer."""
+    src = sorted(set(int(s) for s in _layer_list(sources, "kv_source_layer_ids", ratios, n_hidden)))
+    if src:  # NOTE: a layer reads the nearest source at or below it: that cache must be of its ratio
         for i, r in enumerate(ratios):
             below = [s for s in src if s <= i]
             if r > 0 and (not below or ratios[below[-1]] != r):
@@ -131,17 +141,22 @@ def _read_config(cfg: dict) -> _Model:
                                  + (f"reads layer {below[-1]}'s cache, of ratio {ratios[below[-1]]}" if below else
                                     "has no source at or below it") + ": every compressed layer needs a source of "
                                  "its own ratio at or below it (vLLM's kv_source_layer_id rule)")
-    _check_index_sources(_layer_list(cfg, "index_source_layer_ids", ratios, n_hidden), ratios)
-    return _Model(n_hidden, ratios, window, kinds, r4, r128, index_topk, tuple(int(s) for s in sources))
+    return tuple(src)
 
 
-def _layer_list(cfg: dict, key: str, ratios, n_hidden: int):
-    """``cfg[key]`` (absent: empty), a list of compressed backbone layers (V4.1's source lists)."""
-    layers = cfg.get(key) or ()
-    if not isinstance(layers, (list, tuple)) or any(not is_int(s) or not 0 <= s < n_hidden or ratios[s] == 0
-                                                    for s in layers):
-        raise ValueError(f"config[{key!r}] must be a list of compressed backbone layers (ints in "
-                         f"[0, {n_hidden}) with a compress ratio > 0), got {layers!r}")
+def _layer_list(layers, key: str, ratios, n_hidden: int):
+    """``layers`` (the config's ``key``; None or absent: empty), a list of compressed backbone layers (V4.1's source
+    lists). ``0``, ``False`` or any other non-list is refused, not read as "no sources"."""
+    if layers is None:
+        return ()
+    what = (f"config[{key!r}] must be a list of compressed backbone layers (ints in [0, {n_hidden}) with a "
+            f"compress ratio > 0)")
+    if not isinstance(layers, (list, tuple)):
+        raise ValueError(f"{what}, got {layers!r}")
+    for j, s in enumerate(layers):
+        if not is_int(s) or not 0 <= s < n_hidden or ratios[s] == 0:
+            why = f": layer {s} is SWA-only (compress ratio 0)" if is_int(s) and 0 <= s < n_hidden else ""
+            raise ValueError(f"{what}, got {list(layers)!r}: [{j}] is {s!r}{why}")
     return layers
 
 

@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ._common import check_cp, use_triton
+from ._common import check_device, use_triton
 from .batch import StepBatch
-from .capacity import BOUNDS, check_capacities, memory_estimate
+from .capacity import BOUNDS, check_arguments, check_flags, memory_estimate
 from .engine_plan import check_block_counts
 from .channels import BuildContext, ChannelBuilder, ChannelMetadata, builder_for
 from .fused.plan import FusedPlan
@@ -31,30 +31,12 @@ from .fused.tasks import FusedTask
 from .metadata import DSV4Metadata, StepStats
 from .geometry import DSV4Layout
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
-from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
+from .state import BlockTables, RequestState, StepPlan, StepStaging
 from .state.requests import RowIds, SlotMap
 
 MAX_STAGED_BLOCKS = BOUNDS["max_staged_blocks"][0]
 
 __all__ = ["MetadataPipeline"]
-
-
-def _check_arguments(layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
-                     max_staged_blocks: Optional[int], cp: Tuple[int, int, int], checks: str) -> None:
-    """The constructor's checks, before anything is allocated: DCP, every capacity bounded (largest
-    value and reason), the check level, and DCP against the layout's sharded groups."""
-    cp_world_size, cp_rank, cp_interleave = cp
-    check_cp(cp_world_size, cp_rank, cp_interleave)
-    check_capacities(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks, cp)
-    if checks not in CHECK_LEVELS:
-        raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
-    for g in layout.groups:
-        if cp_world_size > 1 and g.sharded and g.alloc_block_size % cp_interleave:
-            raise ValueError(f"cp_interleave={cp_interleave} must divide the allocation block size "
-                             f"{g.alloc_block_size} of sharded group {g.name!r}")
-    if cp_world_size != layout.cp_world_size and cp_world_size > 1:
-        raise ValueError(f"cp_world_size={cp_world_size} differs from the layout's "
-                         f"cp_world_size={layout.cp_world_size} (its tables were sized for that)")
 
 
 class MetadataPipeline:
@@ -94,10 +76,11 @@ class MetadataPipeline:
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
                  cuda_graphs: bool = False, steady: bool = True):
-        _check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
+        check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          (cp_world_size, cp_rank, cp_interleave), checks)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs, steady=steady)
         self.layout = layout
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = T = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
@@ -177,11 +160,26 @@ class MetadataPipeline:
 
     @classmethod
     def memory_estimate(cls, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
-                        num_speculative_tokens: int = 0, **kwargs) -> dict:
+                        num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
+                        cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
+                        max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
+                        cuda_graphs: bool = False, steady: bool = True) -> dict:
         """Bytes a pipeline of these arguments (the constructor's) allocates, computed without allocating:
-        ``{"device", "host", "pinned", "parts"}`` (:func:`dsv4_index.capacity.memory_estimate`); the same
-        ``ValueError`` as the constructor for a capacity beyond its bound."""
-        return memory_estimate(layout, max_num_reqs, max_num_batched_tokens, device, num_speculative_tokens, **kwargs)
+        ``{"device", "host", "pinned", "parts"}`` (:func:`dsv4_index.capacity.memory_estimate`). Every
+        argument is checked as the constructor checks it (the same ``ValueError`` / ``TypeError``; an unknown
+        keyword is a ``TypeError``), except that a CUDA ``device`` need not exist here (planning on a host
+        without one); ``fused``, ``validate``, ``steady`` change no allocation."""
+        cp = (cp_world_size, cp_rank, cp_interleave)
+        check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
+                         cp, checks)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs, steady=steady)
+        dev = check_device(device, available=False)
+        use_triton(dev, backend)  # NOTE: the constructor's backend check
+        if cuda_graphs and dev.type != "cuda":
+            raise ValueError("cuda_graphs needs a CUDA device and every channel in the fused launch")
+        return memory_estimate(layout, max_num_reqs, max_num_batched_tokens, dev, num_speculative_tokens,
+                               cp_world_size=cp_world_size, cp_rank=cp_rank, cp_interleave=cp_interleave,
+                               max_staged_blocks=max_staged_blocks)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -341,7 +339,6 @@ class MetadataPipeline:
         """Slot (block-table row) of a request (id-keyed updates)."""
         return self.slot_map.slot_of[req_id]
 
-    row_of = slot_of
 
     @property
     def num_launches(self) -> int:

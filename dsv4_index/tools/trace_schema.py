@@ -11,6 +11,7 @@ from .._json import one_line
 from ..capacity import check_capacities
 from ..group_plan import ROLES
 from ..geometry import DSV4Layout
+from ..layout_derive import check_kv_sources
 from ..specs import CHANNEL_OUTPUTS, GROUP_KINDS as KINDS, GROUP_ORDER, ChannelSpec, GroupSpec
 
 __all__ = ["TraceError", "check_header", "check_line", "check_capacity", "rebuild_layout", "LIMITS"]
@@ -214,6 +215,10 @@ def _layout(at: _At, d) -> DSV4Layout:
     kw["cp_interleave"] = at.int(d.get("cp_interleave", 1), "layout.cp_interleave", 1, LIMITS["block_size"])
     kw["kv_sources"] = tuple(at.int(x, f"layout.kv_sources[{i}]", 0, max(kw["num_layers"] - 1, 0))
                              for i, x in enumerate(at.list(d.get("kv_sources", []), "layout.kv_sources")))
+    try:  # NOTE: from_config's rule, also for layouts that are not re-derived (custom or V4.1 channels)
+        check_kv_sources(list(kw["kv_sources"]), kw["compress_ratios"], len(kw["compress_ratios"]))
+    except ValueError as e:
+        at.err("layout.kv_sources", str(e))
     at.unchecked |= _passthrough(d, extra, kw)
     try:
         layout = DSV4Layout(groups=groups, channels=channels, **kw)
