@@ -17,7 +17,8 @@ from .block_table import BlockTable, MultiGroupBlockTable
 from .channels import ChannelBuilder, ChannelMetadata, register_channel
 from .geometry import ChannelSpec, DSV4Layout, GroupSpec
 from .metadata import DSV4Metadata, StepStats
-from .ops import (IndexerLengths, candidate_blocks_to_physical, candidate_topk_to_slots, causal_compressed_indices, compressed_slot_mapping, indexer_lengths,
+from .ops import (IndexerLengths, candidate_blocks_to_physical, candidate_topk_to_slots,
+                  causal_compressed_indices, compressed_slot_mapping, indexer_lengths,
                   slot_mapping, token_to_req, topk_to_slots, window_indices)
 from .frontend import NewRequest, RunningRequest, StepInput, batch_from_scheduler_output, batch_from_step
 from .pipeline import MetadataPipeline

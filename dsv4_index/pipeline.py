@@ -327,6 +327,8 @@ class MetadataPipeline:
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
             # NOTE: topk needs >= T_pad rows (the last warm-up size), not 1
             conv(torch.full((max(1, self.ctx.num_tokens_padded), K), -1, dtype=torch.int32, device=self.device))
+        for b in self._builders.values():  # NOTE: V4.1's candidate kernels (channels/compressed.py)
+            getattr(b, "warm_candidates", lambda ctx: None)(self.ctx)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._plan = None

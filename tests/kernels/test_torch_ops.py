@@ -33,6 +33,7 @@ def cases(device="cpu", backend="reference"):
     topk = torch.tensor([[0, 1, 5, -1]] * 12, dtype=I32, device=device)
     trows = torch.tensor([2, 0, 0, 1, 1, 1, 1, 1] + [-1] * 4, dtype=I32, device=device)
     tnc = torch.tensor([5, 3, 3, 1, 1, 1, 2, 2] + [0] * 4, dtype=I32, device=device)
+    cblk = torch.tensor([[1, 0, -1]] * 12, dtype=I32, device=device)   # V4.1 candidate blocks (C = 2)
     kw = dict(num_tokens=12, backend=backend)
 
     def e(*shape, dtype=I32):
@@ -62,6 +63,16 @@ def cases(device="cpu", backend="reference"):
         "topk_to_slots_rows": (OPS.topk_to_slots_rows, (topk, trows, tnc, bt, 2, 2, 12), dict(backend=backend)),
         "topk_to_slots_rows_out": (OPS.topk_to_slots_rows_out, (topk, trows, tnc, bt, 2, 2, 12, e(12, 4), e(12)),
                                    dict(backend=backend)),
+        "candidate_topk_to_slots_rows": (OPS.candidate_topk_to_slots_rows, (cblk, topk, trows, tnc, bt, 2, 2, 2, 12),
+                                         dict(backend=backend, compact=True)),
+        "candidate_topk_to_slots_rows_out": (OPS.candidate_topk_to_slots_rows_out,
+                                             (cblk, topk, trows, tnc, bt, 2, 2, 2, 12, e(12, 4), e(12)),
+                                             dict(backend=backend)),
+        "candidate_blocks_to_physical_rows": (OPS.candidate_blocks_to_physical_rows,
+                                              (cblk, trows, tnc, bt, 2, 2, 2, 12), dict(backend=backend)),
+        "candidate_blocks_to_physical_rows_out": (OPS.candidate_blocks_to_physical_rows_out,
+                                                  (cblk, trows, tnc, bt, 2, 2, 2, 12, e(12, 3), e(12)),
+                                                  dict(backend=backend)),
         "indexer_lengths": (OPS.indexer_lengths, (qsl, seq, 4), dict(kw, next_n=2, num_decodes=2)),
         "indexer_lengths_out": (OPS.indexer_lengths_out, (qsl, seq, 4, e(12), e(12), e(12), e(4), e(2, 2)),
                                 dict(next_n=2, num_decodes=2, backend=backend)),
