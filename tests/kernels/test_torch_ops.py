@@ -250,3 +250,34 @@ def test_reduce_overhead_uses_cuda_graphs_with_build_outside():
     assert sum(counters["graph_break"].values()) == 0
     mgr = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert mgr is not None and len(mgr.roots) > 0   # NOTE: a CUDA graph was recorded
+
+
+def test_candidate_meta_methods_compile_and_equal_eager():
+    """V4.1's candidate conversions inside a fullgraph compile: zero graph breaks, values equal to the eager
+    meta methods (which the pipeline tests hold against the references)."""
+    layout = DSV4Layout.from_config("tiny_v41", max_model_len=256, mla_block_size=16, swa_block_size=8)
+    pipe = MetadataPipeline(layout, 6, 32, "cpu", 1)
+
+    def fwd(meta, blocks, cols):
+        phys, cnt = meta.candidate_blocks_to_physical("c1a", blocks)
+        slots, lens = meta.candidate_topk_to_slots("c1a", blocks, cols, compact=True)
+        return phys.sum(1) + cnt + slots.sum(1) + lens
+
+    cf = torch.compile(fwd, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for step, _ in random_trace(layout, 5, seed=3, max_num_batched_tokens=32, max_num_seqs=6,
+                                num_speculative_tokens=1):
+        pipe.update(step, pad_to=32)
+        meta = pipe.build()
+        blocks = torch.randint(-1, 40, (32, 4), generator=g, dtype=I32)
+        cols = torch.randint(-1, 9, (32, 4), generator=g, dtype=I32)
+        want = fwd(meta, blocks, cols).clone()
+        assert torch.equal(cf(meta, blocks, cols), want)
+        n += int(want.abs().sum() > 0)
+        a = T.candidate_topk_to_slots(meta, "c1a", blocks, cols)
+        b = meta.candidate_topk_to_slots("c1a", blocks, cols)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert n > 0 and sum(counters["graph_break"].values()) == 0
