@@ -139,3 +139,24 @@ def test_dcp_refuses_physical_blocks_but_converts_columns(device):
     a = (a[0].clone(), a[1].clone())
     b = meta.topk_to_slots("c1a", rows)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_check_candidates_accepts_the_pipeline_and_names_a_wrong_entry(device):
+    from dsv4_index.validate import MetadataError, check_candidates
+    lay = DSV4Layout.from_config("tiny_v41", 256, mla_block_size=16, swa_block_size=8)
+    pipe = MetadataPipeline(lay, 4, 32, device, 1)
+    for step, _ in random_trace(lay, 6, seed=4, max_num_batched_tokens=32, max_num_seqs=4):
+        pipe.update(step, pad_to=32)
+        meta = pipe.build()
+    g = torch.Generator().manual_seed(2)
+    blocks, cols = (x.to(device) for x in _random_inputs(g, 32, 4, 4, 2, 64))
+    phys, cnt = (x.clone() for x in meta.candidate_blocks_to_physical("c1a", blocks))
+    slots, lens = (x.clone() for x in meta.candidate_topk_to_slots("c1a", blocks, cols))
+    check_candidates(meta, "c1a", blocks, cols, phys, cnt, slots, lens)
+    t = int(torch.nonzero(cnt)[0])
+    phys[t] = torch.where(phys[t] >= 0, phys[t] + 1, phys[t])
+    with pytest.raises(MetadataError, match="candidate physical blocks"):
+        check_candidates(meta, "c1a", blocks, cols, phys, cnt, None, None)
+    slots[t, 0] = 7
+    with pytest.raises(MetadataError, match="candidate slots"):
+        check_candidates(meta, "c1a", blocks, cols, None, None, slots, lens)
