@@ -5,11 +5,11 @@ and only under some batch shapes. Two checks, both raising :class:`AliasError` (
 both buffers and their byte ranges:
 
 * :func:`check_pipeline_buffers` (once, when a pipeline is built): every persistent buffer a launch writes
-  (the common step tensors, each group's device table, every channel builder's buffers, the staging buffer,
-  the fused launch's scratch and argument tables) is disjoint from every other one. The same buffer object may
-  be held by several builders only where the sharing is documented: ``BuildContext.shared_buffer`` (one buffer
-  per key: the compressed slot mapping of one ``(gid, ratio, rows_per_block)`` geometry, shared by ``c4a`` and
-  ``c4i``), the common step tensors and the group tables.
+  (the common step tensors, each group's device table, every channel builder's buffers, the staging buffers
+  on both sides of the one copy, the fused launch's scratch and argument tables) is disjoint from every other
+  one. The same buffer object may be held by several builders only where the sharing is documented:
+  ``BuildContext.shared_buffer`` (one buffer per key: the compressed slot mapping of one ``(gid, ratio,
+  rows_per_block)`` geometry, shared by ``c4a`` and ``c4i``), the common step tensors and the group tables.
 * :func:`check_step_outputs` (the first build, then every build under ``validate=True``): the tensors of one
   step's :class:`~dsv4_index.metadata.DSV4Metadata` (common tensors, block tables, every channel field) and the
   buffers ``meta.topk_to_slots`` / ``meta.candidate_*`` return views of are pairwise disjoint, except identical
@@ -113,6 +113,8 @@ def pipeline_buffers(pipe) -> List[Buffer]:
         out += [Buffer(f"{cname}.{attr}", v) for attr, v in vars(b).items()
                 if isinstance(v, torch.Tensor) and id(v) not in doc]
     out.append(Buffer("staging.dev", pipe.staging.dev))
+    out += [Buffer(f"staging.host[{i}]", h) for i, h in enumerate(getattr(pipe.staging, "host", ()))
+            if isinstance(h, torch.Tensor)]  # NOTE: the pinned buffers update() writes in turn
     fused = pipe._fused
     if fused is not None:
         out += [Buffer(f"fused.{n}", getattr(fused, n)) for n in ("scratch", "_outs")
