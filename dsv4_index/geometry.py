@@ -68,6 +68,14 @@ class DSV4Layout:
     kv_sources : tuple of int
         DeepSeek-V4.1's ``kv_source_layer_ids`` (empty for V4): the layers that compute a compressed cache and
         a compressor state; every other compressed layer reads its source's (:meth:`kv_source`).
+    candidate_block_size, candidate_topk_blocks : int or None
+        DeepSeek-V4.1's two-level indexer (config ``candidate_block_size`` ``C``, ``candidate_topk_blocks``
+        ``nb``): the candidate source picks ``nb`` blocks of ``C`` consecutive compressed rows per token, the
+        consumer layers score only their columns (:meth:`DSV4Metadata.candidate_topk_to_slots
+        <dsv4_index.metadata.DSV4Metadata.candidate_topk_to_slots>`); None without it. ``C`` divides the
+        compressed rows per block of every top-k channel (checked).
+    candidate_source_layer : int or None
+        The config's ``candidate_source_layer_id`` (None when absent or without the two-level indexer).
     """
 
     groups: Tuple[GroupSpec, ...]
@@ -83,6 +91,9 @@ class DSV4Layout:
     cp_world_size: int = 1
     cp_interleave: int = 1
     kv_sources: Tuple[int, ...] = ()
+    candidate_block_size: Optional[int] = None
+    candidate_topk_blocks: Optional[int] = None
+    candidate_source_layer: Optional[int] = None
 
     @classmethod
     def from_config(cls, config, max_model_len: int, *, mla_block_size: int = 256,

@@ -28,6 +28,7 @@ from .engine_plan import check_block_counts
 from .channels import BuildContext, ChannelBuilder, ChannelMetadata, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
+from .aliasing import check_pipeline_buffers, check_step_outputs
 from .metadata import DSV4Metadata, StepStats
 from .geometry import DSV4Layout
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
@@ -122,6 +123,8 @@ class MetadataPipeline:
         self._num_launches = (1 if self._fused else 0) + len(self._unfused)
         self.last_step_stats = StepStats()
         self._last_batch: Optional[tuple] = None
+        check_pipeline_buffers(self)  # NOTE: no two buffers a launch writes share storage (aliasing.py)
+        self._outputs_checked = False
 
     def _build_context(self, backend: Optional[str]) -> BuildContext:
         """The builders' context: capacities, DCP, the tables and the step's common device buffers."""
@@ -258,6 +261,8 @@ class MetadataPipeline:
         for b in self._unfused:
             b.launch(ctx)
         meta = self._metadata(self._plan)
+        if self.validate or not self._outputs_checked:  # NOTE: the first step, then every step under validate
+            self._outputs_checked = check_step_outputs(meta)
         if self.validate:
             from .validate import check_metadata
             check_metadata(meta)
@@ -325,6 +330,8 @@ class MetadataPipeline:
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
             # NOTE: topk needs >= T_pad rows (the last warm-up size), not 1
             conv(torch.full((max(1, self.ctx.num_tokens_padded), K), -1, dtype=torch.int32, device=self.device))
+        for b in self._builders.values():  # NOTE: V4.1's candidate kernels (channels/compressed.py)
+            getattr(b, "warm_candidates", lambda ctx: None)(self.ctx)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._plan = None

@@ -125,7 +125,8 @@ _G_OPT = ("blocks_per_kv_block", "ring", "sharded", "role", "layers", "capacity"
 _C_REQ = ("name", "gid", "compress_ratio", "rows_per_block")
 _C_OPT = ("window", "index_width", "outputs", "compact", "builder")
 _L_REQ = ("groups", "channels", "max_model_len", "sliding_window", "index_topk", "compress_ratios", "num_layers")
-_L_OPT = ("c4_ratio", "c128_ratio", "indexer_causal_indices", "cp_world_size", "cp_interleave", "kv_sources")
+_L_OPT = ("c4_ratio", "c128_ratio", "indexer_causal_indices", "cp_world_size", "cp_interleave", "kv_sources",
+          "candidate_block_size", "candidate_topk_blocks", "candidate_source_layer")
 
 
 def _group(at: _At, d, f: str, i: int) -> GroupSpec:
@@ -219,6 +220,9 @@ def _layout(at: _At, d) -> DSV4Layout:
         check_kv_sources(list(kw["kv_sources"]), kw["compress_ratios"], len(kw["compress_ratios"]))
     except ValueError as e:
         at.err("layout.kv_sources", str(e))
+    for k, hi in (("candidate_block_size", LIMITS["ratio"]), ("candidate_topk_blocks", LIMITS["topk"]),
+                  ("candidate_source_layer", LIMITS["layers"])):  # NOTE: V4.1's two-level indexer (issue 38)
+        kw[k] = at.int(d.get(k), f"layout.{k}", 0 if k == "candidate_source_layer" else 1, hi, none=True)
     at.unchecked |= _passthrough(d, extra, kw)
     try:
         layout = DSV4Layout(groups=groups, channels=channels, **kw)
@@ -258,6 +262,11 @@ def _derivable(at: _At, layout: DSV4Layout) -> None:
     config = dict(num_hidden_layers=len(layout.compress_ratios), num_nextn_predict_layers=0,
                   compress_ratios=list(layout.compress_ratios), sliding_window=layout.sliding_window,
                   index_topk=layout.index_topk, kv_source_layer_ids=list(layout.kv_sources))
+    if layout.candidate_block_size is not None:
+        config.update(candidate_block_size=layout.candidate_block_size,
+                      candidate_topk_blocks=layout.candidate_topk_blocks)
+        if layout.candidate_source_layer is not None:
+            config["candidate_source_layer_id"] = layout.candidate_source_layer
     try:
         derived = rebuild_layout(layout, config)
     except ValueError as e:

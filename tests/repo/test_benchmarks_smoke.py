@@ -13,6 +13,7 @@ from helpers.scripts import ROOT, run_script, scripts
 # NOTE: the tiny-shape command of each script; a new script without an entry fails test_every_script_has_a_smoke
 SMOKES = {
     "benchmarks/bench_step.py": (("--smoke", "--device", "cpu"), "smoke OK: decode B=1 on cpu"),
+    "benchmarks/candidate_bench.py": (("--smoke", "--B", 2, "--ctx", 64), "smoke OK: V4.1-Flash decode B=2"),
     "benchmarks/frontend_profile.py": (("--steps", 2, "--batch", 4), "|"),
     "benchmarks/gpu_check.py": (("--device", "cpu", "--steps", 1, "--long-steps", 0, "--cases", "tiny"),
                                 "gpu_check passed"),
