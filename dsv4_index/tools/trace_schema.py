@@ -1,3 +1,4 @@
+# over 400 lines: one schema, the checks of every field a trace line carries (header, layout, step, outputs)
 """Checks of every line of a step trace before the replay uses it: one :class:`TraceError` naming the
 file, the line and the field for anything a replay cannot use (types, bounds, capacities)."""
 
