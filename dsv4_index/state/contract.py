@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._index import cp_owned, window_start
+from .messages import reject
 
 __all__ = ["full_checks"]
 
@@ -91,14 +92,14 @@ def _null_blocks(tables, plan, cp, write_cu) -> None:
         g, slot, b, logical, raw = hits[0]
         b_lo = int(lo_pos[g, b]) if b >= 0 else None
         seq = int(plan.seq_lens[b]) if b >= 0 else None
-        raise ValueError(_message(tables, g, slot, b, logical, raw, b_lo, seq, bool(sharded[g]), count - 1))
+        raise _message(tables, g, slot, b, logical, raw, b_lo, seq, bool(sharded[g]), count - 1)
 
 
-def _message(tables, g, slot, b, logical, raw, lo_pos, seq, sharded, more) -> str:
+def _message(tables, g, slot, b, logical, raw, lo_pos, seq, sharded, more):
+    """The ``null_block`` rejection (:mod:`.messages`)."""
     grp = tables.groups[g]
     f = int(tables.f[g])
     name = grp.name if grp.role in (None, grp.name) else f"{grp.name}, role {grp.role}"
-    where = f"slot {slot}" + (f" (batch row {b})" if b >= 0 else "")
     if grp.kind == "circular":
         what = f"ring block {logical} of {grp.ring_blocks}"
         why = "every block of a circular group's ring is read and written"
@@ -111,7 +112,8 @@ def _message(tables, g, slot, b, logical, raw, lo_pos, seq, sharded, more) -> st
                f"position {lo_pos} may be null)")
     src = f"from write_ids[{raw}]" if raw is not None else "held since an earlier step"
     tail = f"; {more} more null entr{'y' if more == 1 else 'ies'} in this step" if more > 0 else ""
-    return f"the null block 0 in {grp.kind} group gid {g} ({name}) of {where}: {what}, {src}; {why}{tail}"
+    return reject("null_block", kind=grp.kind, g=g, name=name, slot=slot, row=f" (batch row {b})" if b >= 0 else "",
+                  what=what, src=src, why=why, tail=tail, src_j=raw)
 
 
 def _duplicates(tables, plan) -> None:
@@ -126,8 +128,7 @@ def _duplicates(tables, plan) -> None:
         both = np.concatenate([old, run])
         if np.unique(both).size != both.size:
             u, c = np.unique(both, return_counts=True)
-            raise ValueError(f"write run {r}: block id {int(u[c > 1][0])} twice in gid {g} of slot "
-                             f"{int(slot[r])}")
+            raise reject("id_twice", r=r, value=int(u[c > 1][0]), g=g, slot=int(slot[r]))
 
 
 def _shared_rings(tables, plan) -> None:
@@ -160,9 +161,7 @@ def _shared_rings(tables, plan) -> None:
         if clash.size:
             j = int(clash[0])
             grp = tables.groups[g]
-            raise ValueError(f"block id {int(ids[j])} is in the rings of slots {int(owner[j])} and "
-                             f"{int(owner[j + 1])} of circular group gid {g} ({grp.name}): two requests "
-                             f"would write the same ring rows")
+            raise reject("ring_shared", value=int(ids[j]), a=int(owner[j]), b=int(owner[j + 1]), g=g, name=grp.name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,8 +201,8 @@ def _held_nulls(o, st) -> None:
         x = int(bad[0])
         r, gx = int(rep[x]), int(gg[x])
         b = int(i[r])
-        raise ValueError(_message(t, gx, int(slot[r]), b, int(pos[x]), None, int(st.lo_pos[j[r], b]),
-                                  int(st.seq[b]), bool(o.sharded[gx]), bad.size - 1))
+        raise _message(t, gx, int(slot[r]), b, int(pos[x]), None, int(st.lo_pos[j[r], b]),
+                       int(st.seq[b]), bool(o.sharded[gx]), bad.size - 1)
 
 
 def _sliding_duplicates(o, st) -> None:
@@ -233,5 +232,4 @@ def _sliding_duplicates(o, st) -> None:
 def _twice(o, key: int, slot: int) -> None:
     g = key % o.G
     f = int(o.tables.f[g])
-    raise ValueError(f"block id {key // o.G // f} twice in sliding gid {g} ({o.tables.groups[g].name}) of slot "
-                     f"{slot} from its window start on (one block would hold two positions)")
+    raise reject("sliding_twice", value=key // o.G // f, g=g, name=o.tables.groups[g].name, slot=slot)

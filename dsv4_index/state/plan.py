@@ -29,6 +29,7 @@ from .._common import INT32_MAX
 from ..batch import StepBatch
 from ._index import cp_owned, window_start
 from .contract import full_checks
+from .messages import reject
 from .plan_runs import arr, check_counts, check_runs, first, in_range, seen_distinct
 
 __all__ = ["StepPlan", "plan_step", "plans_equal", "CHECK_LEVELS"]
@@ -120,7 +121,7 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables, cp=(1, 0, 1),
     level : ``"safe"`` or ``"full"``.
     """
     if not isinstance(batch, StepBatch):
-        raise ValueError(f"step must be a StepInput or a StepBatch, got {type(batch).__name__}")
+        raise reject("step_type", type=type(batch).__name__)
     num_slots = occupied.shape[0]
     slots, nc, q, is_new, free, occ, new_slots = _rows(batch, occupied, tables.max_model_len, max_num_tokens)
     order, nd, T, T_pad = _order(q, max_num_tokens, pad_to, next_n)
@@ -165,25 +166,24 @@ def _rows(batch: StepBatch, occupied: np.ndarray, max_model_len: int, max_num_to
         if not seen_distinct(req_slots, num_slots):
             count = np.bincount(req_slots, minlength=num_slots)  # NOTE: only for the message
             s = int(np.argmax(count))
-            raise ValueError(f"req_slots: slot {s} appears in {int(count[s])} batch rows")
+            raise reject("slot_twice", slot=s, count=int(count[s]))
     occ = occupied.copy()
     if free.size:
         in_range("free_slots", free, num_slots, "a slot")
         if not seen_distinct(free, num_slots):
-            raise ValueError("free_slots lists a slot twice")
+            raise reject("free_twice")
         held = occ.take(free)
         if np.count_nonzero(held) != free.shape[0]:
             i = first(~held)
-            raise ValueError(f"free_slots[{i}] = {int(free[i])} does not hold a request")
+            raise reject("free_not_held", i=i, value=int(free[i]))
         occ[free] = False
     if n_rows:
         bad = occ.take(req_slots) == is_new
         if np.count_nonzero(bad):
             i = first(bad)
             if is_new[i]:
-                raise ValueError(f"req_slots[{i}] = {int(req_slots[i])} is new but still holds a request "
-                                 f"(free it first)")
-            raise ValueError(f"req_slots[{i}] = {int(req_slots[i])} holds no request (mark it is_new)")
+                raise reject("new_held", i=i, value=int(req_slots[i]))
+            raise reject("not_held", i=i, value=int(req_slots[i]))
     new_slots = req_slots[is_new]
     occ[new_slots] = True
     return req_slots, nc, q, is_new, free, occ, new_slots
@@ -194,11 +194,10 @@ def _order(q: np.ndarray, max_num_tokens: int, pad_to, next_n: int):
     n_rows = q.shape[0]
     T = int(q.sum()) if n_rows else 0
     if T > max_num_tokens:
-        raise ValueError(f"num_scheduled_tokens: the step schedules {T} tokens, more than "
-                         f"max_num_batched_tokens = {max_num_tokens}")
+        raise reject("too_many_tokens", total=T, limit=max_num_tokens)
     T_pad = T if pad_to is None else pad_to
     if isinstance(T_pad, bool) or not isinstance(T_pad, (int, np.integer)) or not T <= T_pad <= max_num_tokens:
-        raise ValueError(f"pad_to must be an int in [{T}, {max_num_tokens}], got {pad_to!r}")
+        raise reject("pad_to", lo=T, hi=max_num_tokens, pad_to=repr(pad_to))
     if not n_rows:
         return None, 0, T, T_pad
     qmin, qmax = q.item(q.argmin()), q.item(q.argmax())
@@ -226,17 +225,16 @@ def _replay(batch: StepBatch, order, b_slots, b_nc, n_rows: int):
         rs = rs if order is None else rs[order]
         if B and (rs.min() < 0 or (rs > b_nc).any()):
             i = first((rs < 0) | (rs > b_nc))
-            raise ValueError(f"replay_start of slot {int(b_slots[i])} = {int(rs[i])} is outside "
-                             f"[0, num_computed_tokens = {int(b_nc[i])}]")
+            raise reject("replay_start", slot=int(b_slots[i]), value=int(rs[i]), nc=int(b_nc[i]))
     if batch.replay_end is not None:
         re = arr("replay_end", batch.replay_end, n_rows)
         re = re if order is None else re[order]
         if B and re.min() < 0:
             i = first(re < 0)
-            raise ValueError(f"replay_end of slot {int(b_slots[i])} = {int(re[i])} is negative")
+            raise reject("replay_end_negative", slot=int(b_slots[i]), value=int(re[i]))
         if B and re.max() > INT32_MAX:  # NOTE: staged as int32: a wrapped value would let replayed
             i = first(re > INT32_MAX)  # tokens overwrite prefix-shared full-group KV
-            raise ValueError(f"replay_end of slot {int(b_slots[i])} = {int(re[i])} does not fit int32")
+            raise reject("replay_end_int32", slot=int(b_slots[i]), value=int(re[i]))
     return rs, re
 
 
@@ -272,9 +270,8 @@ def _coverage(tables, cp, b_slots, b_new, b_nc, seq, rs, runs, num_slots: int):
         if np.count_nonzero(over):
             j, i = (int(x) for x in np.argwhere(over)[0])
             g = int(rg[j])
-            raise ValueError(f"gid {g} ({tables.groups[g].name}) is a ring of {int(tables.ring[g])} blocks, "
-                             f"but slot {int(b_slots[i])} holds blocks up to {int(nb[g, i])} and reads "
-                             f"from block {int(lo[j, i])} this step")
+            raise reject("ring_short", g=g, name=tables.groups[g].name, ring=int(tables.ring[g]), slot=int(b_slots[i]),
+                         have=int(nb[g, i]), lo=int(lo[j, i]))
         if w_gid.size:
             ring_run = (tables.ring[w_gid] > 0) & ~tables.circular[w_gid]
             if np.count_nonzero(ring_run):
@@ -315,9 +312,8 @@ def _covered(tables, cp, sharded, nb, seq, b_slots) -> None:
             need = (seq[None, :] + bs - 1) // bs
             need[tables.circular] = (seq > 0) * tables.logical[tables.circular, None]
         g, i = (int(x) for x in np.argwhere(short)[0])
-        raise ValueError(f"block ids missing for gid {g} ({tables.groups[g].name}) of slot "
-                         f"{int(b_slots[i])}: {int(seq[i])} tokens need {int(need[g, i])} blocks, "
-                         f"the row has {int(nb[g, i])}")
+        raise reject("blocks_missing", g=g, name=tables.groups[g].name, slot=int(b_slots[i]), seq=int(seq[i]),
+                     need=int(need[g, i]), have=int(nb[g, i]))
 
 
 def _staged(tables, w_gid, w_end, w_keep, w_cu, max_writes: int) -> np.ndarray:
@@ -328,6 +324,5 @@ def _staged(tables, w_gid, w_end, w_keep, w_cu, max_writes: int) -> np.ndarray:
         w_keep = np.maximum(w_keep, np.where(ring_run, w_end - tables.ring[w_gid], 0))
     staged = int(np.minimum(w_end - w_keep, np.diff(w_cu)).clip(min=0).sum())
     if staged > max_writes:
-        raise ValueError(f"write_ids: the step stages {staged} block ids, more than "
-                         f"max_staged_blocks = {max_writes}")
+        raise reject("too_many_staged", staged=staged, limit=max_writes)
     return w_keep

@@ -9,6 +9,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from ..batch import APPEND, StepBatch
+from .messages import reject
 
 __all__ = ["arr", "first", "in_range", "check_counts", "umax", "seen_distinct", "check_runs"]
 
@@ -42,14 +43,14 @@ def arr(name: str, x, n: Optional[int] = None, *, dtype_kind="iu") -> np.ndarray
         try:
             x = np.asarray(x)
         except Exception:
-            raise ValueError(f"{name} must be a 1-D integer array, got {type(x).__name__}") from None
+            raise reject("not_array", name=name, type=type(x).__name__) from None
         if x.size == 0:
             x = x.astype(np.int64)
     if x.ndim != 1 or x.dtype.kind not in dtype_kind:
-        raise ValueError(f"{name} must be a 1-D {'bool' if dtype_kind == 'b' else 'integer'} array, "
-                         f"got dtype {x.dtype} and shape {x.shape}")
+        raise reject("bad_dtype", name=name, kind='bool' if dtype_kind == 'b' else 'integer', dtype=x.dtype,
+                     shape=x.shape)
     if n is not None and x.shape[0] != n:
-        raise ValueError(f"{name} has {x.shape[0]} entries, expected {n}")
+        raise reject("bad_length", name=name, n=x.shape[0], expected=n)
     return x.astype(np.int64, copy=False) if dtype_kind == "iu" else x
 
 
@@ -61,7 +62,7 @@ def in_range(name: str, x: np.ndarray, hi: int, what: str) -> None:
     """``0 <= x < hi`` (one pass: negatives wrap to huge unsigned values)."""
     if x.size and umax(x) >= hi:
         i = first((x < 0) | (x >= hi))
-        raise ValueError(f"{name}[{i}] = {int(x[i])} is not {what} in [0, {hi})")
+        raise reject("out_of_range", name=name, i=i, value=int(x[i]), what=what, hi=hi)
 
 
 def check_counts(nc: np.ndarray, q: np.ndarray, max_model_len: int, max_num_tokens: int) -> None:
@@ -74,14 +75,13 @@ def check_counts(nc: np.ndarray, q: np.ndarray, max_model_len: int, max_num_toke
     for name, x in (("num_computed_tokens", nc), ("num_scheduled_tokens", q)):
         if x.item(x.argmin()) < 0:
             i = first(x < 0)
-            raise ValueError(f"{name}[{i}] = {int(x[i])} is negative")
+            raise reject("negative", name=name, i=i, value=int(x[i]))
     if umax(nc) > max_model_len:
         i = first(nc > max_model_len)
-        raise ValueError(f"num_computed_tokens[{i}] = {int(nc[i])} is beyond max_model_len = {max_model_len}")
+        raise reject("beyond_model_len", i=i, value=int(nc[i]), limit=max_model_len)
     if umax(q) > max_num_tokens:
         total = sum(q.tolist())  # NOTE: Python ints: exact, no wrap
-        raise ValueError(f"num_scheduled_tokens: the step schedules {total} tokens, more than "
-                         f"max_num_batched_tokens = {max_num_tokens}")
+        raise reject("too_many_tokens", total=total, limit=max_num_tokens)
 
 
 def check_runs(batch: StepBatch, num_slots: int, G: int, occ: np.ndarray, new_slots: np.ndarray, tables):
@@ -99,21 +99,20 @@ def check_runs(batch: StepBatch, num_slots: int, G: int, occ: np.ndarray, new_sl
     held = occ.take(slot)
     if np.count_nonzero(held) != N:
         i = first(~held)
-        raise ValueError(f"write_slots[{i}] = {int(slot[i])} holds no request after this step")
+        raise reject("write_slot_free", i=i, value=int(slot[i]))
     # NOTE: bound cu before differencing it (huge values would wrap the differences)
     if cu[0] != 0 or cu[-1] != ids.shape[0] or umax(cu) > ids.shape[0]:
-        raise ValueError(f"write_cu must rise from 0 to len(write_ids) = {ids.shape[0]}")
+        raise reject("write_cu", n=ids.shape[0])
     n = cu[1:] - cu[:-1]
     if n.item(n.argmin()) < 0:
-        raise ValueError(f"write_cu must rise from 0 to len(write_ids) = {ids.shape[0]}")
+        raise reject("write_cu", n=ids.shape[0])
     key = gid * num_slots + slot
     if N > 1 and not seen_distinct(key, G * num_slots):
         k = np.sort(key)  # NOTE: only for the message
         dup = k[1:] == k[:-1]
         if dup.any():
             kk = int(k[1:][dup][0])
-            raise ValueError(f"two write runs for gid {kk // num_slots}, slot {kk % num_slots} "
-                             f"(one run per (group, slot))")
+            raise reject("two_runs", g=kk // num_slots, slot=kk % num_slots)
     have = tables.num_blocks.ravel().take(key)           # kernel blocks held now
     if new_slots.size:
         fresh = np.zeros(num_slots, dtype=bool)
@@ -124,8 +123,8 @@ def check_runs(batch: StepBatch, num_slots: int, G: int, occ: np.ndarray, new_sl
     hole = (start < APPEND) | (start > (have if f is None else have // f))
     if np.count_nonzero(hole):
         i = first(hole)
-        raise ValueError(f"write_starts[{i}] = {int(start[i])} leaves a hole: gid {int(gid[i])} of slot "
-                         f"{int(slot[i])} holds {int(have[i] // tables.f[gid[i]])} blocks")
+        raise reject("hole", i=i, value=int(start[i]), g=int(gid[i]), slot=int(slot[i]),
+                     have=int(have[i] // tables.f[gid[i]]))
     if f is None:
         start_k = np.where(start == APPEND, have, start)
         end_k = start_k + n
@@ -136,22 +135,21 @@ def check_runs(batch: StepBatch, num_slots: int, G: int, occ: np.ndarray, new_sl
     if np.count_nonzero(over):
         i = first(over)
         g = tables.groups[int(gid[i])]
-        raise ValueError(f"write run {i}: slot {int(slot[i])} would hold {int(end_k[i])} blocks in gid "
-                         f"{g.gid} ({g.name}), the table holds {int(tables.logical[gid[i]])} "
-                         f"({'the circular ring' if g.kind == 'circular' else 'max_model_len'})")
+        raise reject("run_too_long", r=i, slot=int(slot[i]), end=int(end_k[i]), g=g.gid, name=g.name,
+                     limit=int(tables.logical[gid[i]]),
+                     why='the circular ring' if g.kind == 'circular' else 'max_model_len')
     if ids.size:
         fmax = tables.fmax
         if umax(ids) * fmax + fmax - 1 > tables.id_max_min:
             if ids.item(ids.argmin()) < 0:
-                raise ValueError(f"write_ids[{first(ids < 0)}] = {int(ids[ids < 0][0])} is negative")
+                raise reject("id_negative", j=first(ids < 0), value=int(ids[ids < 0][0]))
             per = np.repeat(gid, n)
             lim = (tables.id_max[per] - (tables.f[per] - 1)) // tables.f[per]
             bad = ids > lim
             if bad.any():
                 j = first(bad)
                 g = int(per[j])
-                raise ValueError(f"write_ids[{j}] = {int(ids[j])} in gid {g} ({tables.groups[g].name}) "
-                                 f"gives slots beyond int32 (largest id {int(lim[j])})")
+                raise reject("id_int32", j=j, value=int(ids[j]), g=g, name=tables.groups[g].name, limit=int(lim[j]))
     # NOTE: start_k is already in kernel blocks; expand() only turns the ids into kernel-block ids
     _, cu_k, ids_k = tables.expand(gid, start_k // tables.f[gid], cu, ids)
     return gid, slot, start_k, end_k, cu_k, ids_k

@@ -19,6 +19,7 @@ checks (``state/plan.py``) accept and reject the same steps, with the same messa
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_index import MetadataPipeline
+from dsv4_index.state.messages import MESSAGES
 from dsv4_index.state.plan import plans_equal
 from dsv4_index.state.steady import FAST_CHECKS
 
@@ -106,6 +108,8 @@ def _templates(path: Path) -> set:
                 out.add(msg.value)
             elif isinstance(msg, ast.JoinedStr):
                 out.add("".join(v.value if isinstance(v, ast.Constant) else "{}" for v in msg.values))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "reject":  # NOTE: state/messages.py
+            out.add(re.sub(r"\{[^}]*\}", "{}", MESSAGES[node.args[0].value].template))
     return out
 
 
