@@ -233,7 +233,7 @@ class MetadataPipeline:
         if delta is not None:
             self.slot_map.commit(delta)
         self._req_ids = None if delta is None else self.slot_map.row_ids(plan.rows)  # NOTE: built when read
-        nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs, self.requests.signature)
+        nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs)
         self.ctx.set_step(plan)
         self._plan = plan
         self._last_batch = (batch, pad_to, None if delta is None else delta.order)

@@ -37,8 +37,8 @@ def seen_distinct(x: np.ndarray, size: int) -> bool:
 
 def arr(name: str, x, n: Optional[int] = None, *, dtype_kind="iu") -> np.ndarray:
     if type(x) is np.ndarray and x.ndim == 1 and (n is None or x.shape[0] == n) and \
-            (x.dtype == np.int64 if dtype_kind == "iu" else x.dtype == np.bool_):
-        return x  # NOTE: fast path (the array form's native dtypes)
+            (x.dtype == np.int64 if dtype_kind == "iu" else x.dtype == np.bool_) and x.flags.c_contiguous:
+        return x  # NOTE: fast path (the array form's native dtypes; contiguous: one compiled signature)
     if type(x) is not np.ndarray:
         try:
             x = np.asarray(x)
@@ -51,7 +51,7 @@ def arr(name: str, x, n: Optional[int] = None, *, dtype_kind="iu") -> np.ndarray
                      shape=x.shape)
     if n is not None and x.shape[0] != n:
         raise reject("bad_length", name=name, n=x.shape[0], expected=n)
-    return x.astype(np.int64, copy=False) if dtype_kind == "iu" else x
+    return np.ascontiguousarray(x, dtype=np.int64 if dtype_kind == "iu" else np.bool_)
 
 
 def first(mask: np.ndarray) -> int:

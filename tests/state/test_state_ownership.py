@@ -244,31 +244,6 @@ def test_over_allocation_falls_back_to_the_exact_ring_check():
 
 
 @pytest.mark.parametrize("variant", ["ring", "circular"])
-def test_per_run_slices_stage_what_the_id_arrays_stage(monkeypatch, variant):
-    """A step with few runs (a prefill) is staged as slices per run (a ring wraps at most once); the
-    bytes, the host mirror and the device tables equal the general staging over every id."""
-    import dsv4_index.state.tables as tables_mod
-    from dsv4_index.testing.scheduler import random_trace
-    lay = layout(variant)
-    steps = [s for s, _ in random_trace(lay, 24, 9, num_blocks=48, max_num_batched_tokens=T_MAX, max_num_seqs=R,
-                                        num_speculative_tokens=SPEC, prompt_len=(20, 150), max_new_tokens=(2, 8))]
-    a, b = (MetadataPipeline(lay, R, T_MAX, "cpu", SPEC, backend="reference") for _ in range(2))
-    sliced = 0
-    for step in steps:
-        a.update(step)
-        sliced += a.last_step_stats.num_writes > 0 and a.last_plan.w_gid.shape[0] <= tables_mod._FEW_RUNS
-        monkeypatch.setattr(tables_mod, "_FEW_RUNS", -1)  # NOTE: b stages every step over the id arrays
-        b.update(step)
-        monkeypatch.undo()
-        n = a.last_step_stats.h2d_bytes // 4
-        assert n == b.last_step_stats.h2d_bytes // 4 and (a.staging.dev[:n] == b.staging.dev[:n]).all()
-        assert (a.tables.mirror == b.tables.mirror).all()
-        a.build(), b.build()
-        assert all((x == y).all() for x, y in zip(a.tables.tables, b.tables.tables))
-    assert sliced >= 5
-
-
-@pytest.mark.parametrize("variant", ["ring", "circular"])
 def test_rows_growing_to_the_table_width_get_the_general_verdict(variant):
     """Rows grow until a table is full (``max_model_len``): the steady path's scalar bound (coverage,
     rings and table width at once) gives way to the exact checks near the end, and the step that
