@@ -75,7 +75,8 @@ class MetadataPipeline:
     checks : {"safe", "full"} — host check level of ``update()`` (``state/plan.py``; ``"full"`` adds the
         contract checks of ``state/contract.py``: no duplicate ids in a full group's row, no null block
         where a step reads or writes); ``validate=True`` implies ``"full"``.
-    validate : bool — debug: full checks, and :func:`dsv4_index.validate.check_metadata` after every
+    validate : bool — debug: full checks, the compiled step checks compared with their definition on every
+        step (``AssertionError`` on a difference), and :func:`dsv4_index.validate.check_metadata` after every
         ``build()`` (host copies; never in serving).
     max_staged_blocks : int, optional — block ids one step may stage (default: every table entry,
         capped at 2**20; at most 2**26, and never more than the tables hold); a step staging more is
@@ -84,16 +85,13 @@ class MetadataPipeline:
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
-    steady : bool — plan steps on the incremental path of ``state/steady.py`` (any step, at the cost
-        of what changed since the last one; same plan, same errors; ``validate=True`` runs both planners
-        and raises ``AssertionError`` on a difference); False: every step takes the general checks.
     """
 
     def __init__(self, layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False, steady: bool = True):
+                 cuda_graphs: bool = False):
         _check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          (cp_world_size, cp_rank, cp_interleave), checks)
         self.layout = layout
@@ -124,7 +122,7 @@ class MetadataPipeline:
                                    self.max_staged_blocks, max_num_reqs)
         self.requests = RequestState(max_num_reqs, self.tables, cp=self.cp, max_num_tokens=T,
                                      max_writes=self.max_staged_blocks, next_n=1 + num_speculative_tokens,
-                                     level=self.checks, steady=steady, cross_check=self.validate)
+                                     level=self.checks, cross_check=self.validate)
 
         self._fused, self._unfused = self._plan_launches(fused and use_triton(self.device, backend))
         if cuda_graphs and (self._fused is None or self._unfused or self.device.type != "cuda"):
@@ -377,11 +375,6 @@ class MetadataPipeline:
     def last_plan(self) -> Optional[StepPlan]:
         """The checked plan (:class:`~dsv4_index.state.StepPlan`) of the last accepted step; read only."""
         return self._plan
-
-    @property
-    def last_plan_was_steady(self) -> bool:
-        """True when the last accepted step was planned on the incremental path (``state/steady.py``)."""
-        return self._plan is not None and self._plan.steady
 
     @property
     def last_batch(self) -> Optional[tuple]:

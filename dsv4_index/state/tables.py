@@ -106,7 +106,6 @@ class BlockTables:
             self.tables.append(self.flat[lo:lo + n].view(num_slots, int(self.cols[g])))
             self.mirrors.append(self.mirror[lo:lo + n].reshape(num_slots, int(self.cols[g])))
         self.num_blocks = np.zeros((G, num_slots), dtype=np.int64)
-        self._num_blocks_flat = self.num_blocks.ravel()  # NOTE: a view (C order), keyed gid * num_slots + slot
         self.iota_cols = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int64)  # NOTE: full checks
         # NOTE: per group (flat base, stored columns, ring width or 0): what the staging pass reads
         self.geo = np.ascontiguousarray(np.stack([self.base, self.cols, self.ring], axis=1), dtype=np.int64)
@@ -119,9 +118,7 @@ class BlockTables:
             nb[:, plan.free_slots] = 0
         if plan.new_slots.size:
             nb[:, plan.new_slots] = 0
-        if plan.w_key is not None:
-            self._num_blocks_flat[plan.w_key] = plan.w_end
-        elif plan.w_gid.size:
+        if plan.w_gid.size:
             nb[plan.w_gid, plan.w_slot] = plan.w_end
 
     def row(self, gid: int, slot: int) -> np.ndarray:
