@@ -30,6 +30,7 @@ from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
 from .metadata import DSV4Metadata, StepStats
 from .geometry import DSV4Layout
+from ._numba import compile_pinned
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
 from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
 from .state.requests import RowIds, SlotMap
@@ -302,13 +303,15 @@ class MetadataPipeline:
             replay_start=plan.replay_start, replay_end=plan.replay_end, **common)
 
     def warmup(self, pad_sizes=(1,)) -> None:
-        """Compile every kernel the pipeline uses (an empty step per size in ``pad_sizes``, one top-k
+        """Compile every kernel the pipeline uses (the compiled host passes of ``state/``, each for its one
+        signature; an empty step per size in ``pad_sizes``, one top-k
         conversion per channel that has one), check the direct launch of the fused kernel against
         Triton's JIT launch (:meth:`FusedPlan.check_direct_launch`: on a difference the pipeline warns
         and keeps the JIT launch) and, with ``cuda_graphs``, capture a graph per size. Call it before
         the first ``update()``."""
         if self._plan is not None:
             raise RuntimeError("warmup() must run before the first update()")
+        compile_pinned()  # NOTE: every compiled host pass, for its one signature (dsv4_index/_numba.py)
         empty = StepBatch(req_slots=np.zeros(0, np.int64), num_computed_tokens=np.zeros(0, np.int64),
                           num_scheduled_tokens=np.zeros(0, np.int64))
         for i, n in enumerate(pad_sizes):

@@ -12,6 +12,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..._numba import compile_pinned, ready
 from ...batch import StepBatch
 from ..messages import reject
 from ..plan import StepPlan
@@ -45,6 +46,8 @@ class StepChecks:
         """Check ``batch`` against the occupancy and the tables; the plan, or ``ValueError``."""
         if not isinstance(batch, StepBatch):
             raise reject("step_type", type=type(batch).__name__)
+        if not ready():
+            compile_pinned()
         lim, deferred = self.lim, []
         req_slots = arr("req_slots", batch.req_slots)
         n = req_slots.shape[0]
@@ -69,7 +72,7 @@ class StepChecks:
             replay_end=re_b if lim[12] else None, num_decodes=nd, num_decode_tokens=ndt, num_tokens=T,
             num_tokens_padded=T_pad, free_slots=free, new_slots=new_slots, all_slots=req_slots, all_computed=nc,
             w_gid=runs[0], w_slot=runs[1], w_start=out[9], w_end=out[10], w_keep=out[11], w_row=out[12],
-            w_cu=out[13], w_ids=out[14], drafts=None)
+            w_cu=out[13] if lim[9] > 1 else runs[3], w_ids=out[14] if lim[9] > 1 else runs[4], drafts=None)
         plan.steady, plan.w_other = batch_domain(self.tables, self.cp, plan, runs[2])
         if self.level == "full":
             full_checks(self.tables, plan, self.cp, runs[3])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._numba import njit
+from ..._numba import njit, pin, ro
 from .._index import cp_owned_at, window_start_at
 
 __all__ = ["check_step", "CODES", "LIM", "GEO"]
@@ -218,9 +218,8 @@ def _run_bounds(err, lim, geo, num_blocks, is_fresh, gid, slot, start, cu, ids):
 
 @njit
 def _expand(lim, geo, gid, cu, ids):
-    """Allocation-block ids -> kernel-block ids (``f > 1``): ``(cu_k, ids_k)``."""
-    if lim[9] == 1:
-        return cu, ids
+    """Allocation-block ids -> kernel-block ids (``f > 1``; the pass returns empty arrays when ``fmax == 1``:
+    the caller keeps ``cu`` and ``ids``): ``(cu_k, ids_k)``."""
     N = gid.shape[0]
     cu_k = np.zeros(N + 1, dtype=np.int64)
     for i in range(N):
@@ -303,15 +302,15 @@ def _keep(err, lim, geo, gid, start_k, end_k, row, cu_k, lo):
     return keep
 
 
-@njit
 def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, free, rs, re, gid, slot, start, cu,
                ids):
     """Every ``"safe"`` check of one step (module docstring); returns ``(err, (num_decodes, num_decode_tokens,
-    T, T_pad), order, b_slots, b_q, seq, new_slots, rs_b, re_b, start_k, end_k, keep, row, cu_k, ids_k)``:
+    T, T_pad), order, b_slots, b_q, seq, new_slots, rs_b, re_b, start_k, end_k, keep, row, cu_k, ids_k)``
+    (``cu_k``, ``ids_k`` empty when ``fmax == 1``: the step's own ``cu``, ``ids``):
     the device batch (``b_*``: rows with tokens, decode first) and the write runs in kernel blocks."""
     err = np.zeros(6, dtype=np.int64)
     e = np.zeros(0, dtype=np.int64)
-    z = (err, (0, 0, 0, 0), e, e, e, e, e, e, e, e, e, e, e, cu, ids)
+    z = (err, (0, 0, 0, 0), e, e, e, e, e, e, e, e, e, e, e, e, e)
     occ = _rows(err, occupied, lim, req_slots, nc, q, is_new, free)
     if err[0]:
         return z
@@ -341,7 +340,7 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
     start_k, end_k = _run_bounds(err, lim, geo, num_blocks, is_fresh, gid, slot, start, cu, ids)
     if err[0]:
         return z
-    cu_k, ids_k = _expand(lim, geo, gid, cu, ids)
+    cu_k, ids_k = _expand(lim, geo, gid, cu, ids) if lim[9] > 1 else (e, e)
     row_of = np.full(S, -1, dtype=np.int64)
     row_of[b_slots] = np.arange(B)
     row = row_of[slot]
@@ -357,6 +356,14 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
         lo = _coverage(err, lim, geo, comp, nb, b_slots, b_nc, seq, rs_b)
         if err[0]:
             return z
-    keep = _keep(err, lim, geo, gid, start_k, end_k, row, cu_k, lo)
+    if lim[9] > 1:
+        keep = _keep(err, lim, geo, gid, start_k, end_k, row, cu_k, lo)
+    else:
+        keep = _keep(err, lim, geo, gid, start_k, end_k, row, cu, lo)
     return err, (nd, ndt, T, T_pad), order, b_slots, b_q, seq, new_slots, rs_b, re_b, start_k, end_k, keep, row, \
         cu_k, ids_k
+
+
+_I = ro("int64")
+check_step = pin(check_step, (ro("bool"), ro("int64", 2), ro("int64", 2), ro("int64", 2)) + (_I,) * 4 + (ro("bool"),)
+                 + (_I,) * 8)

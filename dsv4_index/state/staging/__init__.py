@@ -8,6 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from ..._numba import compile_pinned, ready
 from ..plan import StepPlan
 from .format import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START, HEADER,
                      OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, ROW_ARRAY_PAD, W_DESTS, W_VALUES, WRITE_HALVES, StageLayout,
@@ -95,6 +96,8 @@ class StepStaging:
 
         Returns ``(bytes copied, ids staged)``.
         """
+        if not ready():
+            compile_pinned()
         h = self.begin()
         lay = self.layout(plan.num_tokens_padded)
         N, bad, i = stage_step(h, *stage_args(plan, tables, self._vectors[lay.t_pad], self._scal))

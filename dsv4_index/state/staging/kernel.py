@@ -10,7 +10,7 @@ offending entry, the buffers untouched.
 
 from __future__ import annotations
 
-from ..._numba import njit
+from ..._numba import njit, pin, ro, rw
 
 __all__ = ["stage_step", "FIELDS"]
 
@@ -76,7 +76,6 @@ def _check(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, start, e
     return N, 0, 0
 
 
-@njit
 def stage_step(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, start, end, keep, row, cu, ids):
     """Stage one checked step into host buffer ``h`` and the host mirror.
 
@@ -135,3 +134,6 @@ def stage_step(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, star
             mirror[d] = v
             p += 1
     return N, 0, 0
+
+
+stage_step = pin(stage_step, (rw("int32"), rw("int32"), ro("int64", 2)) + (ro("int64"),) * 15)
