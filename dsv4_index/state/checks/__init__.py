@@ -65,7 +65,8 @@ class StepChecks:
         err = out[0]
         if err[0]:
             raise self._word(err.tolist(), q, pad_to, deferred)
-        (nd, ndt, T, T_pad), order, b_slots, b_q, seq, new_slots, rs_b, re_b = out[1:9]
+        order, b_slots, b_q, seq, new_slots, rs_b, re_b = out[2:9]
+        nd, ndt, T, T_pad = (int(x) for x in out[1])  # NOTE: Python ints (numpy ints under NUMBA_DISABLE_JIT)
         plan = object.__new__(StepPlan)  # NOTE: a template fill, not a 28-keyword dataclass call
         plan.__dict__.update(
             rows=order, slots=b_slots, num_scheduled=b_q, seq_lens=seq, replay_start=rs_b if lim[11] else None,

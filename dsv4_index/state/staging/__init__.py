@@ -101,6 +101,7 @@ class StepStaging:
         h = self.begin()
         lay = self.layout(plan.num_tokens_padded)
         N, bad, i = stage_step(h, *stage_args(plan, tables, self._vectors[lay.t_pad], self._scal))
+        N = int(N)
         if bad:  # NOTE: only a plan that bypassed the checks gets here
             raise RuntimeError(f"staging: {FIELDS[bad]} entry {i} is out of range (the plan was not checked)")
         B = plan.slots.shape[0]
