@@ -16,8 +16,8 @@ from ..._numba import compile_pinned, ready
 from ...batch import StepBatch
 from ..messages import reject
 from ..plan import StepPlan
-from .kernel import CODES, LIM, check_step
-from .naive import arr, batch_domain, full_checks
+from .kernel import CODES, HEAD, LIM, check_step, out_size
+from .naive import arr, full_checks
 
 __all__ = ["StepChecks"]
 
@@ -38,6 +38,11 @@ class StepChecks:
         self.geo = np.ascontiguousarray(np.stack([np.asarray(c, dtype=np.int64) for c in cols], axis=1)
                                         if len(t.groups) else np.zeros((0, 8), dtype=np.int64))
         self.comp = np.asarray(list(t.compressed) or np.zeros((0, 3)), dtype=np.int64).reshape(-1, 3)
+        # NOTE: the ownership batch path's static domain (checks/naive.py batch_domain): plain blocks, replicated
+        # groups, a window on every ring group
+        self._domain = bool(t.fmax == 1 and not (cp[0] > 1 and t.sharded.any())
+                            and (t.window[t.ring_groups] >= 1).all())
+        self._max_other = max(32, 2 * len(t.groups))
         self.lim = np.zeros(len(LIM), dtype=np.int64)
         self.lim[:11] = (t.max_num_reqs, t.max_model_len, max_num_tokens, max_writes, 0, next_n, *cp, t.fmax,
                          t.id_max_min)
@@ -60,21 +65,34 @@ class StepChecks:
         rs = self._later(deferred, 11, "replay_start", batch.replay_start, n)
         re = self._later(deferred, 12, "replay_end", batch.replay_end, n)
         runs = self._runs(batch, deferred)
-        out = check_step(occupied, self.tables.num_blocks, self.geo, self.comp, lim, req_slots, nc, q, is_new, free,
-                         rs, re, *runs)
-        err = out[0]
-        if err[0]:
-            raise self._word(err.tolist(), q, pad_to, deferred)
-        order, b_slots, b_q, seq, new_slots, rs_b, re_b = out[2:9]
-        nd, ndt, T, T_pad = (int(x) for x in out[1])  # NOTE: Python ints (numpy ints under NUMBA_DISABLE_JIT)
+        gid, slot, start, cu, ids = runs
+        n, N = req_slots.shape[0], gid.shape[0]
+        out = np.empty(out_size(n, N), dtype=np.int64)  # NOTE: one fresh buffer: the plan's arrays are views
+        ids_k = check_step(occupied, self.tables.num_blocks, self.geo, self.comp, lim, req_slots, nc, q, is_new, free,
+                           rs, re, gid, slot, start, cu, ids, out)
+        if out[0]:
+            raise self._word(out[:6].tolist(), q, pad_to, deferred)
+        nd, ndt, T, T_pad, B, K, inside, n_other = out[6:14].tolist()
+        at = HEAD
+        order, b_slots, b_q, seq = out[at:at + B], out[at + n:at + n + B], out[at + 2 * n:at + 2 * n + B], \
+            out[at + 3 * n:at + 3 * n + B]
+        new_slots = out[at + 4 * n:at + 4 * n + K]
+        at += 7 * n
+        w_start, w_end, w_keep, w_row = (out[at + k * N:at + (k + 1) * N] for k in range(4))
+        at += 4 * N
+        fmax = lim[9] > 1
         plan = object.__new__(StepPlan)  # NOTE: a template fill, not a 28-keyword dataclass call
         plan.__dict__.update(
-            rows=order, slots=b_slots, num_scheduled=b_q, seq_lens=seq, replay_start=rs_b if lim[11] else None,
-            replay_end=re_b if lim[12] else None, num_decodes=nd, num_decode_tokens=ndt, num_tokens=T,
-            num_tokens_padded=T_pad, free_slots=free, new_slots=new_slots, all_slots=req_slots, all_computed=nc,
-            w_gid=runs[0], w_slot=runs[1], w_start=out[9], w_end=out[10], w_keep=out[11], w_row=out[12],
-            w_cu=out[13] if lim[9] > 1 else runs[3], w_ids=out[14] if lim[9] > 1 else runs[4], drafts=None)
-        plan.steady, plan.w_other = batch_domain(self.tables, self.cp, plan, runs[2])
+            rows=order, slots=b_slots, num_scheduled=b_q, seq_lens=seq,
+            replay_start=out[HEAD + 5 * n:HEAD + 5 * n + B] if lim[11] else None,
+            replay_end=out[HEAD + 6 * n:HEAD + 6 * n + B] if lim[12] else None, num_decodes=nd,
+            num_decode_tokens=ndt, num_tokens=T, num_tokens_padded=T_pad, free_slots=free, new_slots=new_slots,
+            all_slots=req_slots, all_computed=nc, w_gid=gid, w_slot=slot, w_start=w_start, w_end=w_end,
+            w_keep=w_keep, w_row=w_row, w_cu=out[at:at + N + 1] if fmax else cu, w_ids=ids_k if fmax else ids,
+            drafts=None, steady=self._domain and (not N or (inside and n_other <= self._max_other)),
+            w_other=None)
+        if plan.steady and n_other:
+            plan.w_other = out[at + N + 1:at + N + 1 + n_other]
         if self.level == "full":
             full_checks(self.tables, plan, self.cp, runs[3])
         return plan

@@ -1,11 +1,12 @@
+# over 400 lines: one compiled pass, every "safe" check in the order of its definition (that order is the contract)
 """The step checks of ``checks="safe"`` as one compiled pass (the definition: :mod:`.naive`).
 
 :func:`check_step` reads the step's arrays (int64, C-contiguous; ``is_new`` bool), the occupancy and the
-block counts, and the tables' geometry stacked in one array; it writes nothing it was given. It returns
-``(err, ints, arrays...)``: ``err`` int64 ``[6]`` = ``(code, i, j, k, v, w)`` (code 0: accepted; else an index
-into :data:`CODES`, worded by ``checks/__init__.py`` from :mod:`~dsv4_index.state.messages`), and the plan's
-arrays. The checks run in the order of the definition, each finding the first offending entry, so a
-step with several faults gets the same message from both. Every index the pass reads through is range
+block counts, and the tables' geometry stacked in one array; it writes only ``out`` (a fresh buffer per step:
+the plan's arrays are views of it). ``out[:6]`` = ``(code, i, j, k, v, w)`` (code 0: accepted; else an index into
+:data:`CODES`, worded by ``checks/__init__.py`` from :mod:`~dsv4_index.state.messages`), then the plan. The
+checks run in the order of the definition, each finding the first offending entry, so a step with several
+faults gets the same message from both. Every index the pass reads through is range
 checked by an earlier check of the same pass (slots before occupancy, groups before geometry, ``write_cu``
 before ``write_ids``).
 
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._numba import njit, pin, ro
+from ..._numba import njit, pin, ro, rw
 from .._index import cp_owned_at, window_start_at
 
-__all__ = ["check_step", "CODES", "LIM", "GEO"]
+__all__ = ["check_step", "CODES", "LIM", "GEO", "OUT", "HEAD", "out_size"]
 
 CODES = ("", "out_of_range", "negative", "beyond_model_len", "too_many_tokens", "slot_twice", "free_twice",
          "free_not_held", "new_held", "not_held", "pad_to", "replay_start", "replay_end_negative", "replay_end_int32",
@@ -303,20 +304,20 @@ def _keep(err, lim, geo, gid, start_k, end_k, row, cu_k, lo):
 
 
 def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, free, rs, re, gid, slot, start, cu,
-               ids):
-    """Every ``"safe"`` check of one step (module docstring); returns ``(err, (num_decodes, num_decode_tokens,
-    T, T_pad), order, b_slots, b_q, seq, new_slots, rs_b, re_b, start_k, end_k, keep, row, cu_k, ids_k)``
-    (``cu_k``, ``ids_k`` empty when ``fmax == 1``: the step's own ``cu``, ``ids``):
-    the device batch (``b_*``: rows with tokens, decode first) and the write runs in kernel blocks."""
-    err = np.zeros(6, dtype=np.int64)
+               ids, out):
+    """Every ``"safe"`` check of one step (module docstring), into ``out`` (int64, :func:`out_size`; see
+    :data:`OUT`): ``err`` and the counts in its head, then the device batch (``b_*``: rows with tokens, decode
+    first) and the write runs in kernel blocks (``cu_k`` when ``fmax > 1``). Returns ``ids_k`` (empty when
+    ``fmax == 1``: the step's own ids)."""
+    err = out[:6]
     e = np.zeros(0, dtype=np.int64)
-    z = (err, (0, 0, 0, 0), e, e, e, e, e, e, e, e, e, e, e, e, e)
+    err[0] = 0
     occ = _rows(err, occupied, lim, req_slots, nc, q, is_new, free)
     if err[0]:
-        return z
+        return e
     order, nd, T, T_pad = _order(err, lim, q)
     if err[0]:
-        return z
+        return e
     B, G, S, N = order.shape[0], geo.shape[0], lim[0], gid.shape[0]
     b_slots, b_nc, b_q = req_slots[order], nc[order], q[order]
     seq = b_nc + b_q
@@ -327,19 +328,19 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
     re_b = re[order] if lim[12] > 0 else e
     _replay(err, lim, b_slots, b_nc, rs_b, re_b)
     if err[0]:
-        return z
+        return e
     new_slots = req_slots[is_new]
     if lim[13] < 0:
         _fail(err, _DEFER, 2, 0, 0, 0)
-        return z
+        return e
     _run_shapes(err, lim, G, occ, gid, slot, cu, ids)
     if err[0]:
-        return z
+        return e
     is_fresh = np.zeros(S, dtype=np.bool_)
     is_fresh[new_slots] = True
     start_k, end_k = _run_bounds(err, lim, geo, num_blocks, is_fresh, gid, slot, start, cu, ids)
     if err[0]:
-        return z
+        return e
     cu_k, ids_k = _expand(lim, geo, gid, cu, ids) if lim[9] > 1 else (e, e)
     row_of = np.full(S, -1, dtype=np.int64)
     row_of[b_slots] = np.arange(B)
@@ -355,15 +356,55 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
                 nb[gid[r], row[r]] = end_k[r]
         lo = _coverage(err, lim, geo, comp, nb, b_slots, b_nc, seq, rs_b)
         if err[0]:
-            return z
+            return e
     if lim[9] > 1:
         keep = _keep(err, lim, geo, gid, start_k, end_k, row, cu_k, lo)
     else:
         keep = _keep(err, lim, geo, gid, start_k, end_k, row, cu, lo)
-    return err, (nd, ndt, T, T_pad), order, b_slots, b_q, seq, new_slots, rs_b, re_b, start_k, end_k, keep, row, \
-        cu_k, ids_k
+    if err[0]:
+        return e
+    _emit(out, req_slots.shape[0], (nd, ndt, T, T_pad, B, new_slots.shape[0]),
+          (order, b_slots, b_q, seq, new_slots, rs_b, re_b), (start_k, end_k, keep, row), cu_k, geo, gid, start, cu)
+    return ids_k
+
+
+@njit
+def _emit(out, n, counts, rows, runs, cu_k, geo, gid, start, cu):
+    """The plan into ``out`` (layout :data:`OUT`), and the runs outside the ownership batch path's one-id appends."""
+    for k in range(6):
+        out[6 + k] = counts[k]
+    at = HEAD
+    for a in rows:
+        out[at:at + a.shape[0]] = a
+        at += n
+    N = gid.shape[0]
+    for a in runs:
+        out[at:at + N] = a
+        at += N
+    out[at:at + cu_k.shape[0]] = cu_k
+    at += N + 1
+    inside, k = 1, 0
+    for i in range(N):
+        if runs[3][i] < 0 or geo[gid[i], 3]:
+            inside = 0
+        if start[i] != APPEND or cu[i + 1] - cu[i] != 1:
+            out[at + k] = i
+            k += 1
+    out[12], out[13] = inside, k
+
+
+HEAD = 16
+# NOTE: out: err [6], (num_decodes, num_decode_tokens, T, T_pad, B, K new), ownership domain of the runs, number
+# of other runs, 2 spare; then 7 row arrays of n entries (order, b_slots, b_q, seq, new_slots, rs_b, re_b), 4 run
+# arrays of N (start_k, end_k, keep, row), cu_k [N + 1], other runs [N]
+OUT = ("err", "counts", "rows", "runs", "cu_k", "other")
+
+
+def out_size(n: int, N: int) -> int:
+    """Entries of ``out`` for ``n`` StepBatch rows and ``N`` write runs."""
+    return HEAD + 7 * n + 6 * N + 1
 
 
 _I = ro("int64")
 check_step = pin(check_step, (ro("bool"), ro("int64", 2), ro("int64", 2), ro("int64", 2)) + (_I,) * 4 + (ro("bool"),)
-                 + (_I,) * 8)
+                 + (_I,) * 8 + (rw("int64"),))
