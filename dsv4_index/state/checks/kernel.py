@@ -258,20 +258,30 @@ def _coverage(err, lim, geo, comp, nb, b_slots, b_nc, seq, rs_b):
     holding what a row reads from its window start: the lowest block read, ``lo`` ``[G, B]``."""
     G, B = nb.shape[0], nb.shape[1]
     for g in range(G):
+        bs, circ, logical, sharded = geo[g, 0], geo[g, 3], geo[g, 4], geo[g, 7]
         for i in range(B):
-            need = _need(lim, geo, comp, g, seq[i])
+            if sharded:
+                need = _need(lim, geo, comp, g, seq[i])
+            elif circ:
+                need = logical if seq[i] > 0 else 0
+            elif nb[g, i] * bs >= seq[i]:  # NOTE: nb >= cdiv(seq, bs) without a division (the hot loop)
+                continue
+            else:
+                need = (seq[i] + bs - 1) // bs
             if nb[g, i] < need:
                 _fail(err, _MISSING, g, b_slots[i], seq[i], need)
                 err[5] = nb[g, i]
                 return np.zeros((0, 0), dtype=np.int64)
     lo = np.zeros((G, B), dtype=np.int64)
+    has_rs = rs_b.shape[0] > 0
     for g in range(G):
         if geo[g, 2] > 0 and not geo[g, 3]:
+            W, bs, sharded = geo[g, 1], geo[g, 0], geo[g, 7]
             for i in range(B):
-                s = window_start_at(b_nc[i], geo[g, 1], rs_b[i] if rs_b.shape[0] else 0)
-                if geo[g, 7]:
+                s = window_start_at(b_nc[i], W, rs_b[i] if has_rs else 0)
+                if sharded:
                     s = cp_owned_at(s, lim[6], lim[7], lim[8])
-                lo[g, i] = s // geo[g, 0]
+                lo[g, i] = s // bs
     for g in range(G):
         if geo[g, 2] > 0 and not geo[g, 3]:
             for i in range(B):
