@@ -16,7 +16,7 @@ from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -57,7 +57,8 @@ class RequestState:
         self.max_num_reqs = max_num_reqs
         self.occupied = np.zeros(max_num_reqs, dtype=bool)
         self._tables = tables
-        self._kw = dict(cp=cp, max_num_tokens=max_num_tokens, max_writes=max_writes, next_n=next_n, level=level)
+        self._kw: Dict[str, Any] = dict(cp=cp, max_num_tokens=max_num_tokens, max_writes=max_writes, next_n=next_n,
+                                        level=level)
         self.level = level
         self.cross_check = bool(cross_check)
         self.checks = StepChecks(tables, **self._kw)

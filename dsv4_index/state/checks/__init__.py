@@ -53,7 +53,8 @@ class StepChecks:
             raise reject("step_type", type=type(batch).__name__)
         if not ready():
             compile_pinned()
-        lim, deferred = self.lim, []
+        lim = self.lim
+        deferred: list = []
         req_slots = arr("req_slots", batch.req_slots)
         n = req_slots.shape[0]
         nc = arr("num_computed_tokens", batch.num_computed_tokens, n)
@@ -61,7 +62,7 @@ class StepChecks:
         is_new = np.zeros(n, dtype=bool) if batch.is_new is None else arr("is_new", batch.is_new, n, dtype_kind="b")
         free = _EMPTY if batch.free_slots is None else arr("free_slots", batch.free_slots)
         lim[14] = 0 if pad_to is None else 1 if _is_int(pad_to) and -2 ** 63 <= pad_to < 2 ** 63 else 2
-        lim[4] = pad_to if lim[14] == 1 else 0
+        lim[4] = int(pad_to) if pad_to is not None and lim[14] == 1 else 0
         rs = self._later(deferred, 11, "replay_start", batch.replay_start, n)
         re = self._later(deferred, 12, "replay_end", batch.replay_end, n)
         runs = self._runs(batch, deferred)
