@@ -108,3 +108,22 @@ def test_every_code_of_the_pass_is_a_message_and_back():
     wrapper = {"step_type", "not_array", "bad_dtype", "bad_length"}  # NOTE: array conversions, in Python
     steps = {c for c, m in MESSAGES.items() if m.level == "safe"} - wrapper - {"free_twice"}
     assert steps <= codes | {"free_twice"} and "free_twice" in kernel.CODES
+
+
+@pytest.mark.parametrize("kw", [dict(checks="full"), dict(validate=True)])
+def test_full_checks_take_a_step_without_write_arrays(kw):
+    """A valid StepBatch with no write arrays at all (a decode that needs no new block) is accepted under
+    ``checks="full"`` and ``validate=True`` (issue 37 item 3(iv): the deleted incremental full path read
+    ``write_cu`` there)."""
+    import dataclasses
+
+    lay = _layout("ring")
+    p = MetadataPipeline(lay, R, T_MAX, "cpu", SPEC, backend="reference", **kw)
+    first = Serve(lay, 5).step()
+    p.update(first)
+    bare = dataclasses.replace(first, is_new=None, write_gids=None, write_slots=None, write_starts=None,
+                               write_cu=None, write_ids=None, free_slots=None,
+                               num_computed_tokens=first.num_computed_tokens + first.num_scheduled_tokens,
+                               num_scheduled_tokens=first.num_scheduled_tokens * 0 + 1)
+    p.update(bare)
+    assert p.last_plan.w_gid.size == 0 and p.last_plan.num_tokens == first.num_rows
