@@ -138,7 +138,7 @@ def check_arguments(layout, max_num_reqs: int, max_num_batched_tokens: int, num_
 
 
 def check_flags(**flags) -> None:
-    """Each of the constructor's on/off arguments (``fused``, ``validate``, ``cuda_graphs``, ``steady``) a bool
+    """Each of the constructor's on/off arguments (``fused``, ``validate``, ``cuda_graphs``) a bool
     (numpy's too): ``TypeError`` naming it (a string such as ``"no"`` would otherwise read as on)."""
     import numpy as np
 
@@ -181,7 +181,6 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
         "staging": ("device", 4 * capacity),
         "staging (host)": ("pinned" if pinned else "host", 4 * capacity * (2 if pinned else 1)
                            + 8 * (max(T, num_slots) + 1)),
-        "steady-path geometry": ("host", 24 * G * num_slots),
     }
     for name, t in _buffers(ctx, builders).items():
         parts[name] = ("device", t.numel() * t.element_size())

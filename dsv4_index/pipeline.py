@@ -31,6 +31,7 @@ from .fused.tasks import FusedTask
 from .aliasing import check_pipeline_buffers, check_step_outputs
 from .metadata import DSV4Metadata, StepStats
 from .geometry import DSV4Layout
+from ._numba import compile_pinned
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
 from .state import BlockTables, RequestState, StepPlan, StepStaging
 from .state.requests import RowIds, SlotMap
@@ -58,7 +59,8 @@ class MetadataPipeline:
     checks : {"safe", "full"} — host check level of ``update()`` (``state/plan.py``; ``"full"`` adds the
         contract checks of ``state/contract.py``: no duplicate ids in a full group's row, no null block
         where a step reads or writes); ``validate=True`` implies ``"full"``.
-    validate : bool — debug: full checks, and :func:`dsv4_index.validate.check_metadata` after every
+    validate : bool — debug: full checks, the compiled step checks compared with their definition on every
+        step (``AssertionError`` on a difference), and :func:`dsv4_index.validate.check_metadata` after every
         ``build()`` (host copies; never in serving).
     max_staged_blocks : int, optional — block ids one step may stage (default: every table entry,
         capped at 2**20; at most 2**26, and never more than the tables hold); a step staging more is
@@ -67,19 +69,16 @@ class MetadataPipeline:
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
-    steady : bool — plan steps on the incremental path of ``state/steady.py`` (any step, at the cost
-        of what changed since the last one; same plan, same errors; ``validate=True`` runs both planners
-        and raises ``AssertionError`` on a difference); False: every step takes the general checks.
     """
 
     def __init__(self, layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False, steady: bool = True):
+                 cuda_graphs: bool = False):
         check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          (cp_world_size, cp_rank, cp_interleave), checks)
-        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs, steady=steady)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs)
         self.layout = layout
         self.device = check_device(device)
         self.max_num_reqs = max_num_reqs
@@ -108,7 +107,7 @@ class MetadataPipeline:
                                    self.max_staged_blocks, max_num_reqs)
         self.requests = RequestState(max_num_reqs, self.tables, cp=self.cp, max_num_tokens=T,
                                      max_writes=self.max_staged_blocks, next_n=1 + num_speculative_tokens,
-                                     level=self.checks, steady=steady, cross_check=self.validate)
+                                     level=self.checks, cross_check=self.validate)
 
         self._fused, self._unfused = self._plan_launches(fused and use_triton(self.device, backend))
         if cuda_graphs and (self._fused is None or self._unfused or self.device.type != "cuda"):
@@ -166,16 +165,16 @@ class MetadataPipeline:
                         num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                         cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                         max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                        cuda_graphs: bool = False, steady: bool = True) -> dict:
+                        cuda_graphs: bool = False) -> dict:
         """Bytes a pipeline of these arguments (the constructor's) allocates, computed without allocating:
         ``{"device", "host", "pinned", "parts"}`` (:func:`dsv4_index.capacity.memory_estimate`). Every
         argument is checked as the constructor checks it (the same ``ValueError`` / ``TypeError``; an unknown
         keyword is a ``TypeError``), except that a CUDA ``device`` need not exist here (planning on a host
-        without one); ``fused``, ``validate``, ``steady`` change no allocation."""
+        without one); ``fused``, ``validate`` change no allocation."""
         cp = (cp_world_size, cp_rank, cp_interleave)
         check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          cp, checks)
-        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs, steady=steady)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs)
         dev = check_device(device, available=False)
         use_triton(dev, backend)  # NOTE: the constructor's backend check
         if cuda_graphs and dev.type != "cuda":
@@ -234,7 +233,7 @@ class MetadataPipeline:
         if delta is not None:
             self.slot_map.commit(delta)
         self._req_ids = None if delta is None else self.slot_map.row_ids(plan.rows)  # NOTE: built when read
-        nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs, self.requests.signature)
+        nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs)
         self.ctx.set_step(plan)
         self._plan = plan
         self._last_batch = (batch, pad_to, None if delta is None else delta.order)
@@ -307,13 +306,15 @@ class MetadataPipeline:
             replay_start=plan.replay_start, replay_end=plan.replay_end, **common)
 
     def warmup(self, pad_sizes=(1,)) -> None:
-        """Compile every kernel the pipeline uses (an empty step per size in ``pad_sizes``, one top-k
+        """Compile every kernel the pipeline uses (the compiled host passes of ``state/``, each for its one
+        signature; an empty step per size in ``pad_sizes``, one top-k
         conversion per channel that has one), check the direct launch of the fused kernel against
         Triton's JIT launch (:meth:`FusedPlan.check_direct_launch`: on a difference the pipeline warns
         and keeps the JIT launch) and, with ``cuda_graphs``, capture a graph per size. Call it before
         the first ``update()``."""
         if self._plan is not None:
             raise RuntimeError("warmup() must run before the first update()")
+        compile_pinned()  # NOTE: every compiled host pass, for its one signature (dsv4_index/_numba.py)
         empty = StepBatch(req_slots=np.zeros(0, np.int64), num_computed_tokens=np.zeros(0, np.int64),
                           num_scheduled_tokens=np.zeros(0, np.int64))
         for i, n in enumerate(pad_sizes):
@@ -381,11 +382,6 @@ class MetadataPipeline:
     def last_plan(self) -> Optional[StepPlan]:
         """The checked plan (:class:`~dsv4_index.state.StepPlan`) of the last accepted step; read only."""
         return self._plan
-
-    @property
-    def last_plan_was_steady(self) -> bool:
-        """True when the last accepted step was planned on the incremental path (``state/steady.py``)."""
-        return self._plan is not None and self._plan.steady
 
     @property
     def last_batch(self) -> Optional[tuple]:

@@ -31,6 +31,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ..batch import APPEND, StepBatch
+from ..state.messages import Rejection
 from ..state.requests import SlotMap, SlotMapDelta, frozen
 from .fast import convert_repeat
 from .rules import APPENDS, NEW, RESUMED, SCHED, STEP, Src, StepTypeError, check_rows, id_set
@@ -289,23 +290,29 @@ def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str =
         return (f"{new_where}[{rid!r}].block_ids[{g}]" if rid in fresh else
                 f"{run_where}[{rid!r}].new_block_ids[{g}]")
 
-    def name(m: re.Match) -> Optional[str]:
-        if m.group(1) is not None and batch.write_cu is not None:
-            j = int(m.group(1))
+    def name(kind: str, v: int) -> Optional[str]:
+        if kind == "j":
+            if batch.write_cu is None:
+                return None
             cu = np.asarray(batch.write_cu)
-            r = int(np.searchsorted(cu, j, side="right")) - 1
+            r = int(np.searchsorted(cu, v, side="right")) - 1
             f = run_field(r)
-            return None if f is None else f"{f}[{j - int(cu[r])}]"
-        if m.group(2) is not None:
-            return run_field(int(m.group(2)))
-        s = int(m.group(3))
-        return f"request {rid_of[s]!r}" if s in rid_of else None
+            return None if f is None else f"{f}[{v - int(cu[r])}]"
+        if kind == "r":
+            return run_field(v)
+        return f"request {rid_of[v]!r}" if v in rid_of else None
 
+    if isinstance(error, Rejection):  # NOTE: the fields of the message (state/messages.py)
+        found = error.positions()
+    else:  # NOTE: a rejection not (yet) in the table: its positions read from the text
+        found = [(m.group(0), k, int(v)) for m in _POS.finditer(str(error))
+                 for k, v in zip(("j", "r", "slot"), m.groups()) if v is not None]
     names: dict = {}
-    for m in _POS.finditer(str(error)):
-        n = name(m)
+    for text, kind, v in found:
+        n = name(kind, v)
         if n is not None:
-            names.setdefault(m.group(0), n)
+            names.setdefault(text, n)
     if not names:
         return error
-    return type(error)(f"{error} [{'; '.join(f'{k} = {v}' for k, v in names.items())}]")
+    text = f"{error} [{'; '.join(f'{k} = {v}' for k, v in names.items())}]"
+    return Rejection(error.code, error.fields, text) if isinstance(error, Rejection) else type(error)(text)

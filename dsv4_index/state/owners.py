@@ -65,7 +65,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .._common import cp_owned_count
-from .contract import held_and_duplicates
+from .checks.naive import held_and_duplicates
 from .ownership_fast import commit_fast, plan_fast
 from .ownership_batch import BatchView, commit_batch
 from .ownership_checks import check_rewinds, check_runs, rewind_suspects

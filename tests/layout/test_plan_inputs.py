@@ -173,6 +173,6 @@ def test_memory_estimate_refuses_unknown_keywords_and_what_the_constructor_refus
         MetadataPipeline.memory_estimate(lay, 4, 32, cp_world_size=2, cp_rank=2)
     with pytest.raises(ValueError, match="backend"):
         MetadataPipeline.memory_estimate(lay, 4, 32, backend="cuda")
-    ok = MetadataPipeline.memory_estimate(lay, 4, 32, checks="full", fused=False, steady=False, validate=True,
+    ok = MetadataPipeline.memory_estimate(lay, 4, 32, checks="full", fused=False, validate=True,
                                           backend="reference", cuda_graphs=False)
     assert ok["device"] == MetadataPipeline.memory_estimate(lay, 4, 32)["device"] > 0

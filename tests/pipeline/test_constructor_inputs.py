@@ -47,7 +47,7 @@ def test_triton_message_names_the_extra():
     assert "pip install 'dsv4-index[triton]'" in MISSING_MESSAGE
 
 
-@pytest.mark.parametrize("flag", ["fused", "validate", "cuda_graphs", "steady"])
+@pytest.mark.parametrize("flag", ["fused", "validate", "cuda_graphs"])
 def test_on_off_arguments_are_bools(flag):
     for fn in (MetadataPipeline, MetadataPipeline.memory_estimate):
         with pytest.raises(TypeError, match=rf"^{flag} must be a bool, got 'no'"):

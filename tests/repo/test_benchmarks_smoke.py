@@ -17,8 +17,7 @@ SMOKES = {
     "benchmarks/frontend_profile.py": (("--steps", 2, "--batch", 4), "|"),
     "benchmarks/gpu_check.py": (("--device", "cpu", "--steps", 1, "--long-steps", 0, "--cases", "tiny"),
                                 "gpu_check passed"),
-    # NOTE: --rounds below 8 ends in KeyError 'change safe' (no change step is timed); not this file's to fix
-    "benchmarks/host_profile.py": (("--rounds", 8, "--cases", "decode B=1"), "| decode B=1 |"),
+    "benchmarks/host_profile.py": (("--rounds", 3, "--cases", "decode B=1"), "| decode B=1 |"),
     "benchmarks/table_memory.py": ((), "| 128K | 256 | ring |"),
     "benchmarks/trace_overhead.py": (("--requests", 2, "--prefill", 64, "--steps", 2, "--max-model-len", 1024),
                                      "decode"),
