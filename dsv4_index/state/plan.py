@@ -68,6 +68,7 @@ class StepPlan:
     w_other: Optional[np.ndarray] = None  # int64 [k] runs that are not one-id appends (fast path), or None
     w_app: Optional[np.ndarray] = None    # int64 [N - k] the one-id appends when w_other is set
     steady: bool = False        # NOTE: planned by the fast (incremental) path of state/steady.py
+    drafts: Optional[np.ndarray] = None  # int64 [B] draft tokens per device row (owners.drafts_of), None: default
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)

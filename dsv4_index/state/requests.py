@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from ..batch import StepBatch
-from .owners import BlockOwners
+from .owners import BlockOwners, drafts_of
 from .plan import StepPlan, plan_step, plans_equal
 from .steady import BatchCache, FastGeometry, plan_fast
 from .tables import BlockTables
@@ -83,7 +83,10 @@ class RequestState:
                         raise AssertionError(f"the incremental plan differs from the general one in {diff}")
         if plan is None:
             plan = plan_step(batch, occupied=self.occupied, tables=self._tables, pad_to=pad_to, **self._kw)
-        self.owners.check(plan)  # NOTE: block ownership, rings, no jump (state/owners.py)
+        # --- draft counts (h37b): StepBatch.num_draft_tokens in device order, checked (state/owners) ---
+        plan.drafts = drafts_of(batch, plan)
+        # --- end draft counts ---
+        self.owners.check(plan)  # NOTE: block ownership, rings, no jump (state/owners/)
         return plan
 
     def commit(self, plan: StepPlan) -> None:

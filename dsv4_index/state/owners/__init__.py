@@ -32,10 +32,37 @@ table rows as the step leaves them); :mod:`.messages` words every rejection (cod
 
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
+
 from .messages import reject
 from .naive import NaiveOwners, default_drafts
 
-__all__ = ["BlockOwners", "check_ring_capacity", "default_drafts"]
+__all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of"]
+
+
+def drafts_of(batch, plan) -> Optional[np.ndarray]:
+    """int64 ``[B]``: ``batch.num_draft_tokens`` in device order (-1 entries: the default rule, as -1), or None
+    when the batch gives none. Raises ``ValueError`` naming the row for a count outside ``-1 ..
+    num_scheduled_tokens - 1`` (the first scheduled token is never a draft)."""
+    d = batch.num_draft_tokens
+    if d is None:
+        return None
+    a = np.asarray(d)
+    n = batch.num_rows
+    if a.ndim != 1 or a.shape[0] != n or a.dtype.kind not in "iu":
+        raise ValueError(f"num_draft_tokens must be a 1-D integer array of {n} entries (one per batch row), got "
+                         f"{a.dtype} of shape {a.shape}")
+    a = a.astype(np.int64)
+    q = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
+    bad = (a < -1) | (a > np.maximum(q - 1, 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"num_draft_tokens[{i}] = {int(a[i])}: expected -1 (the default rule) or 0.."
+                         f"{max(int(q[i]) - 1, 0)} (num_scheduled_tokens {int(q[i])}; the first scheduled token is "
+                         f"never a draft)")
+    return a.take(plan.rows)
 
 
 def check_ring_capacity(groups, num_speculative_tokens: int) -> None:

@@ -27,13 +27,13 @@ __all__ = ["NaiveOwners", "default_drafts"]
 
 
 def default_drafts(plan, next_n: int) -> np.ndarray:
-    """int64 ``[B]``: the plan's draft counts, or the default rule: ``min(n - 1, next_n - 1)`` for a row of at
+    """int64 ``[B]``: the plan's draft counts (``plan.drafts``; -1 entries and None: the default rule), the
+    default rule being: ``min(n - 1, next_n - 1)`` for a row of at
     most ``next_n`` tokens, 0 for a prefill chunk."""
-    d = getattr(plan, "drafts", None)
-    if d is not None:
-        return np.asarray(d, dtype=np.int64)
     n = np.asarray(plan.num_scheduled, dtype=np.int64)
-    return np.where(n <= next_n, np.maximum(np.minimum(n - 1, next_n - 1), 0), 0)
+    rule = np.where(n <= next_n, np.maximum(np.minimum(n - 1, next_n - 1), 0), 0)
+    d = getattr(plan, "drafts", None)
+    return rule if d is None else np.where(d < 0, rule, d)
 
 
 class _Step:
