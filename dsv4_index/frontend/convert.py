@@ -116,11 +116,11 @@ def batch_from_step(step: StepInput, slot_map: SlotMap, num_groups: Optional[int
     """
     if not isinstance(step, StepInput):
         raise StepTypeError(f"step must be a StepInput, got {type(step).__name__}")
-    return with_drafts(_batch_from_step(step, slot_map, num_groups), step.num_draft_tokens, "num_draft_tokens")
+    return with_drafts(_batch_from_step(step, slot_map, num_groups), step.drafts, "drafts")
 
 
 def with_drafts(done: Tuple[StepBatch, SlotMapDelta], drafts, where: str) -> Tuple[StepBatch, SlotMapDelta]:
-    """``done`` with ``StepBatch.num_draft_tokens`` from ``drafts`` (``{req_id: count}``; rows not listed: -1,
+    """``done`` with ``StepBatch.drafts`` from ``drafts`` (``{req_id: count}``; rows not listed: -1,
     the default rule); unchanged when ``drafts`` is empty. A key that is not a row of the step is refused."""
     if not drafts:
         return done
@@ -134,7 +134,7 @@ def with_drafts(done: Tuple[StepBatch, SlotMapDelta], drafts, where: str) -> Tup
         if type(v) is not int and not isinstance(v, np.integer):
             raise StepTypeError(f"{where}[{rid!r}] must be an int, got {type(v).__name__}")
     d = np.fromiter((drafts.get(rid, -1) for rid in delta.order), dtype=np.int64, count=len(delta.order))
-    return dataclasses.replace(batch, num_draft_tokens=d), delta
+    return dataclasses.replace(batch, drafts=d), delta
 
 
 def _batch_from_step(step: StepInput, slot_map: SlotMap, num_groups: Optional[int]) -> Tuple[StepBatch, SlotMapDelta]:
@@ -192,7 +192,7 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
     None), ``num_computed_tokens``, and ``resumed_req_ids`` (a set) or ``resumed_from_preemption``
     (a list of bools, older vLLM)), ``out.num_scheduled_tokens`` (dict), ``out.finished_req_ids`` and,
     when present, ``out.preempted_req_ids`` and ``out.scheduled_spec_decode_tokens`` (each request's draft count,
-    ``StepBatch.num_draft_tokens``). A resumed request carries its whole block lists. Every other field
+    ``StepBatch.drafts``). A resumed request carries its whole block lists. Every other field
     (``new_token_ids``, ``num_output_tokens``, ...) is ignored. A new request's ``replay_start`` (vLLM's V4.1 bounded replay, ``NewRequestData.replay_start``;
     absent in older vLLM, 0 = none) becomes the batch row's replay start in this step, and its ``replay_end``
     is ``replay_start + W`` (``W`` = ``slot_map.replay_window``, vLLM's ``prefix_replay_tokens``: vLLM's model

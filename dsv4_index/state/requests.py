@@ -83,7 +83,7 @@ class RequestState:
                         raise AssertionError(f"the incremental plan differs from the general one in {diff}")
         if plan is None:
             plan = plan_step(batch, occupied=self.occupied, tables=self._tables, pad_to=pad_to, **self._kw)
-        # --- draft counts (h37b): StepBatch.num_draft_tokens in device order, checked (state/owners) ---
+        # --- draft counts (h37b): StepBatch.drafts in device order, checked (state/owners) ---
         plan.drafts = drafts_of(batch, plan)
         # --- end draft counts ---
         self.owners.check(plan)  # NOTE: block ownership, rings, no jump (state/owners/)

@@ -6,7 +6,7 @@ a prefix-cacheable group, positions of a prefix-shared block that was filled at 
 not refilled since. Everything below follows from it.
 
 * *Release.* After an accepted step a row's next position is in ``[nc + n - d, nc + n]``: ``d`` its draft
-  tokens in that step (``StepBatch.num_draft_tokens``; ``len(scheduled_spec_decode_tokens[req])`` from a
+  tokens in that step (``StepBatch.drafts``; ``len(scheduled_spec_decode_tokens[req])`` from a
   SchedulerOutput; by default ``min(n - 1, num_speculative_tokens)`` for a row of at most
   ``1 + num_speculative_tokens`` tokens, 0 for a prefill chunk). A sliding block wholly behind the window of
   the lower bound is free, for every live row, scheduled in a step or not (rings: per column).
@@ -43,23 +43,23 @@ __all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of"]
 
 
 def drafts_of(batch, plan) -> Optional[np.ndarray]:
-    """int64 ``[B]``: ``batch.num_draft_tokens`` in device order (-1 entries: the default rule, as -1), or None
+    """int64 ``[B]``: ``batch.drafts`` in device order (-1 entries: the default rule, as -1), or None
     when the batch gives none. Raises ``ValueError`` naming the row for a count outside ``-1 ..
     num_scheduled_tokens - 1`` (the first scheduled token is never a draft)."""
-    d = batch.num_draft_tokens
+    d = batch.drafts
     if d is None:
         return None
     a = np.asarray(d)
     n = batch.num_rows
     if a.ndim != 1 or a.shape[0] != n or a.dtype.kind not in "iu":
-        raise ValueError(f"num_draft_tokens must be a 1-D integer array of {n} entries (one per batch row), got "
+        raise ValueError(f"drafts must be a 1-D integer array of {n} entries (one per batch row), got "
                          f"{a.dtype} of shape {a.shape}")
     a = a.astype(np.int64)
     q = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
     bad = (a < -1) | (a > np.maximum(q - 1, 0))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"num_draft_tokens[{i}] = {int(a[i])}: expected -1 (the default rule) or 0.."
+        raise ValueError(f"drafts[{i}] = {int(a[i])}: expected -1 (the default rule) or 0.."
                          f"{max(int(q[i]) - 1, 0)} (num_scheduled_tokens {int(q[i])}; the first scheduled token is "
                          f"never a draft)")
     return a.take(plan.rows)

@@ -1,3 +1,4 @@
+# over 400 lines: the rule's definition in one file (state, geometry, each check, the commit), read top to bottom
 """The ownership rule (:mod:`dsv4_index.state.owners`) by its definition: every step, the table rows as the
 step leaves them are rebuilt (a copy of the mirror with the step's runs applied), the holders of every block
 the step writes are found by scanning those rows, and every block a row reads is looked up in the fill
