@@ -36,7 +36,7 @@ from typing import Optional
 
 import numpy as np
 
-from .messages import reject
+from .messages import check_id_limit, reject
 from .naive import NaiveOwners, default_drafts
 
 __all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of"]
@@ -76,8 +76,11 @@ def check_ring_capacity(groups, num_speculative_tokens: int) -> None:
                        spec=num_speculative_tokens, need=need)
 
 
-class BlockOwners(NaiveOwners):
-    """The ownership state of one pipeline.
+_I64 = np.int64
+
+
+class BlockOwners:
+    """The ownership state of one pipeline, on the compiled passes of :mod:`.kernel`.
 
     Parameters
     ----------
@@ -89,4 +92,146 @@ class BlockOwners(NaiveOwners):
 
     def __init__(self, tables, *, cp, level: str, num_speculative_tokens: int = 0):
         check_ring_capacity(tables.groups, num_speculative_tokens)
-        super().__init__(tables, cp=cp, full=level == "full", next_n=1 + num_speculative_tokens)
+        t = self.t = tables
+        G, S = self.G, self.S = len(t.groups), t.max_num_reqs
+        self.full, self.next_n = level == "full", 1 + num_speculative_tokens
+        sliding = ~t.full & ~t.circular
+        sharded = t.sharded & (cp[0] > 1)
+        self.geo = np.ascontiguousarray(np.stack([t.base, t.cols, t.ring, t.bs, t.f, t.window, t.full, t.circular,
+                                                  sliding, sharded], axis=1).astype(_I64).reshape(G, 10))
+        self.cp = np.asarray(cp, dtype=_I64)
+        self.slot_st = np.zeros((3, S), dtype=_I64)
+        self.cell_st = np.zeros((3, G, S), dtype=_I64)
+        self.fill = np.full((max(G, 1) << 10, 3), -1, dtype=_I64)
+        self.count = np.zeros(self.fill.shape[0], dtype=_I64)
+        self.tmp = np.zeros((self.fill.shape[0], 2), dtype=_I64)
+        self.seen = np.zeros(t.mirror.shape[0], dtype=_I64)
+        self.steps = 0
+        self._pending: Optional[tuple] = None
+
+    def grow(self, max_key: int) -> None:
+        """Room for id keys up to ``max_key`` (no holder, no fill for ids never seen)."""
+        n0 = self.count.shape[0]
+        if max_key < n0:
+            return
+        n = 1 << int(max_key).bit_length()
+        fill = np.full((n, 3), -1, dtype=_I64)
+        fill[:n0] = self.fill
+        count = np.zeros(n, dtype=_I64)
+        count[:n0] = self.count
+        self.fill, self.count, self.tmp = fill, count, np.zeros((n, 2), dtype=_I64)
+
+    def check(self, plan) -> None:
+        """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes nothing
+        observable (the tables of fills and counts may grow)."""
+        from .kernel import check_pass
+        self._pending = None
+        t, B = self.t, plan.slots.shape[0]
+        P = np.zeros((7, B), dtype=_I64)
+        P[0], P[1], P[2] = plan.slots, plan.seq_lens, plan.num_scheduled
+        if plan.replay_start is not None:
+            P[3] = plan.replay_start
+        if plan.replay_end is not None:
+            P[4], P[6] = plan.replay_end, 1
+        P[5] = default_drafts(plan, self.next_n)
+        R = np.stack([plan.w_gid, plan.w_slot, plan.w_start, plan.w_end, plan.w_keep, plan.w_cu[:-1]]).astype(_I64)
+        w_ids = np.ascontiguousarray(plan.w_ids, dtype=_I64)
+        raw0 = np.zeros(R.shape[1] + 1, dtype=_I64)
+        if R.shape[1]:
+            np.cumsum((plan.w_cu[1:] - plan.w_cu[:-1]) // t.f[plan.w_gid], out=raw0[1:])
+            check_id_limit(int(w_ids.max(initial=0)), self.G)
+            self.grow(int(w_ids.max(initial=0)) * self.G + self.G)
+        A = np.stack([plan.all_slots, plan.all_computed]).astype(_I64).reshape(2, -1)
+        FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
+        nf = int(plan.free_slots.shape[0])
+        res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
+                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.count, self.seen, self.tmp)
+        if res[0][0]:
+            self._reject(res[0], plan)
+        self._pending = (plan, P, A, FN, nf, res)
+
+    def commit(self, plan) -> None:
+        """Apply the accepted ``plan`` checked by the last :meth:`check` (after the tables' commit)."""
+        from .kernel import commit_pass
+        if self._pending is None or self._pending[0] is not plan:
+            raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
+        _, P, A, FN, nf, (_, X, F4, nF, seen_l, nS, dec, inc) = self._pending
+        self._pending = None
+        commit_pass(self.geo, self.cp, P, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.count, self.seen,
+                    X, F4, nF, seen_l, nS, dec, inc)
+        self.steps += 1
+
+    def _reject(self, e: np.ndarray, plan) -> None:
+        from .kernel import CODES
+        code = int(e[0])
+        if code < 0:
+            raise ValueError(f"ownership check: an index out of range (internal code {code}; the planner "
+                             f"should have refused this step)")
+        v = [int(x) for x in e]
+        at = {4: 5, 8: 5, 9: 5, 11: 1}.get(code, 2)  # NOTE: where each code keeps its gid (code 1 has none)
+        name = self.t.groups[v[at]].name if code != 1 else ""
+        f: dict = {}
+        if code == 1:
+            f = dict(i=v[1], nc=v[2], slot=v[3], front=v[4], last=v[2] - 1)
+        elif code == 2:
+            why = "a write run of this step rewrote them" if v[7] else "earlier write runs rewrote them"
+            f = dict(slot=v[1], gid=v[2], name=name, lo=v[3], nc=v[4], lo_pos=v[5], ring_lo=v[6], why=why)
+        elif code == 3:
+            f = dict(slot=v[1], gid=v[2], name=name, pos=v[3], other=v[4], kid=v[5])
+        elif code == 4:
+            f = dict(raw=v[1], kid=v[2], slot=v[3], pos=v[4], gid=v[5], name=name, other=v[6], opos=v[7],
+                     since=" since this step" if v[8] else "")
+        elif code in (5, 6):
+            f = dict(slot=v[1], gid=v[2], name=name, ws=v[3], kid=v[4], pos=v[5], other=v[6], opos=v[7])
+            if code == 5:
+                f.update(mark=v[8], nc=v[9])
+        elif code == 7:
+            f = dict(slot=v[1], gid=v[2], name=name, kid=v[3], pos=v[4], nc=v[5], writer=v[6], fpos=v[7], step=v[8])
+        elif code == 8:
+            f = dict(raw=v[1], kid=v[2], slot=v[3], pos=v[4], gid=v[5], name=name, fpos=v[6], writer=v[7], step=v[8])
+        elif code == 9:
+            f = dict(raw=v[1], kid=v[2], slot=v[3], pos=v[4], gid=v[5], name=name, opos=v[6])
+        elif code == 10:
+            f = dict(kid=v[1], gid=v[2], name=name, slot=v[3])
+        else:
+            f = self._null_fields(v)
+        reject(CODES[code], **f)
+
+    def _null_fields(self, v) -> dict:
+        g, grp = v[1], self.t.groups[v[1]]
+        fk = int(self.t.f[g])
+        col, size = v[4] // fk, grp.alloc_block_size
+        more = v[5]
+        return dict(kind=grp.kind, gid=g, slot=v[2], row=v[3], col=col, p0=col * size, p1=(col + 1) * size - 1,
+                    local=", rank-local" if self.geo[g, 9] else "",
+                    name=grp.name if grp.role in (None, grp.name) else f"{grp.name}, role {grp.role}",
+                    lo_pos=v[6], last=v[7],
+                    tail=f"; {more} more null entr{'y' if more == 1 else 'ies'} in this step" if more else "")
+
+    # ------------------------------------------------------------------ inspection (tests, the oracle)
+    def held(self, certain: bool = False) -> dict:
+        """``{(gid, kernel id): live holders}`` of the committed state (``certain``: only where the holder
+        certainly reads the block next); the counts (not ``certain``) are the kernel's own."""
+        if not certain:
+            nz = np.flatnonzero(self.count)
+            return {(k % self.G, k // self.G): int(self.count[k]) for k in nz.tolist()}
+        t, out = self.t, {}
+        for g in range(self.G):
+            for s in np.flatnonzero(self.slot_st[0]).tolist():
+                nb, ring = int(t.num_blocks[g, s]), int(t.ring[g])
+                cert = int(self.cell_st[1, g, s]) if self.geo[g, 8] else 0
+                low = max(int(self.cell_st[2, g, s]), nb - ring) if ring else 0
+                for q in range(max(cert, low), nb):
+                    kid = int(t.mirror[int(t.base[g] + s * t.cols[g] + (q % ring if ring else q))])
+                    if kid >= int(t.f[g]):
+                        out[(g, kid)] = out.get((g, kid), 0) + 1
+        return out
+
+    def snapshot(self) -> dict:
+        """Every field of the committed state, in :meth:`NaiveOwners.snapshot`'s form."""
+        k = np.flatnonzero(self.fill[:, 0] >= 0)
+        fills = {(int(x) % self.G, int(x) // self.G): tuple(int(y) for y in self.fill[x]) for x in k.tolist()}
+        return {"live": self.slot_st[0].astype(bool), "frontier": self.slot_st[1].copy(),
+                "replay_mark": self.slot_st[2].copy(), "floor": self.cell_st[0].copy(),
+                "hold": self.cell_st[1].copy(), "ring_lo": self.cell_st[2].copy(), "fills": fills,
+                "seen": self.seen.copy(), "steps": self.steps}

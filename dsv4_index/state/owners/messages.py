@@ -20,6 +20,7 @@ code                      level  when
 ``own.twice``             full   one id twice in a row (acquired where it writes)
 ``own.twice_sliding``     full   one id twice in a sliding row from its window start on
 ``own.held_null``         full   the null block among the held blocks a step reads
+``own.id_limit``          safe   a block id beyond the ownership tables (``2**28`` keys)
 ``own.ring_capacity``     safe   a circular group's ring is too small for the draft tokens
 ========================  =====  ==================================================================
 """
@@ -28,7 +29,9 @@ from __future__ import annotations
 
 from typing import Dict, NoReturn, Optional, Tuple
 
-__all__ = ["MESSAGES", "OwnershipError", "reject", "word"]
+__all__ = ["MESSAGES", "MAX_KEYS", "OwnershipError", "reject", "word", "check_id_limit"]
+
+MAX_KEYS = 1 << 28  # NOTE: id keys kid * G + gid of the ownership tables
 
 MESSAGES: Dict[str, Tuple[str, str]] = {
     "own.jump": ("safe", "num_computed_tokens[{i}] = {nc} of slot {slot} jumps past what its steps wrote: positions "
@@ -66,6 +69,8 @@ MESSAGES: Dict[str, Tuple[str, str]] = {
                               "block {col} (positions {p0}..{p1}{local}), held since an earlier step; the step reads "
                               "positions {lo_pos}..{last} of this group (only blocks wholly before position {lo_pos} "
                               "may be null){tail}"),
+    "own.id_limit": ("safe", "write_ids: block id {kid} is beyond the ownership table's limit of {limit} ids per "
+                             "group"),
     "own.ring_capacity": ("safe", "circular group gid {gid} ({name!r}): capacity {cap} is below window - 1 + "
                                   "num_speculative_tokens = {window} - 1 + {spec} = {need}"),
 }
@@ -87,3 +92,9 @@ def word(code: str, fields: dict) -> str:
 def reject(code: str, **fields) -> NoReturn:
     """Raise the :class:`OwnershipError` of ``code``."""
     raise OwnershipError(word(code, fields), code, fields)
+
+
+def check_id_limit(max_id: int, G: int) -> None:
+    """Refuse a block id whose key ``max_id * G + G`` is beyond :data:`MAX_KEYS`."""
+    if max_id * G + G >= MAX_KEYS:
+        reject("own.id_limit", kid=(max_id * G + G) // max(G, 1), limit=MAX_KEYS // max(G, 1))

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..._common import cp_owned_count
-from .messages import reject
+from .messages import check_id_limit, reject
 
 __all__ = ["NaiveOwners", "default_drafts"]
 
@@ -159,6 +159,8 @@ class NaiveOwners:
     def check(self, plan) -> None:
         """Every ownership rule of ``plan``; raises ``ValueError`` (:mod:`.messages`), changes nothing."""
         self._pending = None
+        if plan.w_ids.size:
+            check_id_limit(int(plan.w_ids.max()), self.G)
         st = _Step(self, plan)
         self._no_jump(st)
         self._rings(st)
@@ -388,7 +390,7 @@ class NaiveOwners:
         for a in (self.floor, self.hold):
             a[:, gone] = 0
         self.ring_lo[...] = st.ring_lo
-        self.ring_lo[:, plan.free_slots] = 0
+        self.ring_lo[:, ~st.live] = 0  # NOTE: a slot freed and taken again in this step keeps its new mark
         self.live[:] = st.live
         d = default_drafts(plan, self.next_n)
         for i, s in enumerate(plan.slots.tolist()):
