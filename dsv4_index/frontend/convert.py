@@ -193,10 +193,11 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
     (a list of bools, older vLLM)), ``out.num_scheduled_tokens`` (dict), ``out.finished_req_ids`` and,
     when present, ``out.preempted_req_ids`` and ``out.scheduled_spec_decode_tokens`` (each request's draft count,
     ``StepBatch.drafts``). A resumed request carries its whole block lists. Every other field
-    (``new_token_ids``, ``num_output_tokens``, ...) is ignored. A new request's ``replay_start`` (vLLM's V4.1 bounded replay, ``NewRequestData.replay_start``;
-    absent in older vLLM, 0 = none) becomes the batch row's replay start in this step, and its ``replay_end``
-    is ``replay_start + W`` (``W`` = ``slot_map.replay_window``, vLLM's ``prefix_replay_tokens``: vLLM's model
-    runner V2 pads the prefix-cacheable slots of positions ``[replay_start, replay_start + W)``). vLLM sends
+    (``new_token_ids``, ``num_output_tokens``, ...) is ignored. A new request's ``replay_start`` (vLLM's V4.1
+    bounded replay, ``NewRequestData.replay_start``; absent in older vLLM, 0 = none) becomes the batch row's
+    replay start in this step, and its ``replay_end`` is ``replay_start + W`` (``W`` =
+    ``slot_map.replay_window``, vLLM's ``prefix_replay_tokens``: vLLM's model runner V2 pads the
+    prefix-cacheable slots of positions ``[replay_start, replay_start + W)``). vLLM sends
     ``replay_start`` only in the step that admits a request: the slot map remembers it (committed with the
     step) and applies both bounds to the request's later steps while they need them (``num_computed_tokens <
     replay_start + max(replay_reach, W)``). ``replay_start`` / ``replay_end`` (dicts by request id) give

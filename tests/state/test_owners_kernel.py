@@ -22,6 +22,7 @@ from dsv4_index.state.owners.naive import NaiveOwners
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
 from helpers.batches import MUTATION, R, SPEC, T_MAX, Serve, mutate, same_owners
+from helpers.layouts import trace_layout
 from helpers.rejections import diff, layout, state
 
 
@@ -85,8 +86,6 @@ def test_kernel_equals_naive_on_clean_serving_steps(variant, checks):
 @pytest.mark.parametrize("kind", ["rings", "circular", "hybrid"])
 @pytest.mark.parametrize("policy", ["vllm", "eager", "optimistic"])
 def test_kernel_equals_naive_on_scheduler_traces(kind, policy):
-    from test_owners_trace import layout as trace_layout
-
     lay = trace_layout(kind)
     for checks in ("safe", "full"):
         sched = ReferenceScheduler(lay, 36, max_num_batched_tokens=24, max_num_seqs=5, num_speculative_tokens=2,

@@ -21,7 +21,7 @@ import pytest
 from dsv4_index import MetadataPipeline
 from dsv4_index.testing.scheduler import FREE_POLICIES, ReferenceScheduler
 
-from test_owners_trace import layout
+from helpers.layouts import trace_layout as layout
 
 
 class Reads:

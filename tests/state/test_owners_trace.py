@@ -15,26 +15,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dsv4_index import DSV4Layout, MetadataPipeline
+from dsv4_index import MetadataPipeline
 from dsv4_index.batch import APPEND
 from dsv4_index.frontend import batch_from_step
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
-from helpers.layouts import TWO_LAYERS as TINY
+from helpers.layouts import trace_layout as layout
 from helpers.rejections import diff as _diff, state
 from helpers.vllm_stub import from_step
-
-
-def layout(kind: str):
-    """mla bs 32 (full, prefix-cacheable), swa bs 8 W 16, c4_state bs 4 W 8, c128_state bs 8 W 16."""
-    kw = dict(mla_block_size=32, swa_block_size=8, c4_state_block_size=4, c128_state_block_size=8)
-    if kind == "circular":
-        kw["circular"] = {"c128_state": 24, "c4_state": 12}
-    elif kind == "full_tables":
-        kw["sliding_tables"] = "full"
-    elif kind == "hybrid":
-        kw["kernel_block_size"] = {"mla": 16, "swa": 4}
-    return DSV4Layout.from_config(TINY, 256, **kw)
 
 
 def truth(sched, groups) -> Counter:

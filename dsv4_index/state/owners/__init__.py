@@ -36,8 +36,9 @@ from typing import Optional
 
 import numpy as np
 
+from .kernel import CODES, check_pass, commit_pass
 from .messages import check_id_limit, reject
-from .naive import NaiveOwners, default_drafts
+from .naive import default_drafts
 
 __all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of"]
 
@@ -124,7 +125,6 @@ class BlockOwners:
     def check(self, plan) -> None:
         """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes nothing
         observable (the tables of fills and counts may grow)."""
-        from .kernel import check_pass
         self._pending = None
         t, B = self.t, plan.slots.shape[0]
         P = np.zeros((7, B), dtype=_I64)
@@ -152,7 +152,6 @@ class BlockOwners:
 
     def commit(self, plan) -> None:
         """Apply the accepted ``plan`` checked by the last :meth:`check` (after the tables' commit)."""
-        from .kernel import commit_pass
         if self._pending is None or self._pending[0] is not plan:
             raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
         _, P, A, FN, nf, (_, X, F4, nF, seen_l, nS, dec, inc) = self._pending
@@ -162,7 +161,6 @@ class BlockOwners:
         self.steps += 1
 
     def _reject(self, e: np.ndarray, plan) -> None:
-        from .kernel import CODES
         code = int(e[0])
         if code < 0:
             raise ValueError(f"ownership check: an index out of range (internal code {code}; the planner "
@@ -215,7 +213,8 @@ class BlockOwners:
         if not certain:
             nz = np.flatnonzero(self.count)
             return {(k % self.G, k // self.G): int(self.count[k]) for k in nz.tolist()}
-        t, out = self.t, {}
+        t = self.t
+        out: dict = {}
         for g in range(self.G):
             for s in np.flatnonzero(self.slot_st[0]).tolist():
                 nb, ring = int(t.num_blocks[g, s]), int(t.ring[g])

@@ -17,7 +17,7 @@ State (``G`` groups, ``S`` slots; block positions are logical kernel blocks, ran
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -41,7 +41,7 @@ class _Step:
     """One step as the rule sees it (scratch of :meth:`NaiveOwners.check`)."""
 
     def __init__(self, o: "NaiveOwners", plan):
-        t, S = o.t, o.S
+        t = o.t
         self.plan = plan
         self.fresh = set(plan.new_slots.tolist())
         self.freed = set(plan.free_slots.tolist())
@@ -57,9 +57,8 @@ class _Step:
         self.nb[plan.w_gid, plan.w_slot] = plan.w_end
         self.mirror = t.mirror.astype(np.int64)
         self.acq: Dict[Tuple[int, int, int], Tuple[int, int, bool]] = {}  # (g, slot, pos) -> (run, raw, fill)
-        for r, (g, s, a, e, k, c0) in enumerate(zip(*(x.tolist() for x in (plan.w_gid, plan.w_slot, plan.w_start,
-                                                                                   plan.w_end, plan.w_keep,
-                                                                                   plan.w_cu[:-1])))):
+        for g, s, a, e, k, c0 in zip(*(x.tolist() for x in (plan.w_gid, plan.w_slot, plan.w_start, plan.w_end,
+                                                             plan.w_keep, plan.w_cu[:-1]))):
             for p in range(max(a, k), e):
                 self.mirror[o.cell(g, s, p)] = int(plan.w_ids[c0 + p - a])
         self.ring_lo = o.ring_lo.copy()
@@ -91,7 +90,7 @@ class NaiveOwners:
         self.fills: Dict[Tuple[int, int], Tuple[int, int, int]] = {}
         self.seen = np.zeros(t.mirror.shape[0], dtype=np.int64)
         self.steps = 0
-        self._pending: Optional[Tuple[object, _Step]] = None
+        self._pending: Optional[Tuple[Any, _Step]] = None
 
     # ------------------------------------------------------------------ geometry
     def owned(self, x: int, g: int) -> int:
@@ -217,7 +216,8 @@ class NaiveOwners:
         """The ids the runs put at held positions: fills (where the row writes) before hits."""
         t, p = self.t, st.plan
         raw0 = np.concatenate([[0], np.cumsum((p.w_cu[1:] - p.w_cu[:-1]) // t.f[p.w_gid])]).tolist()
-        fills, hits = [], []
+        fills: List[tuple] = []
+        hits: List[tuple] = []
         for (g, s), r in st.run_of.items():
             a, e, keep, c0 = (int(x[r]) for x in (p.w_start, p.w_end, p.w_keep, p.w_cu))
             lo = self._bounds(st, g, s)[0]
@@ -413,7 +413,8 @@ class NaiveOwners:
     def held(self, certain: bool = False) -> Dict[Tuple[int, int], int]:
         """``{(gid, kernel id): live holders}`` of the committed state (``certain``: only where the holder
         certainly reads the block next)."""
-        t, out = self.t, {}
+        t = self.t
+        out: Dict[Tuple[int, int], int] = {}
         for g in range(self.G):
             for s in np.flatnonzero(self.live).tolist():
                 nb, ring = int(t.num_blocks[g, s]), int(t.ring[g])
