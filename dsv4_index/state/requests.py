@@ -23,7 +23,7 @@ import numpy as np
 from ..batch import StepBatch
 from .checks import StepChecks
 from .checks.naive import plan_step
-from .owners import BlockOwners
+from .owners import BlockOwners, drafts_of
 from .plan import StepPlan, plans_equal
 from .tables import BlockTables
 
@@ -63,7 +63,6 @@ class RequestState:
         self.cross_check = bool(cross_check)
         self.checks = StepChecks(tables, **self._kw)
         self.owners = BlockOwners(tables, cp=cp, level=level, num_speculative_tokens=next_n - 1)
-        self._had_rows = False
 
     def plan(self, batch: StepBatch, pad_to: Optional[int]) -> StepPlan:
         """Check ``batch`` against this state and the tables; the plan, or ``ValueError`` (nothing
@@ -78,9 +77,8 @@ class RequestState:
             if isinstance(got, ValueError):
                 raise got
             plan = got
-        # NOTE: the ownership batch path patches the view of the last step: it needs one with rows (ownership_batch.py)
-        plan.steady = plan.steady and self._had_rows
-        self.owners.check(plan)  # NOTE: block ownership, rings, no jump (state/owners.py)
+        plan.drafts = drafts_of(batch, plan)  # NOTE: StepBatch.drafts in device order, checked (state/owners)
+        self.owners.check(plan)  # NOTE: block ownership, rings, no jump (state/owners/)
         return plan
 
     def commit(self, plan: StepPlan) -> None:
@@ -91,7 +89,6 @@ class RequestState:
             occ[plan.free_slots] = False
         if plan.new_slots.size:
             occ[plan.new_slots] = True
-        self._had_rows = plan.slots.shape[0] > 0
 
 
 def _outcome(fn, batch, pad_to):

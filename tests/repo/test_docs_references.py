@@ -98,15 +98,9 @@ def test_the_slug_rule():
 
 # ---------------------------------------------------------------------------------------------------------------
 # the names the documents use (issue 39)
-_STATE_REWRITE = ("DESIGN §5 / §9 describe state/, rewritten by the state/ and owners/ branches (h37a / h37b) "
-                  "of issue 37; the lead rewrites both sections with their module names after merging")
 _VLLM = "a file of vLLM, not of this repository"
 _HISTORY = "history: a benchmark round of a module since removed, said as such"
 NAME_EXCEPTIONS = {
-    ("docs/DESIGN.md", "step_rules.explain"): _STATE_REWRITE,
-    ("docs/DESIGN.md", "§9: step"): _STATE_REWRITE,
-    ("docs/DESIGN.md", "§9: step_rules"): _STATE_REWRITE,
-    ("docs/DESIGN.md", "§9: slot_map"): _STATE_REWRITE,
     ("README.md", "config.json"): "a model's own config.json (any folder), not a file of this repository",
     ("RELIABILITY.md", "config.json"): "a model's own config.json (any folder), not a file of this repository",
     ("README.md", "vllm/v1/core/sched/output.py"): _VLLM,
@@ -118,6 +112,10 @@ NAME_EXCEPTIONS = {
     ("benchmarks/HOST.md", "state/fast_runs.py"): _HISTORY,
     ("benchmarks/HOST.md", "state/fast_full.py"): _HISTORY,
     ("benchmarks/HOST.md", "state/plan_runs.py"): _HISTORY,
+    ("RELIABILITY.md", "state/ownership_checks.py"): _HISTORY,
+    ("RELIABILITY.md", "state/ownership_rules.py"): _HISTORY,
+    ("benchmarks/HOST.md", "state/owners.py"): _HISTORY,
+    ("benchmarks/HOST.md", "tests/state/test_holder_scans.py"): _HISTORY,
     ("benchmarks/FRONTEND.md", "frontend.py"): _HISTORY,
     ("benchmarks/FRONTEND.md", "step_rules.py"): _HISTORY,
     ("benchmarks/FRONTEND.md", "steady_step._fast"): _HISTORY,
