@@ -2,7 +2,7 @@
 
     python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"]
                                       [--build | --build-only | --lines]
-    python benchmarks/host_profile.py --mix [--old /work/main] [--steps 300]   # issues 26, 37: old vs new
+    python benchmarks/host_profile.py --mix [--old /work/main] [--steps 300] [--mix-cases "serving mix"]  # old vs new
     python benchmarks/host_profile.py --cases "decode B=256,MTP 256x2" [--swa-per-layer]  # 4 vs 47 groups
 
 ``--mix`` (issues 26, 37): the serving mix, the churn stream (``serving_mix.py``), steady decode B=256 as a
@@ -288,16 +288,16 @@ def port(x, mod):
 
 
 def _known(cls, kw: dict) -> dict:
-    """``kw`` less the fields an older tree's ``cls`` lacks, which must be unset (None) here (e.g. ``drafts``)."""
+    """``kw`` less the fields an older tree's ``cls`` lacks, which must be unset (None or empty) here (``drafts``)."""
     import dataclasses
     names = {f.name for f in dataclasses.fields(cls)}
     extra = {k: v for k, v in kw.items() if k not in names}
-    if any(v is not None for v in extra.values()):
+    if any(v is not None and not (isinstance(v, (dict, list, tuple)) and not v) for v in extra.values()):
         raise ValueError(f"the old tree's {cls.__name__} lacks the fields {sorted(extra)}, set in this step")
     return {k: v for k, v in kw.items() if k in names}
 
 
-def mix_profile(steps: int, old_path, replicas: int) -> None:
+def mix_profile(steps: int, old_path, replicas: int, only=None) -> None:
     import torch
     torch.set_num_threads(1)
     mods = {"new": sys.modules["dsv4_index"]}
@@ -307,6 +307,8 @@ def mix_profile(steps: int, old_path, replicas: int) -> None:
     streams = mix_streams(layout, steps)
     print("| case | arm | mean op-eq | mean w/o top 2 % | p50 | p90 op-eq | mean µs |\n|---|---|---|---|---|---|---|")
     for case, work in streams.items():
+        if only and case not in only:
+            continue
         arms = {}
         for tag, mod in mods.items():
             lay = mod.DSV4Layout.from_config("flash", max_model_len=131072)
@@ -369,12 +371,13 @@ def main():
     ap.add_argument("--mix", action="store_true", help="issue 26: serving mix, churn and steady decode, old vs new")
     ap.add_argument("--old", default=None, help="with --mix: a tree whose dsv4_index is the old arm")
     ap.add_argument("--steps", type=int, default=300, help="with --mix: steps per case")
+    ap.add_argument("--mix-cases", default=None, help="with --mix: only these cases (comma-separated names)")
     ap.add_argument("--replicas", type=int, default=1, help="with --mix: pipelines per arm (fastest counts)")
     args = ap.parse_args()
     layout = DSV4Layout.from_config("flash", max_model_len=131072, swa_group_per_layer=args.swa_per_layer)
     gc.disable()
     if args.mix:
-        mix_profile(args.steps, args.old, args.replicas)
+        mix_profile(args.steps, args.old, args.replicas, args.mix_cases.split(",") if args.mix_cases else None)
         return
     print(f"numpy-op unit: a + b on 256 int64, timed interleaved with the arms (µs = this run's host only); "
           f"update() arms on {args.device}")

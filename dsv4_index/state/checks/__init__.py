@@ -38,11 +38,6 @@ class StepChecks:
         self.geo = np.ascontiguousarray(np.stack([np.asarray(c, dtype=np.int64) for c in cols], axis=1)
                                         if len(t.groups) else np.zeros((0, 8), dtype=np.int64))
         self.comp = np.asarray(list(t.compressed) or np.zeros((0, 3)), dtype=np.int64).reshape(-1, 3)
-        # NOTE: the ownership batch path's static domain (checks/naive.py batch_domain): plain blocks, replicated
-        # groups, a window on every ring group
-        self._domain = bool(t.fmax == 1 and not (cp[0] > 1 and t.sharded.any())
-                            and (t.window[t.ring_groups] >= 1).all())
-        self._max_other = max(32, 2 * len(t.groups))
         self.lim = np.zeros(len(LIM), dtype=np.int64)
         self.lim[:11] = (t.max_num_reqs, t.max_model_len, max_num_tokens, max_writes, 0, next_n, *cp, t.fmax,
                          t.id_max_min)
@@ -73,7 +68,7 @@ class StepChecks:
                            rs, re, gid, slot, start, cu, ids, out)
         if out[0]:
             raise self._word(out[:6].tolist(), q, pad_to, deferred)
-        nd, ndt, T, T_pad, B, K, inside, n_other = out[6:14].tolist()
+        nd, ndt, T, T_pad, B, K = out[6:12].tolist()
         at = HEAD
         order, b_slots, b_q, seq = out[at:at + B], out[at + n:at + n + B], out[at + 2 * n:at + 2 * n + B], \
             out[at + 3 * n:at + 3 * n + B]
@@ -90,10 +85,7 @@ class StepChecks:
             num_decode_tokens=ndt, num_tokens=T, num_tokens_padded=T_pad, free_slots=free, new_slots=new_slots,
             all_slots=req_slots, all_computed=nc, w_gid=gid, w_slot=slot, w_start=w_start, w_end=w_end,
             w_keep=w_keep, w_row=w_row, w_cu=out[at:at + N + 1] if fmax else cu, w_ids=ids_k if fmax else ids,
-            drafts=None, steady=self._domain and (not N or (inside and n_other <= self._max_other)),
-            w_other=None)
-        if plan.steady and n_other:
-            plan.w_other = out[at + N + 1:at + N + 1 + n_other]
+            drafts=None)
         if self.level == "full":
             full_checks(self.tables, plan, self.cp, runs[3])
         return plan

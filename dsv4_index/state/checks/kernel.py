@@ -374,45 +374,35 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
     if err[0]:
         return e
     _emit(out, req_slots.shape[0], (nd, ndt, T, T_pad, B, new_slots.shape[0]),
-          (order, b_slots, b_q, seq, new_slots, rs_b, re_b), (start_k, end_k, keep, row), cu_k, geo, gid, start, cu)
+          (order, b_slots, b_q, seq, new_slots, rs_b, re_b), (start_k, end_k, keep, row), cu_k)
     return ids_k
 
 
 @njit
-def _emit(out, n, counts, rows, runs, cu_k, geo, gid, start, cu):
-    """The plan into ``out`` (layout :data:`OUT`), and the runs outside the ownership batch path's one-id appends."""
+def _emit(out, n, counts, rows, runs, cu_k):
+    """The plan into ``out`` (layout :data:`OUT`)."""
     for k in range(6):
         out[6 + k] = counts[k]
     at = HEAD
     for a in rows:
         out[at:at + a.shape[0]] = a
         at += n
-    N = gid.shape[0]
+    N = runs[0].shape[0]
     for a in runs:
         out[at:at + N] = a
         at += N
     out[at:at + cu_k.shape[0]] = cu_k
-    at += N + 1
-    inside, k = 1, 0
-    for i in range(N):
-        if runs[3][i] < 0 or geo[gid[i], 3]:
-            inside = 0
-        if start[i] != APPEND or cu[i + 1] - cu[i] != 1:
-            out[at + k] = i
-            k += 1
-    out[12], out[13] = inside, k
 
 
 HEAD = 16
-# NOTE: out: err [6], (num_decodes, num_decode_tokens, T, T_pad, B, K new), ownership domain of the runs, number
-# of other runs, 2 spare; then 7 row arrays of n entries (order, b_slots, b_q, seq, new_slots, rs_b, re_b), 4 run
-# arrays of N (start_k, end_k, keep, row), cu_k [N + 1], other runs [N]
-OUT = ("err", "counts", "rows", "runs", "cu_k", "other")
+# NOTE: out: err [6], (num_decodes, num_decode_tokens, T, T_pad, B, K new), 4 spare; then 7 row arrays of n entries
+# (order, b_slots, b_q, seq, new_slots, rs_b, re_b), 4 run arrays of N (start_k, end_k, keep, row), cu_k [N + 1]
+OUT = ("err", "counts", "rows", "runs", "cu_k")
 
 
 def out_size(n: int, N: int) -> int:
     """Entries of ``out`` for ``n`` StepBatch rows and ``N`` write runs."""
-    return HEAD + 7 * n + 6 * N + 1
+    return HEAD + 7 * n + 5 * N + 1
 
 
 _I = ro("int64")

@@ -245,30 +245,10 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables, cp=(1, 0, 1),
         num_decode_tokens=int(b_q[:nd].sum()) if nd else 0, num_tokens=T, num_tokens_padded=int(T_pad),
         free_slots=free, new_slots=new_slots, all_slots=slots, all_computed=nc, w_gid=w_gid, w_slot=w_slot,
         w_start=w_start, w_end=w_end, w_keep=w_keep, w_cu=w_cu, w_ids=w_ids, w_row=w_row, drafts=None)
-    plan.steady, plan.w_other = batch_domain(tables, cp, plan, arr("write_starts", batch.write_starts) if w_gid.size
-                                             else _EMPTY)
     if level == "full":
         raw_cu = np.asarray(batch.write_cu, dtype=np.int64) if w_gid.size else w_cu
         full_checks(tables, plan, cp, raw_cu)
     return plan
-
-
-def batch_domain(tables, cp, plan, raw_start: np.ndarray) -> tuple:
-    """``(steady, w_other)`` of a plan (:class:`StepPlan`): in the ownership batch path's domain (plain blocks,
-    replicated groups, a window on every ring group, every run on a batch row of a non-circular group, at
-    most ``max(32, 2 G)`` runs that are not one-id appends: ``write_starts`` (``raw_start``) ``APPEND`` and
-    one id), and those runs (None: none)."""
-    G = len(tables.groups)
-    if tables.fmax != 1 or (cp[0] > 1 and tables.sharded.any()) or (tables.window[tables.ring_groups] < 1).any():
-        return False, None
-    if not plan.w_gid.size:
-        return True, None
-    if plan.w_row.min() < 0 or tables.circular[plan.w_gid].any():
-        return False, None
-    other = np.flatnonzero((raw_start != APPEND) | (plan.w_end - plan.w_start != 1))
-    if other.shape[0] > max(32, 2 * G):
-        return False, None
-    return True, (other if other.shape[0] else None)
 
 
 def _rows(batch: StepBatch, occupied: np.ndarray, max_model_len: int, max_num_tokens: int):
