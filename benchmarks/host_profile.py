@@ -161,14 +161,15 @@ def build_replay_host(layout, case, steps: int = 50, per_wait: int = 8) -> float
 
 
 def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
-    """Per-statement median µs of ``update()``'s host passes (``RequestState.plan``, ``StepChecks.plan``,
-    ``StepStaging.stage``), ``pipes`` pipelines of one case interleaved; a timer after every statement
-    (≈ 0.15 µs each)."""
+    """Per-statement median µs of ``update()`` and its host passes (``RequestState.plan``, ``StepChecks.plan``,
+    ``BlockOwners.check``, ``StepStaging.stage``), ``pipes`` pipelines of one case interleaved; a timer after every
+    statement (≈ 0.15 µs each)."""
     import ast
     import collections
     import inspect
     import textwrap
-    from dsv4_index.state import checks as checks_mod, requests as req_mod, staging as stage_mod
+    from dsv4_index import pipeline as pipe_mod
+    from dsv4_index.state import checks as checks_mod, owners as own_mod, requests as req_mod, staging as stage_mod
     acc, last = collections.defaultdict(list), [0.0]
     pc = time.perf_counter
 
@@ -210,6 +211,8 @@ def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
         instrument(req_mod, req_mod.RequestState, "plan")
         instrument(checks_mod, checks_mod.StepChecks, "plan")
         instrument(stage_mod, stage_mod.StepStaging, "stage")
+        instrument(own_mod, own_mod.BlockOwners, "check")
+        instrument(pipe_mod, pipe_mod.MetadataPipeline, "update")
         line_profile.sources, line_profile.acc, line_profile.last = sources, acc, last
     sources, acc = line_profile.sources, line_profile.acc
     acc.clear()

@@ -85,6 +85,8 @@ class MetadataPipeline:
         self.max_num_tokens = T = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.cp = (cp_world_size, cp_rank, cp_interleave)
+        # NOTE: check_block_counts applies only to an engine group plan outside DCP (its own early return)
+        self._count_rule = layout.cp_world_size <= 1 and any(g.layers is not None for g in layout.groups)
         self.validate = bool(validate)
         self.checks = "full" if validate else checks
         self.slot_map = SlotMap(max_num_reqs, replay_reach=max([(g.window or 1) - 1 for g in layout.groups], default=0),
@@ -214,10 +216,11 @@ class MetadataPipeline:
             raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__} "
                              "(no attribute 'scheduled_new_reqs', which a SchedulerOutput has)")
         try:
-            try:  # NOTE: lists of another group plan never pass; first, so its message names the two groups
-                check_block_counts(self.layout, batch)
-            except (IndexError, TypeError, AttributeError):
-                pass  # NOTE: malformed arrays: the plan's checks below name the field
+            if self._count_rule:  # NOTE: lists of another group plan never pass; first, so its message names both
+                try:
+                    check_block_counts(self.layout, batch)
+                except (IndexError, TypeError, AttributeError):
+                    pass  # NOTE: malformed arrays: the plan's checks below name the field
             plan = self.requests.plan(batch, pad_to)
         except ValueError as e:
             named = e if delta is None else explain(e, batch, delta, src)  # NOTE: id-keyed: name the request
