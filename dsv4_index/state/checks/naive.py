@@ -44,7 +44,7 @@ from .._index import cp_owned, window_start
 from ..messages import reject
 from ..plan import StepPlan
 
-__all__ = ["plan_step", "full_checks", "held_and_duplicates", "arr"]
+__all__ = ["plan_step", "full_checks", "arr"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -564,73 +564,3 @@ def _shared_rings(tables, plan) -> None:
             grp = tables.groups[g]
             raise reject("ring_shared", value=int(ids[j]), a=int(owner[j]), b=int(owner[j + 1]), g=g, name=grp.name)
 
-
-# ----------------------------------------------------------------------------------------------
-# the incremental part of "full", run by state/owners.py with its per-row marks
-# ----------------------------------------------------------------------------------------------
-def held_and_duplicates(o, st) -> None:
-    """``checks="full"`` on sliding rows, incrementally (``o``: :class:`~.owners.BlockOwners`, ``st``: its
-    checked :class:`~.ownership_rules.Step`): no null block among the held blocks a batch row reads
-    from its window start on, scanned only below the row's ``checked`` mark (positions there were
-    verified by an earlier step; a row's window only moves up); no block id twice in a sliding row."""
-    if st.kb is not None:
-        _held_nulls(o, st)
-    _sliding_duplicates(o, st)
-
-
-def _held_nulls(o, st) -> None:
-    t, num_slots = o.tables, o.num_slots
-    kb = st.kb
-    upto = np.minimum(st.N0b, o.checked.reshape(-1).take(kb))
-    if st.kr_s.size:  # NOTE: a run's own ids were checked as write ids: held ones below its start only
-        sl = np.flatnonzero(st.sl)
-        cut = np.full(o.G * num_slots, np.iinfo(np.int64).max, dtype=np.int64)
-        cut[st.kr_s] = st.s[sl]
-        upto = np.minimum(upto, cut.take(kb))
-    n = upto - st.lo
-    if not (n > 0).any():
-        return
-    j, i = np.nonzero(n > 0)
-    g, slot, lo = o.S[j], st.b[i], st.lo[j, i]
-    rep, k = _ragged(n[j, i])
-    gg, pos = g[rep], lo[rep] + k
-    ring = t.ring.take(gg)
-    col = np.where(ring > 0, pos % np.maximum(ring, 1), pos)
-    ids = t.mirror.take(t.base.take(gg) + slot[rep] * t.cols.take(gg) + col)
-    bad = np.flatnonzero(ids < t.f.take(gg))
-    if bad.size:
-        x = int(bad[0])
-        r, gx = int(rep[x]), int(gg[x])
-        b = int(i[r])
-        raise _message(t, gx, int(slot[r]), b, int(pos[x]), None, int(st.lo_pos[j[r], b]),
-                       int(st.seq[b]), bool(o.sharded[gx]), bad.size - 1)
-
-
-def _sliding_duplicates(o, st) -> None:
-    """No id twice among a sliding row's acquisitions, nor a hit already held by the row (own fills
-    are judged by the ownership check)."""
-    if not st.acq.size:
-        return
-    sl = o.sliding.take(st.acq % o.G)
-    if not sl.any():
-        return
-    key2 = st.acq[sl] * o.num_slots + st.acq_slot[sl]
-    srt = np.sort(key2)
-    d = np.flatnonzero(srt[1:] == srt[:-1])
-    if d.size:
-        k2 = int(srt[d[0]])
-        key, slot = k2 // o.num_slots, k2 % o.num_slots
-        _twice(o, key, slot)
-    hits = np.flatnonzero(sl & ~st.acq_fill)
-    hits = hits[st.N0r.take(st.acq_run.take(hits)) > 0]  # NOTE: rows that held blocks before the step
-    held = o.holders_by_key(st.acq.take(hits), st) if hits.size else {}
-    for h in hits.tolist():
-        key, slot = int(st.acq[h]), int(st.acq_slot[h])
-        if any(s == slot for s, _, how in held[key] if how == "held"):
-            _twice(o, key, slot)
-
-
-def _twice(o, key: int, slot: int) -> None:
-    g = key % o.G
-    f = int(o.tables.f[g])
-    raise reject("sliding_twice", value=key // o.G // f, g=g, name=o.tables.groups[g].name, slot=slot)
