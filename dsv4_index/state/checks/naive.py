@@ -44,7 +44,7 @@ from .._index import cp_owned, window_start
 from ..messages import reject
 from ..plan import StepPlan
 
-__all__ = ["plan_step", "full_checks", "arr"]
+__all__ = ["plan_step", "full_checks", "null_block_message", "arr"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -493,10 +493,10 @@ def _null_blocks(tables, plan, cp, write_cu) -> None:
         g, slot, b, logical, raw = hits[0]
         b_lo = int(lo_pos[g, b]) if b >= 0 else None
         seq = int(plan.seq_lens[b]) if b >= 0 else None
-        raise _message(tables, g, slot, b, logical, raw, b_lo, seq, bool(sharded[g]), count - 1)
+        raise null_block_message(tables, g, slot, b, logical, raw, b_lo, seq, bool(sharded[g]), count - 1)
 
 
-def _message(tables, g, slot, b, logical, raw, lo_pos, seq, sharded, more):
+def null_block_message(tables, g, slot, b, logical, raw, lo_pos, seq, sharded, more):
     """The ``null_block`` rejection (:mod:`.messages`)."""
     grp = tables.groups[g]
     f = int(tables.f[g])
