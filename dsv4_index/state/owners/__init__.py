@@ -148,8 +148,8 @@ class BlockOwners:
         FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
         nf = int(plan.free_slots.shape[0])
         res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
-                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.count, self.seen, self.tmp, self.meta,
-                         self.mine)
+                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.count, self.seen, self.tmp,
+                         self.meta, self.mine)
         if res[0][0]:
             self._reject(res[0], plan)
         self._pending = (plan, P, A, FN, nf, res)
