@@ -36,7 +36,7 @@ __all__ = ["check_pass", "commit_pass", "CODES"]
 CODES = ("", "own.jump", "own.ring", "own.again", "own.fill_held", "own.rewind_held", "own.write_held",
          "own.stale_read", "own.hit_position", "own.twice", "own.twice_sliding", "own.held_null")
 BASE, COLS, RING, BS, F, WIN, FULL, CIRC, SLID, SHARD = range(10)
-SKIP_VERIFIED = False  # NOTE: skipping verified rows' reads disagreed with naive once (an own duplicate): off
+SKIP_VERIFIED = False  # NOTE: off: skipping a verified row's reads disagreed with naive (own duplicates); unfinished
 
 
 @njit
@@ -373,6 +373,8 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                 raw = raw0[r] + (q - a) // f
                 if phase == 0 and fl:
                     whole = geo[g, CIRC] or (q * bs >= ws and (q + 1) * bs <= we)
+                    if count[kid * G + g] >= 1 or tmp[kid * G + g, 0] >= 2:
+                        err[11] = 1  # NOTE: a block some row held (its own second copy included) filled anew
                     if _suspect(g, kid, G, count, tmp, moved):
                         err[11] = 1  # NOTE: a write into a block someone else may hold: reads are checked in full
                         if _scan(g, kid, s, q, 0, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
@@ -449,7 +451,7 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count,
                 fs, fp, fst, now = _fill_rec(g, kid, G, fill, tmp, F4)
                 if not rewind and fs == s and fp == q and fst == seen[c]:
                     continue
-                if _suspect(g, kid, G, count, tmp, moved):
+                if _suspect(g, kid, G, count, tmp, moved) or count[kid * G + g] >= 2 or tmp[kid * G + g, 0] != 0:
                     err[11] = 1
                 if _suspect(g, kid, G, count, tmp, moved) and _scan(g, kid, s, q, 0, False, X, P, R, w_ids,
                                                                     mirror, geo, cp, cell_st, slot_st, run_of,
@@ -499,7 +501,7 @@ def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, s
     G = geo.shape[0]
     for i in range(P.shape[1]):
         s = P[0, i]
-        if SKIP_VERIFIED and err[11] == 0 and X[1, s] == 0 and meta[0] <= slot_st[3, s]:
+        if SKIP_VERIFIED and err[11] == 0 and X[1, s] == 0 and meta[0] < slot_st[3, s]:
             back = False
             for g in range(G):
                 if geo[g, SLID] and _read_lo(g, i, P, geo, cp) < cell_st[0, g, s]:
