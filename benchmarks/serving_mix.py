@@ -15,7 +15,8 @@ A group gets a block id exactly when ``nc + q`` needs one (the row keeps blocks 
 needed). Ids come from one pool shared by the groups, as in vLLM's block pool: a finished request's ids
 return to the pool's tail when its finish is reported (the step where new requests may take them), and
 allocation takes from the head, so a bounded set of ids is reused; the pool grows from a counter only when
-it runs short.
+it runs short. A joining row's cached blocks (below its first scheduled token) are prefix hits: ids from the
+counter, never a recycled block (which would hold another request's KV at another position).
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ class Stream:
         if k < n:
             out = np.concatenate([out, np.arange(self.next_id, self.next_id + n - k, dtype=np.int64)])
             self.next_id += n - k
+        return out
+
+    def _fresh(self, n: int) -> np.ndarray:
+        """``n`` ids never handed out: a new row's cached blocks (its prefix hits hold what was written at their
+        own block positions, never a recycled block: docs/DESIGN.md §5)."""
+        out = np.arange(self.next_id, self.next_id + n, dtype=np.int64)
+        self.next_id += n
         return out
 
     def _request(self, nc: int, q: int, out_len: int) -> dict:
@@ -96,7 +104,8 @@ class Stream:
             for g, n in enumerate(add.tolist()):
                 if n or r["new"]:
                     g_.append(g), s_.append(r["slot"]), st_.append(0 if r["new"] else APPEND)
-                    ids.append(self._ids(n))
+                    hit = min(r["nc"] // int(self.bs[g]), n) if r["new"] else 0
+                    ids.append(np.concatenate([self._fresh(hit), self._ids(n - hit)]))
                     r["ids"].append(ids[-1])
                     cu.append(cu[-1] + n)
                     st["crossing"] += not r["new"]
