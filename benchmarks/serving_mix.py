@@ -15,8 +15,8 @@ A group gets a block id exactly when ``nc + q`` needs one (the row keeps blocks 
 needed). Ids come from one pool shared by the groups, as in vLLM's block pool: a finished request's ids
 return to the pool's tail when its finish is reported (the step where new requests may take them), and
 allocation takes from the head, so a bounded set of ids is reused; the pool grows from a counter only when
-it runs short. A joining churn row's blocks wholly below its cached tokens are prefix hits: they get ids never
-used before (a recycled id there would be a hit of a block filled at another position by another request).
+it runs short. A joining row's cached blocks (below its first scheduled token) are prefix hits: ids from the
+counter, never a recycled block (which would hold another request's KV at another position).
 """
 
 from __future__ import annotations
@@ -49,19 +49,20 @@ class Stream:
         self.first = True
         self.stats = dict(steps=0, finishes=0, arrivals=0, runs=0, crossing=0, rejected=0, drafts=0)
 
-    def _ids(self, n: int, hits: int = 0) -> np.ndarray:
-        """``n`` block ids: the first ``hits`` (a joining row's prefix hits, wholly below its cached tokens)
-        never used before, since a hit of a recycled block would read another request's KV (the ownership rule
-        rejects it); the others from the pool of freed ids, oldest first, then new."""
-        fresh = np.arange(self.next_id, self.next_id + hits, dtype=np.int64)
-        self.next_id += hits
-        n -= hits
+    def _ids(self, n: int) -> np.ndarray:
         k = min(n, self.pool.shape[0])
         out, self.pool = self.pool[:k], self.pool[k:]
         if k < n:
             out = np.concatenate([out, np.arange(self.next_id, self.next_id + n - k, dtype=np.int64)])
             self.next_id += n - k
-        return np.concatenate([fresh, out]) if hits else out
+        return out
+
+    def _fresh(self, n: int) -> np.ndarray:
+        """``n`` ids never handed out: a new row's cached blocks (its prefix hits hold what was written at their
+        own block positions, never a recycled block: docs/DESIGN.md §5)."""
+        out = np.arange(self.next_id, self.next_id + n, dtype=np.int64)
+        self.next_id += n
+        return out
 
     def _request(self, nc: int, q: int, out_len: int) -> dict:
         return dict(slot=self.free.pop(), nc=nc, q=q, held=np.zeros(self.G, dtype=np.int64), new=True,
@@ -103,7 +104,8 @@ class Stream:
             for g, n in enumerate(add.tolist()):
                 if n or r["new"]:
                     g_.append(g), s_.append(r["slot"]), st_.append(0 if r["new"] else APPEND)
-                    ids.append(self._ids(n, hits=min(n, r["nc"] // int(self.bs[g])) if r["new"] else 0))
+                    hit = min(r["nc"] // int(self.bs[g]), n) if r["new"] else 0
+                    ids.append(np.concatenate([self._fresh(hit), self._ids(n - hit)]))
                     r["ids"].append(ids[-1])
                     cu.append(cu[-1] + n)
                     st["crossing"] += not r["new"]

@@ -1,3 +1,4 @@
+# over 400 lines: one driver of vLLM's scheduler against the pipeline (loop, mutations and their oracle, replay, report)
 """Drive vLLM 0.33's own scheduler on CPU against the metadata pipeline (issues 26 item 4 and 28): every
 ``SchedulerOutput`` it sends must be accepted by ``update()`` under ``checks="safe"`` and ``"full"``.
 
@@ -35,8 +36,11 @@ Needs vLLM 0.33 (not a dependency: ``pip install --no-deps vllm==0.33.0`` and it
 ``--verify`` builds every step on the first pipeline and checks every output of every token (raw and compressed
 slot mappings, window lists, causal compressed lists) against docs/DESIGN.md §4 computed from vLLM's own block
 lists. ``--mutate K`` first feeds up to K corrupted copies of each step for running requests (one new block id
-replaced by an id another live request holds in that group) and up to K for new requests (one block id they
-write replaced by a running request's): each must be rejected, and the pipeline must then accept the real step.
+replaced by an id another live request certainly reads in that group, ``Loop.certain``) and up to K for new
+requests (one block id they write replaced by such an id of a running request): each must be rejected, and the
+pipeline must then accept the real step. An id only the holder's band keeps (behind the window of its lower
+bound ``nc + n - d`` but not of its upper bound ``nc + n``: async scheduling frees on the optimistic count) is
+no certain corruption and is not used (``band_ids_skipped``): the rule accepts the write and rejects the read.
 Exit status 0 when no step was rejected, no mutation accepted and no output differed, 1 otherwise (each printed
 with its step).
 """
@@ -97,12 +101,14 @@ class Loop:
         self.prompts = prompts(self.rng, args.requests, args.shared_prefixes, args.max_prompt, args.burst)
         self.next = 0
         self.history: list = []  # NOTE: the real steps so far, kept under --mutate only
+        self.bounds: dict = {}  # NOTE: request id -> (nc + n, replay_start) of its last step fed (the upper bound)
         self.stats = dict(steps=0, idle_steps=0, tokens=0, new=0, prefix_hits=0, hit_tokens=0, preempted=0, resumed=0,
                           finished=0, rejected_drafts=0, shared_writes=0, shared_write_tokens=0, steps_zeroing_blocks=0,
                           steps_copying_blocks=0, replays=0, replay_steps=0, short_hits=0, short_hit_tokens=0,
                           accepted={lvl: 0 for lvl in self.pipes},
                           rejected={lvl: 0 for lvl in self.pipes}, mutations={lvl: 0 for lvl in self.pipes},
-                          mutations_rejected={lvl: 0 for lvl in self.pipes}, verified_tokens=0, output_mismatches=0)
+                          mutations_rejected={lvl: 0 for lvl in self.pipes}, verified_tokens=0, output_mismatches=0,
+                          band_ids_skipped=0)
         self.update_s = {lvl: 0.0 for lvl in self.pipes}
 
     def _count_lookups(self) -> None:
@@ -167,6 +173,33 @@ class Loop:
         st["shared_write_tokens"] += tokens
         return so
 
+    def certain(self, so, rid: str, g: int, j: int) -> bool:
+        """Request ``rid`` certainly reads its block position ``j`` of group ``g`` (docs/DESIGN.md §5: a full
+        group's every block; a sliding block from the window start of ``rid``'s first token in this step when
+        ``so`` schedules it, else of the upper bound ``nc + n`` of its last step, every draft accepted). A
+        block only the band below keeps may be handed on: writing it is no certain corruption (the pipeline
+        accepts it and rejects the holder's read, should it come)."""
+        grp = self.layout.groups[g]
+        if grp.kind != "sliding":
+            return True
+        c = so.scheduled_cached_reqs
+        nc = dict(zip(c.req_ids, c.num_computed_tokens))
+        if rid in so.num_scheduled_tokens and rid in nc:
+            at, rs = nc[rid], self.live.get(rid, (0, 0))[0]
+        else:
+            at, rs = self.bounds.get(rid, (0, 0))
+        return j >= max(at - grp.window + 1, 0, rs) // self.owners.bs[g]
+
+    def _held_by(self, so, g: int, who, skip) -> list:
+        """Sorted ids of group ``g`` that a request of ``who`` certainly reads (:meth:`certain`), but not ``skip``."""
+        out, band = set(), set()
+        for r in who:
+            for j, b in enumerate(self.owners.lists[r][g]):
+                if b and b not in skip:
+                    (out if self.certain(so, r, g, j) else band).add(b)
+        self.stats["band_ids_skipped"] += len(band - out)
+        return sorted(out)
+
     def mutations(self, so, limit: int) -> list:
         """Up to ``limit`` copies of ``so``, each with one new block id of a running request replaced by an id
         another live request holds in that group (and this one does not): a write into another holder's
@@ -182,8 +215,8 @@ class Loop:
                 if not ids or self.owners.circular[g] or len(out) >= limit:
                     continue
                 mine = set(self.owners.lists[rid][g])
-                held = [sorted({b for r, lists in self.owners.lists.items() if r != rid and (r in fresh or not k)
-                                for b in lists[g] if b and b not in mine}) for k in (0, 1)]
+                held = [self._held_by(so, g, [r for r in self.owners.lists if r != rid and (r in fresh or not k)],
+                                      mine) for k in (0, 1)]
                 others = held[1] if held[1] and len(out) % 2 == 0 else held[0]
                 if others:
                     bad = copy.deepcopy(so)
@@ -202,8 +235,7 @@ class Loop:
                 first = r.num_computed_tokens // self.bs_of(g)
                 if len(out) >= limit or self.owners.circular[g] or first >= len(ids):
                     continue
-                others = sorted({b for q, lists in self.owners.lists.items() if q not in fresh for b in lists[g]
-                                 if b and b not in ids})
+                others = self._held_by(so, g, [q for q in self.owners.lists if q not in fresh], set(ids))
                 if others:
                     bad = copy.deepcopy(so)
                     bad.scheduled_new_reqs[i].block_ids[g][self.mrng.randrange(first, len(ids))] = \
@@ -287,6 +319,13 @@ class Loop:
                 self.stats["rejected"][lvl] += 1
                 errors.append(f"REJECTED step {step} checks={lvl}: {e}")
             self.update_s[lvl] += time.perf_counter() - t0
+        c = so.scheduled_cached_reqs
+        nc = dict(zip(c.req_ids, c.num_computed_tokens))
+        nc.update({r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs})
+        for rid in list(so.finished_req_ids) + list(so.preempted_req_ids or ()):
+            self.bounds.pop(rid, None)
+        for rid, n in so.num_scheduled_tokens.items():
+            self.bounds[rid] = (nc[rid] + n, self.live.get(rid, (0, 0))[0])
         return errors
 
     def verify(self, step: int) -> List[str]:

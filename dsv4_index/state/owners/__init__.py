@@ -101,12 +101,15 @@ class BlockOwners:
         self.geo = np.ascontiguousarray(np.stack([t.base, t.cols, t.ring, t.bs, t.f, t.window, t.full, t.circular,
                                                   sliding, sharded], axis=1).astype(_I64).reshape(G, 10))
         self.cp = np.asarray(cp, dtype=_I64)
-        self.slot_st = np.zeros((3, S), dtype=_I64)
-        self.cell_st = np.zeros((3, G, S), dtype=_I64)
+        self.slot_st = np.zeros((4, S), dtype=_I64)
+        self.meta = np.zeros(1, dtype=_I64)
+        self.cell_st = np.zeros((5, G, S), dtype=_I64)
+        self.cell_st[3] = -1
         self.fill = np.full((max(G, 1) << 10, 3), -1, dtype=_I64)
         self.count = np.zeros(self.fill.shape[0], dtype=_I64)
         self.tmp = np.zeros((self.fill.shape[0], 2), dtype=_I64)
         self.seen = np.zeros(t.mirror.shape[0], dtype=_I64)
+        self.mine = np.zeros(t.mirror.shape[0], dtype=np.int8)
         self.steps = 0
         self._pending: Optional[tuple] = None
 
@@ -145,7 +148,8 @@ class BlockOwners:
         FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
         nf = int(plan.free_slots.shape[0])
         res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
-                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.count, self.seen, self.tmp)
+                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.count, self.seen, self.tmp,
+                         self.meta, self.mine)
         if res[0][0]:
             self._reject(res[0], plan)
         self._pending = (plan, P, A, FN, nf, res)
@@ -154,10 +158,10 @@ class BlockOwners:
         """Apply the accepted ``plan`` checked by the last :meth:`check` (after the tables' commit)."""
         if self._pending is None or self._pending[0] is not plan:
             raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
-        _, P, A, FN, nf, (_, X, F4, nF, seen_l, nS, dec, inc) = self._pending
+        _, P, A, FN, nf, (err, X, F4, nF, seen_l, nS, dec, inc) = self._pending
         self._pending = None
         commit_pass(self.geo, self.cp, P, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.count, self.seen,
-                    X, F4, nF, seen_l, nS, dec, inc)
+                    X, F4, nF, seen_l, nS, dec, inc, self.meta, self.steps + 1, bool(err[11]), self.mine)
         self.steps += 1
 
     def _reject(self, e: np.ndarray, plan) -> None:

@@ -9,7 +9,11 @@ table rows as the step leaves them.
 Arrays (``G`` groups, ``S`` slots, ``K`` id keys ``kid * G + gid``, ``M`` mirror cells):
 
 * ``geo`` int64 ``[G, 10]``: base, cols, ring, bs, f, window, full, circular, sliding, sharded; ``cp`` int64 ``[3]``.
-* ``slot_st`` int64 ``[3, S]``: live, frontier, replay_mark; ``cell_st`` int64 ``[3, G, S]``: floor, hold, ring_lo.
+* ``slot_st`` int64 ``[4, S]``: live, frontier, replay_mark, the step its reads were last verified;
+  ``cell_st`` rows 3, 4: the block position a row filled last itself, and that step (a write there skips the
+  fill lookup while no write into a shared block happened since);
+  ``meta`` int64 ``[1]``: the last step with a write into a block another row may hold; ``mine`` int8 ``[M]``:
+  the cell's row filled its block itself (not a hit); ``cell_st`` int64 ``[5, G, S]``: floor, hold, ring_lo, ...
 * ``fill`` int64 ``[K, 3]``: slot, block position, step of each block's last fill (slot -1: none);
   ``count`` int64 ``[K]``: committed holders; ``seen`` int64 ``[M]``; ``tmp`` int64 ``[K]``: scratch, zero.
 * the step (``P`` int64 ``[11, B]``: slots, seq, scheduled, replay start, replay end, drafts, ...;
@@ -32,6 +36,7 @@ __all__ = ["check_pass", "commit_pass", "CODES"]
 CODES = ("", "own.jump", "own.ring", "own.again", "own.fill_held", "own.rewind_held", "own.write_held",
          "own.stale_read", "own.hit_position", "own.twice", "own.twice_sliding", "own.held_null")
 BASE, COLS, RING, BS, F, WIN, FULL, CIRC, SLID, SHARD = range(10)
+SKIP_VERIFIED = False  # NOTE: off: skipping a verified row's reads disagreed with naive (own duplicates); unfinished
 
 
 @njit
@@ -368,7 +373,10 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                 raw = raw0[r] + (q - a) // f
                 if phase == 0 and fl:
                     whole = geo[g, CIRC] or (q * bs >= ws and (q + 1) * bs <= we)
+                    if count[kid * G + g] >= 1 or tmp[kid * G + g, 0] >= 2:
+                        err[11] = 1  # NOTE: a block some row held (its own second copy included) filled anew
                     if _suspect(g, kid, G, count, tmp, moved):
+                        err[11] = 1  # NOTE: a write into a block someone else may hold: reads are checked in full
                         if _scan(g, kid, s, q, 0, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                  run_of, S, out):
                             err[0], err[1], err[2], err[3], err[4] = 4, raw, kid // f, s, q // f
@@ -380,7 +388,7 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                             err[5], err[6] = g, out[1] // f
                             return False, nF, nS
                     nF = _add_fill(g, s, q, kid, step, G, tmp, F4, nF)
-                    nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), step)
+                    nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), step, 1, g, s, q)
                 elif phase == 1 and not fl:
                     fs, fp, fst, now = _fill_rec(g, kid, G, fill, tmp, F4)
                     own = fs == s and now
@@ -396,20 +404,21 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                     if fs < 0:
                         nF = _add_fill(g, s, q, kid, step, G, tmp, F4, nF)
                         fst = step
-                    nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), fst)
+                    nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), fst, 0, g, s, q)
     return True, nF, nS
 
 
 @njit
-def _push_seen(seen_l, n, c, v):
+def _push_seen(seen_l, n, c, v, own, g, s, q):
     if n < seen_l.shape[0]:
-        seen_l[n, 0], seen_l[n, 1] = c, v
+        seen_l[n, 0], seen_l[n, 1], seen_l[n, 2] = c, v, own
+        seen_l[n, 3], seen_l[n, 4], seen_l[n, 5] = g, s, q
     return n + 1
 
 
 @njit
 def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count, tmp, moved, fill, seen,
-            F4, nF, step, seen_l, nS, err, out):
+            F4, nF, step, seen_l, nS, err, out, mine, meta):
     """Old blocks a batch row writes: its own fill extended, or a write anew no other row certainly reads."""
     G = geo.shape[0]
     for i in range(P.shape[1]):
@@ -426,6 +435,9 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count,
             if we <= ws:
                 continue
             for q in range(ws // bs, -(-we // bs)):
+                if q == cell_st[3, g, s] and cell_st[4, g, s] > meta[0] and err[11] == 0 and \
+                        not (ws < min(we, mark) and q * bs < min(we, mark)) and run_of[g * S + s] < 0:
+                    continue  # NOTE: the block it filled last, which no write into a shared block changed since
                 if q >= X[4 + g, s] or _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                                  run_of, S) != 0:
                     continue
@@ -434,9 +446,13 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count,
                 if kid < f:
                     continue
                 rewind = ws < min(we, mark) and q * bs < min(we, mark)
+                if not rewind and err[11] == 0 and mine[c] and seen[c] > meta[0]:
+                    continue  # NOTE: its own fill, which no write into a shared block can have changed since
                 fs, fp, fst, now = _fill_rec(g, kid, G, fill, tmp, F4)
                 if not rewind and fs == s and fp == q and fst == seen[c]:
                     continue
+                if _suspect(g, kid, G, count, tmp, moved) or count[kid * G + g] >= 2 or tmp[kid * G + g, 0] != 0:
+                    err[11] = 1
                 if _suspect(g, kid, G, count, tmp, moved) and _scan(g, kid, s, q, 0, False, X, P, R, w_ids,
                                                                     mirror, geo, cp, cell_st, slot_st, run_of,
                                                                     S, out):
@@ -448,7 +464,7 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count,
                         err[0] = 6
                     return False, nF, nS
                 nF = _add_fill(g, s, q, kid, step, G, tmp, F4, nF)
-                nS = _push_seen(seen_l, nS, c, step)
+                nS = _push_seen(seen_l, nS, c, step, 1, g, s, q)
     return True, nF, nS
 
 
@@ -477,11 +493,21 @@ def _moved_back(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, er
 
 
 @njit
-def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, tmp, F4, err):
-    """Detection: a sliding block a batch row reads below its write start holds the fill the row saw."""
+def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, tmp, F4, err, meta):
+    """Detection: a sliding block a batch row reads below its write start holds the fill the row saw. A row
+    verified in a step after which no write touched a block another row held (``meta[0]``: the last step with
+    one; ``err[11]``: this step has one), whose window did not move below its floor, reads what it was verified
+    to read: skipped (the same verdict; a refill by another writer is always such a write)."""
     G = geo.shape[0]
     for i in range(P.shape[1]):
         s = P[0, i]
+        if SKIP_VERIFIED and err[11] == 0 and X[1, s] == 0 and meta[0] < slot_st[3, s]:
+            back = False
+            for g in range(G):
+                if geo[g, SLID] and _read_lo(g, i, P, geo, cp) < cell_st[0, g, s]:
+                    back = True
+            if not back:
+                continue
         for g in range(G):
             if not geo[g, SLID]:
                 continue
@@ -552,6 +578,18 @@ def _new_range(g, s, X, P, geo, cp, cell_st):
 
 
 @njit
+def _dec(dec, nd, g, s, q, mirror, geo, G):
+    kid = np.int64(mirror[_cell(g, s, q, geo)])
+    return _push(dec, nd, kid * G + g) if kid >= geo[g, F] else nd
+
+
+@njit
+def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G):
+    kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
+    return _push(inc, ni, kid * G + g) if kid >= geo[g, F] else ni
+
+
+@njit
 def _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc):
     """The id keys leaving (``dec``) and entering (``inc``) the committed held ranges of every affected
     (group, slot); returns their numbers (only counted when the buffers are too small)."""
@@ -568,22 +606,20 @@ def _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_o
             u0, u1 = max(lo0, lo1), min(nb0, nb1, R[2, r] if r >= 0 else nb0)
             if X[1, s] == 1:
                 u0, u1 = 0, 0
-            for q in range(lo0, nb0):
-                if not (u0 <= q < u1):
-                    kid = np.int64(mirror[_cell(g, s, q, geo)])
-                    if kid >= geo[g, F]:
-                        nd = _push(dec, nd, kid * G + g)
-            for q in range(lo1, nb1):
-                if not (u0 <= q < u1):
-                    kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
-                    if kid >= geo[g, F]:
-                        ni = _push(inc, ni, kid * G + g)
+            for q in range(lo0, min(nb0, max(u0, lo0))):
+                nd = _dec(dec, nd, g, s, q, mirror, geo, G)
+            for q in range(max(lo0, u1, min(nb0, max(u0, lo0))), nb0):
+                nd = _dec(dec, nd, g, s, q, mirror, geo, G)
+            for q in range(lo1, min(nb1, max(u0, lo1))):
+                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G)
+            for q in range(max(lo1, u1, min(nb1, max(u0, lo1))), nb1):
+                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G)
     return nd, ni
 
 
 @njit
 def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_blocks, slot_st, cell_st, fill,
-               count, seen, tmp):
+               count, seen, tmp, meta, mine):
     """The rule on one step, scratch only: ``(err, X, F4 fills, nF, seen list, nS, dec, inc)``."""
     G, S = geo.shape[0], slot_st.shape[1]
     err = np.zeros(12, dtype=np.int64)
@@ -592,8 +628,8 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
     X[0, :] = -1
     run_of = np.full(G * S, -1, dtype=np.int64)
     cap = w_ids.shape[0] + P.shape[1] * G * 4 + 8
-    F4 = np.zeros((cap, 4), dtype=np.int64)
-    seen_l = np.zeros((cap, 2), dtype=np.int64)
+    F4 = np.empty((cap, 4), dtype=np.int64)
+    seen_l = np.empty((cap, 6), dtype=np.int64)
     dec = np.zeros(0, dtype=np.int64)
     inc = np.zeros(0, dtype=np.int64)
     nF = nS = 0
@@ -608,9 +644,10 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
                                    tmp, moved, full, fill, F4, nF, step, seen_l, nS, err, out)
     if ok:
         ok, nF, nS = _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count, tmp, moved,
-                             fill, seen, F4, nF, step, seen_l, nS, err, out)
+                             fill, seen, F4, nF, step, seen_l, nS, err, out, mine, meta)
     ok = ok and _moved_back(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, err, out)
-    ok = ok and _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, tmp, F4, err)
+    ok = ok and _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, tmp, F4, err,
+                       meta)
     if ok and full:
         ok = _held_nulls(X, P, R, w_ids, mirror, geo, cp, run_of, S, err)
     _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, tmp, G, True, run_of, S)
@@ -627,9 +664,12 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
 
 
 @njit
-def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, count, seen, X, F4, nF, seen_l, nS, dec, inc):
+def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, count, seen, X, F4, nF, seen_l, nS, dec, inc,
+                meta, step, handover, mine):
     """Apply a checked step (the lists of :func:`check_pass`)."""
     G, S = geo.shape[0], slot_st.shape[1]
+    if handover:
+        meta[0] = step
     for j in range(dec.shape[0]):
         count[dec[j]] -= 1
     for j in range(inc.shape[0]):
@@ -637,11 +677,21 @@ def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, count, seen, X, F
     for j in range(nF):
         k = F4[j, 0]
         fill[k, 0], fill[k, 1], fill[k, 2] = F4[j, 1], F4[j, 2], F4[j, 3]
-    for j in range(nS):
-        seen[seen_l[j, 0]] = seen_l[j, 1]
     for j in range(FN.shape[1]):
         s = FN[0, j]
-        slot_st[1, s] = slot_st[2, s] = 0
+        for g in range(G):
+            cell_st[3, g, s], cell_st[4, g, s] = -1, 0
+    for j in range(nS):
+        seen[seen_l[j, 0]] = seen_l[j, 1]
+        mine[seen_l[j, 0]] = seen_l[j, 2]
+        g, s, q = seen_l[j, 3], seen_l[j, 4], seen_l[j, 5]
+        if seen_l[j, 2]:
+            cell_st[3, g, s], cell_st[4, g, s] = q, seen_l[j, 1]
+        elif cell_st[3, g, s] == q:
+            cell_st[3, g, s] = -1
+    for j in range(FN.shape[1]):
+        s = FN[0, j]
+        slot_st[1, s] = slot_st[2, s] = slot_st[3, s] = 0
         for g in range(G):
             cell_st[0, g, s] = cell_st[1, g, s] = 0
     for s in range(S):
@@ -651,6 +701,7 @@ def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, count, seen, X, F
     for i in range(P.shape[1]):
         s, seq = P[0, i], P[1, i]
         slot_st[1, s] = max(slot_st[1, s], seq)
+        slot_st[3, s] = step
         if P[6, i]:
             slot_st[2, s] = max(slot_st[2, s], P[4, i])
         for g in range(G):
