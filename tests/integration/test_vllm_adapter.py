@@ -36,8 +36,6 @@ _spec.loader.exec_module(loop)  # type: ignore[union-attr]
 
 BURST = ["--initial", "48", "--arrival", "0.9", "--shared-prefixes", "2", "--max-prompt", "600",
          "--max-tokens", "4096"]
-TIGHT = ["--num-blocks", "1000", "--max-output", "3000", "--stop", "0", "--max-prompt", "800",
-         "--max-tokens", "2048", "--initial", "48"]
 
 
 class AdapterLoop(loop.Loop):
@@ -87,15 +85,15 @@ def _run(*argv):
     return s, out.getvalue(), made[0]
 
 
+# NOTE: three loops keep CI's integration stage short; the rest of the matrix (Pro, preemption, V4.1 without
+# drafts, ...) is test_vllm_scheduler.py's, on the same conversion
 @pytest.mark.parametrize("argv", [
     ["--config", "flash", "--spec", 1, *BURST],
-    ["--config", "pro", "--spec", 0, *BURST],
-    ["--config", "flash", "--spec", 2, "--async-scheduling", *BURST],
-    ["--config", "flash", "--spec", 1, *TIGHT],
+    ["--config", "pro", "--spec", 2, "--async-scheduling", *BURST],
     ["--config", "v41", "--spec", 3, *BURST],
-], ids=["flash-mtp1", "pro-nomtp", "flash-mtp2-async", "flash-preemption", "v41-dspark3"])
+], ids=["flash-mtp1", "pro-mtp2-async", "v41-dspark3"])
 def test_runner_order_through_the_adapter(argv):
-    s, printed, lp = _run("--steps", 40, "--verify", "--checks", "safe", *argv)
-    assert s["steps"] == 40 and s["rejected"] == {"safe": 0} and s["accepted"] == {"safe": 40}, printed
+    s, printed, lp = _run("--steps", 30, "--verify", "--checks", "safe", *argv)
+    assert s["steps"] == 30 and s["rejected"] == {"safe": 0} and s["accepted"] == {"safe": 30}, printed
     assert s["verified_tokens"] == s["tokens"] and s["output_mismatches"] == 0, printed
     assert lp.order_changes > 0, "the runner's order never differed from the scheduler's: nothing was tested"
