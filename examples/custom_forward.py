@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     next_id = iter(range(1, NUM_BLOCKS))               # block 0 is the null block
 
     def blocks(n_tokens):                              # fresh block ids per group (mla, swa, c4_state, c128_state)
-        return tuple([next(next_id) for _ in range(-(-n_tokens // g.alloc_block_size))] for g in layout.groups)
+        return tuple([next(next_id) for _ in range(g.blocks_for(n_tokens))] for g in layout.groups)
 
     none = tuple([] for _ in layout.groups)
     steps = [
