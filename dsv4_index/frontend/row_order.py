@@ -5,8 +5,8 @@ when they are already decode-first; a step that is not is refused here, before a
 * ``ROW_ORDERS``: ``"decode_first"`` (the default: the pipeline orders each step's rows decode-first itself,
   stable, and drops rows that schedule no token) and ``"caller"``.
 * :func:`check_caller_order`: the check of ``"caller"``. A row is a decode when it schedules at most
-  ``next_n = 1 + num_speculative_tokens`` tokens (the pipeline's threshold, and the ``decode_threshold`` of
-  vLLM's ``reorder_batch_to_split_decodes_and_prefills``); decode-first = no decode after a prefill; every row
+  ``next_n = 1 + num_speculative_tokens`` tokens (the pipeline's threshold, and the one vLLM's
+  ``reorder_batch_to_split_decodes_and_prefills`` splits at); decode-first = no decode after a prefill; every row
   must schedule at least one token (a row without tokens has no device row).
 * :func:`reorder_rows`: an id-keyed step's batch (and its ``SlotMapDelta``) in the engine's order of request
   ids, e.g. vLLM's ``InputBatch.req_ids`` after ``reorder_batch`` (``dsv4_index.integrations.vllm``).
