@@ -63,8 +63,9 @@ def _run(*argv):
     ["--config", "flash", "--spec", 2, "--async-scheduling", *FRESH],
     ["--config", "v41", "--spec", 3, *BURST],
     ["--config", "v41", "--spec", 0, "--replay", "off", *BURST],
+    ["--config", "v41", "--spec", 7, *BURST],
 ], ids=["flash-mtp1", "pro-mtp2", "flash-nomtp", "flash-mtp1-same-step-hits", "pro-nomtp-groups-vllm",
-        "flash-mtp2-async", "v41-dspark3-replay", "v41-noreplay"])
+        "flash-mtp2-async", "v41-dspark3-replay", "v41-noreplay", "v41-dspark7-ring16"])
 def test_every_step_is_accepted(argv):
     s, printed = _run("--steps", 60, "--verify", *argv)
     assert s["steps"] == 60 and s["idle_steps"] == 0, s
@@ -110,6 +111,14 @@ def test_preemption_and_resume_are_accepted():
     s, printed = _run("--steps", 200, "--spec", 2, *TIGHT)  # NOTE: the first preemption comes at step 166
     assert s["preempted"] > 0 and s["resumed"] > 0, s
     assert s["rejected"] == {"safe": 0, "full": 0}, printed
+
+
+def test_v41_preemption_and_resume_are_accepted():
+    """V4.1 (the C2 ring, DSpark 3 drafts tagged ``is_draft``) in a small pool: vLLM preempts (19 preemptions in
+    200 steps; none resumed yet by then) and every step is accepted."""
+    s, printed = _run("--steps", 200, "--config", "v41", "--spec", 3, *TIGHT)
+    assert s["preempted"] > 0, s
+    assert s["rejected"] == {"safe": 0, "full": 0} and s["accepted"] == {"safe": 200, "full": 200}, printed
 
 
 def test_another_holders_block_id_is_rejected():
