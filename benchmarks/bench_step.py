@@ -141,7 +141,7 @@ def sweep(args):
                        + ("/bl" if cfg.block_loads else ""))
                 line.append(f"{tag} {g:.2f}/{s1:.2f}")
                 out.append(dict(layout=lname, case=name, variant=v, cfg=tag, graph_us=g, single_us=s1,
-                                programs=plan.num_programs(lay.t_pad)))
+                                programs=plan.grid(lay.t_pad)))
         print(f"sweep {lname} {name} (T_pad {lay.t_pad}, {written_bytes(pipe.fused_plan, lay.t_pad) / 2**20:.1f} MiB): "
               + "  ".join(line), flush=True)
     if args.out:
@@ -171,7 +171,7 @@ def fold_sweep(args):
             _check_plan(plan, pipe, lay, outs, want, f"fold sweep {lname} {name} {tag}")
             k = plan._variants[2]["kernel"]
             arms.append(dict(layout=lname, case=name, cfg=tag, plan=plan, lay=lay,
-                             programs=plan.num_programs(lay.t_pad), regs=getattr(k, "n_regs", None),
+                             programs=plan.grid(lay.t_pad), regs=getattr(k, "n_regs", None),
                              spills=getattr(k, "n_spills", None), graph_us=[]))
     for _ in range(args.rounds):
         for a in arms:
@@ -253,7 +253,7 @@ def smoke(args):
     topk = torch.full((meta.num_tokens_padded, layout.index_topk), -1, dtype=torch.int32, device=pipe.device)
     slots, lens = meta.topk_to_slots("c4a", topk)
     assert int(lens.sum()) == 0, "an all -1 top-k has no valid entry"
-    progs = {a: p.num_programs(lay.t_pad) for a, p in plans.items()}
+    progs = {a: p.grid(lay.t_pad) for a, p in plans.items()}
     print(f"smoke OK: {args.smoke_case} on {pipe.device}, T_pad {lay.t_pad}, arms {progs} programs, "
           f"{written_bytes(pipe.fused_plan, lay.t_pad)} bytes written per launch", flush=True)
 
@@ -296,7 +296,7 @@ def ab(args):
             if tk:
                 r[f"{tag}_topk"] = (statistics.median(g for g, _ in tk), statistics.median(s for _, s in tk))
             r[f"{tag}_T_pad"] = lay.t_pad
-            r[f"{tag}_programs"] = {a: p.num_programs(lay.t_pad) for a, p in plans.items()}
+            r[f"{tag}_programs"] = {a: p.grid(lay.t_pad) for a, p in plans.items()}
             if server:
                 r[f"{tag}_written_bytes"] = written_bytes(pipe.fused_plan, lay.t_pad)
             del pipe, plans
@@ -431,7 +431,7 @@ def gpu_case(layout, case, server, args):
     graph, single = graph_time(lambda: pipe.fused_plan.launch(lay), args.k, args.replays)
     wb = written_bytes(pipe.fused_plan, lay.t_pad)
     res = dict(build_graph_us=graph, build_single_us=single, T=meta.num_tokens, B=meta.num_reqs,
-               programs=pipe.fused_plan.num_programs(lay.t_pad), variant=pipe.fused_plan.variant(lay.t_pad),
+               programs=pipe.fused_plan.grid(lay.t_pad), variant=pipe.fused_plan.variant(lay.t_pad),
                written_bytes=wb, write_tb_s=wb / graph / 1e6, h2d_bytes=pipe.last_step_stats.h2d_bytes,
                launches=pipe.num_launches)
     if "c4a" in meta:

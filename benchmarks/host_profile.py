@@ -2,16 +2,16 @@
 
     python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"]
                                       [--build | --build-only | --lines]
-    python benchmarks/host_profile.py --mix [--old /work/main] [--steps 300]   # issue 26: old vs new
+    python benchmarks/host_profile.py --mix [--old /work/main] [--steps 300]   # issues 26, 37: old vs new
     python benchmarks/host_profile.py --cases "decode B=256,MTP 256x2" [--swa-per-layer]  # 4 vs 47 groups
 
-``--mix`` (issue 26): the serving mix, the churn stream (``serving_mix.py``) and steady decode B=256;
-arms ``safe`` / ``full`` of this tree and, with ``--old PATH``, of the tree at PATH (its ``dsv4_index``
-copied and imported as another package in the same process), interleaved step by step (the order
-rotating every step), ``torch.set_num_threads(1)``, GC off, nothing built. Unit: op-eq, one
-``np.add(a, b, out=c)`` on 256 int64, sampled before every step. Per arm: mean and p90 op-eq of
-``update()`` per step (each step the fastest of ``--replicas`` pipelines), and the fraction of steps
-planned on the incremental path.
+``--mix`` (issues 26, 37): the serving mix, the churn stream (``serving_mix.py``), steady decode B=256 as a
+StepBatch, and the same decode as an id-keyed ``StepInput`` and as a vLLM-style ``SchedulerOutput`` (through the
+pipeline's own slot map); arms ``safe`` / ``full`` of this tree and, with ``--old PATH``, of the tree at PATH (its
+``dsv4_index`` copied and imported as another package in the same process), interleaved step by step (the order
+rotating every step), ``torch.set_num_threads(1)``, GC off, nothing built, ``warmup()`` first. Unit: op-eq, one
+``np.add(a, b, out=c)`` on 256 int64, sampled before every step. Per arm: mean and p90 op-eq of ``update()`` per
+step (each step the fastest of ``--replicas`` pipelines).
 
 Unit: one numpy op, ``a + b`` on two int64 arrays of 256 entries (timed in the same run, interleaved
 with the arms, so that a noisy or slow host moves the unit with the arms). For each case of
@@ -20,11 +20,9 @@ and its own copy of the workload (same seed, same steps) and the arms run round-
 per round (the order rotating every round), GC off; medians over rounds:
 
 * ``safe`` / ``full``: ``update()`` of a steady step at ``checks="safe"`` / ``"full"``;
-* ``general``: the same steady step through the general checks only (``steady=False``: the path every
-  step took before the steady path);
 * ``change safe`` / ``change full``: the first step after a batch change (one decode request finishes
-  and a short new one (16-64 cached tokens) takes its slot: a new batch, the general checks and a
-  rebuilt steady cache), every fourth round;
+  and a short new one (16-64 cached tokens) takes its slot), every fourth round (``n/a`` with fewer than
+  eight rounds);
 * ``StepInput``: the id-keyed conversion of the same steady step (``batch_from_step``).
 
 With ``--build`` (CUDA only) also ``build()`` as a CUDA-graph replay, host time at 8 calls per busy
@@ -47,7 +45,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
-from dsv4_index import DSV4Layout, MetadataPipeline, batch_from_step  # noqa: E402
+from dsv4_index import DSV4Layout, MetadataPipeline, StepBatch, StepInput, batch_from_step  # noqa: E402
 from dsv4_index.state.requests import SlotMap, SlotMapDelta  # noqa: E402
 from workload import CASES, Workload  # noqa: E402
 
@@ -99,8 +97,8 @@ def shadow(pipe, wl) -> SlotMap:
 
 def profile(layout, case, rounds: int, device: str = "cpu") -> dict:
     q1 = case.q_decode - 1
-    arms = {"safe": dict(checks="safe"), "full": dict(checks="full"), "general": dict(checks="safe", steady=False),
-            "change safe": dict(checks="safe"), "change full": dict(checks="full")}
+    arms = {"safe": dict(checks="safe"), "full": dict(checks="full"), "change safe": dict(checks="safe"),
+            "change full": dict(checks="full")}
     pipes = {k: MetadataPipeline(layout, 1024, 8192, device, q1, backend="reference", fused=False, **kw)
              for k, kw in arms.items()}
     loads = {k: Churn(layout, case, 0) for k in arms}
@@ -115,7 +113,6 @@ def profile(layout, case, rounds: int, device: str = "cpu") -> dict:
         conv_steps.append((sm, conv.next_step()[1]))
     times = {k: [] for k in [*arms, "change safe next", "StepInput", "unit"]}
     times["change full next"] = []
-    steady_hits = {k: 0 for k in arms}
     names = list(pipes)
     for i, change in enumerate(flags):
         times["unit"].append(unit_seconds())
@@ -132,14 +129,12 @@ def profile(layout, case, rounds: int, device: str = "cpu") -> dict:
             if i < 2 or (is_change_arm and not change) or (change and not is_change_arm):
                 continue
             times[k].append(dt)
-            steady_hits[k] += bool(p.last_plan_was_steady)
         if i >= 2:
             sm, step = conv_steps[i]
             t0 = time.perf_counter()
             batch_from_step(step, sm, len(layout.groups))
             times["StepInput"].append(time.perf_counter() - t0)
-    out = {k: statistics.median(v) for k, v in times.items() if v}
-    out["steady_hits"] = steady_hits
+    out = {k: statistics.median(v) if v else float("nan") for k, v in times.items()}
     out["n"] = {k: len(v) for k, v in times.items()}
     return out
 
@@ -166,13 +161,14 @@ def build_replay_host(layout, case, steps: int = 50, per_wait: int = 8) -> float
 
 
 def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
-    """Per-statement median µs of the incremental path (``plan_fast``, ``stage``, ``_stage_appends``),
-    ``pipes`` pipelines of one case interleaved; a timer after every statement (≈ 0.15 µs each)."""
+    """Per-statement median µs of ``update()``'s host passes (``RequestState.plan``, ``StepChecks.plan``,
+    ``StepStaging.stage``), ``pipes`` pipelines of one case interleaved; a timer after every statement
+    (≈ 0.15 µs each)."""
     import ast
     import collections
     import inspect
     import textwrap
-    from dsv4_index.state import requests as req_mod, staging as stage_mod, steady as steady_mod, tables as tab_mod
+    from dsv4_index.state import checks as checks_mod, requests as req_mod, staging as stage_mod
     acc, last = collections.defaultdict(list), [0.0]
     pc = time.perf_counter
 
@@ -211,8 +207,8 @@ def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
         return env[name]
 
     if getattr(line_profile, "sources", None) is None:  # NOTE: instrument once per process
-        req_mod.plan_fast = instrument(steady_mod, steady_mod, "plan_fast")
-        instrument(tab_mod, tab_mod.BlockTables, "_stage_appends")
+        instrument(req_mod, req_mod.RequestState, "plan")
+        instrument(checks_mod, checks_mod.StepChecks, "plan")
         instrument(stage_mod, stage_mod.StepStaging, "stage")
         line_profile.sources, line_profile.acc, line_profile.last = sources, acc, last
     sources, acc = line_profile.sources, line_profile.acc
@@ -266,7 +262,29 @@ def mix_streams(layout, steps: int):
               f"runs and {s['crossing'] / s['steps']:.0f} crossing runs per step")
     wl = Workload(layout, CASES["decode B=256"], 0)
     out["steady decode B=256"] = [(wl.next_step()[0], None) for _ in range(steps + 2)]
+    wl = Workload(layout, CASES["decode B=256"], 0)
+    out["StepInput decode B=256"] = [(wl.next_step()[1], None) for _ in range(steps + 2)]
+    sys.path.insert(0, str(ROOT.parent / "tests"))
+    from helpers.vllm_stub import from_step
+    wl = Workload(layout, CASES["decode B=256"], 0)
+    out["SchedulerOutput decode B=256"] = [(from_step(wl.next_step()[1]), None) for _ in range(steps + 2)]
     return out
+
+
+def port(x, mod):
+    """A step of this tree as one of package ``mod`` (the old arm): StepBatch and StepInput rebuilt from their
+    fields; a SchedulerOutput (duck-typed) as it is."""
+    import dataclasses
+    if mod is sys.modules["dsv4_index"]:
+        return x
+    if isinstance(x, StepBatch):
+        return mod.StepBatch(**vars(x))
+    if isinstance(x, StepInput):
+        return dataclasses.replace(
+            mod.StepInput(**{k.name: getattr(x, k.name) for k in dataclasses.fields(x)}),
+            new_requests=[mod.NewRequest(**vars(r)) for r in x.new_requests],
+            running_requests=[mod.RunningRequest(**vars(r)) for r in x.running_requests])
+    return x
 
 
 def mix_profile(steps: int, old_path, replicas: int) -> None:
@@ -277,18 +295,19 @@ def mix_profile(steps: int, old_path, replicas: int) -> None:
         mods["old"] = load_old(old_path)
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
     streams = mix_streams(layout, steps)
-    print("| case | arm | mean op-eq | mean w/o top 2 % | p50 | p90 op-eq | mean µs | incremental steps |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| case | arm | mean op-eq | mean w/o top 2 % | p50 | p90 op-eq | mean µs |\n|---|---|---|---|---|---|---|")
     for case, work in streams.items():
         arms = {}
         for tag, mod in mods.items():
             lay = mod.DSV4Layout.from_config("flash", max_model_len=131072)
-            own = [(b if tag == "new" else mod.StepBatch(**vars(b)), pad) for b, pad in work]
+            own = [(port(b, mod), pad) for b, pad in work]
             for checks in ("safe", "full"):
                 pipes = [mod.MetadataPipeline(lay, 1024, 8192, "cpu", 1, backend="reference", fused=False,
                                               checks=checks) for _ in range(replicas)]
+                for p in pipes:
+                    p.warmup()
                 arms[f"{tag} {checks}"] = (pipes, own)
-        times, units, fast = {k: [] for k in arms}, [], {k: 0 for k in arms}
+        times, units = {k: [] for k in arms}, []
         names = list(arms)
         for i in range(len(work)):
             units.append(op_eq_seconds())
@@ -304,14 +323,17 @@ def mix_profile(steps: int, old_path, replicas: int) -> None:
                     best = dt if best is None else min(best, dt)
                 if i >= 2:
                     times[k].append(best)
-                    fast[k] += bool(pipes[0].last_plan.steady)
         u = statistics.median(units)
         for k in names:
             v = np.sort(np.asarray(times[k]) / u)
             trim = v[:max(1, int(len(v) * 0.98))].mean()
             print(f"| {case} | {k} | {v.mean():.0f} | {trim:.0f} | {np.median(v):.0f} | {np.percentile(v, 90):.0f} | "
-                  f"{np.mean(times[k]) * 1e6:.1f} | {fast[k]}/{len(v)} |", flush=True)
-        print(f"| {case} | unit (µs) | {u * 1e6:.3f} | | | | | |", flush=True)
+                  f"{np.mean(times[k]) * 1e6:.1f} |", flush=True)
+        print(f"| {case} | unit (µs) | {u * 1e6:.3f} | | | | |", flush=True)
+
+
+def _num(x: float, digits: int = 0) -> str:
+    return "n/a" if x != x else f"{x:.{digits}f}"  # NOTE: NaN: no step of that kind in the rounds run
 
 
 def main():
@@ -320,7 +342,7 @@ def main():
     ap.add_argument("--cases", default="decode B=256,decode B=1024,MTP 256x2,prefill 8K + 32K cached")
     ap.add_argument("--build", action="store_true", help="also time build() graph replay on CUDA")
     ap.add_argument("--build-only", action="store_true", help="only the build() graph replay figure (CUDA)")
-    ap.add_argument("--lines", action="store_true", help="per-statement profile of the steady path (CPU)")
+    ap.add_argument("--lines", action="store_true", help="per-statement profile of update()'s host passes (CPU)")
     ap.add_argument("--device", default="cpu", help="device of the update() arms' pipelines (pinned staging "
                                                    "and a real H2D copy on cuda)")
     ap.add_argument("--swa-per-layer", action="store_true", help="V4-Flash with one sliding group per layer "
@@ -337,12 +359,12 @@ def main():
         return
     print(f"numpy-op unit: a + b on 256 int64, timed interleaved with the arms (µs = this run's host only); "
           f"update() arms on {args.device}")
-    print("| case | unit µs | safe | full | general (before) | change safe | change full | change ÷ safe | "
-          "next after change (safe) | StepInput | steady hits safe/full |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | unit µs | safe | full | change safe | change full | change ÷ safe | next after change (safe) | "
+          "StepInput |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.cases.split(","):
         if args.lines:
-            print(f"steady path of {name}, 5 pipelines interleaved:")
+            print(f"update() of {name}, 5 pipelines interleaved:")
             line_profile(layout, CASES[name])
             continue
         if args.build_only:
@@ -351,14 +373,12 @@ def main():
             continue
         r = profile(layout, CASES[name], args.rounds, args.device)
         u = r["unit"]
-        h = r["steady_hits"]
-        print(f"| {name} | {u * 1e6:.3f} | {r['safe'] / u:.0f} | {r['full'] / u:.0f} | {r['general'] / u:.0f} | "
-              f"{r['change safe'] / u:.0f} | {r['change full'] / u:.0f} | {r['change safe'] / r['safe']:.2f} | "
-              f"{r['change safe next'] / u:.0f} | {r['StepInput'] / u:.0f} | "
-              f"{h['safe']}/{r['n']['safe']}, {h['full']}/{r['n']['full']} |", flush=True)
-        print(f"|   (µs) | | {r['safe'] * 1e6:.1f} | {r['full'] * 1e6:.1f} | {r['general'] * 1e6:.1f} | "
-              f"{r['change safe'] * 1e6:.1f} | {r['change full'] * 1e6:.1f} | | {r['change safe next'] * 1e6:.1f} | "
-              f"{r['StepInput'] * 1e6:.1f} | |", flush=True)
+        keys = ("safe", "full", "change safe", "change full")
+        print(f"| {name} | {u * 1e6:.3f} | " + " | ".join(_num(r[k] / u) for k in keys) +
+              f" | {_num(r['change safe'] / r['safe'], 2)} | {_num(r['change safe next'] / u)} | "
+              f"{_num(r['StepInput'] / u)} |", flush=True)
+        print("|   (µs) | | " + " | ".join(_num(r[k] * 1e6, 1) for k in keys) +
+              f" | | {_num(r['change safe next'] * 1e6, 1)} | {_num(r['StepInput'] * 1e6, 1)} |", flush=True)
         if args.build:
             print(f"|   build() graph replay host µs at 8 calls per busy wait | "
                   f"{build_replay_host(layout, CASES[name]):.1f} |", flush=True)

@@ -59,6 +59,28 @@ def _require_triton() -> None:
         raise TritonUnavailable(MISSING_MESSAGE)
 
 
+def check_device(device, *, available: bool = True) -> torch.device:
+    """``device`` as a ``torch.device``: a str or ``torch.device`` of type ``cpu`` or ``cuda``; with ``available``
+    a CUDA device must exist in this process. ``TypeError`` / ``ValueError`` naming ``device`` (torch's own
+    ``RuntimeError`` / ``AssertionError`` never reach the caller)."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device ('cpu', 'cuda', 'cuda:1'), got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or a CUDA device ('cuda', 'cuda:<index>'), got {device!r}")
+    if available and dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: this process has no CUDA device (torch "
+                             f"{torch.__version__}, torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}: CUDA device {dev.index} does not exist "
+                             f"({torch.cuda.device_count()} visible)")
+    return dev
+
+
 def needs_value_checks(device: torch.device, validate: bool) -> bool:
     """Value checks read device data: always on CPU inputs, on CUDA only when asked."""
     return validate or device.type != "cuda"

@@ -12,7 +12,7 @@ from __future__ import annotations
 __all__ = ["HAVE_TRITON", "TritonUnavailable", "MISSING_MESSAGE", "triton", "tl"]
 
 MISSING_MESSAGE = ("the Triton backend needs the `triton` package, which is not installed "
-                   "(pip install triton; there is no wheel for macOS or Windows). "
+                   "(pip install 'dsv4-index[triton]', the tested Triton; there is no wheel for macOS or Windows). "
                    "The PyTorch reference runs without it: backend='reference', or unset TRITON_INTERPRET")
 
 

@@ -57,6 +57,12 @@ class StepBatch:
     replay_start, replay_end : int [B], optional
         Bounded replay (docs/DESIGN.md §4): window lists of a row start at ``replay_start`` at the earliest;
         tokens at ``pos < replay_end`` write nothing into prefix-cacheable groups.
+    drafts : int [B], optional
+        Draft (speculative) tokens among each row's scheduled tokens: ``0 <= d <= num_scheduled_tokens - 1``
+        (the first scheduled token is never a draft), or -1 for the default rule: ``min(n - 1,
+        num_speculative_tokens)`` for a row of at most ``1 + num_speculative_tokens`` tokens, 0 for a prefill
+        chunk. The ownership rule releases a sliding block once the window of ``nc + n - d`` (the lowest next
+        position) has passed it (docs/DESIGN.md §5). Default (None): the default rule for every row.
     """
 
     req_slots: np.ndarray
@@ -71,6 +77,7 @@ class StepBatch:
     write_ids: Optional[np.ndarray] = None
     replay_start: Optional[np.ndarray] = None
     replay_end: Optional[np.ndarray] = None
+    drafts: Optional[np.ndarray] = None
 
     @property
     def num_rows(self) -> int:
@@ -86,7 +93,8 @@ class StepBatch:
 
     def to_json(self) -> dict:
         """Plain-list form (for traces); inverse of :meth:`from_json`."""
-        return {k: (None if v is None else np.asarray(v).tolist()) for k, v in self.__dict__.items()}
+        return {k: (None if v is None else np.asarray(v).tolist()) for k, v in self.__dict__.items()
+                if v is not None or k != "drafts"}  # NOTE: traces without draft counts keep their schema
 
     @classmethod
     def from_json(cls, d: dict) -> "StepBatch":

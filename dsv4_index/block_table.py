@@ -391,10 +391,6 @@ class MultiGroupBlockTable:
         for t in self.tables:
             t.swap_row(a, b)
 
-    @property
-    def device_tables(self) -> List[torch.Tensor]:
-        return [t.device_table for t in self.tables]
-
     def upload(self) -> int:
         """Send the changed entries of every group with ONE H2D copy; returns the bytes copied."""
         return self._upload.send(self.tables)

@@ -19,9 +19,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._common import INT32_MAX, check_int
+from ._common import INT32_MAX, check_cp, check_int
 
-__all__ = ["BOUNDS", "check_capacities", "memory_estimate"]
+__all__ = ["BOUNDS", "check_capacities", "check_arguments", "check_flags", "memory_estimate"]
 
 BOUNDS: Dict[str, Tuple[int, str]] = {
     "max_num_reqs": (1 << 16, "request slots (rows of every block table); the trace format's bound too, and "
@@ -114,9 +114,42 @@ def check_capacities(layout, max_num_reqs: int, max_num_batched_tokens: int, num
                              f"2**31 - 1 entries, 8 GiB of int32: no DeepSeek-V4 shape needs more), got {T}")
 
 
+def check_arguments(layout, max_num_reqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
+                    max_staged_blocks: Optional[int], cp: Tuple[int, int, int], checks: str) -> None:
+    """The constructor's checks, before anything is allocated: the layout's type, DCP, every capacity bounded
+    (largest value and reason), the check level, and DCP against the layout's sharded groups."""
+    from .geometry import DSV4Layout
+    from .state import CHECK_LEVELS
+
+    if not isinstance(layout, DSV4Layout):
+        raise TypeError(f"layout must be a DSV4Layout (DSV4Layout.from_config(...)), got {type(layout).__name__}")
+    cp_world_size, cp_rank, cp_interleave = cp
+    check_cp(cp_world_size, cp_rank, cp_interleave)
+    check_capacities(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks, cp)
+    if checks not in CHECK_LEVELS:
+        raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
+    for g in layout.groups:
+        if cp_world_size > 1 and g.sharded and g.alloc_block_size % cp_interleave:
+            raise ValueError(f"cp_interleave={cp_interleave} must divide the allocation block size "
+                             f"{g.alloc_block_size} of sharded group {g.name!r}")
+    if cp_world_size != layout.cp_world_size and cp_world_size > 1:
+        raise ValueError(f"cp_world_size={cp_world_size} differs from the layout's "
+                         f"cp_world_size={layout.cp_world_size} (its tables were sized for that)")
+
+
+def check_flags(**flags) -> None:
+    """Each of the constructor's on/off arguments (``fused``, ``validate``, ``cuda_graphs``) a bool
+    (numpy's too): ``TypeError`` naming it (a string such as ``"no"`` would otherwise read as on)."""
+    import numpy as np
+
+    for name, v in flags.items():
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {v!r}")
+
+
 def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                     num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
-                    cp_interleave: int = 1, max_staged_blocks: Optional[int] = None, **_ignored) -> Dict[str, object]:
+                    cp_interleave: int = 1, max_staged_blocks: Optional[int] = None) -> Dict[str, object]:
     """Bytes a ``MetadataPipeline`` of these arguments allocates at construction, computed without
     allocating (the capacities are checked first, as the constructor does).
 
@@ -125,7 +158,8 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
     buffer), ``host`` numpy / CPU arrays (the table mirror, per-slot state, unpinned staging),
     ``pinned`` page-locked host staging (CUDA only). On a CPU pipeline ``device`` is host memory too.
     Small fixed buffers (under 1 KiB each) and Python objects (about 40 bytes per request slot) are not
-    counted; the steps themselves add working memory of O(groups × max_num_reqs) on the host.
+    counted; the steps themselves add working memory of O(groups × max_num_reqs) on the host. Takes the
+    capacities only: :meth:`MetadataPipeline.memory_estimate` checks every constructor argument first.
     """
     from .state.staging import StageLayout
 
@@ -147,7 +181,6 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
         "staging": ("device", 4 * capacity),
         "staging (host)": ("pinned" if pinned else "host", 4 * capacity * (2 if pinned else 1)
                            + 8 * (max(T, num_slots) + 1)),
-        "steady-path geometry": ("host", 24 * G * num_slots),
     }
     for name, t in _buffers(ctx, builders).items():
         parts[name] = ("device", t.numel() * t.element_size())

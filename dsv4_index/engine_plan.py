@@ -5,10 +5,12 @@ a step's block lists can belong to the groups of a layout.
 with ``kv_cache_groups`` (or the list itself), each group with ``layer_names`` and ``kv_cache_spec``
 (``block_size``; ``sliding_window`` for sliding specs; vLLM's ``UniformTypeKVCacheSpecs`` wrapper is
 looked through) or, for plans stored as JSON, ``block_size`` / ``sliding_window`` / ``spec`` (the spec's
-class name) at the group's top level. Spec kinds by class name: ``MLAAttentionSpec`` /
-``FullAttentionSpec`` (full), ``SlidingWindow*Spec`` (sliding, window ``sliding_window``),
-``CircularBufferSpec`` (a one-block compressor-state ring of ``block_size`` rows); any other kind is
-refused naming the group and the spec. :meth:`EnginePlan.resolve` maps every layer name to the cache it
+class name) at the group's top level. Spec kinds by exact class name (:data:`SPEC_KINDS`):
+``MLAAttentionSpec`` / ``FullAttentionSpec`` (full), ``SlidingWindowSpec`` / ``SlidingWindowMLASpec``
+(sliding, window ``sliding_window``), ``CircularBufferSpec`` (a one-block compressor-state ring of
+``block_size`` rows); any other kind (``SinkFullAttentionSpec`` included) is refused naming the group and the
+spec, and so is a ``UniformTypeKVCacheSpecs`` whose inner specs differ in kind, block size or window.
+:meth:`EnginePlan.resolve` maps every layer name to the cache it
 holds and checks the plan against the model config; ``DSV4Layout.from_kv_cache_config`` builds the layout.
 
 :func:`check_block_counts` is the count rule of issue 28: the full block lists a step hands over for a
@@ -33,11 +35,16 @@ from ._common import is_int
 from .specs import ratio_kinds
 
 __all__ = ["EngineGroup", "EnginePlan", "read_engine_plan", "check_block_counts", "layout_from_kv_cache_config",
-           "kv_owners"]
+           "kv_owners", "SPEC_KINDS", "PLAN_OWNS"]
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-_KINDS = (("CircularBuffer", "circular"), ("SlidingWindow", "sliding"), ("MLAAttention", "full"),
-          ("FullAttention", "full"))
+SPEC_KINDS = {"MLAAttentionSpec": "full", "FullAttentionSpec": "full", "SlidingWindowSpec": "sliding",
+              "SlidingWindowMLASpec": "sliding", "CircularBufferSpec": "circular"}
+"""vLLM spec class name -> group kind, matched exactly: any other name (``SinkFullAttentionSpec``, a subclass, a
+spec of a later vLLM) is refused by name until its meaning is read here."""
+PLAN_OWNS = ("groups", "circular", "mla_block_size", "swa_block_size", "c4_state_block_size", "c128_state_block_size",
+             "swa_group_per_layer")
+"""``from_config`` options an engine plan decides (``from_kv_cache_config`` refuses them)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class EnginePlan:
         compressed layer whose MLA cache (or its kv source's) is in no group.
         """
         kinds = ratio_kinds(ratios)
+        owner = kv_owners(ratios, kv_sources)
         wants: Dict[str, Optional[int]] = {"swa": window, **{k.state: k.state_window for k in kinds if k.state}}
         roles: List[str] = []
         layer_sets: List[Tuple[int, ...]] = []
@@ -95,6 +103,10 @@ class EnginePlan:
             found: Dict[str, str] = {}
             for name in g.layer_names:
                 role, layer = _cache_of(where, name, ratios, kinds)
+                if role != "swa" and owner[layer] != layer:
+                    raise ValueError(f"{where} holds {name!r}, a {role} cache of layer {layer}, but the config's "
+                                     f"kv_source_layer_ids {sorted(set(kv_sources))} make layer {layer} read layer "
+                                     f"{owner[layer]}'s; the engine and the config disagree")
                 found.setdefault(role, name)
                 if role == "mla":
                     mla_layers.add(layer)
@@ -110,7 +122,6 @@ class EnginePlan:
                                  f"or none; one group holds one kind")
             roles.append(next(iter(found)))
             layer_sets.append(tuple(sorted({_cache_of(where, n, ratios, kinds)[1] for n in g.layer_names})))
-        owner = kv_owners(ratios, kv_sources)
         missing = sorted(i for i, s in owner.items() if s not in mla_layers and i < num_hidden_layers)
         if missing:
             raise ValueError(f"kv_cache_groups: no group holds the MLA cache of compressed layer(s) {missing[:8]}"
@@ -210,14 +221,31 @@ def _spec_fields(i: int, g) -> Tuple[str, int, object]:
     else:
         inner = _get(spec, "kv_cache_specs")
         first = next(iter(inner.values())) if isinstance(inner, Mapping) and inner else spec
-        kinds = {type(s).__name__ for s in inner.values()} if isinstance(inner, Mapping) and inner else set()
-        if len(kinds) > 1:
-            raise ValueError(f"kv_cache_groups[{i}]: its layers have specs of several kinds {sorted(kinds)}")
+        if isinstance(inner, Mapping) and inner:
+            _check_uniform(i, spec, inner)
         kind, bs, win = type(first).__name__, _get(spec, "block_size"), _get(first, "sliding_window")
     if not isinstance(kind, str) or not is_int(bs) or bs < 1:
         raise ValueError(f"kv_cache_groups[{i}]: needs a kv_cache_spec with a block_size >= 1, got spec "
                          f"{kind!r} with block_size {bs!r}")
     return kind, bs, win
+
+
+def _check_uniform(i: int, spec, inner: Mapping) -> None:
+    """A ``UniformTypeKVCacheSpecs``'s inner specs (layer name -> spec) must agree with the first one and the
+    wrapper: one kind, one block size, one window (the group is read as one spec)."""
+    names = list(inner)
+    first = inner[names[0]]
+    ref = {"kind": type(first).__name__, "block_size": _get(spec, "block_size"),
+           "sliding_window": _get(first, "sliding_window")}
+    for name in names:
+        s = inner[name]
+        have = {"kind": type(s).__name__, "block_size": _get(s, "block_size", ref["block_size"]),
+                "sliding_window": _get(s, "sliding_window")}
+        for k, v in have.items():
+            if v != ref[k]:
+                raise ValueError(f"kv_cache_groups[{i}].kv_cache_spec ({type(spec).__name__}): its layers' specs "
+                                 f"differ: {k} {v!r} for {name!r}, {ref[k]!r} for {names[0]!r}; one group is "
+                                 "read as one spec")
 
 
 def read_engine_plan(kv_cache_config) -> EnginePlan:
@@ -238,11 +266,18 @@ def read_engine_plan(kv_cache_config) -> EnginePlan:
         if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)) or not names:
             raise ValueError(f"kv_cache_groups[{i}].layer_names must be a non-empty list of layer names, "
                              f"got {names!r}")
+        twice = next((n for j, n in enumerate(names) if n in names[:j]), None)
+        if twice is not None:
+            raise ValueError(f"kv_cache_groups[{i}].layer_names lists {twice!r} twice")
+        eagle = _get(g, "is_eagle_group", None)
+        eagle = False if eagle is None else eagle   # NOTE: absent or null: not a draft group
+        if not isinstance(eagle, bool):
+            raise ValueError(f"kv_cache_groups[{i}].is_eagle_group must be a bool, got {eagle!r}")
         spec, bs, win = _spec_fields(i, g)
-        kind = next((k for key, k in _KINDS if key in spec), None)
+        kind = SPEC_KINDS.get(spec)
         if kind is None:
             raise ValueError(f"kv_cache_groups[{i}] (spec {spec}, first layer {names[0]!r}): a spec kind this "
-                             f"library does not know yet (full MLA, sliding window, circular buffer)")
+                             f"library does not know yet (known: {sorted(SPEC_KINDS)})")
         window: Optional[int] = None
         if kind == "sliding":
             # NOTE: the ignores: `win` is the engine's duck-typed spec attribute, an int once is_int passed
@@ -250,8 +285,7 @@ def read_engine_plan(kv_cache_config) -> EnginePlan:
                 raise ValueError(f"kv_cache_groups[{i}] (spec {spec}): sliding_window must be an int >= 1, "
                                  f"got {win!r}")
             window = int(win)  # type: ignore[call-overload]
-        out.append(EngineGroup(tuple(names), kind, bs, window, spec,
-                               bool(_get(g, "is_eagle_group", False))))
+        out.append(EngineGroup(tuple(names), kind, bs, window, spec, eagle))
     return EnginePlan(tuple(out))
 
 
@@ -325,14 +359,15 @@ def layout_from_kv_cache_config(cls, kv_cache_config, model_config, max_model_le
     model_config : the model config :meth:`from_config` takes, or vLLM's ``ModelConfig`` (its
         ``hf_config``, and its ``max_model_len`` when ``max_model_len`` is not given).
     max_model_len : int, optional (required unless ``model_config.max_model_len`` exists).
-    **kwargs : the other :meth:`from_config` options (``indexer_causal_indices``, ...), except
-        ``groups`` and the per-role block sizes (the plan's). A circular group (``CircularBufferSpec``)
+    **kwargs : the other :meth:`from_config` options (``indexer_causal_indices``, ...), except those the
+        plan decides (:data:`PLAN_OWNS`: ``groups``, ``circular``, the per-role block sizes,
+        ``swa_group_per_layer``), refused by name. A circular group (``CircularBufferSpec``)
         is a one-block ring of its ``block_size`` rows.
 
     Raises ConfigError (a ValueError) naming the group (``kv_cache_groups[i]`` and its spec) and the
     layer for a plan this layout cannot serve (:meth:`dsv4_index.engine_plan.EnginePlan.resolve`).
     """
-    bad = sorted(set(kwargs) & {"groups", "circular"})
+    bad = [k for k in PLAN_OWNS if k in kwargs]
     if bad:
         raise ValueError(f"from_kv_cache_config: {bad} come from the engine plan; do not pass them")
     if getattr(model_config, "hf_config", None) is not None:

@@ -68,6 +68,14 @@ class DSV4Layout:
     kv_sources : tuple of int
         DeepSeek-V4.1's ``kv_source_layer_ids`` (empty for V4): the layers that compute a compressed cache and
         a compressor state; every other compressed layer reads its source's (:meth:`kv_source`).
+    candidate_block_size, candidate_topk_blocks : int or None
+        DeepSeek-V4.1's two-level indexer (config ``candidate_block_size`` ``C``, ``candidate_topk_blocks``
+        ``nb``): the candidate source picks ``nb`` blocks of ``C`` consecutive compressed rows per token, the
+        consumer layers score only their columns (:meth:`DSV4Metadata.candidate_topk_to_slots
+        <dsv4_index.metadata.DSV4Metadata.candidate_topk_to_slots>`); None without it. ``C`` divides the
+        compressed rows per block of every top-k channel (checked).
+    candidate_source_layer : int or None
+        The config's ``candidate_source_layer_id`` (None when absent or without the two-level indexer).
     """
 
     groups: Tuple[GroupSpec, ...]
@@ -83,6 +91,9 @@ class DSV4Layout:
     cp_world_size: int = 1
     cp_interleave: int = 1
     kv_sources: Tuple[int, ...] = ()
+    candidate_block_size: Optional[int] = None
+    candidate_topk_blocks: Optional[int] = None
+    candidate_source_layer: Optional[int] = None
 
     @classmethod
     def from_config(cls, config, max_model_len: int, *, mla_block_size: int = 256,
@@ -273,9 +284,12 @@ class DSV4Layout:
         return dataclasses.replace(self, channels={**self.channels, spec.name: spec})
 
     def __str__(self) -> str:
+        kinds = ratio_kinds(self.compress_ratios)
+        v4 = all(k.main in ("c4a", "c128a") for k in kinds)   # NOTE: V4.1's ratios are named by value
+        ratios = (f"c4={self.c4_ratio}, c128={self.c128_ratio}" if v4 else
+                  "ratios=" + "/".join(str(k.ratio) for k in kinds))
         lines = [f"DSV4Layout(max_model_len={self.max_model_len}, layers={self.num_layers}, "
-                 f"W={self.sliding_window}, c4={self.c4_ratio}, c128={self.c128_ratio}, "
-                 f"index_topk={self.index_topk}"
+                 f"W={self.sliding_window}, {ratios}, index_topk={self.index_topk}"
                  + (f", cp={self.cp_world_size}x{self.cp_interleave}" if self.cp_world_size > 1 else "")
                  + ")"]
         head = f"{'gid':>3}  {'group':<11}{'kind':<8}{'block':>6}{'f':>3}{'window':>7}{'width':>8}  channels"
@@ -285,6 +299,7 @@ class DSV4Layout:
                               + (f", idx={c.index_width}" if c.index_width is not None else "") + ")"
                               for c in self.channels_of(g.gid))
             win = "-" if g.window is None else str(g.window)
+            width = g.ring_blocks if g.kind == "circular" else g.table_width   # NOTE: a ring's blocks
             lines.append(f"{g.gid:>3}  {g.name:<11}{g.kind:<8}{g.block_size:>6}{g.blocks_per_kv_block:>3}"
-                         f"{win:>7}{g.table_width:>8}  {chans}")
+                         f"{win:>7}{width:>8}  {chans}")
         return "\n".join(lines)

@@ -16,7 +16,7 @@ from .engine_plan import EnginePlan, topk_owners
 from .group_plan import PlannedGroup, plan_groups
 from .specs import CHANNEL_OUTPUTS, INDEX_ALIGN, ChannelSpec, GroupSpec, RatioKind, parse_circular, ratio_kinds
 
-__all__ = ["derive_layout"]
+__all__ = ["derive_layout", "check_kv_sources"]
 
 
 @dataclass
@@ -57,6 +57,7 @@ class _Model:
     r128: Optional[int]
     index_topk: Optional[int]
     kv_sources: Tuple[int, ...] = ()  # NOTE: V4.1's kv_source_layer_ids (engine_plan.kv_owners)
+    candidate: Tuple[Optional[int], Optional[int], Optional[int]] = (None, None, None)  # NOTE: C, nb, source
 
 
 def derive_layout(cfg: dict, max_model_len: int, *, mla_block_size, swa_block_size, c4_state_block_size,
@@ -75,11 +76,14 @@ def derive_layout(cfg: dict, max_model_len: int, *, mla_block_size, swa_block_si
     for p in plan:
         specs.append(_size_group(len(specs), p, model, args))
     channels = _channels(specs, model, args.max_model_len, bool(indexer_causal_indices), compact_compressed)
+    _check_candidate(model.candidate[0], channels)
     return dict(groups=tuple(specs), channels=channels, max_model_len=args.max_model_len,
                 sliding_window=model.window, index_topk=model.index_topk, compress_ratios=model.ratios,
                 num_layers=len(model.ratios), c4_ratio=model.r4, c128_ratio=model.r128,
                 indexer_causal_indices=bool(indexer_causal_indices), cp_world_size=args.cp_world_size,
-                cp_interleave=args.cp_interleave, kv_sources=model.kv_sources)
+                cp_interleave=args.cp_interleave, kv_sources=model.kv_sources,
+                candidate_block_size=model.candidate[0], candidate_topk_blocks=model.candidate[1],
+                candidate_source_layer=model.candidate[2])
 
 
 def _check_arguments(max_model_len, sliding_tables, circular, cp_world_size, cp_interleave, mla_block_size,
@@ -121,9 +125,20 @@ def _read_config(cfg: dict) -> _Model:
         index_topk = check_int("config['index_topk']", index_topk, lo=1) if "index_topk" in cfg else None
         if index_topk is None:
             raise ValueError("config is missing key(s) ['index_topk'] (needed by c4 layers)")
-    sources = _layer_list(cfg, "kv_source_layer_ids", ratios, n_hidden)
-    if sources:  # NOTE: a layer reads the nearest source at or below it: that cache must be of its ratio
-        src = sorted(set(int(s) for s in sources))
+    sources = check_kv_sources(cfg.get("kv_source_layer_ids"), ratios, n_hidden)
+    _check_index_sources(_layer_list(cfg.get("index_source_layer_ids"), "index_source_layer_ids", ratios, n_hidden),
+                         ratios)
+    return _Model(n_hidden, ratios, window, kinds, r4, r128, index_topk, sources,
+                  _read_candidate(cfg, ratios, n_hidden))
+
+
+def check_kv_sources(sources, ratios, n_hidden: int) -> Tuple[int, ...]:
+    """V4.1's ``kv_source_layer_ids`` checked (None: no sources, every compressed layer owns its caches): a list of
+    compressed backbone layers such that every compressed layer has a source of its own ratio at or below it (vLLM's
+    ``kv_source_layer_id`` rule, :func:`~dsv4_index.engine_plan.kv_owners`). The one rule ``from_config`` and the
+    trace reader apply; ValueError naming ``config['kv_source_layer_ids']`` and the layer."""
+    src = sorted(set(int(s) for s in _layer_list(sources, "kv_source_layer_ids", ratios, n_hidden)))
+    if src:  # NOTE: a layer reads the nearest source at or below it: that cache must be of its ratio
         for i, r in enumerate(ratios):
             below = [s for s in src if s <= i]
             if r > 0 and (not below or ratios[below[-1]] != r):
@@ -131,17 +146,57 @@ def _read_config(cfg: dict) -> _Model:
                                  + (f"reads layer {below[-1]}'s cache, of ratio {ratios[below[-1]]}" if below else
                                     "has no source at or below it") + ": every compressed layer needs a source of "
                                  "its own ratio at or below it (vLLM's kv_source_layer_id rule)")
-    _check_index_sources(_layer_list(cfg, "index_source_layer_ids", ratios, n_hidden), ratios)
-    return _Model(n_hidden, ratios, window, kinds, r4, r128, index_topk, tuple(int(s) for s in sources))
+    return tuple(src)
 
 
-def _layer_list(cfg: dict, key: str, ratios, n_hidden: int):
-    """``cfg[key]`` (absent: empty), a list of compressed backbone layers (V4.1's source lists)."""
-    layers = cfg.get(key) or ()
-    if not isinstance(layers, (list, tuple)) or any(not is_int(s) or not 0 <= s < n_hidden or ratios[s] == 0
-                                                    for s in layers):
-        raise ValueError(f"config[{key!r}] must be a list of compressed backbone layers (ints in "
-                         f"[0, {n_hidden}) with a compress ratio > 0), got {layers!r}")
+def _read_candidate(cfg: dict, ratios, n_hidden: int):
+    """V4.1's two-level indexer: ``(candidate_block_size C, candidate_topk_blocks nb, candidate_source_layer_id)``
+    of the config, or ``(None, None, None)`` without it. On iff both sizes are ints > 0 (vLLM's rule,
+    ``sparse_indexer.py``) and ``candidate_source_layer_id``, when present, is not None or negative (the
+    transformers config's "off"); the source, when given, must be an indexed backbone layer."""
+    c, nb = cfg.get("candidate_block_size"), cfg.get("candidate_topk_blocks")
+    src = cfg.get("candidate_source_layer_id", -2)
+    if c is None and nb is None:
+        return None, None, None
+    c = check_int("config['candidate_block_size']", c, lo=0)
+    nb = check_int("config['candidate_topk_blocks']", nb, lo=0)
+    off = src is None or (is_int(src) and src < 0 and "candidate_source_layer_id" in cfg)
+    if c == 0 or nb == 0 or off:
+        return None, None, None
+    if src == -2:
+        return c, nb, None
+    kinds = {k.ratio: k.kind for k in ratio_kinds(ratios)}
+    if not is_int(src) or not 0 <= src < n_hidden or kinds.get(ratios[src]) != "c4":
+        raise ValueError(f"config['candidate_source_layer_id'] must be an indexed backbone layer (one whose "
+                         f"compress ratio has an indexer), got {src!r}")
+    return c, nb, int(src)
+
+
+def _check_candidate(c: Optional[int], channels: Dict[str, ChannelSpec]) -> None:
+    """A candidate block of ``C`` rows must sit inside one cache block of every channel that converts top-k
+    (``phys = slot(block * C) / C``): ``C`` divides the channel's compressed rows per block."""
+    if c is None:
+        return
+    for ch in channels.values():
+        if (ch.builder or ch.name) == "c4a" and ch.rows_per_block % c:
+            raise ValueError(f"config['candidate_block_size'] = {c} does not divide the {ch.rows_per_block} "
+                             f"compressed rows per cache block of channel {ch.name!r} (a candidate block must "
+                             f"lie inside one cache block; pick a kernel_block_size whose rows it divides)")
+
+
+def _layer_list(layers, key: str, ratios, n_hidden: int):
+    """``layers`` (the config's ``key``; None or absent: empty), a list of compressed backbone layers (V4.1's source
+    lists). ``0``, ``False`` or any other non-list is refused, not read as "no sources"."""
+    if layers is None:
+        return ()
+    what = (f"config[{key!r}] must be a list of compressed backbone layers (ints in [0, {n_hidden}) with a "
+            f"compress ratio > 0)")
+    if not isinstance(layers, (list, tuple)):
+        raise ValueError(f"{what}, got {layers!r}")
+    for j, s in enumerate(layers):
+        if not is_int(s) or not 0 <= s < n_hidden or ratios[s] == 0:
+            why = f": layer {s} is SWA-only (compress ratio 0)" if is_int(s) and 0 <= s < n_hidden else ""
+            raise ValueError(f"{what}, got {list(layers)!r}: [{j}] is {s!r}{why}")
     return layers
 
 

@@ -99,6 +99,60 @@ class DSV4Metadata:
             raise ValueError(f"channel {channel!r} does not convert top-k indices")
         return conv(topk, compact=compact)
 
+    def _candidate_builder(self, channel: str):
+        if channel not in self.channels:
+            raise KeyError(f"no channel {channel!r} in this layout; channels: {sorted(self.channels)}")
+        b = self.builders.get(channel)
+        if b is None or not hasattr(b, "candidate_topk_to_slots"):
+            raise ValueError(f"channel {channel!r} does not convert top-k indices")
+        return b
+
+    def candidate_blocks_to_physical(self, channel: str, blocks: torch.Tensor):
+        """V4.1's two-level indexer: the candidate source's blocks as physical candidate blocks.
+
+        Parameters
+        ----------
+        channel : str — a channel with top-k conversion (``"c1a"``, ``"c2a"``; ``"c4a"`` in a V4 layout given
+            the config fields).
+        blocks : int32 [>= T, nb] — request-local candidate block ids (``-1`` = none), ``nb <=
+            layout.candidate_topk_blocks``.
+
+        Returns
+        -------
+        (phys int32 [T, nb], counts int32 [T]) — ``phys[t, i]`` = slot of compressed row ``blocks[t, i] * C``
+        divided by ``C`` (``-1`` for a ``-1`` block or one whose first row the token cannot see yet), ``counts``
+        the valid entries (0 for padded tokens): docs/DESIGN.md §4 "Candidate blocks". Views of persistent
+        buffers, overwritten by the next call. Refused under DCP and without the two-level indexer.
+        """
+        b = self._candidate_builder(channel)
+        if torch.compiler.is_compiling():
+            from .torch_ops import candidate_blocks_to_physical as compiled
+            return compiled(self, channel, blocks)
+        return b.candidate_blocks_to_physical(b.ctx, blocks)
+
+    def candidate_topk_to_slots(self, channel: str, blocks: torch.Tensor, cols: torch.Tensor, *,
+                                compact: bool = False):
+        """A candidate consumer layer's sparse columns as physical slots of ``channel``'s cache.
+
+        Parameters
+        ----------
+        channel : str — as :meth:`candidate_blocks_to_physical`.
+        blocks : int32 [>= T, nb] — this step's candidate blocks (one expansion serves every consumer layer).
+        cols : int32 or int64 [>= T, K] — the layer's sparse columns (``-1`` = none), ``K <= index_topk``.
+        compact : bool — valid entries first (order kept), then ``-1``.
+
+        Returns
+        -------
+        (slots int32 [T, K], lens int32 [T]) — exactly :meth:`topk_to_slots` of the rows
+        ``blocks[t, cols[t, k] // C] * C + cols[t, k] % C`` (``-1`` where ``cols`` or that block is ``-1``); views
+        of persistent buffers (not the top-k ones), overwritten by the next call.
+        """
+        b = self._candidate_builder(channel)
+        if torch.compiler.is_compiling():
+            from .torch_ops import candidate_topk_to_slots as compiled
+            return compiled(self, channel, blocks, cols, compact=compact)
+        return b.candidate_topk_to_slots(b.ctx, blocks, cols, compact=compact)
+
     def decode_view(self, channel: str, *, padded: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """A channel's index list for the decode tokens in FlashMLA's sparse-decode shape (no copy).
 

@@ -21,41 +21,25 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ._common import check_cp, use_triton
+from ._common import check_device, use_triton
 from .batch import StepBatch
-from .capacity import BOUNDS, check_capacities, memory_estimate
+from .capacity import BOUNDS, check_arguments, check_flags, memory_estimate
 from .engine_plan import check_block_counts
 from .channels import BuildContext, ChannelBuilder, ChannelMetadata, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
+from .aliasing import check_pipeline_buffers, check_step_outputs
 from .metadata import DSV4Metadata, StepStats
 from .geometry import DSV4Layout
+from ._numba import compile_pinned
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
 from .frontend.row_order import check_caller_order, check_row_order
-from .state import CHECK_LEVELS, BlockTables, RequestState, StepPlan, StepStaging
+from .state import BlockTables, RequestState, StepPlan, StepStaging
 from .state.requests import RowIds, SlotMap
 
 MAX_STAGED_BLOCKS = BOUNDS["max_staged_blocks"][0]
 
 __all__ = ["MetadataPipeline"]
-
-
-def _check_arguments(layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
-                     max_staged_blocks: Optional[int], cp: Tuple[int, int, int], checks: str) -> None:
-    """The constructor's checks, before anything is allocated: DCP, every capacity bounded (largest
-    value and reason), the check level, and DCP against the layout's sharded groups."""
-    cp_world_size, cp_rank, cp_interleave = cp
-    check_cp(cp_world_size, cp_rank, cp_interleave)
-    check_capacities(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks, cp)
-    if checks not in CHECK_LEVELS:
-        raise ValueError(f"checks must be one of {CHECK_LEVELS}, got {checks!r}")
-    for g in layout.groups:
-        if cp_world_size > 1 and g.sharded and g.alloc_block_size % cp_interleave:
-            raise ValueError(f"cp_interleave={cp_interleave} must divide the allocation block size "
-                             f"{g.alloc_block_size} of sharded group {g.name!r}")
-    if cp_world_size != layout.cp_world_size and cp_world_size > 1:
-        raise ValueError(f"cp_world_size={cp_world_size} differs from the layout's "
-                         f"cp_world_size={layout.cp_world_size} (its tables were sized for that)")
 
 
 class MetadataPipeline:
@@ -76,7 +60,8 @@ class MetadataPipeline:
     checks : {"safe", "full"} — host check level of ``update()`` (``state/plan.py``; ``"full"`` adds the
         contract checks of ``state/contract.py``: no duplicate ids in a full group's row, no null block
         where a step reads or writes); ``validate=True`` implies ``"full"``.
-    validate : bool — debug: full checks, and :func:`dsv4_index.validate.check_metadata` after every
+    validate : bool — debug: full checks, the compiled step checks compared with their definition on every
+        step (``AssertionError`` on a difference), and :func:`dsv4_index.validate.check_metadata` after every
         ``build()`` (host copies; never in serving).
     max_staged_blocks : int, optional — block ids one step may stage (default: every table entry,
         capped at 2**20; at most 2**26, and never more than the tables hold); a step staging more is
@@ -85,9 +70,6 @@ class MetadataPipeline:
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
-    steady : bool — plan steps on the incremental path of ``state/steady.py`` (any step, at the cost
-        of what changed since the last one; same plan, same errors; ``validate=True`` runs both planners
-        and raises ``AssertionError`` on a difference); False: every step takes the general checks.
     row_order : "decode_first" (default: the pipeline orders rows decode-first) or "caller" (``meta`` row ``i``
         is the step's row ``i``; a step not decode-first is refused naming the row: :mod:`.frontend.row_order`).
     """
@@ -96,12 +78,13 @@ class MetadataPipeline:
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False, steady: bool = True, row_order: str = "decode_first"):
-        _check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
+                 cuda_graphs: bool = False, row_order: str = "decode_first"):
+        check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          (cp_world_size, cp_rank, cp_interleave), checks)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs)
         self.row_order = check_row_order(row_order)
         self.layout = layout
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = T = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
@@ -128,7 +111,7 @@ class MetadataPipeline:
                                    self.max_staged_blocks, max_num_reqs)
         self.requests = RequestState(max_num_reqs, self.tables, cp=self.cp, max_num_tokens=T,
                                      max_writes=self.max_staged_blocks, next_n=1 + num_speculative_tokens,
-                                     level=self.checks, steady=steady, cross_check=self.validate)
+                                     level=self.checks, cross_check=self.validate)
 
         self._fused, self._unfused = self._plan_launches(fused and use_triton(self.device, backend))
         if cuda_graphs and (self._fused is None or self._unfused or self.device.type != "cuda"):
@@ -143,6 +126,8 @@ class MetadataPipeline:
         self._num_launches = (1 if self._fused else 0) + len(self._unfused)
         self.last_step_stats = StepStats()
         self._last_batch: Optional[tuple] = None
+        check_pipeline_buffers(self)  # NOTE: no two buffers a launch writes share storage (aliasing.py)
+        self._outputs_checked = False
 
     def _build_context(self, backend: Optional[str]) -> BuildContext:
         """The builders' context: capacities, DCP, the tables and the step's common device buffers."""
@@ -181,11 +166,26 @@ class MetadataPipeline:
 
     @classmethod
     def memory_estimate(cls, layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
-                        num_speculative_tokens: int = 0, **kwargs) -> dict:
+                        num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
+                        cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
+                        max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
+                        cuda_graphs: bool = False) -> dict:
         """Bytes a pipeline of these arguments (the constructor's) allocates, computed without allocating:
-        ``{"device", "host", "pinned", "parts"}`` (:func:`dsv4_index.capacity.memory_estimate`); the same
-        ``ValueError`` as the constructor for a capacity beyond its bound."""
-        return memory_estimate(layout, max_num_reqs, max_num_batched_tokens, device, num_speculative_tokens, **kwargs)
+        ``{"device", "host", "pinned", "parts"}`` (:func:`dsv4_index.capacity.memory_estimate`). Every
+        argument is checked as the constructor checks it (the same ``ValueError`` / ``TypeError``; an unknown
+        keyword is a ``TypeError``), except that a CUDA ``device`` need not exist here (planning on a host
+        without one); ``fused``, ``validate`` change no allocation."""
+        cp = (cp_world_size, cp_rank, cp_interleave)
+        check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
+                         cp, checks)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs)
+        dev = check_device(device, available=False)
+        use_triton(dev, backend)  # NOTE: the constructor's backend check
+        if cuda_graphs and dev.type != "cuda":
+            raise ValueError("cuda_graphs needs a CUDA device and every channel in the fused launch")
+        return memory_estimate(layout, max_num_reqs, max_num_batched_tokens, dev, num_speculative_tokens,
+                               cp_world_size=cp_world_size, cp_rank=cp_rank, cp_interleave=cp_interleave,
+                               max_staged_blocks=max_staged_blocks)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -239,7 +239,7 @@ class MetadataPipeline:
         if delta is not None:
             self.slot_map.commit(delta)
         self._req_ids = None if delta is None else self.slot_map.row_ids(plan.rows)  # NOTE: built when read
-        nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs, self.requests.signature)
+        nbytes, nwrites = self.staging.stage(plan, self.tables, self.ctx.staged_inputs)
         self.ctx.set_step(plan)
         self._plan = plan
         self._last_batch = (batch, pad_to, None if delta is None else delta.order)
@@ -266,6 +266,8 @@ class MetadataPipeline:
         for b in self._unfused:
             b.launch(ctx)
         meta = self._metadata(self._plan)
+        if self.validate or not self._outputs_checked:  # NOTE: the first step, then every step under validate
+            self._outputs_checked = check_step_outputs(meta)
         if self.validate:
             from .validate import check_metadata
             check_metadata(meta)
@@ -310,13 +312,15 @@ class MetadataPipeline:
             replay_start=plan.replay_start, replay_end=plan.replay_end, **common)
 
     def warmup(self, pad_sizes=(1,)) -> None:
-        """Compile every kernel the pipeline uses (an empty step per size in ``pad_sizes``, one top-k
+        """Compile every kernel the pipeline uses (the compiled host passes of ``state/``, each for its one
+        signature; an empty step per size in ``pad_sizes``, one top-k
         conversion per channel that has one), check the direct launch of the fused kernel against
         Triton's JIT launch (:meth:`FusedPlan.check_direct_launch`: on a difference the pipeline warns
         and keeps the JIT launch) and, with ``cuda_graphs``, capture a graph per size. Call it before
         the first ``update()``."""
         if self._plan is not None:
             raise RuntimeError("warmup() must run before the first update()")
+        compile_pinned()  # NOTE: every compiled host pass, for its one signature (dsv4_index/_numba.py)
         empty = StepBatch(req_slots=np.zeros(0, np.int64), num_computed_tokens=np.zeros(0, np.int64),
                           num_scheduled_tokens=np.zeros(0, np.int64))
         for i, n in enumerate(pad_sizes):
@@ -333,6 +337,8 @@ class MetadataPipeline:
             K = max(1, int(getattr(self.layout, "index_topk", 0) or 1))
             # NOTE: topk needs >= T_pad rows (the last warm-up size), not 1
             conv(torch.full((max(1, self.ctx.num_tokens_padded), K), -1, dtype=torch.int32, device=self.device))
+        for b in self._builders.values():  # NOTE: V4.1's candidate kernels (channels/compressed.py)
+            getattr(b, "warm_candidates", lambda ctx: None)(self.ctx)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._plan = None
@@ -347,7 +353,6 @@ class MetadataPipeline:
         """Slot (block-table row) of a request (id-keyed updates)."""
         return self.slot_map.slot_of[req_id]
 
-    row_of = slot_of
 
     @property
     def num_launches(self) -> int:
@@ -383,11 +388,6 @@ class MetadataPipeline:
     def last_plan(self) -> Optional[StepPlan]:
         """The checked plan (:class:`~dsv4_index.state.StepPlan`) of the last accepted step; read only."""
         return self._plan
-
-    @property
-    def last_plan_was_steady(self) -> bool:
-        """True when the last accepted step was planned on the incremental path (``state/steady.py``)."""
-        return self._plan is not None and self._plan.steady
 
     @property
     def last_batch(self) -> Optional[tuple]:

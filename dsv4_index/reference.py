@@ -14,7 +14,8 @@ from . import ops
 from .ops import IndexerLengths
 
 __all__ = ["token_to_req", "slot_mapping", "compressed_slot_mapping", "window_indices",
-           "causal_compressed_indices", "topk_to_slots", "indexer_lengths"]
+           "causal_compressed_indices", "topk_to_slots", "indexer_lengths", "candidate_blocks_to_physical",
+           "candidate_topk_to_slots"]
 
 Tensor = torch.Tensor
 
@@ -113,3 +114,30 @@ def indexer_lengths(query_start_loc: Tensor, seq_lens: Tensor, compress_ratio: i
                                cp_interleave=cp_interleave, num_tokens=num_tokens, out=out,
                                out_decode=out_decode, out_ks=out_ks, out_ke=out_ke, out_cu=out_cu,
                                validate=validate, backend="reference")
+
+
+def candidate_blocks_to_physical(blocks: Tensor, query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+                                 rows_per_block: int, compress_ratio: int, candidate_block_size: int, *,
+                                 idx_mapping: Optional[Tensor] = None, num_tokens: Optional[int] = None,
+                                 out: Optional[Tensor] = None, out_counts: Optional[Tensor] = None,
+                                 validate: bool = False, backend: Optional[str] = None):
+    """Pure-PyTorch :func:`dsv4_index.candidate_blocks_to_physical`; backend is ignored."""
+    return ops.candidate_blocks_to_physical(blocks, query_start_loc, seq_lens, block_table, rows_per_block,
+                                            compress_ratio, candidate_block_size, idx_mapping=idx_mapping,
+                                            num_tokens=num_tokens, out=out, out_counts=out_counts,
+                                            validate=validate, backend="reference")
+
+
+def candidate_topk_to_slots(blocks: Tensor, cols: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
+                            block_table: Tensor, rows_per_block: int, compress_ratio: int,
+                            candidate_block_size: int, *, cp_world_size: int = 1, cp_rank: int = 0,
+                            cp_interleave: int = 1, compact: bool = False, idx_mapping: Optional[Tensor] = None,
+                            num_tokens: Optional[int] = None, out: Optional[Tensor] = None,
+                            out_lens: Optional[Tensor] = None, validate: bool = False,
+                            backend: Optional[str] = None):
+    """Pure-PyTorch :func:`dsv4_index.candidate_topk_to_slots`; backend is ignored."""
+    return ops.candidate_topk_to_slots(blocks, cols, query_start_loc, seq_lens, block_table, rows_per_block,
+                                       compress_ratio, candidate_block_size, cp_world_size=cp_world_size,
+                                       cp_rank=cp_rank, cp_interleave=cp_interleave, compact=compact,
+                                       idx_mapping=idx_mapping, num_tokens=num_tokens, out=out,
+                                       out_lens=out_lens, validate=validate, backend="reference")

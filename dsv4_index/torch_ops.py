@@ -1,3 +1,4 @@
+# over 400 lines: the registry of every functional op (a functional op and its _out twin each) in one place
 """The functional ops as ``torch.library`` custom ops (``torch.ops.dsv4_index.<op>``), for forward
 passes compiled with ``torch.compile(fullgraph=True)`` and captured in CUDA graphs.
 
@@ -40,9 +41,12 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .ops.candidate_blocks_to_physical import candidate_blocks_to_physical_rows
+from .ops.candidate_topk_to_slots import candidate_topk_to_slots_rows
 from .ops.topk_to_slots import topk_to_slots_rows
 
-__all__ = ["NAMESPACE", "OP_NAMES", "topk_to_slots", "topk_args"]
+__all__ = ["NAMESPACE", "OP_NAMES", "topk_to_slots", "topk_args", "candidate_topk_to_slots",
+           "candidate_blocks_to_physical"]
 
 NAMESPACE = "dsv4_index"
 I32, I64 = torch.int32, torch.int64
@@ -259,6 +263,55 @@ def _topk_rows_out(topk: Tensor, token_rows: Tensor, token_nc: Tensor, block_tab
                        **_kw(locals()))
 
 
+# V4.1 candidate blocks (pipeline forms): candidate_topk_to_slots_rows, candidate_blocks_to_physical_rows
+@_register("candidate_topk_to_slots_rows")
+def _cand_rows(blocks: Tensor, cols: Tensor, token_rows: Tensor, token_nc: Tensor, block_table: Tensor,
+               rows_per_block: int, compress_ratio: int, candidate_block_size: int, num_rows: int, *,
+               table_width: Optional[int] = None, cp_world_size: int = 1, cp_rank: int = 0, cp_interleave: int = 1,
+               compact: bool = False, backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    slots, lens = candidate_topk_to_slots_rows(blocks, cols, token_rows, token_nc, block_table, rows_per_block,
+                                               compress_ratio, candidate_block_size, num_rows, **_kw(locals()))
+    return slots, lens
+
+
+@_cand_rows.register_fake
+def _(blocks, cols, token_rows, token_nc, block_table, rows_per_block, compress_ratio, candidate_block_size,
+      num_rows, **_):
+    return _empty(cols, (num_rows, cols.shape[1]), I32), _empty(cols, (num_rows,), I32)
+
+
+@_register("candidate_topk_to_slots_rows_out", mutates=("out", "out_lens"))
+def _cand_rows_out(blocks: Tensor, cols: Tensor, token_rows: Tensor, token_nc: Tensor, block_table: Tensor,
+                   rows_per_block: int, compress_ratio: int, candidate_block_size: int, num_rows: int, out: Tensor,
+                   out_lens: Tensor, *, table_width: Optional[int] = None, cp_world_size: int = 1, cp_rank: int = 0,
+                   cp_interleave: int = 1, compact: bool = False, backend: Optional[str] = None) -> None:
+    candidate_topk_to_slots_rows(blocks, cols, token_rows, token_nc, block_table, rows_per_block, compress_ratio,
+                                 candidate_block_size, num_rows, **_kw(locals()))
+
+
+@_register("candidate_blocks_to_physical_rows")
+def _phys_rows(blocks: Tensor, token_rows: Tensor, token_nc: Tensor, block_table: Tensor, rows_per_block: int,
+               compress_ratio: int, candidate_block_size: int, num_rows: int, *, table_width: Optional[int] = None,
+               backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    phys, counts = candidate_blocks_to_physical_rows(blocks, token_rows, token_nc, block_table, rows_per_block,
+                                                     compress_ratio, candidate_block_size, num_rows, **_kw(locals()))
+    return phys, counts
+
+
+@_phys_rows.register_fake
+def _(blocks, token_rows, token_nc, block_table, rows_per_block, compress_ratio, candidate_block_size, num_rows,
+      **_):
+    return _empty(blocks, (num_rows, blocks.shape[1]), I32), _empty(blocks, (num_rows,), I32)
+
+
+@_register("candidate_blocks_to_physical_rows_out", mutates=("out", "out_counts"))
+def _phys_rows_out(blocks: Tensor, token_rows: Tensor, token_nc: Tensor, block_table: Tensor, rows_per_block: int,
+                   compress_ratio: int, candidate_block_size: int, num_rows: int, out: Tensor, out_counts: Tensor, *,
+                   table_width: Optional[int] = None, backend: Optional[str] = None) -> None:
+    candidate_blocks_to_physical_rows(blocks, token_rows, token_nc, block_table, rows_per_block, compress_ratio,
+                                      candidate_block_size, num_rows, **_kw(locals()))
+
+
 # indexer_lengths
 @_register("indexer_lengths")
 def _indexer(query_start_loc: Tensor, seq_lens: Tensor, compress_ratio: int, *, num_tokens: int,
@@ -290,7 +343,8 @@ def _kw(loc: dict, decode: bool = False) -> dict:
     """Keyword arguments of the public op from a registered function's locals (positional ones and
     the ``next_n = 0`` convention of :func:`_indexer` removed)."""
     skip = {"query_start_loc", "seq_lens", "block_table", "block_size", "rows_per_block", "compress_ratio",
-            "window", "width", "topk", "token_rows", "token_nc", "num_rows", "kw"}
+            "window", "width", "topk", "token_rows", "token_nc", "num_rows", "kw", "blocks", "cols",
+            "candidate_block_size"}
     kw = {k: v for k, v in loc.items() if k not in skip}
     if decode and not kw.get("next_n"):
         kw["next_n"] = kw["num_decodes"] = None
@@ -338,3 +392,31 @@ def topk_to_slots(meta, channel: str, topk: Tensor, *, compact: bool = False,
         topk, a["token_rows"], a["token_nc"], a["block_table"], a["rows_per_block"], a["compress_ratio"],
         a["num_rows"], table_width=a["table_width"], cp_world_size=a["cp_world_size"], cp_rank=a["cp_rank"],
         cp_interleave=a["cp_interleave"], compact=compact, backend=backend)
+
+
+def candidate_topk_to_slots(meta, channel: str, blocks: Tensor, cols: Tensor, *, compact: bool = False,
+                            backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """Compile-friendly :meth:`DSV4Metadata.candidate_topk_to_slots` (NEW tensors, as :func:`topk_to_slots`)."""
+    a = topk_args(meta, channel)
+    C = _candidate_size(meta)
+    return torch.ops.dsv4_index.candidate_topk_to_slots_rows(
+        blocks, cols, a["token_rows"], a["token_nc"], a["block_table"], a["rows_per_block"], a["compress_ratio"],
+        C, a["num_rows"], table_width=a["table_width"], cp_world_size=a["cp_world_size"], cp_rank=a["cp_rank"],
+        cp_interleave=a["cp_interleave"], compact=compact, backend=backend)
+
+
+def candidate_blocks_to_physical(meta, channel: str, blocks: Tensor, *,
+                                 backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """Compile-friendly :meth:`DSV4Metadata.candidate_blocks_to_physical` (NEW tensors)."""
+    a = topk_args(meta, channel)
+    C = _candidate_size(meta)
+    return torch.ops.dsv4_index.candidate_blocks_to_physical_rows(
+        blocks, a["token_rows"], a["token_nc"], a["block_table"], a["rows_per_block"], a["compress_ratio"], C,
+        a["num_rows"], table_width=a["table_width"], backend=backend)
+
+
+def _candidate_size(meta) -> int:
+    C = getattr(meta.layout, "candidate_block_size", None)
+    if C is None:
+        raise ValueError("this layout has no two-level indexer (layout.candidate_block_size is None)")
+    return C

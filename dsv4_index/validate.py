@@ -15,6 +15,7 @@ It copies the step to the host and checks two things (slow on purpose; never in 
     check_metadata(meta, num_blocks=pool_size)                 # MetadataError on the first violation
     slots, lens = meta.topk_to_slots("c4a", topk)
     check_topk(meta, "c4a", topk, slots, lens)
+    check_candidates(meta, "c1a", blocks, cols, phys, counts, slots, lens)   # V4.1's two-level indexer
     check_cp_partition([meta_rank0, meta_rank1])               # DCP: ranks partition the tokens
 """
 
@@ -27,7 +28,7 @@ import torch
 from ._common import cp_owner
 from .channels.base import BuildContext
 
-__all__ = ["MetadataError", "check_metadata", "check_topk", "check_cp_partition", "host_context"]
+__all__ = ["MetadataError", "check_metadata", "check_topk", "check_candidates", "check_cp_partition", "host_context"]
 
 _SLOT_FIELDS = ("slot_mapping", "tail_slot_mapping", "compressed_slot_mapping", "compact_slot_mapping", "indices")
 _LEN_FIELDS = ("lens", "ks", "ke")
@@ -272,6 +273,40 @@ def check_topk(meta, channel: str, topk: torch.Tensor, slots: torch.Tensor, lens
                    found=out[t].tolist())
     _compare(s, channel, "top-k slots", out, exp, "(reference topk_to_slots)")
     _compare(s, channel, "top-k lens", _cpu(lens), exp_lens, "(reference topk_to_slots)")
+
+
+def check_candidates(meta, channel: str, blocks: torch.Tensor, cols: Optional[torch.Tensor],
+                     phys: Optional[torch.Tensor], counts: Optional[torch.Tensor], slots: Optional[torch.Tensor],
+                     lens: Optional[torch.Tensor], *, compact: bool = False) -> None:
+    """Check V4.1's candidate conversions (``meta.candidate_blocks_to_physical(channel, blocks)`` -> ``phys``,
+    ``counts``; ``meta.candidate_topk_to_slots(channel, blocks, cols)`` -> ``slots``, ``lens``; pass None for a
+    pair not made) against the references on host copies (docs/DESIGN.md §4 "Candidate blocks")."""
+    from . import reference
+    ctx = host_context(meta)
+    s = _Step(meta, ctx)
+    c = meta[channel]
+    B, T, Tp = meta.num_reqs, meta.num_tokens, meta.num_tokens_padded
+    C = meta.layout.candidate_block_size
+    if C is None:
+        raise ValueError("this layout has no two-level indexer (layout.candidate_block_size is None)")
+    args = (ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], ctx.tables[c.gid], c.rows_per_block, c.compress_ratio, C)
+    blk = _cpu(blocks)[:Tp]
+    if phys is not None and counts is not None:
+        exp, exp_n = reference.candidate_blocks_to_physical(blk, *args, idx_mapping=ctx.idx_mapping[:B],
+                                                            num_tokens=T, out=torch.empty((Tp, blk.shape[1]),
+                                                                                          dtype=torch.int32),
+                                                            out_counts=torch.empty(Tp, dtype=torch.int32))
+        _compare(s, channel, "candidate physical blocks", _cpu(phys), exp, "(reference candidate_blocks_to_physical)")
+        _compare(s, channel, "candidate counts", _cpu(counts), exp_n, "(reference candidate_blocks_to_physical)")
+    if cols is not None and slots is not None and lens is not None:
+        w, r, i = ctx.group_cp(c.gid)
+        K = slots.shape[1]
+        exp, exp_n = reference.candidate_topk_to_slots(
+            blk, _cpu(cols)[:Tp, :K], *args, idx_mapping=ctx.idx_mapping[:B], cp_world_size=w, cp_rank=r,
+            cp_interleave=i, compact=compact, num_tokens=T, out=torch.empty((Tp, K), dtype=torch.int32),
+            out_lens=torch.empty(Tp, dtype=torch.int32))
+        _compare(s, channel, "candidate slots", _cpu(slots), exp, "(reference candidate_topk_to_slots)")
+        _compare(s, channel, "candidate lens", _cpu(lens), exp_n, "(reference candidate_topk_to_slots)")
 
 
 def check_cp_partition(metas_per_rank: Sequence) -> None:

@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="tiny", help="tiny | flash | pro | path to a config.json (default: tiny)")
+    ap.add_argument("--config", default="tiny",
+                    help="tiny | flash | pro | v41_flash | tiny_v41 | path to a config.json (default: tiny)")
     ap.add_argument("--requests", type=int, default=None, help="requests in the step (tiny: 6, else 300)")
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "inspect_step.png"), help="PNG path")
     ap.add_argument("--seed", type=int, default=0)

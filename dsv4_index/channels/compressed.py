@@ -12,6 +12,10 @@ from .._common import use_triton
 from ..fused.tasks import FusedTask
 from ..ops import compressed_slot_mapping, indexer_lengths
 from ..ops.compressed_slot_mapping.naive import staged_compact_cu
+from ..ops.candidate_blocks_to_physical import candidate_blocks_to_physical_rows
+from ..ops.candidate_blocks_to_physical import kernel as phys_kernel
+from ..ops.candidate_topk_to_slots import candidate_topk_to_slots_rows
+from ..ops.candidate_topk_to_slots import kernel as cand_kernel
 from ..ops.topk_to_slots import kernel as topk_kernel
 from ..ops.topk_to_slots import topk_to_slots_rows
 from .base import BuildContext, ChannelBuilder
@@ -97,6 +101,16 @@ class CompressedChannel(CompressedBase):
         self.token_nc = torch.zeros((T,), dtype=torch.int32, device=dev)
         self.topk_flat = torch.full((T * self.k_capacity,), -1, dtype=torch.int32, device=dev)
         self.topk_lens = torch.zeros((T,), dtype=torch.int32, device=dev)
+        self.ctx = ctx  # NOTE: the meta's candidate methods reach the step through it (DSV4Metadata)
+        # NOTE: V4.1's two-level indexer: its own outputs (never the top-k buffers: a consumer holds both)
+        C, nb = getattr(self.layout, "candidate_block_size", None), getattr(self.layout, "candidate_topk_blocks", None)
+        self.candidate = None if C is None or nb is None else (int(C), int(nb))
+        if self.candidate is not None:
+            nb = self.candidate[1]
+            self.cand_phys = torch.full((T * nb,), -1, dtype=torch.int32, device=dev)
+            self.cand_counts = torch.zeros((T,), dtype=torch.int32, device=dev)
+            self.cand_flat = torch.full((T * self.k_capacity,), -1, dtype=torch.int32, device=dev)
+            self.cand_lens = torch.zeros((T,), dtype=torch.int32, device=dev)
 
     def fused_tasks(self, ctx: BuildContext):
         return super().fused_tasks(ctx) + [FusedTask("token_rows", (self.token_rows, self.token_nc),
@@ -113,20 +127,27 @@ class CompressedChannel(CompressedBase):
             torch.zeros_like(self.token_rows[:Tp])
         self.token_rows[:Tp].copy_(torch.where(valid, rows, -1))
 
-    def topk_to_slots(self, ctx: BuildContext, topk: torch.Tensor, *, compact: bool = False):
-        if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
-            raise ValueError(f"topk must be a 2-D tensor [T, K], got {getattr(topk, 'shape', topk)!r}")
+    def _check_picks(self, ctx: BuildContext, name: str, x, dtypes, cap: int, what: str) -> int:
+        """A per-token int tensor ``[>= T_pad, <= cap]`` on the channel's device, unit column stride; its
+        columns."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor [T, K], got {getattr(x, 'shape', x)!r}")
         dev = self.token_rows.device  # NOTE: concrete (cuda:0), where ctx.device may be plain "cuda"
-        if topk.dtype not in (torch.int32, torch.int64) or topk.device != dev:
-            raise ValueError(f"topk must be int32 or int64 on {dev}, got {topk.dtype} on {topk.device}")
-        Tp, K = ctx.num_tokens_padded, topk.shape[1]
-        if K > self.k_capacity:
-            raise ValueError(f"topk has K = {K} columns, channel {self.spec.name!r} was sized for "
-                             f"index_topk = {self.k_capacity}")
-        if topk.shape[0] < Tp:
-            raise ValueError(f"topk has {topk.shape[0]} rows, the step has T_pad = {Tp}")
-        if topk.stride(1) != 1:
-            raise ValueError("topk must have a unit stride in its last dimension")
+        if x.dtype not in dtypes or x.device != dev:
+            raise ValueError(f"{name} must be {' or '.join(str(d)[6:] for d in dtypes)} on {dev}, got {x.dtype} "
+                             f"on {x.device}")
+        if x.shape[1] > cap:
+            raise ValueError(f"{name} has {x.shape[1]} columns, channel {self.spec.name!r} was sized for "
+                             f"{what} = {cap}")
+        if x.shape[0] < ctx.num_tokens_padded:
+            raise ValueError(f"{name} has {x.shape[0]} rows, the step has T_pad = {ctx.num_tokens_padded}")
+        if x.stride(1) != 1:
+            raise ValueError(f"{name} must have a unit stride in its last dimension")
+        return x.shape[1]
+
+    def topk_to_slots(self, ctx: BuildContext, topk: torch.Tensor, *, compact: bool = False):
+        K = self._check_picks(ctx, "topk", topk, (torch.int32, torch.int64), self.k_capacity, "index_topk")
+        Tp = ctx.num_tokens_padded
         s = self.spec
         out = self.topk_flat[:Tp * K].view(Tp, K)
         lens = self.topk_lens[:Tp]
@@ -140,3 +161,56 @@ class CompressedChannel(CompressedBase):
                                cp_world_size=w, cp_rank=r, cp_interleave=i, compact=bool(compact), out=out,
                                out_lens=lens, backend="reference")
         return out, lens
+
+    def _candidate(self, ctx: BuildContext):
+        if self.candidate is None:
+            raise ValueError(f"channel {self.spec.name!r}: this layout has no two-level indexer "
+                             f"(layout.candidate_block_size is None: the config has no candidate_block_size / "
+                             f"candidate_topk_blocks)")
+        return self.candidate
+
+    def candidate_blocks_to_physical(self, ctx: BuildContext, blocks: torch.Tensor):
+        """``(phys int32 [T_pad, nb], counts int32 [T_pad])`` of this step (docs/DESIGN.md §4 "Candidate
+        blocks"): views of persistent buffers, overwritten by the next call."""
+        C, nb_cap = self._candidate(ctx)
+        nb = self._check_picks(ctx, "blocks", blocks, (torch.int32,), nb_cap, "candidate_topk_blocks")
+        s, Tp = self.spec, ctx.num_tokens_padded
+        if ctx.group_cp(s.gid)[0] > 1:
+            raise ValueError(f"candidate_blocks_to_physical: channel {s.name!r} is sharded by DCP (cp_world_size "
+                             f"{ctx.group_cp(s.gid)[0]}); a candidate block's rows span ranks (vLLM refuses DCP "
+                             f"for this indexer too)")
+        out, counts = self.cand_phys[:Tp * nb].view(Tp, nb), self.cand_counts[:Tp]
+        bt = ctx.tables[s.gid]
+        if use_triton(ctx.device, ctx.backend):
+            return phys_kernel.launch(blocks, None, (self.token_rows, self.token_nc), bt, s.rows_per_block,
+                                      s.compress_ratio, C, bt.shape[1], out, counts, Tp)
+        return candidate_blocks_to_physical_rows(blocks, self.token_rows, self.token_nc, bt, s.rows_per_block,
+                                                 s.compress_ratio, C, Tp, out=out, out_counts=counts,
+                                                 backend="reference")
+
+    def candidate_topk_to_slots(self, ctx: BuildContext, blocks: torch.Tensor, cols: torch.Tensor, *,
+                                compact: bool = False):
+        """``(slots int32 [T_pad, K], lens int32 [T_pad])``: a consumer's sparse columns as physical slots
+        (docs/DESIGN.md §4 "Candidate blocks"), views overwritten by the next call."""
+        C, nb_cap = self._candidate(ctx)
+        self._check_picks(ctx, "blocks", blocks, (torch.int32,), nb_cap, "candidate_topk_blocks")
+        K = self._check_picks(ctx, "cols", cols, (torch.int32, torch.int64), self.k_capacity, "index_topk")
+        s, Tp = self.spec, ctx.num_tokens_padded
+        out, lens = self.cand_flat[:Tp * K].view(Tp, K), self.cand_lens[:Tp]
+        cp, bt = ctx.group_cp(s.gid), ctx.tables[s.gid]
+        if use_triton(ctx.device, ctx.backend):
+            return cand_kernel.launch(blocks, cols, None, (self.token_rows, self.token_nc), bt, s.rows_per_block,
+                                      s.compress_ratio, C, bt.shape[1], cp, bool(compact), out, lens, Tp)
+        return candidate_topk_to_slots_rows(blocks, cols, self.token_rows, self.token_nc, bt, s.rows_per_block,
+                                            s.compress_ratio, C, Tp, cp_world_size=cp[0], cp_rank=cp[1],
+                                            cp_interleave=cp[2], compact=bool(compact), out=out, out_lens=lens,
+                                            backend="reference")
+
+    def warm_candidates(self, ctx: BuildContext) -> None:
+        """Compile the candidate kernels (``MetadataPipeline.warmup``; nothing without the two-level indexer)."""
+        if self.candidate is None or (ctx.group_cp(self.spec.gid)[0] > 1):
+            return
+        Tp, dev = max(1, ctx.num_tokens_padded), self.token_rows.device
+        blocks = torch.full((Tp, self.candidate[1]), -1, dtype=torch.int32, device=dev)
+        self.candidate_blocks_to_physical(ctx, blocks)
+        self.candidate_topk_to_slots(ctx, blocks, torch.full((Tp, self.k_capacity), -1, dtype=torch.int32, device=dev))

@@ -22,6 +22,7 @@ gives the same batch or names the culprit (``tests/frontend/test_convert_bulk.py
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from itertools import compress
@@ -31,6 +32,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ..batch import APPEND, StepBatch
+from ..state.messages import Rejection
 from ..state.requests import SlotMap, SlotMapDelta, frozen
 from .fast import convert_repeat
 from .rules import APPENDS, NEW, RESUMED, SCHED, STEP, Src, StepTypeError, check_rows, id_set
@@ -115,6 +117,28 @@ def batch_from_step(step: StepInput, slot_map: SlotMap, num_groups: Optional[int
     """
     if not isinstance(step, StepInput):
         raise StepTypeError(f"step must be a StepInput, got {type(step).__name__}")
+    return with_drafts(_batch_from_step(step, slot_map, num_groups), step.drafts, "drafts")
+
+
+def with_drafts(done: Tuple[StepBatch, SlotMapDelta], drafts, where: str) -> Tuple[StepBatch, SlotMapDelta]:
+    """``done`` with ``StepBatch.drafts`` from ``drafts`` (``{req_id: count}``; rows not listed: -1,
+    the default rule); unchanged when ``drafts`` is empty. A key that is not a row of the step is refused."""
+    if not drafts:
+        return done
+    batch, delta = done
+    if not isinstance(drafts, Mapping):
+        raise StepTypeError(f"{where} must be a dict of request id -> draft token count, got {type(drafts).__name__}")
+    rows = set(delta.order)
+    for rid, v in drafts.items():
+        if rid not in rows:
+            raise ValueError(f"{where}[{rid!r}]: request {rid!r} is not scheduled in this step")
+        if type(v) is not int and not isinstance(v, np.integer):
+            raise StepTypeError(f"{where}[{rid!r}] must be an int, got {type(v).__name__}")
+    d = np.fromiter((drafts.get(rid, -1) for rid in delta.order), dtype=np.int64, count=len(delta.order))
+    return dataclasses.replace(batch, drafts=d), delta
+
+
+def _batch_from_step(step: StepInput, slot_map: SlotMap, num_groups: Optional[int]) -> Tuple[StepBatch, SlotMapDelta]:
     run = step.running_requests
     if not step.replay_start and not step.replay_end and not any(map(_RESUMED, run)):
         # NOTE: the block tuples' shape is trusted only from the library's own (frozen) request types
@@ -168,18 +192,41 @@ def batch_from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int
     ``out.scheduled_cached_reqs`` (``req_ids``, ``new_block_ids`` (per request: a tuple per group or
     None), ``num_computed_tokens``, and ``resumed_req_ids`` (a set) or ``resumed_from_preemption``
     (a list of bools, older vLLM)), ``out.num_scheduled_tokens`` (dict), ``out.finished_req_ids`` and,
-    when present, ``out.preempted_req_ids``. A resumed request carries its whole block lists. Every
-    other field (``scheduled_spec_decode_tokens``, ``new_token_ids``, ``num_output_tokens``, ...) is
-    ignored. A new request's ``replay_start`` (vLLM's V4.1 bounded replay, ``NewRequestData.replay_start``;
-    absent in older vLLM, 0 = none) becomes the batch row's replay start in this step, and its ``replay_end``
-    is ``replay_start + W`` (``W`` = ``slot_map.replay_window``, vLLM's ``prefix_replay_tokens``: vLLM's model
-    runner V2 pads the prefix-cacheable slots of positions ``[replay_start, replay_start + W)``). vLLM sends
+    when present, ``out.preempted_req_ids`` and ``out.scheduled_spec_decode_tokens`` (each request's draft count,
+    ``StepBatch.drafts``). A resumed request carries its whole block lists. Every other field
+    (``new_token_ids``, ``num_output_tokens``, ...) is ignored. A new request's ``replay_start`` (vLLM's V4.1
+    bounded replay, ``NewRequestData.replay_start``; absent in older vLLM, 0 = none) becomes the batch row's
+    replay start in this step, and its ``replay_end`` is ``replay_start + W`` (``W`` =
+    ``slot_map.replay_window``, vLLM's ``prefix_replay_tokens``: vLLM's model runner V2 pads the
+    prefix-cacheable slots of positions ``[replay_start, replay_start + W)``). vLLM sends
     ``replay_start`` only in the step that admits a request: the slot map remembers it (committed with the
     step) and applies both bounds to the request's later steps while they need them (``num_computed_tokens <
     replay_start + max(replay_reach, W)``). ``replay_start`` / ``replay_end`` (dicts by request id) give
     other bounds (README "vLLM integration"): the dict's entry wins over the object's, and a request whose
     ``replay_start`` the caller gives gets no derived ``replay_end``.
     """
+    return with_drafts(_from_scheduler_output(out, slot_map, num_groups, replay_start, replay_end),
+                       _spec_counts(out), "scheduled_spec_decode_tokens")
+
+
+def _spec_counts(out) -> dict:
+    """``{req_id: len(scheduled_spec_decode_tokens[req_id])}`` for every scheduled request (0 when not listed),
+    or ``{}`` when the SchedulerOutput has no such field (the default rule then)."""
+    spec = getattr(out, "scheduled_spec_decode_tokens", None)
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise StepTypeError(f"scheduled_spec_decode_tokens must be a dict of request id -> token list, got "
+                            f"{type(spec).__name__}")
+    nst = getattr(out, "num_scheduled_tokens", None) or {}
+    for rid in spec:
+        if rid not in nst:
+            raise ValueError(f"scheduled_spec_decode_tokens[{rid!r}]: request {rid!r} is not scheduled in this step")
+    return {rid: len(spec[rid]) if rid in spec else 0 for rid in nst}
+
+
+def _from_scheduler_output(out, slot_map: SlotMap, num_groups: Optional[int], replay_start: Optional[dict],
+                           replay_end: Optional[dict]) -> Tuple[StepBatch, SlotMapDelta]:
     c = _field(out, "scheduled_cached_reqs", "SchedulerOutput")
     ids = _field(c, "req_ids", "scheduled_cached_reqs")
     if type(ids) is not list and (isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence)):
@@ -289,23 +336,29 @@ def explain(error: ValueError, batch: StepBatch, delta: SlotMapDelta, src: str =
         return (f"{new_where}[{rid!r}].block_ids[{g}]" if rid in fresh else
                 f"{run_where}[{rid!r}].new_block_ids[{g}]")
 
-    def name(m: re.Match) -> Optional[str]:
-        if m.group(1) is not None and batch.write_cu is not None:
-            j = int(m.group(1))
+    def name(kind: str, v: int) -> Optional[str]:
+        if kind == "j":
+            if batch.write_cu is None:
+                return None
             cu = np.asarray(batch.write_cu)
-            r = int(np.searchsorted(cu, j, side="right")) - 1
+            r = int(np.searchsorted(cu, v, side="right")) - 1
             f = run_field(r)
-            return None if f is None else f"{f}[{j - int(cu[r])}]"
-        if m.group(2) is not None:
-            return run_field(int(m.group(2)))
-        s = int(m.group(3))
-        return f"request {rid_of[s]!r}" if s in rid_of else None
+            return None if f is None else f"{f}[{v - int(cu[r])}]"
+        if kind == "r":
+            return run_field(v)
+        return f"request {rid_of[v]!r}" if v in rid_of else None
 
+    if isinstance(error, Rejection):  # NOTE: the fields of the message (state/messages.py)
+        found = error.positions()
+    else:  # NOTE: a rejection not (yet) in the table: its positions read from the text
+        found = [(m.group(0), k, int(v)) for m in _POS.finditer(str(error))
+                 for k, v in zip(("j", "r", "slot"), m.groups()) if v is not None]
     names: dict = {}
-    for m in _POS.finditer(str(error)):
-        n = name(m)
+    for text, kind, v in found:
+        n = name(kind, v)
         if n is not None:
-            names.setdefault(m.group(0), n)
+            names.setdefault(text, n)
     if not names:
         return error
-    return type(error)(f"{error} [{'; '.join(f'{k} = {v}' for k, v in names.items())}]")
+    text = f"{error} [{'; '.join(f'{k} = {v}' for k, v in names.items())}]"
+    return Rejection(error.code, error.fields, text) if isinstance(error, Rejection) else type(error)(text)

@@ -25,6 +25,7 @@ from ..state.requests import SlotMapDelta, frozen
 __all__ = ["ROW_ORDERS", "check_row_order", "check_caller_order", "reorder_rows"]
 
 ROW_ORDERS = ("decode_first", "caller")
+_NOT_ROWS = frozenset({"free_slots", "write_gids", "write_slots", "write_starts", "write_cu", "write_ids"})
 
 
 def check_row_order(row_order) -> str:
@@ -95,11 +96,11 @@ def reorder_rows(batch: StepBatch, delta: SlotMapDelta, req_ids: Sequence[str]) 
         raise ValueError(f"req_ids leaves out request {missing!r}, which the step schedules")
     perm = np.fromiter((at[rid] for rid in req_ids), dtype=np.int64, count=len(order))
 
-    def rows(a):
-        return None if a is None else np.asarray(a)[perm]
-    new_batch = replace(batch, req_slots=rows(batch.req_slots), num_computed_tokens=rows(batch.num_computed_tokens),
-                        num_scheduled_tokens=rows(batch.num_scheduled_tokens), is_new=rows(batch.is_new),
-                        replay_start=rows(batch.replay_start), replay_end=rows(batch.replay_end))
+    # NOTE: every per-row field (req_slots, counts, is_new, replay bounds, drafts, and any added later): all
+    # fields but the freed slots and the write runs, which name slots
+    rows = {f: np.asarray(v)[perm] for f in batch.__dataclass_fields__ if f not in _NOT_ROWS
+            and (v := getattr(batch, f)) is not None}
+    new_batch = replace(batch, **rows)
     new_delta = replace(delta, order=list(req_ids),
                         slots=None if delta.slots is None else frozen(np.asarray(delta.slots)[perm]))
     return new_batch, new_delta

@@ -130,6 +130,11 @@ class StepInput:
         Optional per-request end of bounded replay: tokens at ``pos < replay_end`` are recomputed only
         to rebuild the sliding and state caches, and write nothing into prefix-cacheable groups
         (their KV is cached in blocks shared with other requests). Requests not listed use 0.
+    drafts : dict[str, int]
+        Optional per-request draft (speculative) tokens among its scheduled tokens (``StepBatch.drafts``;
+        ``len(scheduled_spec_decode_tokens[req])`` in vLLM). Requests not listed use the default rule:
+        ``min(n - 1, num_speculative_tokens)`` for a row of at most ``1 + num_speculative_tokens`` tokens, 0 for
+        a prefill chunk.
     """
 
     new_requests: Sequence[NewRequest]
@@ -139,6 +144,7 @@ class StepInput:
     preempted_req_ids: IdSet = field(default_factory=set)
     replay_start: Dict[str, int] = field(default_factory=dict)
     replay_end: Dict[str, int] = field(default_factory=dict)
+    drafts: Dict[str, int] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:

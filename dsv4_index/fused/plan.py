@@ -179,7 +179,6 @@ class FusedPlan:
         return (self.num_writers + self._num_req * cdiv(t_pad + 1, self.block_r)
                 + cdiv(t_pad, v["t_super"]) * v["p_super"])
 
-    num_programs = grid
 
     def launch(self, lay: StageLayout) -> None:
         """One launch for the step staged with layout ``lay`` (no host sync, no allocation).

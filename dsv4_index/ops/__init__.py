@@ -2,6 +2,8 @@
 Triton, ``naive.py`` PyTorch reference); every index formula is one device function in
 :mod:`._device`, shared with the fused step kernel."""
 
+from .candidate_blocks_to_physical import candidate_blocks_to_physical
+from .candidate_topk_to_slots import candidate_topk_to_slots
 from .causal_compressed_indices import causal_compressed_indices
 from .compressed_slot_mapping import compressed_slot_mapping
 from .indexer_lengths import IndexerLengths, indexer_lengths
@@ -11,4 +13,5 @@ from .topk_to_slots import topk_to_slots
 from .window_indices import window_indices
 
 __all__ = ["token_to_req", "slot_mapping", "compressed_slot_mapping", "window_indices",
-           "causal_compressed_indices", "topk_to_slots", "indexer_lengths", "IndexerLengths"]
+           "causal_compressed_indices", "topk_to_slots", "indexer_lengths", "IndexerLengths",
+           "candidate_blocks_to_physical", "candidate_topk_to_slots"]

@@ -1,3 +1,4 @@
+# over 400 lines: every index formula of DESIGN §4 in one module (the fused kernel and the ops share them)
 """Every index formula of docs/DESIGN.md §4, once, as Triton device functions.
 
 The per-op kernels (``ops/<op>/kernel.py``) and the fused step kernel (``dsv4_index/fused/kernel.py``)
@@ -398,3 +399,67 @@ def topk_slot(bt_ptr, row, pick, ok, n_c, rows_per_block, table_width, row_strid
     bid = tl.load(bt_ptr + row.to(tl.int64) * row_stride + blk, mask=ok, other=0)
     ok = ok & (bid >= 0)  # NOTE: a negative block id is no block (see no_block)
     return tl.where(ok, bid * rows_per_block + lc % rows_per_block, -1), ok
+
+
+@triton.jit
+def store_topk_slots(picks, t, row, valid, n_c,
+                     bt_ptr,    # [table_rows, cols] int32, row stride row_stride
+                     out_ptr,   # [>= T_out, K] int32, row stride out_stride
+                     lens_ptr,  # [>= T_out] int32
+                     row_stride, table_width, out_stride, T_out, K,
+                     S: tl.constexpr, CP_WORLD: tl.constexpr, CP_RANK: tl.constexpr,
+                     CP_INTERLEAVE: tl.constexpr, COMPACT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Convert a tile of picks ``[BLOCK_T, BLOCK_K]`` (:func:`topk_slot`) and store slots and valid counts
+    of rows ``t < T_out`` (``compact``: valid entries first, order kept). Shared by ``topk_to_slots`` and
+    ``candidate_topk_to_slots``."""
+    k = tl.arange(0, BLOCK_K)[None, :]
+    slot, ok = topk_slot(bt_ptr, row[:, None], picks, valid[:, None], n_c[:, None], S, table_width,
+                         row_stride, CP_WORLD, CP_RANK, CP_INTERLEAVE)
+    n = tl.sum(ok.to(tl.int32), axis=1)
+    in_out = t < T_out
+    tl.store(lens_ptr + t, n, mask=in_out)
+    dst = out_ptr + t.to(tl.int64)[:, None] * out_stride
+    st = in_out[:, None] & (k < K)
+    if COMPACT:
+        # NOTE: a valid pick goes to column (valid picks up to it) - 1, columns from n on get -1:
+        # the two stores hit disjoint columns
+        col = tl.cumsum(ok.to(tl.int32), axis=1) - 1
+        tl.store(dst + col, slot, mask=st & ok)
+        tl.store(dst + k, tl.zeros_like(slot) - 1, mask=st & (k >= n[:, None]))
+    else:
+        tl.store(dst + k, slot, mask=st)
+
+
+# ----------------------------------------------------------------------------------------------
+# V4.1 candidate blocks (DESIGN §4 "Candidate blocks")
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def candidate_visible(blk, ok, n_c, C: tl.constexpr):
+    """``ok`` narrowed to candidate blocks whose first row is visible: ``0 <= blk`` and ``blk * C < n_c``
+    (compared as ``blk < cdiv(n_c, C)``, so no product of an unchecked id is formed)."""
+    return ok & (blk >= 0) & (blk < (n_c + C - 1) // C)
+
+
+@triton.jit
+def candidate_row(blocks_ptr,  # [>= rows, >= nb] int32 | int64, row stride blocks_stride
+                  blocks_stride, t, rd, col, n_c, NB, C: tl.constexpr):
+    """A consumer's sparse column ``col`` (any int dtype) of token ``t`` -> its request-local compressed
+    row ``blocks[t, col // C] * C + col % C`` (int32), or ``-1`` where ``col < 0``, ``col // C >= NB``, the
+    block is ``-1`` or not visible (``blk * C >= n_c``: every row of it would be invalid in
+    :func:`topk_slot` anyway, and the row stays inside int32). Reads only ``blocks[t, 0 .. NB)`` where ``rd``."""
+    ok = rd & (col >= 0) & (col < NB * C)
+    j = tl.where(ok, col, 0)
+    blk = tl.load(blocks_ptr + t.to(tl.int64) * blocks_stride + j // C, mask=ok, other=-1)
+    ok = candidate_visible(blk, ok, n_c, C)
+    return tl.where(ok, tl.where(ok, blk, 0).to(tl.int32) * C + (j % C).to(tl.int32), -1)
+
+
+@triton.jit
+def candidate_phys(bt_ptr, row, blk, ok, n_c, rows_per_block, table_width, row_stride, C: tl.constexpr):
+    """Candidate block ``blk`` -> (physical candidate block ``slot(blk * C) / C`` int32, valid): valid iff
+    ``ok``, the block is visible (:func:`candidate_visible`) and its first row converts (:func:`topk_slot`,
+    no DCP); ``-1`` otherwise. ``C`` divides ``rows_per_block``, so the slot is a multiple of ``C``."""
+    ok = candidate_visible(blk, ok, n_c, C)
+    first = tl.where(ok, blk, 0).to(tl.int32) * C
+    slot, ok = topk_slot(bt_ptr, row, first, ok, n_c, rows_per_block, table_width, row_stride, 1, 0, 1)
+    return tl.where(ok, slot // C, -1), ok

@@ -9,6 +9,8 @@
 * :func:`cp_owned` — how many of positions ``0 .. n - 1`` a rank owns (DCP interleave).
 
 Every function takes Python ints or numpy arrays (broadcasting), and computes what the device reads.
+The ``*_at`` functions are the same formulas on int64 scalars, compiled (:func:`~dsv4_index._numba.njit`),
+for the compiled host passes (``state/<pass>/kernel.py``) and callable from Python alike.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from __future__ import annotations
 import numpy as np
 
 from .._common import cp_owned_count
+from .._numba import njit
 
-__all__ = ["ring_col", "col_modulus", "flat_offset", "window_start", "cp_owned"]
+__all__ = ["ring_col", "col_modulus", "flat_offset", "window_start", "cp_owned", "ring_col_at", "window_start_at",
+           "cp_owned_at"]
 
 _NO_RING = np.iinfo(np.int64).max  # NOTE: a modulus no column reaches (plain tables)
 
@@ -55,3 +59,22 @@ def window_start(nc, window, replay_start=None, cp=None):
     if replay_start is not None:
         s = np.maximum(s, replay_start)
     return s if cp is None else cp_owned(s, cp)
+
+
+@njit
+def ring_col_at(i, ring):
+    """:func:`ring_col` of one logical block (``ring == 0``: a plain table)."""
+    return i % ring if ring > 0 else i
+
+
+@njit
+def window_start_at(nc, window, replay_start):
+    """:func:`window_start` of one row: ``max(nc - window + 1, 0, replay_start)`` (``replay_start`` 0: none)."""
+    return max(nc - window + 1, 0, replay_start)
+
+
+@njit
+def cp_owned_at(n, world, rank, interleave):
+    """:func:`cp_owned` of one count ``n >= 0``."""
+    cycle = interleave * world
+    return (n // cycle) * interleave + min(max(n % cycle - rank * interleave, 0), interleave)

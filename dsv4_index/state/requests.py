@@ -1,12 +1,13 @@
-"""Request state by slot: which slots hold a request, and the batch-ordered state of the last
-accepted step that lets any following step be checked incrementally, at the cost of what changed
-(:mod:`dsv4_index.state.steady`).
+"""Request state by slot: which slots hold a request, and the transaction of a step — the checks
+(:mod:`dsv4_index.state.checks`, then the ownership checks of :mod:`dsv4_index.state.owners`) write
+scratch only; :meth:`RequestState.commit` applies an accepted plan.
 
 Request identity (:class:`SlotMap`): the request id -> slot map of the id-keyed front ends
 (:mod:`dsv4_index.frontend`), its free slots, the ids of the last accepted batch in row order with
-their slots (so a step that repeats that order needs no lookup per request), and the delta a
-converted step carries (:class:`SlotMapDelta`, committed only once the pipeline accepted the step).
-Block counts per (group, slot) live in :class:`~dsv4_index.state.tables.BlockTables`.
+their slots (so a step that repeats that order needs no lookup per request: ids are strings, the one
+cache of the last batch), and the delta a converted step carries (:class:`SlotMapDelta`, committed only
+once the pipeline accepted the step). Block counts per (group, slot) live in
+:class:`~dsv4_index.state.tables.BlockTables`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from ..batch import StepBatch
-from .owners import BlockOwners
-from .plan import StepPlan, plan_step, plans_equal
-from .steady import BatchCache, FastGeometry, plan_fast
+from .checks import StepChecks
+from .checks.naive import plan_step
+from .owners import BlockOwners, drafts_of
+from .plan import StepPlan, plans_equal
 from .tables import BlockTables
 
 __all__ = ["RequestState", "SlotMap", "SlotMapDelta", "RowIds", "frozen", "EMPTY"]
@@ -39,75 +41,72 @@ class RequestState:
     max_num_tokens, max_writes : capacities (tokens per step, staged ids per step).
     next_n : query tokens of a decode row (``1 + num_speculative_tokens``): a row with
         ``1 <= q <= next_n`` tokens is a decode.
-    level : ``"safe"`` or ``"full"`` (``state/plan.py``).
-    steady : bool — plan on the incremental path (False: every step takes the general checks).
-    cross_check : bool — run both planners on every step and raise ``AssertionError`` when the
-        incremental plan differs from the general one (``validate=True``; debug).
+    level : ``"safe"`` or ``"full"`` (docs/DESIGN.md §5).
+    cross_check : bool — also plan every step by the checks' definition (:func:`.checks.naive.plan_step`)
+        and raise ``AssertionError`` when the compiled pass differs (``validate=True``; debug).
 
     Attributes
     ----------
     occupied : bool ``[max_num_reqs]`` — slots holding a request.
-    cache : BatchCache or None — the batch of the last accepted step (None: none, or no fast path).
+    checks : StepChecks — the compiled check pass.
+    owners : BlockOwners — block ownership (``owners.check(plan)`` after the checks, ``owners.commit``).
     """
 
     def __init__(self, max_num_reqs: int, tables: BlockTables, *, cp: Tuple[int, int, int], max_num_tokens: int,
-                 max_writes: int, next_n: int, level: str, steady: bool = True, cross_check: bool = False):
+                 max_writes: int, next_n: int, level: str, cross_check: bool = False):
         self.max_num_reqs = max_num_reqs
         self.occupied = np.zeros(max_num_reqs, dtype=bool)
         self._tables = tables
-        self._kw: Dict[str, Any] = dict(cp=cp, max_num_tokens=max_num_tokens, max_writes=max_writes,
-                        next_n=next_n, level=level)
+        self._kw: Dict[str, Any] = dict(cp=cp, max_num_tokens=max_num_tokens, max_writes=max_writes, next_n=next_n,
+                                        level=level)
         self.level = level
         self.cross_check = bool(cross_check)
-        # NOTE: the incremental proof assumes replicated groups, plain blocks and a window on every ring group
-        self.use_steady = (bool(steady) and not (cp[0] > 1 and tables.sharded.any()) and tables.fmax == 1
-                           and bool((tables.window[tables.ring_groups] >= 1).all()))
-        self.cache: Optional[BatchCache] = None
-        self._geometry = FastGeometry(tables) if self.use_steady else None
-        self._generation = 0
+        self.checks = StepChecks(tables, **self._kw)
         self.owners = BlockOwners(tables, cp=cp, level=level, num_speculative_tokens=next_n - 1)
 
     def plan(self, batch: StepBatch, pad_to: Optional[int]) -> StepPlan:
         """Check ``batch`` against this state and the tables; the plan, or ``ValueError`` (nothing
         changes either way)."""
-        plan = None
-        if self.cache is not None:
-            kw = self._kw
-            plan = plan_fast(batch, self.cache, self._tables, self.occupied, pad_to, kw["max_num_tokens"],
-                             kw["max_writes"], kw["next_n"], self.level)
-            if plan is not None:
-                if self.cross_check:
-                    ref = plan_step(batch, occupied=self.occupied, tables=self._tables, pad_to=pad_to, **kw)
-                    diff = plans_equal(plan, ref)
-                    if diff:
-                        raise AssertionError(f"the incremental plan differs from the general one in {diff}")
-        if plan is None:
-            plan = plan_step(batch, occupied=self.occupied, tables=self._tables, pad_to=pad_to, **self._kw)
-        self.owners.check(plan)  # NOTE: block ownership, rings, no jump (state/owners.py)
+        if not self.cross_check:
+            plan = self.checks.plan(batch, self.occupied, pad_to)
+        else:
+            got, ref = (_outcome(fn, batch, pad_to) for fn in (
+                lambda b, p: self.checks.plan(b, self.occupied, p),
+                lambda b, p: plan_step(b, occupied=self.occupied, tables=self._tables, pad_to=p, **self._kw)))
+            _same(got, ref)
+            if isinstance(got, ValueError):
+                raise got
+            plan = got
+        plan.drafts = drafts_of(batch, plan)  # NOTE: StepBatch.drafts in device order, checked (state/owners)
+        self.owners.check(plan)  # NOTE: block ownership, rings, no jump (state/owners/)
         return plan
 
     def commit(self, plan: StepPlan) -> None:
-        """Apply an accepted plan (after :meth:`BlockTables.commit`: the cache reads block counts)."""
+        """Apply an accepted plan (after :meth:`BlockTables.commit`)."""
         self.owners.commit(plan)  # NOTE: applies what owners.check(plan) computed
         occ = self.occupied
         if plan.free_slots.size:
             occ[plan.free_slots] = False
         if plan.new_slots.size:
             occ[plan.new_slots] = True
-        c = self.cache
-        # NOTE: the ignores: BatchCache sets its attributes in from_plan, undeclared (state/steady.py)
-        if plan.steady and c is not None and c.scratch.plan is plan:
-            c.advance(plan)
-            return
-        self._generation = (self._generation if c is None else c.generation) + 1
-        geo = self._geometry  # NOTE: None exactly when not use_steady
-        self.cache = None if geo is None else BatchCache.from_plan(plan, geo, self._tables, c, self._generation)
 
-    @property
-    def signature(self) -> Optional[int]:
-        """Equal between two steps of one batch (same rows, counts, order): the staging buffer then
-        keeps their ``qsl`` / ``slots`` / ``tok_row``."""
-        return None if self.cache is None else self.cache.generation
+
+def _outcome(fn, batch, pad_to):
+    try:
+        return fn(batch, pad_to)
+    except ValueError as e:
+        return e
+
+
+def _same(got, ref) -> None:
+    """The compiled pass's verdict (a plan or a rejection) equals the definition's."""
+    if isinstance(got, ValueError) or isinstance(ref, ValueError):
+        if not (type(got) is type(ref) and str(got) == str(ref)):
+            raise AssertionError(f"the compiled check pass says {got!r}, its definition {ref!r}")
+        return
+    diff = plans_equal(got, ref)
+    if diff:
+        raise AssertionError(f"the compiled check pass differs from its definition in {diff}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,27 +10,23 @@ Column of logical (kernel) block ``i`` of group ``g``: ``i`` for plain tables, `
 ring tables (sliding groups, docs/DESIGN.md §4) and circular groups (``capacity // block_size`` blocks per
 request, a ring of that width: one column for a ring of one block).
 
-The tables own their writes: :meth:`BlockTables.commit` applies a checked step's block counts,
-:meth:`BlockTables.stage_writes` fills the write regions and the overlay of the staging buffer and
-the host mirror.
+The tables own their block counts (:meth:`BlockTables.commit` applies a checked step's); the staging pass
+(:mod:`dsv4_index.state.staging`) writes the staged ids and the host mirror from ``geo``.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .._common import INT32_MAX
-from ._index import col_modulus, flat_offset, ring_col
+from ._index import ring_col
 from .plan import StepPlan
-from .staging import OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, StageLayout, write_halves
 
 __all__ = ["BlockTables"]
 
-_FEW_RUNS = 16  # NOTE: up to this many runs, stage_writes copies slices per run
-_RECORD = np.dtype((np.void, 4 * OVERLAY_STRIDE))  # NOTE: one overlay record as a scalar (a single scatter)
 
 
 class BlockTables:
@@ -110,19 +106,9 @@ class BlockTables:
             self.tables.append(self.flat[lo:lo + n].view(num_slots, int(self.cols[g])))
             self.mirrors.append(self.mirror[lo:lo + n].reshape(num_slots, int(self.cols[g])))
         self.num_blocks = np.zeros((G, num_slots), dtype=np.int64)
-        self._num_blocks_flat = self.num_blocks.ravel()  # NOTE: a view (C order), keyed gid * num_slots + slot
-        # NOTE: per (gid, slot) key: flat offset of the row, and the column modulus (ring width, also of
-        # circular groups: capacity // block_size; huge for plain tables: the logical block)
-        self._ring_list, self._base_list = self.ring.tolist(), self.base.tolist()
-        self._cols_list = self.cols.tolist()
-        self._iota = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int32)
-        self.iota_cols = self._iota.astype(np.int64)  # NOTE: column numbers (the full checks' row masks)
-        self._payload = np.arange(G * num_slots + 1, dtype=np.int64)
-        # NOTE: layout -> preset overlay records (the steady path's one scatter)
-        self._trips: Dict[StageLayout, Tuple[np.ndarray, np.ndarray]] = {}
-        self._mixed = np.zeros((G * num_slots + 1, OVERLAY_STRIDE), dtype=np.int32)  # NOTE: _stage_mixed's records
-        self._row_base = flat_offset(self.base[:, None], self.cols[:, None], np.arange(num_slots)[None, :], 0).ravel()
-        self._col_mod = np.repeat(col_modulus(self.ring), num_slots)
+        self.iota_cols = np.arange(int(self.cols.max()) + 1 if G else 1, dtype=np.int64)  # NOTE: full checks
+        # NOTE: per group (flat base, stored columns, ring width or 0): what the staging pass reads
+        self.geo = np.ascontiguousarray(np.stack([self.base, self.cols, self.ring], axis=1), dtype=np.int64)
 
     # ------------------------------------------------------------------------------------------
     def commit(self, plan: StepPlan) -> None:
@@ -132,166 +118,8 @@ class BlockTables:
             nb[:, plan.free_slots] = 0
         if plan.new_slots.size:
             nb[:, plan.new_slots] = 0
-        if plan.w_key is not None:
-            self._num_blocks_flat[plan.w_key] = plan.w_end
-        elif plan.w_gid.size:
+        if plan.w_gid.size:
             nb[plan.w_gid, plan.w_slot] = plan.w_end
-
-    def stage_writes(self, plan: StepPlan, h: np.ndarray, lay: StageLayout) -> int:
-        """Stage a checked step's block ids into host buffer ``h`` (format of ``state/staging.py``):
-        the values and flat destinations of the kept ids, the overlay of every (group, batch row),
-        and the host mirror. Returns the number of ids staged."""
-        ov = h[lay.overlay:lay.overlay + OVERLAY_STRIDE * len(self.groups) * lay.rows]
-        ov[:] = 0  # NOTE: every row of the layout (one contiguous memset; rows past B are never read)
-        ov = ov.reshape(len(self.groups), lay.rows, OVERLAY_STRIDE)
-        if not plan.w_gid.size:
-            return 0
-        if plan.w_key is not None:  # NOTE: fast path: every run on a batch row
-            if plan.w_other is None:  # NOTE: one kept id per run
-                return self._stage_appends(plan, h, lay, ov)
-            return self._stage_mixed(plan, h, lay)
-        w0 = lay.writes
-        N = self._stage_runs(plan, h, w0) if plan.w_gid.shape[0] <= _FEW_RUNS else None
-        keep: Union[np.ndarray, bool, None] = False  # NOTE: False: staged run by run (_stage_runs)
-        if N is None:
-            keep, dst = self.destinations(plan.w_gid, plan.w_slot, plan.w_start, plan.w_keep, plan.w_cu)
-            vals = plan.w_ids if keep is None else plan.w_ids[keep]
-            N = vals.shape[0]
-            hv, hd = write_halves(h, w0, N)
-            hv[:] = vals
-            hd[:] = dst
-            self.mirror[dst] = vals
-        if keep is None:
-            # NOTE: every id kept (one per run): run i's id is value i
-            first, pay = plan.w_start, w0 + np.arange(plan.w_gid.shape[0])
-        else:
-            first = np.maximum(plan.w_keep, plan.w_start)
-            # NOTE: np.maximum, not .clip (a Python wrapper)
-            kept = np.maximum(np.minimum(plan.w_end - first, plan.w_cu[1:] - plan.w_cu[:-1]), 0)
-            pay = w0 + np.cumsum(kept) - kept
-        r, end = plan.w_row, plan.w_end
-        at = lay.overlay + OVERLAY_STRIDE * (plan.w_gid * lay.rows + r)
-        m = r >= 0
-        if not m.all():
-            at, first, end, pay = at[m], first[m], end[m], pay[m]
-        h[at + OV_LO] = first
-        h[at + OV_HI] = end
-        h[at + OV_PAY] = pay
-        return N
-
-    def _stage_runs(self, plan: StepPlan, h: np.ndarray, w0: int):
-        """:meth:`stage_writes` of a few runs (a prefill): each run's kept ids are one slice, or two
-        where a ring wraps (it keeps at most ``ring`` ids); no array over every id. None when a run
-        keeps more ids than its ring (the general path handles it)."""
-        runs, total = [], 0
-        cu = plan.w_cu.tolist()
-        for i, (g, slot, start, end, keep) in enumerate(zip(plan.w_gid.tolist(), plan.w_slot.tolist(),
-                                                            plan.w_start.tolist(), plan.w_end.tolist(),
-                                                            plan.w_keep.tolist())):
-            first = max(keep, start)
-            k = max(min(end - first, cu[i + 1] - cu[i]), 0)
-            ring = self._ring_list[g]
-            if ring and k > ring:
-                return None
-            if k:
-                runs.append((g, slot, first, k, cu[i] + first - start, ring))
-                total += k
-        (vals, dsts), ids = write_halves(h, w0, total), plan.w_ids
-        pos = 0
-        for g, slot, first, k, src, ring in runs:
-            row = flat_offset(self._base_list[g], self._cols_list[g], slot, 0)
-            col = ring_col(first, ring)
-            a = min(k, ring - col) if ring else k
-            run_ids = ids[src:src + k]
-            vals[pos:pos + k] = run_ids
-            d = dsts[pos:pos + a]
-            np.add(self._iota[:a], row + col, out=d)
-            self.mirror[row + col:row + col + a] = run_ids[:a]
-            if a < k:  # NOTE: the ring wraps once: the rest starts at column 0
-                np.add(self._iota[:k - a], row, out=dsts[pos + a:pos + k])
-                self.mirror[row:row + k - a] = run_ids[a:]
-            pos += k
-        return total
-
-    def _stage_mixed(self, plan: StepPlan, h: np.ndarray, lay: StageLayout) -> int:
-        """:meth:`stage_writes` of one-id appends (vectorised) and a few other runs ``plan.w_other``
-        (one or two slices each), every run on a batch row; the bytes of the general staging."""
-        other, a, cu, w0, w_key = plan.w_other, plan.w_app, plan.w_cu, lay.writes, plan.w_key
-        assert other is not None and a is not None and w_key is not None  # NOTE: stage_writes' dispatch
-        # NOTE: on the fast path start <= keep <= end and end - start is the run's length: every id from keep on
-        first = plan.w_keep
-        kept = plan.w_end - first
-        kept_cu = np.add.accumulate(kept)
-        N = int(kept_cu[-1])
-        pay = kept_cu - kept
-        vals, dsts = write_halves(h, w0, N)
-        if a.shape[0]:
-            key, at = w_key.take(a), pay.take(a)
-            dst = self._row_base.take(key)
-            dst += plan.w_start.take(a) % self._col_mod.take(key)
-            vals[at] = plan.w_ids.take(cu.take(a))
-            dsts[at] = dst
-            self.mirror[dst] = vals[at]
-        ids = plan.w_ids
-        for g, slot, f, k, p, c0, s0 in zip(plan.w_gid.take(other).tolist(), plan.w_slot.take(other).tolist(),
-                                            first.take(other).tolist(), kept.take(other).tolist(),
-                                            pay.take(other).tolist(), cu.take(other).tolist(),
-                                            plan.w_start.take(other).tolist()):
-            if not k:
-                continue
-            src = c0 + f - s0
-            row = flat_offset(self._base_list[g], self._cols_list[g], slot, 0)
-            ring = self._ring_list[g]
-            col = ring_col(f, ring)
-            n1 = min(k, ring - col) if ring else k
-            run_ids = ids[src:src + k]
-            vals[p:p + k] = run_ids
-            np.add(self._iota[:n1], row + col, out=dsts[p:p + n1])
-            self.mirror[row + col:row + col + n1] = vals[p:p + n1]
-            if n1 < k:  # NOTE: the ring wraps: the rest from column 0 (at most ring ids are kept)
-                np.add(self._iota[:k - n1], row, out=dsts[p + n1:p + k])
-                self.mirror[row:row + k - n1] = vals[p + n1:p + k]
-        # NOTE: the overlay as one scatter of 12-byte records
-        R = plan.w_gid.shape[0]
-        trip = self._mixed
-        trip[:R, OV_LO] = first
-        trip[:R, OV_HI] = plan.w_end
-        np.add(pay, w0, out=trip[:R, OV_PAY], casting="unsafe")
-        at = np.multiply(plan.w_gid, lay.rows)
-        at += plan.w_row
-        ov = h[lay.overlay:lay.overlay + OVERLAY_STRIDE * len(self.groups) * lay.rows]
-        ov.view(_RECORD)[at] = trip[:R].reshape(-1).view(_RECORD)
-        return N
-
-    def _stage_appends(self, plan: StepPlan, h: np.ndarray, lay: StageLayout, ov: np.ndarray) -> int:
-        """:meth:`stage_writes` of runs that append one id each to batch rows (run ``i``'s id is value ``i``)."""
-        key, ids, N, w0 = plan.w_key, plan.w_ids, plan.w_ids.shape[0], lay.writes
-        assert key is not None  # NOTE: stage_writes' dispatch: the fast path's runs
-        dst = self._row_base.take(key)
-        dst += plan.w_start % self._col_mod.take(key)
-        vals, dsts = write_halves(h, w0, N)
-        vals[:] = ids
-        dsts[:] = dst
-        self.mirror[dst] = vals  # NOTE: from the int32 copy (a scatter that casts costs 5x)
-        # NOTE: one scatter of whole 12-byte records from a buffer whose payload column is preset
-        trip, rows = self._records(lay)
-        trip[:N, OV_LO] = plan.w_start
-        trip[:N, OV_HI] = plan.w_end
-        at = np.multiply(plan.w_gid, rows)
-        at += plan.w_row
-        ov.reshape(-1).view(_RECORD)[at] = trip[:N].reshape(-1).view(_RECORD)
-        return N
-
-    def _records(self, lay: StageLayout) -> Tuple[np.ndarray, np.ndarray]:
-        """int32 ``[G * max_num_reqs, OVERLAY_STRIDE]`` overlay records for :meth:`_stage_appends`,
-        payload column ``lay.writes + i``, and ``lay.rows`` as a 0-d int64 (built once per layout)."""
-        got = self._trips.get(lay)
-        if got is None:
-            n = len(self.groups) * self.max_num_reqs
-            trip = np.zeros((n, OVERLAY_STRIDE), dtype=np.int32)
-            trip[:, OV_PAY] = lay.writes + np.arange(n)
-            got = self._trips[lay] = (trip, np.array(lay.rows, dtype=np.int64))
-        return got
 
     def row(self, gid: int, slot: int) -> np.ndarray:
         """Host copy of the valid logical blocks of a slot, in logical order (int32 ``[n]``).
@@ -320,31 +148,6 @@ class BlockTables:
         k_cu = np.zeros(len(cu), dtype=np.int64)
         np.cumsum(n * f, out=k_cu[1:])
         return starts * f, k_cu, k_ids
-
-    def destinations(self, gid: np.ndarray, slot: np.ndarray, start: np.ndarray, keep_from: np.ndarray,
-                     cu: np.ndarray) -> Tuple[Optional[np.ndarray], np.ndarray]:
-        """Where the kept ids of validated kernel-block runs go.
-
-        A run sets logical blocks ``[start, start + n)``; only those from ``keep_from`` on are stored
-        (rings keep a row's newest blocks, from the lowest block a request can still read).
-        Returns ``(keep, dst)``: ``keep`` bool ``[n]`` or None (every id kept), ``dst`` int64 flat
-        offsets of the kept ids, in run order.
-        """
-        N = gid.shape[0]
-        n_ids = int(cu[-1])
-        ring = self.ring[gid]
-        if n_ids == N and (keep_from <= start).all():
-            # NOTE: fast path (steady decode): one id per run, all kept
-            return None, flat_offset(self.base[gid], self.cols[gid], slot, ring_col(start, ring))
-        n = np.diff(cu)
-        k = _ragged_arange(n)
-        run = np.repeat(np.arange(N), n)
-        logical = start[run] + k
-        keep = logical >= keep_from[run]
-        logical, run = logical[keep], run[keep]
-        r = ring[run]
-        g = gid[run]
-        return keep, flat_offset(self.base[g], self.cols[g], slot[run], ring_col(logical, r))
 
 
 def _ragged_arange(n: np.ndarray) -> np.ndarray:

@@ -11,7 +11,9 @@ What it supports
   (window ``W``) hold blocks only for positions ``>= max(c - W + 1, replay_start)`` when the step
   schedules ``[c, c + k)`` (every scheduled token is written, and the oldest reads down to
   ``c - W + 1``). Blocks wholly below that are released when the next ``schedule()`` schedules the
-  request (vLLM frees them in ``allocate_slots``, so a request left out of a step keeps them);
+  request (vLLM frees them in ``allocate_slots``, so a request left out of a step keeps them; ``free_policy``
+  ``"eager"`` frees them for every running request at the start of a step, ``"optimistic"`` behind the count
+  the last step would reach with every draft accepted, as async scheduling does);
   in the scheduler's view their entries become the null block 0, while the pipeline's rows keep
   the stale ids (``new_block_ids`` are append-only; nothing reads those entries). Entries never
   needed (below ``replay_start``) are appended as 0. Steps always carry logical block order, so a
@@ -81,6 +83,8 @@ from ..frontend import NewRequest, RunningRequest, StepInput
 __all__ = ["ReferenceScheduler", "ReqState", "ScheduledView", "CacheWrite", "random_trace", "scripted_trace",
            "cache_writes"]
 
+FREE_POLICIES = ("vllm", "eager", "optimistic")  # NOTE: ReferenceScheduler(free_policy=...)
+
 
 @dataclass(frozen=True)
 class ReqState:
@@ -140,6 +144,7 @@ class _Req:
         self.resumed = False  # preempted earlier: next schedule sends resumed=True
         self.replay_start = 0
         self.prefix_hit = 0
+        self.optimistic = 0  # NOTE: free_policy="optimistic": the count its last step would reach, every draft accepted
 
     def held(self) -> List[List[int]]:
         """``blocks`` of a request that holds them (scheduled, not freed since)."""
@@ -189,11 +194,20 @@ class ReferenceScheduler:
         Register a prompt block in the prefix cache when the step that fills it is scheduled (vLLM's
         ``cache_blocks`` in ``allocate_slots``), not once it is computed: a request admitted later in the
         same step then shares the block its allocator is filling in that step.
+    free_policy : str
+        When sliding blocks wholly behind a request's window are freed: ``"vllm"`` (vLLM 0.33: in
+        ``allocate_slots`` of a request scheduled in the step, behind the window of its committed tokens);
+        ``"eager"`` (at the start of every step, for every running request, scheduled or not; the token budget
+        may leave it out, its row stays); ``"optimistic"`` (async scheduling: like ``"vllm"``, but behind the
+        window of the count its last step would reach with every draft accepted, before the acceptance is
+        known: a request whose drafts were rejected may then read a block handed on, which the pipeline must
+        refuse at the read).
     """
 
     def __init__(self, groups, num_blocks: int, *, max_num_batched_tokens: int, max_num_seqs: int,
                  num_speculative_tokens: int = 0, long_prefill_threshold: Optional[int] = None,
-                 enable_prefix_caching: bool = True, seed: int = 0, cache_when_scheduled: bool = False):
+                 enable_prefix_caching: bool = True, seed: int = 0, cache_when_scheduled: bool = False,
+                 free_policy: str = "vllm"):
         groups = tuple(getattr(groups, "groups", groups))
         if not groups:
             raise ValueError("groups must not be empty")
@@ -213,6 +227,9 @@ class ReferenceScheduler:
             _int("long_prefill_threshold", long_prefill_threshold, 1)
         self.long_prefill_threshold = long_prefill_threshold
         self.seed = seed
+        if free_policy not in FREE_POLICIES:
+            raise ValueError(f"free_policy must be one of {FREE_POLICIES}, got {free_policy!r}")
+        self.free_policy = free_policy
         self._cache_when_scheduled = bool(cache_when_scheduled)
         self._f = [getattr(g, "blocks_per_kv_block", 1) for g in groups]
         self._abs = [g.block_size * f for g, f in zip(groups, self._f)]  # allocation block sizes
@@ -353,10 +370,12 @@ class ReferenceScheduler:
                      for ids, f in zip(r.blocks, self._f))
 
     def _trim(self, r: _Req) -> None:
-        """Release sliding blocks wholly below the oldest position the next step reads."""
+        """Release sliding blocks wholly below the oldest position the next step reads (``free_policy``
+        ``"optimistic"``: were every draft of its last step accepted)."""
+        c = max(r.num_computed, r.optimistic) if self.free_policy == "optimistic" else r.num_computed
         for g, a, ids in zip(self.groups, self._abs, r.held()):
             if g.kind == "sliding":
-                for j in range(min(len(ids), max(0, r.num_computed - g.window + 1) // a)):
+                for j in range(min(len(ids), max(0, c - g.window + 1) // a)):
                     if ids[j]:
                         self._release(ids[j])
                         ids[j] = 0
@@ -417,7 +436,7 @@ class ReferenceScheduler:
         self._free_all(r)
         self._running.remove(r.req_id)
         self._waiting.insert(0, r.req_id)
-        r.status, r.num_computed, r.replay_start, r.prefix_hit = "waiting", 0, 0, 0
+        r.status, r.num_computed, r.replay_start, r.prefix_hit, r.optimistic = "waiting", 0, 0, 0, 0
         r.in_batch, r.resumed = False, True
 
     def schedule(self) -> StepInput:
@@ -426,6 +445,9 @@ class ReferenceScheduler:
             raise RuntimeError("schedule() called twice without update_after_step()")
         budget, order, preempted = self.max_num_batched_tokens, [], []
         running = [self._reqs[rid] for rid in self._running]
+        if self.free_policy == "eager":
+            for r in running:
+                self._trim(r)
         scheduled = set()
         for r in [r for r in running if r.is_decode] + [r for r in running if not r.is_decode]:
             if budget == 0:
@@ -525,6 +547,7 @@ class ReferenceScheduler:
         self._pending = False
         for v in self._last[1]:
             r = self._reqs[v.req_id]
+            r.optimistic = v.seq_len
             left = r.num_tokens - v.num_computed_tokens
             if v.num_scheduled_tokens < left:  # partial prefill chunk
                 r.num_computed = v.seq_len

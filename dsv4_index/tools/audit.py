@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .._common import cdiv
+from .._common import cdiv, check_int
+from ..engine_plan import kv_owners
+from ..specs import ratio_kinds
 
 __all__ = ["audit", "format_audit", "add_arguments", "audit_cmd", "ROW_BYTES"]
 
@@ -51,20 +53,34 @@ DEFAULT_CHUNKS = (512, 2048, 8192)
 
 
 def _group_layers(layout, g) -> List[int]:
+    """The layers whose ``g.role`` cache ``g`` serves (its ``layers``, else every layer with such a cache)."""
     if g.layers is not None:
         return list(g.layers)
-    kind = {"mla": lambda r: r > 0, "swa": lambda r: True, "c4_state": lambda r: r == layout.c4_ratio,
-            "c128_state": lambda r: r == layout.c128_ratio}.get(g.role or "", lambda r: False)
+    state_of = {k.state: k.ratio for k in ratio_kinds(layout.compress_ratios) if k.state}
+    kind = {"mla": lambda r: r > 0, "swa": lambda r: True}.get(g.role or "")
+    if kind is None:
+        kind = (lambda r: r == state_of[g.role]) if g.role in state_of else (lambda r: False)
     return [i for i, r in enumerate(layout.compress_ratios) if kind(r)]
 
 
 def _bytes_per_token(layout, g) -> float:
-    layers = _group_layers(layout, g)
-    if g.role == "mla":
-        r4, r128 = layout.c4_ratio, layout.c128_ratio
-        return sum((ROW_BYTES["mla"] + ROW_BYTES["indexer"]) / r4 if layout.compress_ratios[i] == r4
-                   else ROW_BYTES["mla"] / r128 for i in layers)
-    return len(layers) * ROW_BYTES.get(g.role or "", 0)
+    """Bytes one token costs in group ``g``: every layer that holds its own cache there (a V4.1 layer that reads
+    its kv source's cache and state holds none), a compressed row of ratio ``R`` per ``R`` tokens (an indexed
+    ratio adds its indexer row), a state row of its ratio's kind, an SWA row per token."""
+    kinds = {k.ratio: k for k in ratio_kinds(layout.compress_ratios)}
+    owner = kv_owners(layout.compress_ratios, layout.kv_sources)
+    total = 0.0
+    for i in _group_layers(layout, g):
+        r = layout.compress_ratios[i]
+        if g.role == "swa":
+            total += ROW_BYTES["swa"]
+        elif r > 0 and owner.get(i) == i and g.role is not None:
+            indexed = kinds[r].kind == "c4"
+            if g.role == "mla":
+                total += (ROW_BYTES["mla"] + (ROW_BYTES["indexer"] if indexed else 0)) / r
+            elif g.role == kinds[r].state:
+                total += ROW_BYTES["c4_state" if indexed else "c128_state"]
+    return total
 
 
 def _covering(lo: int, hi: int, b: int) -> range:
@@ -117,6 +133,10 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     bytes_per_token, demand ``{chunk: blocks}``, columns, overlap, overlap_spec) and ``warnings`` (list
     of one-line str).
     """
+    if draft_drop not in ("scheduler", "block"):
+        raise ValueError(f"draft_drop must be 'scheduler' or 'block', got {draft_drop!r}")
+    chunks = _check_args(layout, num_speculative_tokens, max_num_batched_tokens, chunks, short_prompt, draft_groups,
+                         num_hidden_layers)
     first = num_hidden_layers if num_hidden_layers is not None else layout.num_layers - _num_mtp(layout)
     mtp = set(range(first, layout.num_layers))
     if draft_groups is None:
@@ -124,8 +144,6 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     hashed = [g for g in layout.groups if g.kind != "circular"]
     L = math.lcm(*(g.alloc_block_size for g in hashed)) if hashed else 0
     spec = num_speculative_tokens > 0
-    if draft_drop not in ("scheduler", "block"):
-        raise ValueError(f"draft_drop must be 'scheduler' or 'block', got {draft_drop!r}")
     out: Dict = {"draft_drop": draft_drop, "scheduler_block": L,
                  "hash_block": min((g.alloc_block_size for g in hashed), default=0),
                  "min_prefix_hit": L, "min_prefix_hit_spec": 2 * L,
@@ -170,6 +188,34 @@ def audit(layout, *, num_speculative_tokens: int = 0, max_num_batched_tokens: in
     return out
 
 
+def _check_args(layout, num_speculative_tokens, max_num_batched_tokens, chunks, short_prompt, draft_groups,
+                num_hidden_layers) -> Tuple[int, ...]:
+    """:func:`audit`'s arguments (the pipeline's bounds, :data:`dsv4_index.capacity.BOUNDS`); ``chunks`` as a
+    tuple. TypeError / ValueError naming the argument."""
+    from ..capacity import BOUNDS
+    from ..geometry import DSV4Layout
+
+    if not isinstance(layout, DSV4Layout):
+        raise TypeError(f"layout must be a DSV4Layout (DSV4Layout.from_config(...)), got {type(layout).__name__}")
+    check_int("num_speculative_tokens", num_speculative_tokens, lo=0, hi=BOUNDS["num_speculative_tokens"][0])
+    check_int("max_num_batched_tokens", max_num_batched_tokens, lo=1, hi=BOUNDS["max_num_batched_tokens"][0])
+    check_int("short_prompt", short_prompt, lo=0)
+    if num_hidden_layers is not None:
+        check_int("num_hidden_layers", num_hidden_layers, lo=0, hi=layout.num_layers)
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, (list, tuple, range)):
+        raise TypeError(f"chunks must be a list of chunk lengths (ints), got {type(chunks).__name__}")
+    for i, c in enumerate(chunks):
+        check_int(f"chunks[{i}]", c, lo=1, hi=BOUNDS["max_num_batched_tokens"][0])
+    if draft_groups is not None:
+        names = [g.name for g in layout.groups]
+        if isinstance(draft_groups, (str, bytes)) or not isinstance(draft_groups, (list, tuple, set, frozenset)):
+            raise TypeError(f"draft_groups must be a list of group names, got {draft_groups!r}")
+        bad = [x for x in draft_groups if x not in names]
+        if bad:
+            raise ValueError(f"draft_groups names {bad!r}, not groups of this layout ({names})")
+    return tuple(chunks)
+
+
 def _num_mtp(layout) -> int:
     # NOTE: DeepSeek-V4's MTP layers are the SWA-only tail of compress_ratios past num_hidden_layers; the layout
     # keeps num_layers only, so the draft layers are those the engine left unserved or put in a *_mtp group
@@ -200,12 +246,32 @@ def format_audit(a: dict) -> str:
     return "\n".join(lines)
 
 
+def _int_in(lo: int, hi: int):
+    """An argparse type: an int in ``[lo, hi]`` (argparse names the option in its one-line error)."""
+    import argparse
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s[:40]!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s[:40]}")
+        return v
+    parse.__name__ = "integer"
+    return parse
+
+
 def add_arguments(p) -> None:
     """The ``audit`` command's own options (``--config`` / ``--max-model-len`` come from the CLI)."""
     p.add_argument("--groups", default=None, help="vllm (vLLM 0.33's plan), or a JSON file of the engine's "
                    "kv_cache_groups (a KVCacheConfig dump); default: one group per role")
-    p.add_argument("--spec", type=int, default=0, metavar="N", help="speculative tokens (default 0)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
+    from ..capacity import BOUNDS
+
+    p.add_argument("--spec", type=_int_in(0, BOUNDS["num_speculative_tokens"][0]), default=0, metavar="N",
+                   help="speculative tokens (default 0)")
+    p.add_argument("--max-num-batched-tokens", type=_int_in(1, BOUNDS["max_num_batched_tokens"][0]), default=8192,
+                   metavar="N",
                    help="token budget of a step; sizes the sliding ring tables (default 8192)")
     p.add_argument("--draft-drop", default="scheduler", choices=("scheduler", "block"),
                    help="what a prefix hit drops for the draft group: one scheduler block (vLLM 0.33, the "
@@ -213,14 +279,39 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the audit as JSON")
 
 
+MAX_GROUPS_BYTES = 16 << 20
+"""Largest ``--groups`` file read (vLLM's plan of a 61-layer model is a few KiB)."""
+
+
+def read_groups_file(path: str):
+    """The JSON of an ``audit --groups`` file, bounded in size and depth before parsing; an
+    ``ValueError`` reading ``"--groups: ..."`` and naming the file otherwise (the CLI prints it as one line)."""
+    from .._json import BadJSON, decode_utf8, loads_bounded
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_GROUPS_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"--groups: cannot read {path}: {e.strerror or e}") from None
+    if len(raw) > MAX_GROUPS_BYTES:
+        raise ValueError(f"--groups: {path} is larger than {MAX_GROUPS_BYTES} bytes; not a KV-cache plan")
+    try:
+        return loads_bounded(decode_utf8(raw, path), path, raw=raw)
+    except BadJSON as e:
+        raise ValueError(f"--groups: {path} is not valid JSON: line {e.line}: {e.msg}") from None
+
+
 def audit_cmd(args) -> int:
     """``python -m dsv4_index audit``."""
     from .. import DSV4Layout
 
-    n = args.max_model_len or 32768
+    n = args.max_model_len or 32768   # NOTE: the CLI sets the documented default (cli.max_model_len_of)
     if args.groups and args.groups != "vllm":
-        with open(args.groups) as f:
-            layout = DSV4Layout.from_kv_cache_config(json.load(f), args.config, n)
+        plan = read_groups_file(args.groups)
+        try:
+            layout = DSV4Layout.from_kv_cache_config(plan, args.config, n)
+        except ValueError as e:
+            raise ValueError(f"--groups: {args.groups}: {e}") from None
     else:
         layout = DSV4Layout.from_config(args.config, n, groups=args.groups)
     from ..config import normalize_config

@@ -1,9 +1,10 @@
 """Command line of dsv4-index: ``python -m dsv4_index COMMAND`` (or the ``dsv4-index`` script).
 
-Every command takes ``--config`` (a shipped name ``flash`` | ``pro`` | ``tiny`` or a config.json path) and
-``--max-model-len`` (default: the config's ``max_position_embeddings``, at most 32768). "Padding" means the
-rows a step adds after its live tokens to reach the padded size ``T_pad`` (a CUDA-graph batch size);
-``T_pad`` = live tokens + padding.
+``layout``, ``demo``, ``inspect`` and ``audit`` take ``--config`` (a shipped name ``flash`` | ``pro`` | ``tiny`` |
+``v41_flash`` | ``tiny_v41`` or a config.json path) and ``--max-model-len`` (default: the config's
+``max_position_embeddings``, at most 32768); ``replay`` takes the trace file (the recorded layout; ``--config``
+replays it with another config). "Padding" means the rows a step adds after its live tokens to reach the padded
+size ``T_pad`` (a CUDA-graph batch size); ``T_pad`` = live tokens + padding.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import SHIPPED
 from .audit import add_arguments as audit_arguments, audit_cmd
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # package data (dsv4_index.config.CONFIG_DIR)
@@ -36,7 +38,7 @@ LAYOUT_COLUMNS = """\
 columns: gid = kv-cache group id; kind = full | sliding | circular; block = tokens per (kernel) block;
   f = kernel blocks per allocation block (hybrid blocks; 1 = plain); window = sliding window in tokens;
   width = logical blocks per request, ceil(max_model_len / block) (per DCP rank where sharded; sliding
-  groups store only a ring of their newest blocks);
+  groups store only a ring of their newest blocks; circular groups: the blocks of their ring);
   channels: R = compress ratio, S = rows per cache block, idx = index-list width (entries per token)"""
 
 
@@ -89,7 +91,7 @@ def sample_step(layout, *, seed: int = 0):
     def blocks(n_tokens):
         out = []
         for grp in layout.groups:
-            n = -(-n_tokens // grp.alloc_block_size)
+            n = grp.blocks_for(n_tokens)   # NOTE: a circular group: its ring, whatever the length
             ids = (torch.randperm(4000, generator=g)[:n] + next_id[0]).tolist()
             next_id[0] += 4000
             out.append(ids)
@@ -142,14 +144,17 @@ def demo(args) -> int:
                 row = ch.indices[t, :max(n, 1)].tolist()
                 cut = row if len(row) <= 10 else row[:8] + ["..."] + row[-2:]
                 print(f"    t={t:3d} len={n:5d}  {cut}")
-    if "c4a" in meta:
+    from .sample import indexed_channels
+
+    for name in indexed_channels(layout):
         K = int(layout.index_topk or 1)
         topk = torch.full((meta.num_tokens_padded, K), -1, dtype=torch.int32, device=device)
-        topk[:, :4] = torch.tensor([0, 3, 70, 10_000], dtype=torch.int32)
-        slots, lens = meta.topk_to_slots("c4a", topk)
-        print(f"\n[c4a] topk_to_slots of picks [0, 3, 70, 10000] (10000 is beyond every context): "
+        topk[:, :4] = torch.tensor([0, 3, 70, 10_000], dtype=torch.int32)[:K]
+        slots, lens = meta.topk_to_slots(name, topk)
+        print(f"\n[{name}] topk_to_slots of picks [0, 3, 70, 10000] (10000 is beyond every context): "
               f"token 0 -> {slots[0, :4].tolist()} len {int(lens[0])}")
     return 0
+
 
 
 def inspect_step(args) -> int:
@@ -298,16 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name: str, help: str, description: str = "", longest: int = MAX_MODEL_LEN) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=description or help)
-        p.add_argument("--config", default="flash", help="flash | pro | tiny | path to a config.json "
+        p.add_argument("--config", default="flash", help=f"{' | '.join(SHIPPED)} | path to a config.json "
                        "(default: flash)")
         p.add_argument("--max-model-len", type=_int_in(1, longest), default=None, metavar="N",
                        help="longest request in tokens; sizes every table (default: the config's "
                        f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN}; largest: 2**20 for demo and "
-                       "inspect, 2**24 for layout)")
+                       "inspect, 2**24 for layout and audit)")
         return p
 
     command("layout", "print the kv-cache groups and channels a config gives, with a key to the columns")
-    p = command("demo", "build one sample V4 step (2 decodes, 1 speculative decode, 1 prefill chunk) and "
+    p = command("demo", "build one sample step (2 decodes, 1 speculative decode, 1 prefill chunk) and "
                 "print its metadata", longest=SAMPLE_MAX_MODEL_LEN)
     p.add_argument("--device", type=_device, default=None,
                    help="pipeline device (default: cuda if available, else cpu)")
@@ -327,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "prints the first divergence, or a summary")
     p.add_argument("trace", help="JSONL trace written by dsv4_index.tools.trace.record_steps")
     p.add_argument("--config", default=None, help="replay with this config instead of the recorded layout "
-                   "(flash | pro | tiny | path); the recorded block sizes, rings and DCP are kept")
+                   f"({' | '.join(SHIPPED)} | path); the recorded block sizes, rings and DCP are kept")
     p.add_argument("--device", type=_device, default=None,
                    help="device of the checked pipeline (default: cuda if available)")
     p.add_argument("--backend", default=None, choices=("triton", "reference"),
@@ -350,6 +355,7 @@ def main(argv=None) -> int:
     elif args.cmd == "inspect":
         return inspect_step(args)
     elif args.cmd == "audit":
+        args.max_model_len = max_model_len_of(args)   # NOTE: the default every command documents
         return audit_cmd(args)
     else:
         return replay(args)

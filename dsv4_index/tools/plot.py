@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .sample import indexed_channels, ratio_label
 from .sample import sample_step, sample_step_batch  # noqa: F401  (re-exported: where they were)
 
 __all__ = ["draw_step", "sample_step_batch"]
@@ -150,7 +151,7 @@ def draw_step(meta, path, *, requests: Optional[Sequence] = None, max_rows: int 
         _zoom(fig, gs[2 + k, :], meta, b, qsl, seq, picks)
 
     fig.suptitle(title or f"dsv4-index step: {B} requests, {T} tokens (layout: {len(groups)} groups, "
-                 f"window {layout.sliding_window}, ratios {layout.c4_ratio}/{layout.c128_ratio}, "
+                 f"window {layout.sliding_window}, ratios {ratio_label(layout)}, "
                  f"max_model_len {layout.max_model_len})", fontsize=FS_SUPTITLE, y=0.995)
     path = str(path)
     try:
@@ -227,7 +228,8 @@ def _occupancy_panels(fig, gs, meta, qsl, seq, max_rows: int) -> None:
                 ax.set_ylabel("decode rows" if k == 0 else "prefill\nrows", fontsize=FS_LABEL)
             if k == 0:
                 ring = int(meta.ring_cols[g.gid])
-                kind_s = (f"circular: {g.ring_blocks} block(s) per request" if g.kind == "circular" else
+                kind_s = (f"circular: a ring of {g.ring_capacity} rows in {g.ring_blocks} block(s) per request"
+                          if g.kind == "circular" else
                           f"ring of {ring} columns, \u25bc newest block" if ring else
                           f"{g.kind}: columns {ncol} of {cat.shape[1]} shown")
                 win = f", window {g.window}" if g.window else ""
@@ -269,21 +271,24 @@ def _heat(ax, cmap, cat, head, ids, r0: int, r1: int, ncol: int) -> None:
 
 
 def _topk_picks(meta, topk, seed: int):
-    """(picks int64 [T_pad, K], slots int64 [T_pad, K]) for ``c4a``, or None."""
-    if "c4a" not in meta.channels:
+    """(channel, picks int64 [T_pad, K], slots int64 [T_pad, K]) for the first indexed channel (``c4a``; V4.1
+    ``c1a``), or None."""
+    names = [n for n in indexed_channels(meta.layout) if n in meta.channels]
+    if not names:
         return None
+    name = names[0]
     K = int(meta.layout.index_topk or 1)
     Tp = meta.num_tokens_padded
     if topk is None:
         g = torch.Generator().manual_seed(seed)
-        R = meta["c4a"].compress_ratio
+        R = meta[name].compress_ratio
         nc = (meta.positions.detach().cpu()[:Tp] + 1) // R
         u = torch.rand((Tp, K), generator=g)
         topk = (u * nc[:, None].clamp(min=1)).long()
         topk[:, -max(1, K // 16):] = nc[:, None] + torch.arange(max(1, K // 16))   # NOTE: invalid picks, -> -1
         topk = topk.to(torch.int32)
-    slots, _ = meta.topk_to_slots("c4a", topk.to(meta.query_start_loc.device))
-    return topk.detach().cpu().long().numpy(), slots.detach().cpu().long().numpy()
+    slots, _ = meta.topk_to_slots(name, topk.to(meta.query_start_loc.device))
+    return name, topk.detach().cpu().long().numpy(), slots.detach().cpu().long().numpy()
 
 
 def _block_colors(blocks: np.ndarray):
@@ -315,10 +320,10 @@ def _zoom(fig, spec, meta, b: int, qsl, seq, picks) -> None:
             p = np.arange(pos - n + 1, pos + 1)
             lanes.append((1, f"{name}: window of {n} (W={ch.window})", p, idx // ch.block_size, np.ones(n, bool)))
     if picks is not None:
-        tk, sl = picks
-        R, S = meta["c4a"].compress_ratio, meta["c4a"].rows_per_block
+        name, tk, sl = picks
+        R, S = meta[name].compress_ratio, meta[name].rows_per_block
         ok = sl[t] >= 0
-        lanes.append((0, f"c4a: top-k picks ({int(ok.sum())} of {tk.shape[1]} valid; x = invalid -> -1)",
+        lanes.append((0, f"{name}: top-k picks ({int(ok.sum())} of {tk.shape[1]} valid; x = invalid -> -1)",
                       tk[t] * R, np.where(ok, sl[t] // S, -1), ok))
     lanes.append((0, f"this step: positions {pos - q + 1}..{pos}", np.arange(pos - q + 1, pos + 1),
                   np.full(q, -1), np.ones(q, bool)))

@@ -10,8 +10,19 @@ import torch
 
 from .._common import cdiv
 from ..batch import StepBatch
+from ..specs import ratio_kinds
 
-__all__ = ["sample_step", "sample_step_batch"]
+__all__ = ["sample_step", "sample_step_batch", "indexed_channels", "ratio_label"]
+
+
+def indexed_channels(layout) -> list:
+    """The compressed channels a top-k converts into (``c4a``; V4.1: ``c1a``, ``c2a``), present in ``layout``."""
+    return [k.main for k in ratio_kinds(layout.compress_ratios) if k.kind == "c4" and k.main in layout.channels]
+
+
+def ratio_label(layout) -> str:
+    """The layout's compress ratios, ascending (``"4/128"``; V4.1 ``"1/2"``; ``"none"``)."""
+    return "/".join(str(k.ratio) for k in ratio_kinds(layout.compress_ratios)) or "none"
 
 
 def sample_step_batch(layout, num_requests: int, *, max_num_reqs: Optional[int] = None,

@@ -51,6 +51,7 @@ import json
 from pathlib import Path
 from typing import Iterator, List, Optional, Union
 
+from .._common import check_int
 from .._json import BadJSON, decode_utf8, loads_bounded
 from ..batch import StepBatch
 from ..geometry import ChannelSpec, DSV4Layout, GroupSpec
@@ -118,11 +119,12 @@ class Recorder:
     """
 
     def __init__(self, path: Union[str, Path], pipe, *, outputs: bool = True, values_limit: int = 4096):
+        _check_recording_args(pipe, path, outputs, values_limit)   # NOTE: before the file is created
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "w", encoding="utf-8")
         self.num_steps = self.num_rejected = self.num_outputs = 0
-        self.values_limit = int(values_limit)
+        self.values_limit = values_limit
         self._pipe, self._hook = pipe, None
         self._pending: Optional[int] = None
         from .. import __version__
@@ -192,6 +194,21 @@ class Recorder:
         self.close()
 
 
+def _check_recording_args(pipe, path, outputs, values_limit) -> None:
+    """``Recorder`` / ``record_steps`` arguments: TypeError / ValueError naming the argument."""
+    from ..pipeline import MetadataPipeline
+
+    if not isinstance(pipe, MetadataPipeline):
+        raise TypeError(f"pipe must be a MetadataPipeline, got {type(pipe).__name__}")
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"path must be a str or pathlib.Path, got {type(path).__name__}")
+    if not isinstance(outputs, bool):
+        raise TypeError(f"outputs must be a bool, got {outputs!r}")
+    if not isinstance(values_limit, int) or isinstance(values_limit, bool):
+        raise TypeError(f"values_limit must be an int >= 0, got {values_limit!r}")
+    check_int("values_limit", values_limit, lo=0)
+
+
 @contextlib.contextmanager
 def record_steps(pipe, path: Union[str, Path], *, outputs: bool = True, values_limit: int = 4096) -> Iterator[Recorder]:
     """Record every ``pipe.update(step, pad_to=...)`` inside the block into ``path`` and, with
@@ -202,9 +219,12 @@ def record_steps(pipe, path: Union[str, Path], *, outputs: bool = True, values_l
     step is recorded with its error (its ``step`` only when it was a StepBatch: an id-keyed step the
     pipeline refused was never converted on the pipeline's behalf), and the ``ValueError`` still
     propagates. Closing the block writes the trace's ``end`` line (its counts).
+
+    Blocks may nest (two traces of the same pipeline): a step inside both is recorded in both, and leaving
+    the inner block hands ``pipe.update`` / ``pipe.build`` back to the outer block's recorder.
     """
     rec = Recorder(path, pipe, outputs=outputs, values_limit=values_limit)
-    inner = pipe.update
+    prior, inner = pipe.__dict__.get("update"), pipe.update   # NOTE: prior: an outer block's wrapper, or None
 
     def update(step, *, pad_to=None):
         try:
@@ -226,7 +246,10 @@ def record_steps(pipe, path: Union[str, Path], *, outputs: bool = True, values_l
         raise
     finally:
         if pipe.__dict__.get("update") is update:
-            del pipe.update
+            if prior is None:
+                del pipe.update
+            else:
+                pipe.update = prior
         rec.close(error)
 
 

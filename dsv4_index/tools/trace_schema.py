@@ -1,3 +1,4 @@
+# over 400 lines: one schema, the checks of every field a trace line carries (header, layout, step, outputs)
 """Checks of every line of a step trace before the replay uses it: one :class:`TraceError` naming the
 file, the line and the field for anything a replay cannot use (types, bounds, capacities)."""
 
@@ -11,6 +12,7 @@ from .._json import one_line
 from ..capacity import check_capacities
 from ..group_plan import ROLES
 from ..geometry import DSV4Layout
+from ..layout_derive import check_kv_sources
 from ..specs import CHANNEL_OUTPUTS, GROUP_KINDS as KINDS, GROUP_ORDER, ChannelSpec, GroupSpec
 
 __all__ = ["TraceError", "check_header", "check_line", "check_capacity", "rebuild_layout", "LIMITS"]
@@ -124,7 +126,8 @@ _G_OPT = ("blocks_per_kv_block", "ring", "sharded", "role", "layers", "capacity"
 _C_REQ = ("name", "gid", "compress_ratio", "rows_per_block")
 _C_OPT = ("window", "index_width", "outputs", "compact", "builder")
 _L_REQ = ("groups", "channels", "max_model_len", "sliding_window", "index_topk", "compress_ratios", "num_layers")
-_L_OPT = ("c4_ratio", "c128_ratio", "indexer_causal_indices", "cp_world_size", "cp_interleave", "kv_sources")
+_L_OPT = ("c4_ratio", "c128_ratio", "indexer_causal_indices", "cp_world_size", "cp_interleave", "kv_sources",
+          "candidate_block_size", "candidate_topk_blocks", "candidate_source_layer")
 
 
 def _group(at: _At, d, f: str, i: int) -> GroupSpec:
@@ -214,6 +217,13 @@ def _layout(at: _At, d) -> DSV4Layout:
     kw["cp_interleave"] = at.int(d.get("cp_interleave", 1), "layout.cp_interleave", 1, LIMITS["block_size"])
     kw["kv_sources"] = tuple(at.int(x, f"layout.kv_sources[{i}]", 0, max(kw["num_layers"] - 1, 0))
                              for i, x in enumerate(at.list(d.get("kv_sources", []), "layout.kv_sources")))
+    try:  # NOTE: from_config's rule, also for layouts that are not re-derived (custom or V4.1 channels)
+        check_kv_sources(list(kw["kv_sources"]), kw["compress_ratios"], len(kw["compress_ratios"]))
+    except ValueError as e:
+        at.err("layout.kv_sources", str(e))
+    for k, hi in (("candidate_block_size", LIMITS["ratio"]), ("candidate_topk_blocks", LIMITS["topk"]),
+                  ("candidate_source_layer", LIMITS["layers"])):  # NOTE: V4.1's two-level indexer (issue 38)
+        kw[k] = at.int(d.get(k), f"layout.{k}", 0 if k == "candidate_source_layer" else 1, hi, none=True)
     at.unchecked |= _passthrough(d, extra, kw)
     try:
         layout = DSV4Layout(groups=groups, channels=channels, **kw)
@@ -253,6 +263,11 @@ def _derivable(at: _At, layout: DSV4Layout) -> None:
     config = dict(num_hidden_layers=len(layout.compress_ratios), num_nextn_predict_layers=0,
                   compress_ratios=list(layout.compress_ratios), sliding_window=layout.sliding_window,
                   index_topk=layout.index_topk, kv_source_layer_ids=list(layout.kv_sources))
+    if layout.candidate_block_size is not None:
+        config.update(candidate_block_size=layout.candidate_block_size,
+                      candidate_topk_blocks=layout.candidate_topk_blocks)
+        if layout.candidate_source_layer is not None:
+            config["candidate_source_layer_id"] = layout.candidate_source_layer
     try:
         derived = rebuild_layout(layout, config)
     except ValueError as e:

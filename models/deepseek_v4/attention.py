@@ -33,8 +33,9 @@ from torch import nn
 
 from .caches import LayerCache, PagedCaches, layer_channels
 from .config import DSV4Config
-from .layers import (NEG_INF, Compressor, Indexer, apply_rope, gather_rows, merge_partials,  # noqa: F401
-                     rms_norm, select_topk, sink_attention, sink_attention_lse, write_rows)
+from .layers import (NEG_INF, Compressor, Indexer, apply_rope, candidate_blocks, candidate_columns,  # noqa: F401
+                     gather_rows, merge_partials, rms_norm, select_topk, sink_attention, sink_attention_lse,
+                     write_rows)
 
 __all__ = ["DSV4Attention", "Compressor", "Indexer", "PagedCaches", "LayerCache", "layer_channels",
            "rms_norm", "apply_rope", "sink_attention", "sink_attention_lse", "merge_partials", "select_topk"]
@@ -51,6 +52,12 @@ class DSV4Attention(nn.Module):
     Top-k reuse (DeepSeek-V4.1, ``config.topk_source(layer_id) != layer_id``: an indexed layer that is no index
     source): the layer runs no indexer; it attends with its index source's top-k (pass ``topk``: the source's
     :meth:`dense_topk` / :meth:`paged_topk` of the same tokens) through its own ``topk_to_slots``.
+
+    Two-level indexer (DeepSeek-V4.1, ``config.candidate_role(layer_id)``): the candidate source also picks
+    ``nb`` blocks of ``C`` rows per token (:meth:`dense_candidates` / :meth:`paged_candidates`, the block score
+    being the max of its rows' indexer scores); a consumer (pass ``candidates``: the source's blocks of the same
+    tokens) scores only those blocks' columns and converts its picked columns with
+    ``meta.candidate_topk_to_slots``, its indexer keys gathered through ``meta.candidate_blocks_to_physical``.
     """
 
     def __init__(self, config: DSV4Config, layer_id: int):
@@ -72,6 +79,7 @@ class DSV4Attention(nn.Module):
                 self.compressor = Compressor(hid, D, span, eps)
         self.topk_source = config.topk_source(layer_id)  # NOTE: None unless indexed
         self.runs_indexer = self.topk_source == layer_id
+        self.candidate_role = config.candidate_role(layer_id)  # NOTE: "source" | "consumer" | None
         self.indexer = None  # NOTE: a kv source keeps the indexer keys' compressor even when it reuses a top-k
         if self.kind == "c4" and (self.runs_indexer or self.owns_kv):
             self.indexer = Indexer(config, self.ratio, span, own_keys=self.owns_kv)
@@ -102,15 +110,23 @@ class DSV4Attention(nn.Module):
         if self.kind == "c4" and not self.runs_indexer:
             src = layers[self.topk_source]
             kw["topk"] = src.dense_topk(x, **src.dense_kwargs(layers, x))
+        if self.candidate_role == "consumer":
+            src = layers[self.config.candidate[0]]
+            kw["candidates"] = src.dense_candidates(x, **src.dense_kwargs(layers, x))
         return kw
 
     def paged_kwargs(self, layers: Mapping[int, "DSV4Attention"], x: torch.Tensor, meta, caches: "PagedCaches"):
         """:meth:`forward_paged` keyword arguments of a V4.1 layer that runs no indexer: ``topk``, its index
         source's :meth:`paged_topk` of this step (the source's kv source ran its forward first); ``{}`` for every
         other layer. ``layers``: as in :meth:`dense_kwargs`; ``caches``: the model's :class:`PagedCaches`."""
-        if self.kind != "c4" or self.runs_indexer:
-            return {}
-        return {"topk": layers[self.topk_source].paged_topk(x, meta, caches[self.topk_source])}
+        kw = {}
+        if self.kind == "c4" and not self.runs_indexer:
+            src = layers[self.topk_source]
+            kw["topk"] = src.paged_topk(x, meta, caches[self.topk_source], **src.paged_kwargs(layers, x, meta, caches))
+        if self.candidate_role == "consumer":
+            src_id = self.config.candidate[0]
+            kw["candidates"] = layers[src_id].paged_candidates(x, meta, caches[src_id])
+        return kw
 
     # -- dense ---------------------------------------------------------------------------------
     def _dense_rows(self, comp: Compressor, state: torch.Tensor) -> torch.Tensor:
@@ -141,10 +157,21 @@ class DSV4Attention(nn.Module):
                              f"{self.kv_source}: pass that layer's compressed_rows() of its own input")
         return source_rows
 
-    def dense_topk(self, x: torch.Tensor, source_rows: Optional[dict] = None) -> torch.Tensor:
+    def dense_topk(self, x: torch.Tensor, source_rows: Optional[dict] = None,
+                   candidates: Optional[torch.Tensor] = None) -> torch.Tensor:
         """c4 layers: indexer top-k rows of each token of a whole sequence ``x [L, hidden]``;
-        int32 [L, index_topk], ``-1`` padded (``source_rows``: as in :meth:`forward_dense`)."""
-        return self._topk_or(None, lambda: self._topk(x, self._rows_of(x, source_rows)["idx"]))
+        int32 [L, index_topk], ``-1`` padded (``source_rows``, ``candidates``: as in :meth:`forward_dense`)."""
+        return self._topk_or(None, lambda: self._topk(x, self._rows_of(x, source_rows)["idx"], candidates))
+
+    def dense_candidates(self, x: torch.Tensor, source_rows: Optional[dict] = None, **_) -> torch.Tensor:
+        """The candidate source's blocks of each token of ``x [L, hidden]``: int32 [L, nb], ``-1`` padded."""
+        self._check_role("source")
+        _, C, nb = self.config.candidate
+        return candidate_blocks(self._scores(x, self._rows_of(x, source_rows)["idx"]), C, nb)
+
+    def _check_role(self, role: str) -> None:
+        if self.candidate_role != role:
+            raise ValueError(f"layer {self.layer_id} is no candidate {role} (its role: {self.candidate_role})")
 
     def _topk_or(self, topk: Optional[torch.Tensor], compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``compute()`` on a layer that runs its indexer; else its index source's ``topk`` (required)."""
@@ -157,20 +184,36 @@ class DSV4Attention(nn.Module):
                              f"layer {self.topk_source}'s top-k of the same tokens; pass it")
         return topk
 
-    def _topk(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """The indexer's top-k over the indexer keys float [n, d] of the sequence."""
-        L, K = x.shape[0], self.config.index_topk
+    def _scores(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Indexer scores float [L, n] of every token over the indexer keys float [n, d] (``-inf``: not visible)."""
+        L = x.shape[0]
         n_c = (torch.arange(L, device=x.device) + 1) // self.ratio
         visible = torch.arange(keys.shape[0], device=x.device)[None, :] < n_c[:, None]
-        return select_topk(self.indexer.scores(x, keys.expand(L, -1, -1), visible), K)
+        return self.indexer.scores(x, keys.expand(L, -1, -1), visible)
+
+    def _topk(self, x: torch.Tensor, keys: torch.Tensor, candidates: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The indexer's top-k over the indexer keys float [n, d] of the sequence; a candidate consumer scores
+        only the columns of ``candidates`` (int32 [L, nb]) and maps its picks back to rows."""
+        L, K = x.shape[0], self.config.index_topk
+        if self.candidate_role != "consumer":
+            return select_topk(self._scores(x, keys), K)
+        if candidates is None:
+            raise ValueError(f"candidates: layer {self.layer_id} is a candidate consumer: pass its candidate "
+                             f"source's (layer {self.config.candidate[0]}) blocks of the same tokens")
+        rows = candidate_columns(candidates, self.config.candidate[1])       # [L, nb * C]
+        n_c = (torch.arange(L, device=x.device) + 1) // self.ratio
+        valid = (rows >= 0) & (rows < n_c[:, None])
+        cols = select_topk(self.indexer.scores(x, keys[rows.clamp(0, max(keys.shape[0] - 1, 0))], valid), K)
+        return torch.where(cols >= 0, rows.gather(1, cols.clamp(min=0).long()), -1).to(torch.int32)
 
     def forward_dense(self, x: torch.Tensor, *, window_floor: int = 0, source_rows: Optional[dict] = None,
-                      topk: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      topk: Optional[torch.Tensor] = None, candidates: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One whole sequence at positions ``0..L-1``: float [L, hidden] -> float [L, hidden].
 
         ``source_rows``: a layer sharing its kv source's caches (V4.1) reads the source's rows, the source's
         :meth:`compressed_rows` of the source's input; None for every other layer. ``topk``: a layer that runs no
         indexer (V4.1) attends with its index source's :meth:`dense_topk` of ``x``; None for every other layer.
+        ``candidates``: a candidate consumer (V4.1) scores only its candidate source's :meth:`dense_candidates`.
 
         ``window_floor``: the sliding window of every token starts at this position at the earliest
         (bounded replay after a prefix-cache hit, docs/DESIGN.md §4: what a replayed token's window list holds;
@@ -185,7 +228,7 @@ class DSV4Attention(nn.Module):
             own = self._rows_of(x, source_rows)
             comp = own["comp"]  # [L // R, D]
             if self.kind == "c4":
-                rows = self._topk_or(topk, lambda: self._topk(x, own["idx"])).long()
+                rows = self._topk_or(topk, lambda: self._topk(x, own["idx"], candidates)).long()
             else:
                 rows = torch.arange(comp.shape[0], device=x.device).expand(L, -1)
                 rows = torch.where(rows < ((pos + 1) // self.ratio)[:, None], rows, -1)
@@ -229,18 +272,56 @@ class DSV4Attention(nn.Module):
         if circular:
             write_rows(state_cache, st.tail_slot_mapping, cur, ok)
 
-    def paged_topk(self, x: torch.Tensor, meta, caches: "LayerCache", topk_fn: Optional[Callable] = None):
+    def _paged_scores(self, x: torch.Tensor, meta, caches: "LayerCache") -> torch.Tensor:
+        """Indexer scores float [T_pad, N] over the entries of ``meta["c4i"].indices`` (causal: entry j is row j)."""
+        c4i = meta[layer_channels(meta.layout, self.layer_id, self.config)["c4i"]]
+        idx_keys, idx_valid = gather_rows(caches.idx_comp, c4i.indices, c4i.lens)
+        return self.indexer.scores(x, idx_keys, idx_valid)
+
+    def paged_topk(self, x: torch.Tensor, meta, caches: "LayerCache", topk_fn: Optional[Callable] = None,
+                   candidates: Optional[torch.Tensor] = None):
         """Indexed layers that run their indexer: this step's top-k, int32 [T_pad, index_topk] request-local
         compressed row ids (``-1`` padded), over the indexer keys cached through ``meta["c4i"]`` (written by this
-        step's :meth:`forward_paged` of the layer's kv source; ``topk_fn`` as there)."""
-        c4i = meta[layer_channels(meta.layout, self.layer_id, self.config)["c4i"]]  # causal: entry j is row j
-        idx_keys, idx_valid = gather_rows(caches.idx_comp, c4i.indices, c4i.lens)
-        scores = self.indexer.scores(x, idx_keys, idx_valid)
+        step's :meth:`forward_paged` of the layer's kv source; ``topk_fn`` as there). A candidate consumer
+        (``candidates``: its source's :meth:`paged_candidates`) picks columns (:meth:`paged_columns`), returned
+        here as the rows they name, for the layers that reuse its top-k."""
+        if self.candidate_role == "consumer":
+            cols = self.paged_columns(x, meta, caches, candidates, topk_fn)
+            rows = candidate_columns(candidates, self.config.candidate[1])
+            return torch.where(cols >= 0, rows.gather(1, cols.clamp(min=0).long()), -1).to(torch.int32)
+        return (topk_fn or select_topk)(self._paged_scores(x, meta, caches), self.config.index_topk)
+
+    def paged_candidates(self, x: torch.Tensor, meta, caches: "LayerCache") -> torch.Tensor:
+        """The candidate source's blocks of this step: int32 [T_pad, nb] request-local block ids, ``-1`` padded
+        (from the same scores as its top-k; the kv source wrote this step's indexer keys first)."""
+        self._check_role("source")
+        _, C, nb = self.config.candidate
+        return candidate_blocks(self._paged_scores(x, meta, caches), C, nb)
+
+    def paged_columns(self, x: torch.Tensor, meta, caches: "LayerCache", candidates: Optional[torch.Tensor],
+                      topk_fn: Optional[Callable] = None) -> torch.Tensor:
+        """A candidate consumer's picks: int32 [T_pad, index_topk] sparse columns (``-1`` padded) over the
+        ``nb * C`` columns of ``candidates`` (int32 [T_pad, nb]), its indexer keys read at the slots
+        ``phys[t, j // C] * C + j % C`` of ``meta.candidate_blocks_to_physical`` (a column is visible iff its
+        row is below the token's ``n_c``, ``meta["c4i"].lens``)."""
+        self._check_role("consumer")
+        if candidates is None:
+            raise ValueError(f"candidates: layer {self.layer_id} is a candidate consumer: pass its candidate "
+                             f"source's (layer {self.config.candidate[0]}) paged_candidates() of this step")
+        ch, C = layer_channels(meta.layout, self.layer_id, self.config), self.config.candidate[1]
+        a, i = meta.layout.channels[ch["c4a"]], meta.layout.channels[ch["c4i"]]
+        assert (a.gid, a.rows_per_block) == (i.gid, i.rows_per_block)  # NOTE: one slot space for both caches
+        phys, _ = meta.candidate_blocks_to_physical(ch["c4a"], candidates)
+        j = torch.arange(phys.shape[1] * C, device=phys.device)
+        p = phys[:, j // C].long()
+        slots = torch.where(p >= 0, p * C + j % C, -1)
+        valid = (slots >= 0) & (candidate_columns(candidates, C) < meta[ch["c4i"]].lens[:, None])
+        scores = self.indexer.scores(x, caches.idx_comp[slots.clamp(min=0)], valid)
         return (topk_fn or select_topk)(scores, self.config.index_topk)
 
     def forward_paged(self, x: torch.Tensor, meta, caches: "LayerCache", *, return_lse: bool = False,
                       with_sink: bool = True, topk_fn: Optional[Callable] = None,
-                      topk: Optional[torch.Tensor] = None):
+                      topk: Optional[torch.Tensor] = None, candidates: Optional[torch.Tensor] = None):
         """One step's tokens (batch order of ``meta``): float [T_pad, hidden] -> float [T_pad, hidden].
 
         Writes this step's kv / compressor state / completed compressed rows into ``caches`` and reads
@@ -253,7 +334,8 @@ class DSV4Attention(nn.Module):
         indexer's rows: ``scores float [T_pad, N]`` over the entries of ``meta["c4i"].indices``
         (``-inf`` = not listed) -> int32 [T_pad, k] request-local row ids (default
         :func:`select_topk`; a DCP rank passes one that selects over every rank's scores). ``topk``: a layer
-        that runs no indexer (V4.1) attends with its index source's :meth:`paged_topk` of this step.
+        that runs no indexer (V4.1) attends with its index source's :meth:`paged_topk` of this step;
+        ``candidates``: a candidate consumer's source's :meth:`paged_candidates` of this step.
         """
         ok = meta.is_valid_token
         ch = layer_channels(meta.layout, self.layer_id, self.config)  # NOTE: channel names of this layer
@@ -272,8 +354,12 @@ class DSV4Attention(nn.Module):
         win, win_valid = gather_rows(caches.swa, swa.indices, swa.lens)
         keys, valid = [win], [win_valid]
         if self.kind == "c4":
-            topk = self._topk_or(topk, lambda: self.paged_topk(x, meta, caches, topk_fn))
-            slots, lens = meta.topk_to_slots(ch["c4a"], topk)
+            if self.candidate_role == "consumer":  # NOTE: its columns, converted by the candidate channel
+                cols = self.paged_columns(x, meta, caches, candidates, topk_fn)
+                slots, lens = meta.candidate_topk_to_slots(ch["c4a"], candidates, cols)
+            else:
+                topk = self._topk_or(topk, lambda: self.paged_topk(x, meta, caches, topk_fn))
+                slots, lens = meta.topk_to_slots(ch["c4a"], topk)
             # NOTE: converted in place (not compacted): under DCP rows owned elsewhere are -1 between
             # owned ones, so an entry is valid iff its slot is (lens only counts them).
             rows, rows_valid = gather_rows(caches.comp, slots, torch.full_like(lens, slots.shape[1]))

@@ -99,6 +99,31 @@ class DSV4Config:
         self.layer_kind(layer_id)  # NOTE: the range check
         return topk_owners(self.compress_ratios, self.raw.get("index_source_layer_ids") or ()).get(layer_id)
 
+    @property
+    def candidate(self):
+        """DeepSeek-V4.1's two-level indexer: ``(candidate_source_layer_id, candidate_block_size C,
+        candidate_topk_blocks nb)``, or None without it (a size of 0 or a negative / absent source)."""
+        r = self.raw
+        src, C, nb = r.get("candidate_source_layer_id"), r.get("candidate_block_size"), r.get("candidate_topk_blocks")
+        if src is None or src < 0 or not C or not nb:
+            return None
+        return int(src), int(C), int(nb)
+
+    def candidate_role(self, layer_id: int):
+        """``"source"`` (the layer picking the candidate blocks), ``"consumer"`` (an index-source layer of the
+        source's ratio above it, in the backbone: it scores only the candidate blocks' columns) or None."""
+        self.layer_kind(layer_id)  # NOTE: the range check
+        cand = self.candidate
+        if cand is None:
+            return None
+        src = cand[0]
+        if layer_id == src:
+            return "source"
+        if (src < layer_id < self.num_hidden_layers and self.topk_source(layer_id) == layer_id
+                and self.compress_ratios[layer_id] == self.compress_ratios[src]):
+            return "consumer"
+        return None
+
     def layer_ids(self, kind: str):
         """Layer ids of one kind, ascending."""
         return [i for i in range(self.num_layers) if self.layer_kind(i) == kind]

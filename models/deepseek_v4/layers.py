@@ -110,6 +110,23 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.nn.functional.pad(out, (0, k - out.shape[1]), value=-1)
 
 
+def candidate_blocks(scores: torch.Tensor, block: int, k: int) -> torch.Tensor:
+    """V4.1's candidate source: the ``k`` best blocks of ``block`` consecutive rows of ``scores [T, N]`` (entry
+    ``j`` = row ``j``, ``-inf`` = not visible), a block scoring the max of its visible rows (``-inf``: none, so a
+    block whose first row is not visible is never picked); ties to the lower block. int32 [T, k], ``-1`` padded."""
+    pad = (-scores.shape[1]) % block
+    s = torch.nn.functional.pad(scores, (0, pad), value=NEG_INF)
+    return select_topk(s.unflatten(1, (-1, block)).amax(-1), k)
+
+
+def candidate_columns(blocks: torch.Tensor, block: int) -> torch.Tensor:
+    """The request-local row of every sparse column of a consumer: ``blocks [T, nb]`` -> int64 [T, nb * block],
+    ``blocks[t, j // C] * C + j % C``, ``-1`` under a ``-1`` block (docs/DESIGN.md §4 "Candidate blocks")."""
+    j = torch.arange(blocks.shape[1] * block, device=blocks.device)
+    b = blocks.long()[:, j // block]
+    return torch.where(b >= 0, b * block + j % block, -1)
+
+
 def gather_rows(cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor):
     """Rows of ``cache`` named by an index list (``indices [T, N]``, first ``lens [T]`` entries, ``-1``
     masked). Returns (float [T, N, D], bool valid [T, N])."""

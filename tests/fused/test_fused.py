@@ -253,7 +253,7 @@ def test_plan_grid_is_host_sized_and_shares_identical_geometry():
     t_super = plan._variants[1]["t_super"]
     more_req = n_req * (cdiv(t_super + 2 + plan.small_from, plan.block_r) - cdiv(2 + plan.small_from, plan.block_r))
     t0 = plan.small_from
-    assert plan.num_programs(t0 + 1 + t_super) - plan.num_programs(t0 + 1) == n_tok + more_req  # one more super tile
+    assert plan.grid(t0 + 1 + t_super) - plan.grid(t0 + 1) == n_tok + more_req  # one more super tile
     # NOTE: c4a and c4i have one geometry: one compressed-slot task (DESIGN §10), one per geometry
     geoms = {(c.gid, c.compress_ratio, c.rows_per_block) for c in layout.channels.values() if c.compress_ratio > 1}
     assert sum(t.kind == "compressed" for t in plan.tasks) == len(geoms) == 2
@@ -272,7 +272,7 @@ def test_plan_grid_is_host_sized_and_shares_identical_geometry():
     gpu = FusedPlan(plan.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 1, tiny=TINY, small=SMALL,
                     large=LARGE)
     small_8k = gpu._variants[1]["p_super"] * cdiv(8192, gpu._variants[1]["t_super"])
-    assert gpu.num_programs(8192) < small_8k
+    assert gpu.grid(8192) < small_8k
 
 
 @pytest.mark.parametrize("case", ["tiny_ring_indexer_causal", "compact_compressed", "circular_state_groups",

@@ -193,11 +193,14 @@ def admit(slot, base, nc, q):
 
 
 def owners_of(pipe):
-    """A copy of the pipeline's ownership records: holder counts (non-zero ones), floors, ring marks, frontiers."""
-    o = pipe.requests.owners
-    nz = np.flatnonzero(o.count)
-    return {"count": dict(zip(nz.tolist(), o.count[nz].tolist())),
-            **{k: getattr(o, k).copy() for k in ("floor", "ring_lo", "checked", "frontier")}}
+    """A copy of the pipeline's ownership records (``BlockOwners.snapshot``: fills, floors, ring marks, frontiers)."""
+    return pipe.requests.owners.snapshot()
+
+
+def same_owners(a: dict, b: dict) -> bool:
+    """Two :func:`owners_of` snapshots are equal."""
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k]
+                                        for k in a)
 
 
 def reject(pipe, step, pattern):
@@ -210,5 +213,5 @@ def reject(pipe, step, pattern):
     assert "\n" not in msg, msg
     assert not diff(before, state(pipe)), "the rejected step changed the pipeline"
     after = owners_of(pipe)
-    assert own["count"] == after["count"] and all(np.array_equal(own[k], after[k]) for k in own if k != "count")
+    assert same_owners(own, after)
     return msg

@@ -32,3 +32,17 @@ def two_layer_layout(max_model_len=256, circular=None) -> DSV4Layout:
 def flash_layout(**kw) -> DSV4Layout:
     """The shipped V4-Flash config (``max_model_len`` 2048 unless given)."""
     return DSV4Layout.from_config("flash", max_model_len=kw.pop("max_model_len", 2048), **kw)
+
+
+def trace_layout(kind: str) -> DSV4Layout:
+    """:data:`TWO_LAYERS` for the scheduler traces of the ownership tests: mla bs 32 (full, prefix-cacheable), swa
+    bs 8 W 16, c4_state bs 4 W 8, c128_state bs 8 W 16; ``kind``: ``"rings"``, ``"full_tables"`` (plain sliding
+    tables), ``"circular"`` (c128_state 24, c4_state 12) or ``"hybrid"`` (kernel blocks mla 16, swa 4)."""
+    kw: dict = dict(mla_block_size=32, swa_block_size=8, c4_state_block_size=4, c128_state_block_size=8)
+    if kind == "circular":
+        kw["circular"] = {"c128_state": 24, "c4_state": 12}
+    elif kind == "full_tables":
+        kw["sliding_tables"] = "full"
+    elif kind == "hybrid":
+        kw["kernel_block_size"] = {"mla": 16, "swa": 4}
+    return DSV4Layout.from_config(TWO_LAYERS, 256, **kw)

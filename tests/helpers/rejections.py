@@ -82,8 +82,6 @@ def state(pipe: MetadataPipeline, ids: bool = True) -> dict:
     out = {}
     owners = [("pipe", pipe), ("tables", pipe.tables), ("slot_map", pipe.slot_map), ("staging", pipe.staging),
               ("ctx", pipe.ctx), ("requests", pipe.requests)]
-    if pipe.requests.cache is not None:  # NOTE: the steady path's batch cache (its scratch is not state)
-        owners.append(("steady", pipe.requests.cache))
     for owner, obj in owners:
         for k, v in vars(obj).items():
             out[f"{owner}.{k}"] = _freeze(v, ids)

@@ -16,7 +16,8 @@ from dsv4_index import ops, reference
 
 OPS_DIR = Path(dsv4_index.__file__).parent / "ops"
 OP_NAMES = ["token_to_req", "slot_mapping", "compressed_slot_mapping", "window_indices",
-            "causal_compressed_indices", "topk_to_slots", "indexer_lengths"]
+            "causal_compressed_indices", "topk_to_slots", "indexer_lengths", "candidate_blocks_to_physical",
+            "candidate_topk_to_slots"]
 HIGHER = ("channels", "pipeline", "fused", "state", "validate", "kernels", "block_table", "geometry")
 
 

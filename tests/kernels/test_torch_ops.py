@@ -33,6 +33,7 @@ def cases(device="cpu", backend="reference"):
     topk = torch.tensor([[0, 1, 5, -1]] * 12, dtype=I32, device=device)
     trows = torch.tensor([2, 0, 0, 1, 1, 1, 1, 1] + [-1] * 4, dtype=I32, device=device)
     tnc = torch.tensor([5, 3, 3, 1, 1, 1, 2, 2] + [0] * 4, dtype=I32, device=device)
+    cblk = torch.tensor([[1, 0, -1]] * 12, dtype=I32, device=device)   # V4.1 candidate blocks (C = 2)
     kw = dict(num_tokens=12, backend=backend)
 
     def e(*shape, dtype=I32):
@@ -62,6 +63,16 @@ def cases(device="cpu", backend="reference"):
         "topk_to_slots_rows": (OPS.topk_to_slots_rows, (topk, trows, tnc, bt, 2, 2, 12), dict(backend=backend)),
         "topk_to_slots_rows_out": (OPS.topk_to_slots_rows_out, (topk, trows, tnc, bt, 2, 2, 12, e(12, 4), e(12)),
                                    dict(backend=backend)),
+        "candidate_topk_to_slots_rows": (OPS.candidate_topk_to_slots_rows, (cblk, topk, trows, tnc, bt, 2, 2, 2, 12),
+                                         dict(backend=backend, compact=True)),
+        "candidate_topk_to_slots_rows_out": (OPS.candidate_topk_to_slots_rows_out,
+                                             (cblk, topk, trows, tnc, bt, 2, 2, 2, 12, e(12, 4), e(12)),
+                                             dict(backend=backend)),
+        "candidate_blocks_to_physical_rows": (OPS.candidate_blocks_to_physical_rows,
+                                              (cblk, trows, tnc, bt, 2, 2, 2, 12), dict(backend=backend)),
+        "candidate_blocks_to_physical_rows_out": (OPS.candidate_blocks_to_physical_rows_out,
+                                                  (cblk, trows, tnc, bt, 2, 2, 2, 12, e(12, 3), e(12)),
+                                                  dict(backend=backend)),
         "indexer_lengths": (OPS.indexer_lengths, (qsl, seq, 4), dict(kw, next_n=2, num_decodes=2)),
         "indexer_lengths_out": (OPS.indexer_lengths_out, (qsl, seq, 4, e(12), e(12), e(12), e(4), e(2, 2)),
                                 dict(next_n=2, num_decodes=2, backend=backend)),
@@ -239,3 +250,34 @@ def test_reduce_overhead_uses_cuda_graphs_with_build_outside():
     assert sum(counters["graph_break"].values()) == 0
     mgr = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert mgr is not None and len(mgr.roots) > 0   # NOTE: a CUDA graph was recorded
+
+
+def test_candidate_meta_methods_compile_and_equal_eager():
+    """V4.1's candidate conversions inside a fullgraph compile: zero graph breaks, values equal to the eager
+    meta methods (which the pipeline tests hold against the references)."""
+    layout = DSV4Layout.from_config("tiny_v41", max_model_len=256, mla_block_size=16, swa_block_size=8)
+    pipe = MetadataPipeline(layout, 6, 32, "cpu", 1)
+
+    def fwd(meta, blocks, cols):
+        phys, cnt = meta.candidate_blocks_to_physical("c1a", blocks)
+        slots, lens = meta.candidate_topk_to_slots("c1a", blocks, cols, compact=True)
+        return phys.sum(1) + cnt + slots.sum(1) + lens
+
+    cf = torch.compile(fwd, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for step, _ in random_trace(layout, 5, seed=3, max_num_batched_tokens=32, max_num_seqs=6,
+                                num_speculative_tokens=1):
+        pipe.update(step, pad_to=32)
+        meta = pipe.build()
+        blocks = torch.randint(-1, 40, (32, 4), generator=g, dtype=I32)
+        cols = torch.randint(-1, 9, (32, 4), generator=g, dtype=I32)
+        want = fwd(meta, blocks, cols).clone()
+        assert torch.equal(cf(meta, blocks, cols), want)
+        n += int(want.abs().sum() > 0)
+        a = T.candidate_topk_to_slots(meta, "c1a", blocks, cols)
+        b = meta.candidate_topk_to_slots("c1a", blocks, cols)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert n > 0 and sum(counters["graph_break"].values()) == 0

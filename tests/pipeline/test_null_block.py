@@ -36,9 +36,8 @@ def _layout(sliding_tables="ring"):
                                   indexer_causal_indices=True, sliding_tables=sliding_tables)
 
 
-def _pipe(checks="full", steady=True, sliding_tables="ring"):
-    return MetadataPipeline(_layout(sliding_tables), 4, 64, "cpu", 0, checks=checks, backend="reference",
-                            steady=steady)
+def _pipe(checks="full", sliding_tables="ring"):
+    return MetadataPipeline(_layout(sliding_tables), 4, 64, "cpu", 0, checks=checks, backend="reference")
 
 
 def _lists(swa_nulls=5, c4_nulls=10, c128_nulls=4, mla=(1, 2, 3, 4)):
@@ -131,7 +130,7 @@ def test_held_blocks_across_the_end_of_the_ring_are_accepted():
     """swa keeps a ring of 10 columns: at 80 cached tokens the window starts in block 9 (column 9) and the
     row holds block 10 in column 0; the general path reads both (and nothing past the row)."""
     lists = ([1, 2, 3, 4, 5, 6], [0] * 9 + [10, 11], [0] * 18 + [20, 21, 22], [0] * 8 + [40, 41, 42])
-    p = _pipe(steady=False)
+    p = _pipe()
     assert int(p.tables.ring[1]) == 10
     p.update(_new(lists, nc=80))
     for nc in (84, 85):
@@ -142,10 +141,11 @@ def test_held_blocks_across_the_end_of_the_ring_are_accepted():
             r"slot 0 reads gid 1 \(swa\) from block 8 .* but its ring columns hold blocks 9 and up only")
 
 
-def test_steady_and_general_paths_give_one_message():
-    msgs, steady = [], []
-    for use_steady in (True, False):
-        p = _pipe(steady=use_steady)
+def test_the_pass_and_its_definition_give_one_message():
+    msgs = []
+    for cross_check in (False, True):  # NOTE: True: the compiled checks compared with their definition
+        p = _pipe()
+        p.requests.cross_check = cross_check
         p.update(_new(_lists()))
         p.update(_decode(([], [], [33], []), 52))
         b, _ = batch_from_step(_decode(([], [], [], []), 53), p.slot_map, 4)
@@ -153,9 +153,7 @@ def test_steady_and_general_paths_give_one_message():
                                   write_cu=np.array([0, 1]), write_ids=np.array([0]))
         msgs.append(_reject(p, bad, r"null block 0 in sliding group gid 2 \(c4_state\) .* block 14 "))
         p.update(dataclasses.replace(bad, write_ids=np.array([34])))
-        steady.append(p.last_plan.steady)
     assert msgs[0] == msgs[1]
-    assert steady == [True, False]  # NOTE: the steady path saw the step (and left it to the general one)
 
 
 def test_validate_names_the_first_entry_and_counts_the_rest():

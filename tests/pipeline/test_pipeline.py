@@ -8,6 +8,7 @@ from dsv4_index import MetadataPipeline, StepInput, batch_from_step
 from dsv4_index.channels.base import _REGISTRY
 from dsv4_index.testing.scheduler import random_trace
 
+from helpers.expected import expected_rows
 from helpers.layouts import flash_layout as _flash, tiny_layout
 from helpers.pipelines import HAS_TRITON, eventful_trace
 
@@ -22,59 +23,6 @@ def registry():
     yield
     _REGISTRY.clear()
     _REGISTRY.update(saved)
-
-
-def _slot(bt, x, rows):
-    b = x // rows
-    return bt[b] * rows + x % rows if b < len(bt) else -1
-
-
-def expected_rows(layout, view, next_n, q_start=0):
-    """Plain-Python DESIGN §4 for one scheduled request: {channel: {field: list per token}}.
-    ``q_start``: the request's first token row (circular windows read in-step rows ``-2 - row``)."""
-    out = {}
-    for name, ch in layout.channels.items():
-        g = layout.groups[ch.gid]
-        bt = view.block_ids[ch.gid]
-        if g.kind == "circular":  # NOTE: one block of `capacity` rows, written as a ring
-            assert len(bt) == 1
-
-            def slot(q, bt=bt, cap=g.block_size):
-                return bt[0] * cap + q % cap
-        else:
-            def slot(q, bt=bt, bs=g.block_size):
-                return _slot(bt, q, bs)
-        replayed = g.prefix_cacheable  # NOTE: replayed tokens write nothing into prefix-cacheable groups
-        rows = {}
-        for p in view.positions:
-            if ch.compress_ratio == 1:  # raw-token window channel
-                lo = max(p - ch.window + 1, view.replay_start)
-                s0 = view.num_computed_tokens
-                win = [-2 - (q_start + q - s0) if g.kind == "circular" and q >= s0 else slot(q)
-                       for q in range(lo, p + 1)]
-                width = ch.index_width
-                rows.setdefault("slot_mapping", []).append(-1 if replayed and p < view.replay_end else slot(p))
-                if g.kind == "circular":  # NOTE: the write plan: the chunk's last `capacity` tokens
-                    rows.setdefault("tail_slot_mapping", []).append(slot(p) if p >= view.seq_len - g.block_size
-                                                                    else -1)
-                rows.setdefault("indices", []).append(win + [-1] * (width - len(win)))
-                rows.setdefault("lens", []).append(len(win))
-                continue
-            R, S = ch.compress_ratio, ch.rows_per_block
-            n_c = (p + 1) // R
-            done = (p + 1) % R == 0 and not (replayed and p < view.replay_end)
-            rows.setdefault("compressed_slot_mapping", []).append(_slot(bt, p // R, S) if done else -1)
-            if "ks" in ch.outputs:
-                rows.setdefault("lens", []).append(n_c)
-            if "indices" in ch.outputs:
-                width = ch.index_width
-                assert n_c <= width  # NOTE: widths come from capacity; rows are never cut
-                ids = [_slot(bt, j, S) for j in range(n_c)]
-                rows.setdefault("indices", []).append(ids + [-1] * (width - len(ids)))
-                if "ks" not in ch.outputs:
-                    rows.setdefault("lens", []).append(len(ids))
-        out[name] = rows
-    return out
 
 
 def check_step(layout, meta, views, next_n, pipe=None):

@@ -5,7 +5,8 @@ with ``ast``:
 
 * ``ops/`` (the functional ops) imports nothing of ``channels``, ``state``, ``fused``, ``pipeline``,
   ``validate``;
-* ``ops/<op>/kernel.py`` and ``ops/<op>/naive.py`` never import one another (any op);
+* ``ops/<op>/kernel.py`` and ``ops/<op>/naive.py`` never import one another (any op), nor do
+  ``state/<pass>/kernel.py`` and ``state/<pass>/naive.py``;
 * ``fused/`` imports no built-in channel module (it only packs what builders hand it);
 * the static import graph of the package is acyclic, every import statement counted (module-level,
   function-level, ``TYPE_CHECKING``), and the core never imports the tools (``dsv4_index.tools``,
@@ -152,11 +153,13 @@ def test_ops_import_no_higher_layer(path):
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("path", [p for p in FILES if p.parent.parent == PKG / "ops" and
+@pytest.mark.parametrize("path", [p for p in FILES if p.parent.parent in (PKG / "ops", PKG / "state") and
                                   p.name in ("kernel.py", "naive.py")], ids=lambda p: str(p.relative_to(PKG)))
 def test_kernel_and_naive_never_import_each_other(path):
+    """``ops/<op>/`` and ``state/<pass>/``: the compiled pass and its definition stand apart."""
     other = "naive" if path.name == "kernel.py" else "kernel"
-    bad = {n for n in imports_of(path) if n.startswith("dsv4_index.ops.") and n.split(".")[-1] == other}
+    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:2]) + "."
+    bad = {n for n in imports_of(path) if n.startswith(pkg) and n.split(".")[-1] == other}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 

@@ -169,7 +169,7 @@ assert got == [18, 19, 36], got                      # positions 2, 3, 4: 4*4+2,
 try:
     d.slot_mapping(qsl, seq, bt, 4, backend="triton")
 except TritonUnavailable as e:
-    assert "pip install triton" in str(e), e
+    assert "pip install 'dsv4-index[triton]'" in str(e), e
 else:
     raise AssertionError("backend='triton' without triton did not raise")
 print("OK without triton")
@@ -199,7 +199,7 @@ def test_interpreter_asked_without_triton_says_what_to_install():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=hang_guard())
     assert p.returncode != 0, p.stdout + p.stderr
-    assert "TritonUnavailable" in p.stderr and "pip install triton" in p.stderr, p.stderr
+    assert "TritonUnavailable" in p.stderr and "pip install 'dsv4-index[triton]'" in p.stderr, p.stderr
 
 
 @pytest.mark.slow  # ./dev quick skips it

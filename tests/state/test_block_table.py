@@ -357,8 +357,8 @@ def test_block_id_bound_is_the_write_runs_bound(f):
 
 @pytest.mark.parametrize("f", [1, 2, 4])
 def test_rows_are_the_state_expansion_at_the_state_destinations(f):
-    """What an upload stores equals ``BlockTables.expand`` of the allocation ids, at the offsets
-    ``BlockTables.destinations`` gives for the same (slot, first block) runs."""
+    """What an upload stores equals ``BlockTables.expand`` of the allocation ids, at the flat
+    offsets of the row's first columns (DESIGN §4: ``base + slot * cols + column``)."""
     rng = np.random.default_rng(f)
     m = MultiGroupBlockTable([(12, 16, 1), (12, 8, f)], 5, "cpu")
     t, store = m[1], m[1]._upload.store
@@ -370,5 +370,5 @@ def test_rows_are_the_state_expansion_at_the_state_destinations(f):
     for r, x in ids.items():
         gid = np.ones(1, dtype=np.int64)
         _, cu, want = store.expand(gid, np.zeros(1, dtype=np.int64), np.array([0, x.size]), x.astype(np.int64))
-        _, dst = store.destinations(gid, np.array([r]), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), cu)
+        dst = store.base[1] + r * store.cols[1] + np.arange(int(cu[-1]))  # NOTE: a plain table: columns 0..n-1
         assert flat[dst].tolist() == want.tolist() == t.row(r).tolist()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4_index import DSV4Layout
-from models.deepseek_v4 import DSV4Attention, PagedCaches, load_config
+from models.deepseek_v4 import DSV4Attention, PagedCaches, init_weights, load_config
 
 from helpers.paged_model import layer_picks, run_trace
 
@@ -109,3 +109,28 @@ def test_v41_tiny_paged_equals_dense(seed, layout_kw):
     seen = run_trace(seed, 30, num_blocks=60, budget=24, chunk=7, prefix=True, prefix_prob=0.6, prompt_hi=120,
                      cfg=V41, **layout_kw)
     assert seen["rejected"] > 0 and seen["finished"] > 0 and seen["hits"] > 0 and seen["replayed"] > 0, seen
+
+
+def test_v41_candidate_layers():
+    """The two-level indexer of the tiny model: layer 3 is the candidate source (2-row blocks, 4 of them), layer 4
+    a consumer scoring only their columns. The candidates matter: on a long sequence the consumer's top-k differs
+    from the top-k over every row, and each of its picks lies in one of its token's candidate blocks."""
+    assert V41.candidate == (3, 2, 4)
+    assert [V41.candidate_role(i) for i in range(6)] == [None, None, None, "source", "consumer", None]
+    src, con = DSV4Attention(V41, 3), DSV4Attention(V41, 4)
+    init_weights(src, 13), init_weights(con, 14)
+    x = torch.randn(60, V41.hidden_size, generator=torch.Generator().manual_seed(0))
+    rows = src.compressed_rows(x)
+    blocks = src.dense_candidates(x)
+    assert blocks.shape == (60, 4) and blocks.dtype == torch.int32
+    assert ((blocks < 0) | (blocks * 2 <= torch.arange(60)[:, None])).all()   # a block's first row is visible
+    topk = con.dense_topk(x, source_rows=rows, candidates=blocks)
+    ok = topk >= 0
+    assert ok.sum() > 100 and ((topk // 2)[..., None] == blocks[:, None, :]).any(-1)[ok].all()
+    everything = con._scores(x, rows["idx"]).topk(4, dim=1).indices.to(torch.int32)
+    assert not torch.equal(topk[30:], everything[30:])
+    with pytest.raises(ValueError, match="candidates: layer 4 is a candidate consumer"):
+        con.dense_topk(x, source_rows=rows)
+    with pytest.raises(ValueError, match="layer 4 is no candidate source"):
+        con.dense_candidates(x, source_rows=rows)
+    assert "candidates" in con.dense_kwargs({3: src, 4: con}, x) and "candidates" not in src.dense_kwargs({3: src}, x)

@@ -7,7 +7,7 @@ per program, see :func:`tile_config`). Loads of ``topk``
 and stores of the slots are row-contiguous (coalesced); positions, picks, blocks and slots are
 int32 (``bt * S + lc % S``: the callers check slots fit int32); ``rows_per_block``,
 ``compress_ratio`` and the DCP geometry are ``constexpr`` (fixed per channel and rank: divisions
-become shifts), the counts are runtime. One body, :func:`dsv4_index.ops._device.topk_slot`, two
+become shifts), the counts are runtime. One body, :func:`dsv4_index.ops._device.store_topk_slots`, two
 entry points:
 
 * :func:`launch` (the public op): one binary search per token (``searched_tokens``), never per pick;
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..._triton import triton, tl
-from .._device import row_in_table, searched_tokens, topk_slot, visible_rows
+from .._device import row_in_table, searched_tokens, store_topk_slots, visible_rows
 
 TILE_ELEMS = 512  # picks per program (BLOCK_T * BLOCK_K) when a row is shorter
 
@@ -48,33 +48,6 @@ def _load_picks(topk_ptr,  # [topk_rows, >= K] int32 | int64, row stride topk_st
     k = tl.arange(0, BLOCK_K)[None, :]
     src = topk_ptr + t.to(tl.int64)[:, None] * topk_stride + k
     return tl.load(src, mask=rd[:, None] & (k < K), other=-1)
-
-
-@triton.jit
-def _convert_store(picks, t, row, valid, n_c,
-                   bt_ptr,    # [table_rows, cols] int32, row stride row_stride
-                   out_ptr,   # [>= T_out, K] int32, row stride out_stride
-                   lens_ptr,  # [>= T_out] int32
-                   row_stride, table_width, out_stride, T_out, K,
-                   S: tl.constexpr, CP_WORLD: tl.constexpr, CP_RANK: tl.constexpr,
-                   CP_INTERLEAVE: tl.constexpr, COMPACT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Convert a tile of picks (:func:`topk_slot`) and store slots and valid counts of rows ``t < T_out``."""
-    k = tl.arange(0, BLOCK_K)[None, :]
-    slot, ok = topk_slot(bt_ptr, row[:, None], picks, valid[:, None], n_c[:, None], S, table_width,
-                         row_stride, CP_WORLD, CP_RANK, CP_INTERLEAVE)
-    n = tl.sum(ok.to(tl.int32), axis=1)
-    in_out = t < T_out
-    tl.store(lens_ptr + t, n, mask=in_out)
-    dst = out_ptr + t.to(tl.int64)[:, None] * out_stride
-    st = in_out[:, None] & (k < K)
-    if COMPACT:
-        # NOTE: a valid pick goes to column (valid picks up to it) - 1, columns from n on get -1:
-        # the two stores hit disjoint columns
-        col = tl.cumsum(ok.to(tl.int32), axis=1) - 1
-        tl.store(dst + col, slot, mask=st & ok)
-        tl.store(dst + k, tl.zeros_like(slot) - 1, mask=st & (k >= n[:, None]))
-    else:
-        tl.store(dst + k, slot, mask=st)
 
 
 # NOTE: runtime counts are never specialised (a count of 1 would otherwise compile a new variant)
@@ -102,7 +75,7 @@ def _topk_to_slots_kernel(
                                          HAS_IDX)
     valid = row_in_table(row, valid, table_rows, HAS_IDX)
     n_c = visible_rows(pos, valid, R, 1, 0, 1)  # NOTE: every row: picks are global row ids
-    _convert_store(picks, t, row, valid, n_c, bt_ptr, out_ptr, lens_ptr, row_stride, table_width,
+    store_topk_slots(picks, t, row, valid, n_c, bt_ptr, out_ptr, lens_ptr, row_stride, table_width,
                    out_stride, T_out, K, S, CP_WORLD, CP_RANK, CP_INTERLEAVE, COMPACT, BLOCK_K)
 
 
@@ -125,7 +98,7 @@ def _topk_rows_kernel(
     row = tl.load(token_rows_ptr + t, mask=in_out, other=-1)
     n_c = tl.load(token_nc_ptr + t, mask=in_out, other=0)
     valid = in_out & (row >= 0) & (row < table_rows)
-    _convert_store(picks, t, row, valid, n_c, bt_ptr, out_ptr, lens_ptr, row_stride, table_width,
+    store_topk_slots(picks, t, row, valid, n_c, bt_ptr, out_ptr, lens_ptr, row_stride, table_width,
                    out_stride, T_out, K, S, CP_WORLD, CP_RANK, CP_INTERLEAVE, COMPACT, BLOCK_K)
 
 

@@ -1,0 +1,168 @@
+"""The checks of one step, before anything changes: :class:`StepChecks` turns a :class:`StepBatch` into a
+:class:`~dsv4_index.state.plan.StepPlan` or raises the :class:`~dsv4_index.state.messages.Rejection` that
+names the culprit. One planner for every step: the array conversions (dtypes, shapes) here, every
+``"safe"`` check in one compiled pass (:mod:`.kernel`; its definition, by whole-step numpy, is
+:mod:`.naive`), then ``"full"`` (:func:`.naive.full_checks`, numpy). Nothing here writes state; the
+levels are docs/DESIGN.md §5.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ..._numba import compile_pinned, ready
+from ...batch import StepBatch
+from ..messages import reject
+from ..plan import StepPlan
+from .kernel import CODES, HEAD, LIM, check_step, out_size
+from .naive import arr, full_checks
+
+__all__ = ["StepChecks"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_CU0 = np.zeros(1, dtype=np.int64)
+_NAMES = ("req_slots", "free_slots", "write_gids", "write_slots")
+_WHAT = ("a slot", "a slot", "a group", "a slot")
+
+
+class StepChecks:
+    """The check pass of a pipeline: geometry stacked once (``geo``, ``comp``, ``lim``: :mod:`.kernel`)."""
+
+    def __init__(self, tables, *, cp, max_num_tokens: int, max_writes: int, next_n: int, level: str):
+        self.tables, self.cp, self.level = tables, tuple(cp), level
+        t = tables
+        sharded = t.sharded & (cp[0] > 1)
+        cols = (t.bs, t.window, t.ring, t.circular, t.logical, t.f, t.id_max, sharded)
+        self.geo = np.ascontiguousarray(np.stack([np.asarray(c, dtype=np.int64) for c in cols], axis=1)
+                                        if len(t.groups) else np.zeros((0, 8), dtype=np.int64))
+        self.comp = np.asarray(list(t.compressed) or np.zeros((0, 3)), dtype=np.int64).reshape(-1, 3)
+        # NOTE: the ownership batch path's static domain (checks/naive.py batch_domain): plain blocks, replicated
+        # groups, a window on every ring group
+        self._domain = bool(t.fmax == 1 and not (cp[0] > 1 and t.sharded.any())
+                            and (t.window[t.ring_groups] >= 1).all())
+        self._max_other = max(32, 2 * len(t.groups))
+        self.lim = np.zeros(len(LIM), dtype=np.int64)
+        self.lim[:11] = (t.max_num_reqs, t.max_model_len, max_num_tokens, max_writes, 0, next_n, *cp, t.fmax,
+                         t.id_max_min)
+
+    def plan(self, batch: StepBatch, occupied: np.ndarray, pad_to: Optional[int]) -> StepPlan:
+        """Check ``batch`` against the occupancy and the tables; the plan, or ``ValueError``."""
+        if not isinstance(batch, StepBatch):
+            raise reject("step_type", type=type(batch).__name__)
+        if not ready():
+            compile_pinned()
+        lim = self.lim
+        deferred: list = []
+        req_slots = arr("req_slots", batch.req_slots)
+        n = req_slots.shape[0]
+        nc = arr("num_computed_tokens", batch.num_computed_tokens, n)
+        q = arr("num_scheduled_tokens", batch.num_scheduled_tokens, n)
+        is_new = np.zeros(n, dtype=bool) if batch.is_new is None else arr("is_new", batch.is_new, n, dtype_kind="b")
+        free = _EMPTY if batch.free_slots is None else arr("free_slots", batch.free_slots)
+        lim[14] = 0 if pad_to is None else 1 if _is_int(pad_to) and -2 ** 63 <= pad_to < 2 ** 63 else 2
+        lim[4] = int(pad_to) if pad_to is not None and lim[14] == 1 else 0
+        rs = self._later(deferred, 11, "replay_start", batch.replay_start, n)
+        re = self._later(deferred, 12, "replay_end", batch.replay_end, n)
+        runs = self._runs(batch, deferred)
+        gid, slot, start, cu, ids = runs
+        n, N = req_slots.shape[0], gid.shape[0]
+        out = np.empty(out_size(n, N), dtype=np.int64)  # NOTE: one fresh buffer: the plan's arrays are views
+        ids_k = check_step(occupied, self.tables.num_blocks, self.geo, self.comp, lim, req_slots, nc, q, is_new, free,
+                           rs, re, gid, slot, start, cu, ids, out)
+        if out[0]:
+            raise self._word(out[:6].tolist(), q, pad_to, deferred)
+        nd, ndt, T, T_pad, B, K, inside, n_other = out[6:14].tolist()
+        at = HEAD
+        order, b_slots, b_q, seq = out[at:at + B], out[at + n:at + n + B], out[at + 2 * n:at + 2 * n + B], \
+            out[at + 3 * n:at + 3 * n + B]
+        new_slots = out[at + 4 * n:at + 4 * n + K]
+        at += 7 * n
+        w_start, w_end, w_keep, w_row = (out[at + k * N:at + (k + 1) * N] for k in range(4))
+        at += 4 * N
+        fmax = lim[9] > 1
+        plan = object.__new__(StepPlan)  # NOTE: a template fill, not a 28-keyword dataclass call
+        plan.__dict__.update(
+            rows=order, slots=b_slots, num_scheduled=b_q, seq_lens=seq,
+            replay_start=out[HEAD + 5 * n:HEAD + 5 * n + B] if lim[11] else None,
+            replay_end=out[HEAD + 6 * n:HEAD + 6 * n + B] if lim[12] else None, num_decodes=nd,
+            num_decode_tokens=ndt, num_tokens=T, num_tokens_padded=T_pad, free_slots=free, new_slots=new_slots,
+            all_slots=req_slots, all_computed=nc, w_gid=gid, w_slot=slot, w_start=w_start, w_end=w_end,
+            w_keep=w_keep, w_row=w_row, w_cu=out[at:at + N + 1] if fmax else cu, w_ids=ids_k if fmax else ids,
+            drafts=None, steady=self._domain and (not N or (inside and n_other <= self._max_other)),
+            w_other=None)
+        if plan.steady and n_other:
+            plan.w_other = out[at + N + 1:at + N + 1 + n_other]
+        if self.level == "full":
+            full_checks(self.tables, plan, self.cp, runs[3])
+        return plan
+
+    def _later(self, deferred: list, at: int, name: str, x, n: int) -> np.ndarray:
+        """``arr(name, x, n)``, its error kept for the pass to raise in the definition's order."""
+        self.lim[at] = x is not None
+        if x is None:
+            return _EMPTY
+        try:
+            return arr(name, x, n)
+        except ValueError as e:
+            deferred.append(e)
+            self.lim[at] = -1
+            return _EMPTY
+
+    def _runs(self, batch: StepBatch, deferred: list) -> tuple:
+        """``(gid, slot, start, cu, ids)`` int64 (empty when the step writes nothing)."""
+        self.lim[13] = 0
+        if batch.write_gids is None or len(batch.write_gids) == 0:
+            return _EMPTY, _EMPTY, _EMPTY, _CU0, _EMPTY
+        try:
+            gid = arr("write_gids", batch.write_gids)
+            N = gid.shape[0]
+            got = (gid, arr("write_slots", batch.write_slots, N), arr("write_starts", batch.write_starts, N),
+                   arr("write_cu", batch.write_cu, N + 1), arr("write_ids", batch.write_ids))
+        except ValueError as e:
+            deferred.append(e)
+            self.lim[13] = -1
+            return _EMPTY, _EMPTY, _EMPTY, _CU0, _EMPTY
+        self.lim[13] = 1
+        return got
+
+    def _word(self, err: list, q: np.ndarray, pad_to, deferred: list) -> ValueError:
+        """The rejection of the pass's ``(code, i, j, k, v, w)``."""
+        code, i, j, k, v, w = err
+        c, t = CODES[code], self.tables
+        if c == "deferred":
+            return deferred[0]
+        if c == "out_of_range":
+            return reject(c, name=_NAMES[k], i=i, value=j, what=_WHAT[k], hi=v)
+        if c == "negative":
+            return reject(c, name=("num_computed_tokens", "num_scheduled_tokens")[k], i=i, value=j)
+        if c == "too_many_tokens":
+            return reject(c, total=sum(q.tolist()) if i < 0 else j, limit=v)  # NOTE: Python ints: no wrap
+        if c == "pad_to":
+            return reject(c, lo=j, hi=v, pad_to=repr(pad_to))
+        if c in ("slot_twice", "two_runs"):
+            return reject(c, **({"slot": i, "count": j} if c == "slot_twice" else {"g": i, "slot": j}))
+        if c in ("free_not_held", "new_held", "not_held", "write_slot_free", "beyond_model_len"):
+            return reject(c, i=i, value=j, limit=v)
+        if c in ("replay_start", "replay_end_negative", "replay_end_int32"):
+            return reject(c, slot=i, value=j, nc=v)
+        if c == "hole":
+            return reject(c, i=i, value=j, g=k, slot=v, have=w)
+        if c == "run_too_long":
+            grp = t.groups[k]
+            return reject(c, r=i, slot=j, end=v, g=grp.gid, name=grp.name, limit=int(t.logical[k]),
+                          why="the circular ring" if grp.kind == "circular" else "max_model_len")
+        if c in ("id_negative", "id_int32"):
+            return reject(c, j=i, value=j, g=k, name=t.groups[k].name, limit=v)
+        if c == "ring_short":
+            return reject(c, g=i, name=t.groups[i].name, ring=int(t.ring[i]), slot=j, have=k, lo=v)
+        if c == "blocks_missing":
+            return reject(c, g=i, name=t.groups[i].name, slot=j, seq=k, need=v, have=w)
+        if c == "too_many_staged":
+            return reject(c, staged=j, limit=v)
+        return reject(c, n=v)  # NOTE: write_cu; free_twice has no field
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

@@ -1,0 +1,236 @@
+"""Block ownership: what a row of a step may read, checked on the host before anything is built
+(docs/DESIGN.md §5 "What `update()` proves about a step").
+
+**The rule.** A row reads only cache positions it wrote itself (since it was last admitted or resumed), or, in
+a prefix-cacheable group, positions of a prefix-shared block that was filled at the same block position and
+not refilled since. Everything below follows from it.
+
+* *Release.* After an accepted step a row's next position is in ``[nc + n - d, nc + n]``: ``d`` its draft
+  tokens in that step (``StepBatch.drafts``; ``len(scheduled_spec_decode_tokens[req])`` from a
+  SchedulerOutput; by default ``min(n - 1, num_speculative_tokens)`` for a row of at most
+  ``1 + num_speculative_tokens`` tokens, 0 for a prefill chunk). A sliding block wholly behind the window of
+  the lower bound is free, for every live row, scheduled in a step or not (rings: per column).
+* *Prevention at write time.* A block another live row reads whatever its drafts' fate (a batch row: from its
+  window start in this step; any other row: its window at the upper bound ``nc + n``) is certainly held: a
+  write into it is rejected at once. The one exception is vLLM's same-step prefix hit: a request admitted in
+  the step that fills a block takes it as a hit at the same block position while the filler writes it whole.
+  A block only the band between the two bounds keeps may be handed on (the scheduler knows the acceptance):
+  the write is accepted and recorded.
+* *Detection at read time.* Each (group, block) keeps its last fill: writer, block position, step. A step in
+  which a row would read a sliding block filled since this row last wrote or took it, or takes a "prefix
+  hit" of a block filled at another block position, is rejected before anything is built, naming the fill.
+* Also: prefix-shared full blocks are read-only for every holder (every full block a live row holds is
+  certainly read), so bounded replay writes nothing into them; a row's ring columns hold what it reads (ring
+  low-water marks); ``num_computed_tokens`` never jumps past what the row's steps wrote; a window that moves
+  back onto blocks another live row holds now is rejected. ``checks="full"`` adds: no id twice in a row, no
+  null block among the held sliding blocks a step reads.
+
+Layout: :mod:`.naive` is the rule by its definition (the holders of a written block found by scanning the
+table rows as the step leaves them); :mod:`.messages` words every rejection (code, level, template, fields).
+:class:`BlockOwners` is the face the request state uses.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .kernel import CODES, check_pass, commit_pass
+from .messages import check_id_limit, reject
+from .naive import default_drafts
+
+__all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of"]
+
+
+def drafts_of(batch, plan) -> Optional[np.ndarray]:
+    """int64 ``[B]``: ``batch.drafts`` in device order (-1 entries: the default rule, as -1), or None
+    when the batch gives none. Raises ``ValueError`` naming the row for a count outside ``-1 ..
+    num_scheduled_tokens - 1`` (the first scheduled token is never a draft)."""
+    d = batch.drafts
+    if d is None:
+        return None
+    a = np.asarray(d)
+    n = batch.num_rows
+    if a.ndim != 1 or a.shape[0] != n or a.dtype.kind not in "iu":
+        raise ValueError(f"drafts must be a 1-D integer array of {n} entries (one per batch row), got "
+                         f"{a.dtype} of shape {a.shape}")
+    a = a.astype(np.int64)
+    q = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
+    bad = (a < -1) | (a > np.maximum(q - 1, 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"drafts[{i}] = {int(a[i])}: expected -1 (the default rule) or 0.."
+                         f"{max(int(q[i]) - 1, 0)} (num_scheduled_tokens {int(q[i])}; the first scheduled token is "
+                         f"never a draft)")
+    return a.take(plan.rows)
+
+
+def check_ring_capacity(groups, num_speculative_tokens: int) -> None:
+    """Circular groups need ``capacity >= window - 1 + num_speculative_tokens`` (a verify step's writes
+    must never reach rows the next step reads after a rejection; DESIGN §4, ``from_config(circular=)``)."""
+    for g in groups:
+        if g.kind == "circular" and g.window is not None:
+            need = g.window - 1 + num_speculative_tokens
+            if g.ring_capacity < need:
+                reject("own.ring_capacity", gid=g.gid, name=g.name, cap=g.ring_capacity, window=g.window,
+                       spec=num_speculative_tokens, need=need)
+
+
+_I64 = np.int64
+
+
+class BlockOwners:
+    """The ownership state of one pipeline, on the compiled passes of :mod:`.kernel`.
+
+    Parameters
+    ----------
+    tables : BlockTables — geometry, block counts and host mirror (read only).
+    cp : (world, rank, interleave) of the sharded groups.
+    level : ``"safe"`` or ``"full"``.
+    num_speculative_tokens : int — draft tokens per decode row (the default draft count, the ring rule).
+    """
+
+    def __init__(self, tables, *, cp, level: str, num_speculative_tokens: int = 0):
+        check_ring_capacity(tables.groups, num_speculative_tokens)
+        t = self.t = tables
+        G, S = self.G, self.S = len(t.groups), t.max_num_reqs
+        self.full, self.next_n = level == "full", 1 + num_speculative_tokens
+        sliding = ~t.full & ~t.circular
+        sharded = t.sharded & (cp[0] > 1)
+        self.geo = np.ascontiguousarray(np.stack([t.base, t.cols, t.ring, t.bs, t.f, t.window, t.full, t.circular,
+                                                  sliding, sharded], axis=1).astype(_I64).reshape(G, 10))
+        self.cp = np.asarray(cp, dtype=_I64)
+        self.slot_st = np.zeros((3, S), dtype=_I64)
+        self.cell_st = np.zeros((3, G, S), dtype=_I64)
+        self.fill = np.full((max(G, 1) << 10, 3), -1, dtype=_I64)
+        self.count = np.zeros(self.fill.shape[0], dtype=_I64)
+        self.tmp = np.zeros((self.fill.shape[0], 2), dtype=_I64)
+        self.seen = np.zeros(t.mirror.shape[0], dtype=_I64)
+        self.steps = 0
+        self._pending: Optional[tuple] = None
+
+    def grow(self, max_key: int) -> None:
+        """Room for id keys up to ``max_key`` (no holder, no fill for ids never seen)."""
+        n0 = self.count.shape[0]
+        if max_key < n0:
+            return
+        n = 1 << int(max_key).bit_length()
+        fill = np.full((n, 3), -1, dtype=_I64)
+        fill[:n0] = self.fill
+        count = np.zeros(n, dtype=_I64)
+        count[:n0] = self.count
+        self.fill, self.count, self.tmp = fill, count, np.zeros((n, 2), dtype=_I64)
+
+    def check(self, plan) -> None:
+        """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes nothing
+        observable (the tables of fills and counts may grow)."""
+        self._pending = None
+        t, B = self.t, plan.slots.shape[0]
+        P = np.zeros((7, B), dtype=_I64)
+        P[0], P[1], P[2] = plan.slots, plan.seq_lens, plan.num_scheduled
+        if plan.replay_start is not None:
+            P[3] = plan.replay_start
+        if plan.replay_end is not None:
+            P[4], P[6] = plan.replay_end, 1
+        P[5] = default_drafts(plan, self.next_n)
+        R = np.stack([plan.w_gid, plan.w_slot, plan.w_start, plan.w_end, plan.w_keep, plan.w_cu[:-1]]).astype(_I64)
+        w_ids = np.ascontiguousarray(plan.w_ids, dtype=_I64)
+        raw0 = np.zeros(R.shape[1] + 1, dtype=_I64)
+        if R.shape[1]:
+            np.cumsum((plan.w_cu[1:] - plan.w_cu[:-1]) // t.f[plan.w_gid], out=raw0[1:])
+            check_id_limit(int(w_ids.max(initial=0)), self.G)
+            self.grow(int(w_ids.max(initial=0)) * self.G + self.G)
+        A = np.stack([plan.all_slots, plan.all_computed]).astype(_I64).reshape(2, -1)
+        FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
+        nf = int(plan.free_slots.shape[0])
+        res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
+                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.count, self.seen, self.tmp)
+        if res[0][0]:
+            self._reject(res[0], plan)
+        self._pending = (plan, P, A, FN, nf, res)
+
+    def commit(self, plan) -> None:
+        """Apply the accepted ``plan`` checked by the last :meth:`check` (after the tables' commit)."""
+        if self._pending is None or self._pending[0] is not plan:
+            raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
+        _, P, A, FN, nf, (_, X, F4, nF, seen_l, nS, dec, inc) = self._pending
+        self._pending = None
+        commit_pass(self.geo, self.cp, P, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.count, self.seen,
+                    X, F4, nF, seen_l, nS, dec, inc)
+        self.steps += 1
+
+    def _reject(self, e: np.ndarray, plan) -> None:
+        code = int(e[0])
+        if code < 0:
+            raise ValueError(f"ownership check: an index out of range (internal code {code}; the planner "
+                             f"should have refused this step)")
+        v = [int(x) for x in e]
+        at = {4: 5, 8: 5, 9: 5, 11: 1}.get(code, 2)  # NOTE: where each code keeps its gid (code 1 has none)
+        name = self.t.groups[v[at]].name if code != 1 else ""
+        f: dict = {}
+        if code == 1:
+            f = dict(i=v[1], nc=v[2], slot=v[3], front=v[4], last=v[2] - 1)
+        elif code == 2:
+            why = "a write run of this step rewrote them" if v[7] else "earlier write runs rewrote them"
+            f = dict(slot=v[1], gid=v[2], name=name, lo=v[3], nc=v[4], lo_pos=v[5], ring_lo=v[6], why=why)
+        elif code == 3:
+            f = dict(slot=v[1], gid=v[2], name=name, pos=v[3], other=v[4], kid=v[5])
+        elif code == 4:
+            f = dict(raw=v[1], kid=v[2], slot=v[3], pos=v[4], gid=v[5], name=name, other=v[6], opos=v[7],
+                     since=" since this step" if v[8] else "")
+        elif code in (5, 6):
+            f = dict(slot=v[1], gid=v[2], name=name, ws=v[3], kid=v[4], pos=v[5], other=v[6], opos=v[7])
+            if code == 5:
+                f.update(mark=v[8], nc=v[9])
+        elif code == 7:
+            f = dict(slot=v[1], gid=v[2], name=name, kid=v[3], pos=v[4], nc=v[5], writer=v[6], fpos=v[7], step=v[8])
+        elif code == 8:
+            f = dict(raw=v[1], kid=v[2], slot=v[3], pos=v[4], gid=v[5], name=name, fpos=v[6], writer=v[7], step=v[8])
+        elif code == 9:
+            f = dict(raw=v[1], kid=v[2], slot=v[3], pos=v[4], gid=v[5], name=name, opos=v[6])
+        elif code == 10:
+            f = dict(kid=v[1], gid=v[2], name=name, slot=v[3])
+        else:
+            f = self._null_fields(v)
+        reject(CODES[code], **f)
+
+    def _null_fields(self, v) -> dict:
+        g, grp = v[1], self.t.groups[v[1]]
+        fk = int(self.t.f[g])
+        col, size = v[4] // fk, grp.alloc_block_size
+        more = v[5]
+        return dict(kind=grp.kind, gid=g, slot=v[2], row=v[3], col=col, p0=col * size, p1=(col + 1) * size - 1,
+                    local=", rank-local" if self.geo[g, 9] else "",
+                    name=grp.name if grp.role in (None, grp.name) else f"{grp.name}, role {grp.role}",
+                    lo_pos=v[6], last=v[7],
+                    tail=f"; {more} more null entr{'y' if more == 1 else 'ies'} in this step" if more else "")
+
+    # ------------------------------------------------------------------ inspection (tests, the oracle)
+    def held(self, certain: bool = False) -> dict:
+        """``{(gid, kernel id): live holders}`` of the committed state (``certain``: only where the holder
+        certainly reads the block next); the counts (not ``certain``) are the kernel's own."""
+        if not certain:
+            nz = np.flatnonzero(self.count)
+            return {(k % self.G, k // self.G): int(self.count[k]) for k in nz.tolist()}
+        t = self.t
+        out: dict = {}
+        for g in range(self.G):
+            for s in np.flatnonzero(self.slot_st[0]).tolist():
+                nb, ring = int(t.num_blocks[g, s]), int(t.ring[g])
+                cert = int(self.cell_st[1, g, s]) if self.geo[g, 8] else 0
+                low = max(int(self.cell_st[2, g, s]), nb - ring) if ring else 0
+                for q in range(max(cert, low), nb):
+                    kid = int(t.mirror[int(t.base[g] + s * t.cols[g] + (q % ring if ring else q))])
+                    if kid >= int(t.f[g]):
+                        out[(g, kid)] = out.get((g, kid), 0) + 1
+        return out
+
+    def snapshot(self) -> dict:
+        """Every field of the committed state, in :meth:`NaiveOwners.snapshot`'s form."""
+        k = np.flatnonzero(self.fill[:, 0] >= 0)
+        fills = {(int(x) % self.G, int(x) // self.G): tuple(int(y) for y in self.fill[x]) for x in k.tolist()}
+        return {"live": self.slot_st[0].astype(bool), "frontier": self.slot_st[1].copy(),
+                "replay_mark": self.slot_st[2].copy(), "floor": self.cell_st[0].copy(),
+                "hold": self.cell_st[1].copy(), "ring_lo": self.cell_st[2].copy(), "fills": fills,
+                "seen": self.seen.copy(), "steps": self.steps}

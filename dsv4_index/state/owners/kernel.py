@@ -1,0 +1,668 @@
+# over 400 lines: the rule's compiled pass in one file (geometry, each check, the count filter, the commit lists)
+"""The ownership rule (:mod:`dsv4_index.state.owners`) as compiled passes: :func:`check_pass` (scratch only:
+the decision, and the lists the commit applies) and :func:`commit_pass`. Same decisions, same order, same
+fields as :mod:`.naive`, by another algorithm: the holders of a block come from a holder count per
+(group, id) kept across steps (the committed rows' held ranges), corrected for what the step releases and
+acquires; only a block the corrected count says another row may hold is looked up by scanning the group's
+table rows as the step leaves them.
+
+Arrays (``G`` groups, ``S`` slots, ``K`` id keys ``kid * G + gid``, ``M`` mirror cells):
+
+* ``geo`` int64 ``[G, 10]``: base, cols, ring, bs, f, window, full, circular, sliding, sharded; ``cp`` int64 ``[3]``.
+* ``slot_st`` int64 ``[3, S]``: live, frontier, replay_mark; ``cell_st`` int64 ``[3, G, S]``: floor, hold, ring_lo.
+* ``fill`` int64 ``[K, 3]``: slot, block position, step of each block's last fill (slot -1: none);
+  ``count`` int64 ``[K]``: committed holders; ``seen`` int64 ``[M]``; ``tmp`` int64 ``[K]``: scratch, zero.
+* the step (``P`` int64 ``[11, B]``: slots, seq, scheduled, replay start, replay end, drafts, ...;
+  ``R`` int64 ``[6, N]``: gid, slot, start, end, keep, cu start; ``w_ids``; ``A`` int64 ``[2, rows]``: slots,
+  nc; ``FN`` int64 ``[2, F]``: freed then new slots, ``nf`` freed).
+
+A failed check returns ``err`` (``err[0]``: a code of :data:`CODES`, then its fields, :mod:`.messages` words
+them); every index a pass reads through was range-checked by the planner (slots, groups, run bounds) and is
+checked again here before use (``err[0] = -1``: an index out of range).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..._numba import njit
+
+__all__ = ["check_pass", "commit_pass", "CODES"]
+
+CODES = ("", "own.jump", "own.ring", "own.again", "own.fill_held", "own.rewind_held", "own.write_held",
+         "own.stale_read", "own.hit_position", "own.twice", "own.twice_sliding", "own.held_null")
+BASE, COLS, RING, BS, F, WIN, FULL, CIRC, SLID, SHARD = range(10)
+
+
+@njit
+def _owned(x, g, geo, cp):
+    if x < 0:
+        x = 0
+    if geo[g, SHARD] == 0:
+        return x
+    cyc = cp[2] * cp[0]
+    part = x % cyc - cp[1] * cp[2]
+    part = min(max(part, 0), cp[2])
+    return (x // cyc) * cp[2] + part
+
+
+@njit
+def _cell(g, s, p, geo):
+    ring = geo[g, RING]
+    return geo[g, BASE] + s * geo[g, COLS] + (p % ring if ring > 0 else p)
+
+
+@njit
+def _lo_block(g, nc, rs, geo, cp):
+    pos = max(nc - geo[g, WIN] + 1, 0, rs)
+    return _owned(pos, g, geo, cp) // geo[g, BS]
+
+
+@njit
+def _read_lo(g, i, P, geo, cp):
+    return _lo_block(g, P[1, i] - P[2, i], P[3, i], geo, cp)
+
+
+@njit
+def _ws(g, i, P, geo, cp):
+    nc = P[1, i] - P[2, i]
+    ws = max(nc, P[4, i]) if geo[g, FULL] else nc
+    return _owned(ws, g, geo, cp), _owned(P[1, i], g, geo, cp)
+
+
+@njit
+def _bounds(g, s, X, P, geo, cp, cell_st):
+    """(lowest held, lowest certainly read, blocks) of slot ``s`` in group ``g`` after the step."""
+    nb, ring = X[4 + g, s], geo[g, RING]
+    if geo[g, SLID] == 0:
+        lo = max(nb - ring, 0) if ring > 0 else 0
+        return lo, lo, nb
+    i = X[0, s]
+    if i >= 0:
+        lo = _read_lo(g, i, P, geo, cp)
+        cert = lo
+    elif X[1, s] == 1:
+        lo = _lo_block(g, X[2, s], 0, geo, cp)
+        cert = lo
+    else:
+        lo, cert = cell_st[0, g, s], cell_st[1, g, s]
+    if ring > 0:
+        low = max(X[4 + geo.shape[0] + g, s], nb - ring)
+        lo, cert = max(lo, low), max(cert, low)
+    return lo, cert, nb
+
+
+@njit
+def _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S):
+    r = run_of[g * S + s]
+    if r >= 0 and max(R[2, r], R[4, r]) <= q < R[3, r]:
+        return w_ids[R[5, r] + q - R[2, r]]
+    return np.int64(mirror[_cell(g, s, q, geo)])
+
+
+@njit
+def _row_writes(g, s, X, P, geo, cp, slot_st):
+    i = X[0, s]
+    if i >= 0:
+        return _ws(g, i, P, geo, cp)
+    if X[1, s] == 1:
+        ws = _owned(X[2, s], g, geo, cp)
+    else:
+        f = slot_st[1, s]
+        ws = _owned(max(f, slot_st[2, s]) if geo[g, FULL] else f, g, geo, cp)
+    return ws, ws
+
+
+@njit
+def _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S):
+    """0: (g, s, q) not acquired in this step; 1: a fill; 2: a hit."""
+    r = run_of[g * S + s]
+    if r < 0:
+        return 0
+    lo = _bounds(g, s, X, P, geo, cp, cell_st)[0]
+    if not (max(R[2, r], R[4, r], lo) <= q < R[3, r]):
+        return 0
+    if w_ids[R[5, r] + q - R[2, r]] < geo[g, F]:
+        return 0
+    ws = _row_writes(g, s, X, P, geo, cp, slot_st)[0]
+    return 1 if (geo[g, CIRC] or (q + 1) * geo[g, BS] > ws) else 2
+
+
+@njit
+def _scan(g, kid, s0, q0, mode, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, out):
+    """The first holder of ``kid`` in group ``g`` after the step that ``mode`` asks for, into ``out`` (slot,
+    position); False when none. mode 0: another row certainly reading (a same-step hit at ``q0`` of a block
+    written whole aside); 1: ``s0`` itself at another position, not its own hit of this step; 2: ``s0`` at
+    another position; 3: any other row."""
+    cols, ring = geo[g, COLS], geo[g, RING]
+    for s in range(S):
+        if X[3, s] == 0:
+            continue
+        for c in range(cols):
+            lo, cert, nb = _bounds(g, s, X, P, geo, cp, cell_st)
+            if nb <= 0:
+                break
+            pos = (nb - 1 - (nb - 1 - c) % ring) if ring > 0 else c
+            if not (lo <= pos < nb):
+                continue
+            r = run_of[g * S + s]
+            if r >= 0 and max(R[2, r], R[4, r]) <= pos < R[3, r]:
+                v = w_ids[R[5, r] + pos - R[2, r]]
+            else:
+                v = np.int64(mirror[geo[g, BASE] + s * cols + c])
+            if v != kid:
+                continue
+            if mode == 0:
+                if s == s0 or pos < cert:
+                    continue
+                k = _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S)
+                if k == 2 and pos == q0 and whole:
+                    continue
+                out[0], out[1], out[2] = s, pos, 1 if k == 1 else 0
+                return True
+            if mode == 1 or mode == 2:
+                if s != s0 or pos == q0:
+                    continue
+                if mode == 1 and _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
+                                           run_of, S) == 2:
+                    continue
+                out[0], out[1] = s, pos
+                return True
+            if s != s0:
+                out[0], out[1] = s, pos
+                return True
+    return False
+
+
+@njit
+def _committed(g, s, geo, cell_st, num_blocks, slot_st):
+    """The committed held range ``(lo, nb)`` of slot ``s`` in group ``g`` (empty when not live)."""
+    if slot_st[0, s] == 0:
+        return 0, 0
+    nb, ring = num_blocks[g, s], geo[g, RING]
+    lo = cell_st[0, g, s] if geo[g, SLID] else 0
+    if ring > 0:
+        lo = max(lo, cell_st[2, g, s], nb - ring)
+    return lo, nb
+
+
+@njit
+def _push(buf, n, v):
+    if n < buf.shape[0]:
+        buf[n] = v
+    return n + 1
+
+
+@njit
+def _prepare(X, P, R, A, FN, nf, geo, num_blocks, cell_st, slot_st, run_of, S):
+    """The step's scratch rows ``X`` (module docstring of the wrapper); False on an index out of range."""
+    G = geo.shape[0]
+    for j in range(A.shape[1]):
+        s = A[0, j]
+        if not (0 <= s < S):
+            return False
+        X[2, s] = A[1, j]
+    for s in range(S):
+        X[3, s] = slot_st[0, s]
+        for g in range(G):
+            X[4 + g, s] = num_blocks[g, s]
+            X[4 + G + g, s] = cell_st[2, g, s]
+    for j in range(FN.shape[1]):
+        s = FN[0, j]
+        if not (0 <= s < S):
+            return False
+        X[3, s] = 0 if j < nf else 1
+        X[1, s] = 0 if j < nf else 1
+        for g in range(G):
+            X[4 + g, s] = 0
+            if j >= nf:
+                X[4 + G + g, s] = 0
+    for i in range(P.shape[1]):
+        s = P[0, i]
+        if not (0 <= s < S):
+            return False
+        X[0, s] = i
+    for r in range(R.shape[1]):
+        g, s = R[0, r], R[1, r]
+        if not (0 <= g < G and 0 <= s < S):
+            return False
+        run_of[g * S + s] = r
+        X[4 + g, s] = R[3, r]
+    return True
+
+
+@njit
+def _rings(X, P, R, geo, cp, cell_st, num_blocks, run_of, S, err):
+    G = geo.shape[0]
+    for r in range(R.shape[1]):
+        g, s = R[0, r], R[1, r]
+        if not (geo[g, SLID] and geo[g, RING] > 0):
+            continue
+        ring, a, keep = geo[g, RING], R[2, r], R[4, r]
+        n0 = 0 if X[1, s] == 1 else num_blocks[g, s]
+        true_old = max(X[4 + G + g, s], n0 - ring)
+        if not (a == n0 and keep == a):
+            X[4 + G + g, s] = true_old if (keep == a and a >= true_old) else keep
+    for i in range(P.shape[1]):
+        s = P[0, i]
+        for g in range(G):
+            if not (geo[g, SLID] and geo[g, RING] > 0):
+                continue
+            lo = _read_lo(g, i, P, geo, cp)
+            if lo < X[4 + G + g, s]:
+                nc = P[1, i] - P[2, i]
+                err[0], err[1], err[2], err[3], err[4] = 2, s, g, lo, nc
+                err[5] = max(nc - geo[g, WIN] + 1, 0, P[3, i])
+                err[6], err[7] = X[4 + G + g, s], 1 if run_of[g * S + s] >= 0 else 0
+                return False
+    return True
+
+
+@njit
+def _no_jump(A, X, slot_st, err):
+    for j in range(A.shape[1]):
+        s, nc = A[0, j], A[1, j]
+        if X[1, s] == 0 and nc > slot_st[1, s]:
+            err[0], err[1], err[2], err[3], err[4] = 1, j, nc, s, slot_st[1, s]
+            return False
+    return True
+
+
+@njit
+def _touch(tmp, key, d, zero):
+    if zero:
+        tmp[key, 0] = 0
+    else:
+        tmp[key, 0] += d
+
+
+@njit
+def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, tmp, G, zero, run_of, S):
+    """``tmp[key, 0]`` = the step's acquisitions - releases per key (the count filter), or, ``zero``, those
+    entries back to 0. Returns whether a batch row's window moved back below its floor (then every suspect
+    is scanned)."""
+    moved = False
+    for r in range(R.shape[1]):
+        g, s = R[0, r], R[1, r]
+        lo = _bounds(g, s, X, P, geo, cp, cell_st)[0]
+        for q in range(max(R[2, r], R[4, r], lo), R[3, r]):
+            kid = w_ids[R[5, r] + q - R[2, r]]
+            if kid >= geo[g, F]:
+                _touch(tmp, kid * G + g, 1, zero)
+        lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
+        if X[1, s] == 0:
+            for q in range(max(lo0, R[2, r]), nb0):
+                kid = np.int64(mirror[_cell(g, s, q, geo)])
+                if kid >= geo[g, F]:
+                    _touch(tmp, kid * G + g, -1, zero)
+    for j in range(nf):
+        s = FN[0, j]
+        for g in range(G):
+            lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
+            for q in range(lo0, nb0):
+                kid = np.int64(mirror[_cell(g, s, q, geo)])
+                if kid >= geo[g, F]:
+                    _touch(tmp, kid * G + g, -1, zero)
+    for i in range(P.shape[1]):
+        s = P[0, i]
+        if X[1, s] == 1 or X[3, s] == 0:
+            continue
+        for g in range(G):
+            if not geo[g, SLID]:
+                continue
+            lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
+            rl = _read_lo(g, i, P, geo, cp)
+            if rl < cell_st[0, g, s]:
+                moved = True
+            r = run_of[g * S + s]
+            for q in range(lo0, min(rl, nb0, R[2, r] if r >= 0 else nb0)):
+                kid = np.int64(mirror[_cell(g, s, q, geo)])
+                if kid >= geo[g, F]:
+                    _touch(tmp, kid * G + g, -1, zero)
+    return moved
+
+
+@njit
+def _fill_rec(g, kid, G, fill, tmp, F4):
+    """The last fill of ``(g, kid)``: this step's (``F4`` rows: key, slot, pos, step) or the committed one;
+    (slot, pos, step, from this step), slot -1 when none."""
+    key = kid * G + g
+    j = tmp[key, 1]
+    if j > 0:
+        return F4[j - 1, 1], F4[j - 1, 2], F4[j - 1, 3], True
+    return fill[key, 0], fill[key, 1], fill[key, 2], False
+
+
+@njit
+def _add_fill(g, s, q, kid, step, G, tmp, F4, nF):
+    key = kid * G + g
+    if nF < F4.shape[0]:
+        F4[nF, 0], F4[nF, 1], F4[nF, 2], F4[nF, 3] = key, s, q, step
+        tmp[key, 1] = nF + 1
+    return nF + 1
+
+
+@njit
+def _suspect(g, kid, G, count, tmp, moved):
+    """Another row may hold ``kid`` after the step (beyond one holding: the row's own)."""
+    key = kid * G + g
+    return moved or count[key] + tmp[key, 0] >= 2
+
+
+@njit
+def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_of, S, count, tmp, moved, full,
+                  fill, F4, nF, step, seen_l, nS, err, out):
+    """Fills (prevention) before hits (block position); returns (ok, nF, nS)."""
+    G = geo.shape[0]
+    for phase in range(2):
+        for r in range(R.shape[1]):
+            g, s, a = R[0, r], R[1, r], R[2, r]
+            lo = _bounds(g, s, X, P, geo, cp, cell_st)[0]
+            ws, we = _row_writes(g, s, X, P, geo, cp, slot_st)
+            bs, f = geo[g, BS], geo[g, F]
+            for q in range(max(a, R[4, r], lo), R[3, r]):
+                kid = w_ids[R[5, r] + q - a]
+                if kid < f:
+                    continue
+                fl = geo[g, CIRC] or (q + 1) * bs > ws
+                raw = raw0[r] + (q - a) // f
+                if phase == 0 and fl:
+                    whole = geo[g, CIRC] or (q * bs >= ws and (q + 1) * bs <= we)
+                    if _suspect(g, kid, G, count, tmp, moved):
+                        if _scan(g, kid, s, q, 0, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
+                                 run_of, S, out):
+                            err[0], err[1], err[2], err[3], err[4] = 4, raw, kid // f, s, q // f
+                            err[5], err[6], err[7], err[8] = g, out[0], out[1] // f, out[2]
+                            return False, nF, nS
+                        if full and _scan(g, kid, s, q, 1, whole, X, P, R, w_ids, mirror, geo, cp, cell_st,
+                                          slot_st, run_of, S, out):
+                            err[0], err[1], err[2], err[3], err[4] = 9, raw, kid // f, s, q // f
+                            err[5], err[6] = g, out[1] // f
+                            return False, nF, nS
+                    nF = _add_fill(g, s, q, kid, step, G, tmp, F4, nF)
+                    nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), step)
+                elif phase == 1 and not fl:
+                    fs, fp, fst, now = _fill_rec(g, kid, G, fill, tmp, F4)
+                    own = fs == s and now
+                    if fs >= 0 and fp != q and not own:
+                        err[0], err[1], err[2], err[3], err[4] = 8, raw, kid // f, s, q // f
+                        err[5], err[6], err[7], err[8] = g, fp // f, fs, fst
+                        return False, nF, nS
+                    if full and geo[g, SLID] and _suspect(g, kid, G, count, tmp, moved) and \
+                            _scan(g, kid, s, q, 2, False, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
+                                  run_of, S, out):
+                        err[0], err[1], err[2], err[3] = 10, kid // f, g, s
+                        return False, nF, nS
+                    if fs < 0:
+                        nF = _add_fill(g, s, q, kid, step, G, tmp, F4, nF)
+                        fst = step
+                    nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), fst)
+    return True, nF, nS
+
+
+@njit
+def _push_seen(seen_l, n, c, v):
+    if n < seen_l.shape[0]:
+        seen_l[n, 0], seen_l[n, 1] = c, v
+    return n + 1
+
+
+@njit
+def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count, tmp, moved, fill, seen,
+            F4, nF, step, seen_l, nS, err, out):
+    """Old blocks a batch row writes: its own fill extended, or a write anew no other row certainly reads."""
+    G = geo.shape[0]
+    for i in range(P.shape[1]):
+        s = P[0, i]
+        if X[1, s] == 1:
+            continue
+        for g in range(G):
+            if geo[g, CIRC]:
+                continue
+            ws, we = _ws(g, i, P, geo, cp)
+            bs, f = geo[g, BS], geo[g, F]
+            front = slot_st[1, s]
+            mark = _owned(max(front, slot_st[2, s]) if geo[g, FULL] else front, g, geo, cp)
+            if we <= ws:
+                continue
+            for q in range(ws // bs, -(-we // bs)):
+                if q >= X[4 + g, s] or _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
+                                                 run_of, S) != 0:
+                    continue
+                c = _cell(g, s, q, geo)
+                kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
+                if kid < f:
+                    continue
+                rewind = ws < min(we, mark) and q * bs < min(we, mark)
+                fs, fp, fst, now = _fill_rec(g, kid, G, fill, tmp, F4)
+                if not rewind and fs == s and fp == q and fst == seen[c]:
+                    continue
+                if _suspect(g, kid, G, count, tmp, moved) and _scan(g, kid, s, q, 0, False, X, P, R, w_ids,
+                                                                    mirror, geo, cp, cell_st, slot_st, run_of,
+                                                                    S, out):
+                    err[1], err[2], err[3], err[4] = s, g, ws, kid // f
+                    err[5], err[6], err[7] = q // f, out[0], out[1] // f
+                    if rewind:
+                        err[0], err[8], err[9] = 5, mark, P[1, i] - P[2, i]
+                    else:
+                        err[0] = 6
+                    return False, nF, nS
+                nF = _add_fill(g, s, q, kid, step, G, tmp, F4, nF)
+                nS = _push_seen(seen_l, nS, c, step)
+    return True, nF, nS
+
+
+@njit
+def _moved_back(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, err, out):
+    G = geo.shape[0]
+    for i in range(P.shape[1]):
+        s = P[0, i]
+        if X[1, s] == 1:
+            continue
+        for g in range(G):
+            if not geo[g, SLID]:
+                continue
+            f = geo[g, F]
+            for q in range(_read_lo(g, i, P, geo, cp), min(cell_st[0, g, s], X[4 + g, s])):
+                if _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S) != 0:
+                    continue
+                kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
+                if kid < f:
+                    continue
+                if _scan(g, kid, s, q, 3, False, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S,
+                         out):
+                    err[0], err[1], err[2], err[3], err[4], err[5] = 3, s, g, q // f, out[0], kid // f
+                    return False
+    return True
+
+
+@njit
+def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, tmp, F4, err):
+    """Detection: a sliding block a batch row reads below its write start holds the fill the row saw."""
+    G = geo.shape[0]
+    for i in range(P.shape[1]):
+        s = P[0, i]
+        for g in range(G):
+            if not geo[g, SLID]:
+                continue
+            ws = _ws(g, i, P, geo, cp)[0]
+            bs, f = geo[g, BS], geo[g, F]
+            for q in range(_read_lo(g, i, P, geo, cp), min(-(-ws // bs), X[4 + g, s])):
+                if _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S) != 0:
+                    continue
+                c = _cell(g, s, q, geo)
+                kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
+                if kid < f:
+                    continue
+                fs, fp, fst, now = _fill_rec(g, kid, G, fill, tmp, F4)
+                if fs < 0:
+                    continue
+                ok = (fs == s and fp == q) if now else (fst == seen[c] and fp == q)
+                if not ok:
+                    err[0], err[1], err[2], err[3], err[4] = 7, s, g, kid // f, q // f
+                    err[5], err[6], err[7], err[8] = P[1, i] - P[2, i], fs, fp // f, fst
+                    return False
+    return True
+
+
+@njit
+def _held_nulls(X, P, R, w_ids, mirror, geo, cp, run_of, S, err):
+    G = geo.shape[0]
+    for i in range(P.shape[1]):
+        s = P[0, i]
+        for g in range(G):
+            if not geo[g, SLID]:
+                continue
+            lo, f = _read_lo(g, i, P, geo, cp), geo[g, F]
+            r = run_of[g * S + s]
+            hi = X[4 + g, s] if r < 0 else min(X[4 + g, s], R[2, r])
+            first, n = -1, 0
+            for q in range(lo, hi):
+                if _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S) < f:
+                    if first < 0:
+                        first = q
+                    n += 1
+            if n:
+                err[0], err[1], err[2], err[3], err[4], err[5] = 11, g, s, i, first, n - 1
+                err[6] = max(P[1, i] - P[2, i] - geo[g, WIN] + 1, 0, P[3, i])
+                err[7] = P[1, i] - 1
+                return False
+    return True
+
+
+@njit
+def _new_range(g, s, X, P, geo, cp, cell_st):
+    """The committed held range ``(lo, nb)`` of slot ``s`` in group ``g`` after the step."""
+    if X[3, s] == 0:
+        return 0, 0
+    nb, ring = X[4 + g, s], geo[g, RING]
+    G = geo.shape[0]
+    lo = 0
+    if geo[g, SLID]:
+        i = X[0, s]
+        if i >= 0:
+            lo = _lo_block(g, P[1, i] - P[5, i], P[3, i], geo, cp)
+        elif X[1, s] == 1:
+            lo = _lo_block(g, X[2, s], 0, geo, cp)
+        else:
+            lo = cell_st[0, g, s]
+    if ring > 0:
+        lo = max(lo, X[4 + G + g, s] if geo[g, SLID] else 0, nb - ring)
+    return lo, nb
+
+
+@njit
+def _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc):
+    """The id keys leaving (``dec``) and entering (``inc``) the committed held ranges of every affected
+    (group, slot); returns their numbers (only counted when the buffers are too small)."""
+    G = geo.shape[0]
+    nd = ni = 0
+    for s in range(S):
+        touched = X[0, s] >= 0 or X[1, s] == 1 or (slot_st[0, s] == 1 and X[3, s] == 0)
+        for g in range(G):
+            r = run_of[g * S + s]
+            if not (touched or r >= 0):
+                continue
+            lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
+            lo1, nb1 = _new_range(g, s, X, P, geo, cp, cell_st)
+            u0, u1 = max(lo0, lo1), min(nb0, nb1, R[2, r] if r >= 0 else nb0)
+            if X[1, s] == 1:
+                u0, u1 = 0, 0
+            for q in range(lo0, nb0):
+                if not (u0 <= q < u1):
+                    kid = np.int64(mirror[_cell(g, s, q, geo)])
+                    if kid >= geo[g, F]:
+                        nd = _push(dec, nd, kid * G + g)
+            for q in range(lo1, nb1):
+                if not (u0 <= q < u1):
+                    kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
+                    if kid >= geo[g, F]:
+                        ni = _push(inc, ni, kid * G + g)
+    return nd, ni
+
+
+@njit
+def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_blocks, slot_st, cell_st, fill,
+               count, seen, tmp):
+    """The rule on one step, scratch only: ``(err, X, F4 fills, nF, seen list, nS, dec, inc)``."""
+    G, S = geo.shape[0], slot_st.shape[1]
+    err = np.zeros(12, dtype=np.int64)
+    out = np.zeros(3, dtype=np.int64)
+    X = np.zeros((4 + 2 * G, S), dtype=np.int64)
+    X[0, :] = -1
+    run_of = np.full(G * S, -1, dtype=np.int64)
+    cap = w_ids.shape[0] + P.shape[1] * G * 4 + 8
+    F4 = np.zeros((cap, 4), dtype=np.int64)
+    seen_l = np.zeros((cap, 2), dtype=np.int64)
+    dec = np.zeros(0, dtype=np.int64)
+    inc = np.zeros(0, dtype=np.int64)
+    nF = nS = 0
+    if not _prepare(X, P, R, A, FN, nf, geo, num_blocks, cell_st, slot_st, run_of, S):
+        err[0] = -1
+        return err, X, F4, nF, seen_l, nS, dec, inc
+    moved = _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, tmp, G, False,
+                    run_of, S)
+    ok = _no_jump(A, X, slot_st, err) and _rings(X, P, R, geo, cp, cell_st, num_blocks, run_of, S, err)
+    if ok:
+        ok, nF, nS = _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_of, S, count,
+                                   tmp, moved, full, fill, F4, nF, step, seen_l, nS, err, out)
+    if ok:
+        ok, nF, nS = _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count, tmp, moved,
+                             fill, seen, F4, nF, step, seen_l, nS, err, out)
+    ok = ok and _moved_back(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, err, out)
+    ok = ok and _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, tmp, F4, err)
+    if ok and full:
+        ok = _held_nulls(X, P, R, w_ids, mirror, geo, cp, run_of, S, err)
+    _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, tmp, G, True, run_of, S)
+    for j in range(min(nF, F4.shape[0])):
+        tmp[F4[j, 0], 1] = 0
+    if ok:
+        nd, ni = _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
+        dec = np.zeros(nd, dtype=np.int64)
+        inc = np.zeros(ni, dtype=np.int64)
+        _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
+    if nF > F4.shape[0] or nS > seen_l.shape[0]:
+        err[0] = -2
+    return err, X, F4, nF, seen_l, nS, dec, inc
+
+
+@njit
+def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, count, seen, X, F4, nF, seen_l, nS, dec, inc):
+    """Apply a checked step (the lists of :func:`check_pass`)."""
+    G, S = geo.shape[0], slot_st.shape[1]
+    for j in range(dec.shape[0]):
+        count[dec[j]] -= 1
+    for j in range(inc.shape[0]):
+        count[inc[j]] += 1
+    for j in range(nF):
+        k = F4[j, 0]
+        fill[k, 0], fill[k, 1], fill[k, 2] = F4[j, 1], F4[j, 2], F4[j, 3]
+    for j in range(nS):
+        seen[seen_l[j, 0]] = seen_l[j, 1]
+    for j in range(FN.shape[1]):
+        s = FN[0, j]
+        slot_st[1, s] = slot_st[2, s] = 0
+        for g in range(G):
+            cell_st[0, g, s] = cell_st[1, g, s] = 0
+    for s in range(S):
+        slot_st[0, s] = X[3, s]
+        for g in range(G):
+            cell_st[2, g, s] = X[4 + G + g, s] if X[3, s] else 0
+    for i in range(P.shape[1]):
+        s, seq = P[0, i], P[1, i]
+        slot_st[1, s] = max(slot_st[1, s], seq)
+        if P[6, i]:
+            slot_st[2, s] = max(slot_st[2, s], P[4, i])
+        for g in range(G):
+            if geo[g, SLID]:
+                cell_st[0, g, s] = _lo_block(g, seq - P[5, i], P[3, i], geo, cp)
+                cell_st[1, g, s] = _lo_block(g, seq, P[3, i], geo, cp)
+    for j in range(A.shape[1]):
+        s, nc = A[0, j], A[1, j]
+        if X[0, s] < 0:
+            slot_st[1, s] = max(slot_st[1, s], nc)
+            if X[1, s] == 1:
+                for g in range(G):
+                    if geo[g, SLID]:
+                        cell_st[0, g, s] = cell_st[1, g, s] = _lo_block(g, nc, 0, geo, cp)
+    return True
