@@ -64,6 +64,17 @@ for layout, kw in cases:
             topk = torch.randint(-1, 40, (96, width), dtype=torch.int32)
             meta.topk_to_slots(name, topk)
             meta.topk_to_slots(name, topk, compact=True)
+# NOTE: V4.1's two-level indexer (candidate blocks of the tiny V4.1's ratio-1 channel)
+v41 = DSV4Layout.from_config("tiny_v41", 256, mla_block_size=16, swa_block_size=8)
+pipe = make_pipeline(v41, fused=False, backend="triton")
+for step in two_steps(v41):
+    pipe.update(step, pad_to=96)
+    meta = pipe.build()
+    blocks = torch.randint(-1, 40, (96, 4), dtype=torch.int32)
+    cols = torch.randint(-1, 8, (96, pipe._builders["c1a"].k_capacity), dtype=torch.int32)
+    meta.candidate_blocks_to_physical("c1a", blocks)
+    for compact in (False, True):
+        meta.candidate_topk_to_slots("c1a", blocks, cols, compact=compact)
 # NOTE: the functional op (its own kernel: a request search, not the pipeline's precomputed rows)
 from dsv4_index import ops
 qsl, seq = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([40, 9], dtype=torch.int32)
@@ -121,7 +132,7 @@ def test_every_op_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     # NOTE: every op's kernel was launched (a kernel that no launch reached would pass unchecked)
     want = {"_token_to_req_kernel", "_slot_mapping_kernel", "_compressed_slot_mapping_kernel",
             "_window_indices_kernel", "_causal_compressed_indices_kernel", "_topk_to_slots_kernel",
-            "_indexer_lengths_kernel"}
+            "_indexer_lengths_kernel", "_candidate_phys_kernel", "_candidate_topk_kernel"}
     assert want <= kernels, sorted(want - kernels)
     r = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(calls), env=base, cwd=ROOT,
                        capture_output=True, text=True, timeout=1800)
