@@ -45,7 +45,9 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent / "examples"))  # examples/_threads.py: --threads (default 1)
 
+from _threads import add_threads_option, set_threads  # noqa: E402
 from dsv4_index import DSV4Layout, MetadataPipeline, batch_from_step  # noqa: E402
 from dsv4_index.fused.tasks import TileConfig  # noqa: E402
 from workload import CASES, Workload  # noqa: E402
@@ -551,7 +553,9 @@ def main():
     ap.add_argument("--smoke-case", default="decode B=1", help="case of --smoke (workload.CASES)")
     ap.add_argument("--smoke-len", type=int, default=4096, help="max_model_len of --smoke")
     ap.add_argument("--device", default="cuda", help="device of --smoke (every other mode needs cuda)")
+    add_threads_option(ap)
     args = ap.parse_args()
+    set_threads(args.threads)
     if args.smoke:
         smoke(args)
         return

@@ -46,15 +46,14 @@ ROOT = Path(__file__).resolve().parent
 # NOTE: DSV4_INDEX_ROOT times another checkout's package with this script (old and new trees alternating)
 sys.path.insert(0, os.environ.get("DSV4_INDEX_ROOT", str(ROOT.parent)))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent / "examples"))  # examples/_threads.py: --threads (default 1)
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
+from _threads import add_threads_option, set_threads  # noqa: E402
 from dsv4_index import (DSV4Layout, MetadataPipeline, NewRequest, RunningRequest, SlotMap, StepInput,  # noqa: E402
                         batch_from_step)
 from workload import Case, Workload  # noqa: E402
-
-torch.set_num_threads(1)
 
 
 def scheduler_output(step: StepInput):
@@ -334,7 +333,9 @@ def main():
                                                         "of this many calls on the same input (1: the first call)")
     ap.add_argument("--old", help="another checkout (e.g. a worktree of an older commit) whose package to time "
                                   "beside this one, interleaved in the same process (arms prefixed old_)")
+    add_threads_option(ap)
     args = ap.parse_args()
+    set_threads(args.threads)
     REPS[0] = args.reps
     layout = DSV4Layout.from_config("flash", max_model_len=131072)
     if args.churn:

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # examples/_threads.py
 
+from _threads import add_threads_option, set_threads  # noqa: E402
 from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
 from dsv4_index.frontend import batch_from_step  # noqa: E402
 from dsv4_index.testing.scheduler import ReferenceScheduler, scripted_trace  # noqa: E402
@@ -32,7 +34,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048, help="prompt length of each request")
     ap.add_argument("--steps", type=int, default=20, help="steps timed per kind (prefill, decode)")
     ap.add_argument("--max-model-len", type=int, default=16384)
+    add_threads_option(ap)
     a = ap.parse_args()
+    set_threads(a.threads)
     lay = DSV4Layout.from_config("flash", max_model_len=a.max_model_len)
     T = 8192
     pipe = MetadataPipeline(lay, a.requests, T, "cpu", 1, backend="reference")

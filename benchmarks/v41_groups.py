@@ -24,9 +24,11 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent / "examples"))  # examples/_threads.py: --threads (default 1)
 
 from bench_step import graph_time  # noqa: E402
 
+from _threads import add_threads_option, set_threads  # noqa: E402
 from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
 from dsv4_index.testing.scheduler import ReferenceScheduler  # noqa: E402
 
@@ -90,7 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="no timing: build each case's decode step on the CPU")
     ap.add_argument("--scheduler", action="store_true", help="reach the decode step through the reference "
                                                              "scheduler's prefills (slow for 45 groups)")
+    add_threads_option(ap)
     args = ap.parse_args(argv)
+    set_threads(args.threads)
     setup_step = decode_step if args.scheduler else joined_step
     if args.smoke:
         for label, name, kw in CASES:

@@ -6,6 +6,7 @@ Imports vLLM only inside functions (``--help`` of the script works without it)."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import random
@@ -69,7 +70,10 @@ def v41_specs(cfg: dict, k: int, replay: bool, block_size: int = 64) -> dict:
         if source and r > 1:  # NOTE: CompressorStateCache.get_kv_cache_spec, compressor.py:229-236
             specs[f"{p}.compressor.state_cache"] = CircularBufferSpec(
                 block_size=ring, num_kv_heads=1, head_size=2 * 512, head_size_v=0, dtype=torch.float32)
-    return specs
+    # NOTE: the draft (DSpark / MTP) layers' specs are tagged is_draft, as model runner V2 does
+    # (v1/worker/gpu/attn_utils.py:150-151: `replace(spec, is_draft=True)` for a module's is_draft_layer)
+    return {n: dataclasses.replace(s, is_draft=True) if int(n.split(".")[2]) >= hidden else s
+            for n, s in specs.items()}
 
 
 class MTPSpec:

@@ -223,6 +223,12 @@ class DSV4Layout:
             raise ValueError(f"gid must be in [0, {len(self.groups)}), got {gid!r}")
         return tuple(c for c in self.channels.values() if c.gid == gid)
 
+    def cache_shape(self, channel: str, num_blocks: int):
+        """``channel``'s cache for ``num_blocks`` blocks: rows ``num_blocks * rows_per_block``, shape and a
+        dtype / FP8 note (:func:`dsv4_index.cache_shape.cache_shape`)."""
+        from .cache_shape import cache_shape
+        return cache_shape(self, channel, num_blocks)
+
     def layer_kind(self, layer: int) -> str:
         """``"swa"``, ``"c4"`` (indexed: top-k) or ``"c128"`` (every visible row): the attention kind of
         layer ``layer`` (:func:`dsv4_index.specs.ratio_kinds`)."""

@@ -33,6 +33,7 @@ from .metadata import DSV4Metadata, StepStats
 from .geometry import DSV4Layout
 from ._numba import compile_pinned
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
+from .frontend.row_order import check_caller_order, check_row_order
 from .state import BlockTables, RequestState, StepPlan, StepStaging
 from .state.requests import RowIds, SlotMap
 
@@ -69,24 +70,25 @@ class MetadataPipeline:
         the interpreter, the PyTorch reference otherwise).
     cuda_graphs : bool — CUDA only, every channel fused: ``build()`` replays a CUDA graph of the fused
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
+    row_order : "decode_first" (default: the pipeline orders rows decode-first) or "caller" (``meta`` row ``i``
+        is the step's row ``i``; a step not decode-first is refused naming the row: :mod:`.frontend.row_order`).
     """
 
     def __init__(self, layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, row_order: str = "decode_first"):
         check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          (cp_world_size, cp_rank, cp_interleave), checks)
         check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs)
+        self.row_order = check_row_order(row_order)
         self.layout = layout
         self.device = check_device(device)
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = T = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.cp = (cp_world_size, cp_rank, cp_interleave)
-        # NOTE: check_block_counts applies only to an engine group plan outside DCP (its own early return)
-        self._count_rule = layout.cp_world_size <= 1 and any(g.layers is not None for g in layout.groups)
         self.validate = bool(validate)
         self.checks = "full" if validate else checks
         self.slot_map = SlotMap(max_num_reqs, replay_reach=max([(g.window or 1) - 1 for g in layout.groups], default=0),
@@ -216,11 +218,12 @@ class MetadataPipeline:
             raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__} "
                              "(no attribute 'scheduled_new_reqs', which a SchedulerOutput has)")
         try:
-            if self._count_rule:  # NOTE: lists of another group plan never pass; first, so its message names both
-                try:
-                    check_block_counts(self.layout, batch)
-                except (IndexError, TypeError, AttributeError):
-                    pass  # NOTE: malformed arrays: the plan's checks below name the field
+            if self.row_order == "caller":  # NOTE: frontend/row_order.py; the default path skips it
+                check_caller_order(batch, self.ctx.next_n, None if delta is None else delta.order)
+            try:  # NOTE: lists of another group plan never pass; first, so its message names the two groups
+                check_block_counts(self.layout, batch)
+            except (IndexError, TypeError, AttributeError):
+                pass  # NOTE: malformed arrays: the plan's checks below name the field
             plan = self.requests.plan(batch, pad_to)
         except ValueError as e:
             named = e if delta is None else explain(e, batch, delta, src)  # NOTE: id-keyed: name the request

@@ -37,6 +37,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # examples/_threads.py
+
+from _threads import add_threads_option, set_threads  # noqa: E402  (examples/_threads.py)
 
 from dsv4_index import DSV4Layout, MetadataPipeline  # noqa: E402
 from dsv4_index._common import check_int, cp_global, cp_owned_count  # noqa: E402
@@ -440,10 +443,11 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                     help="auto: nccl when every rank has its own GPU, else gloo")
     ap.add_argument("--no-validate", action="store_true", help="skip check_metadata / check_cp_partition")
+    add_threads_option(ap)
     args = ap.parse_args(argv)
 
     import torch.distributed as dist
-    torch.set_num_threads(1)
+    set_threads(args.threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", rank))
     device, backend = "cpu", "gloo"

@@ -21,12 +21,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # examples/_threads.py
 
 import argparse
 
 import torch
 
 from dsv4_index import DSV4Layout, MetadataPipeline, NewRequest, RunningRequest, StepInput
+from _threads import add_threads_option, set_threads  # examples/_threads.py
 
 HIDDEN, HEADS, D = 64, 4, 32
 NUM_BLOCKS = 64
@@ -70,7 +72,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("device", nargs="?", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true", help="run my_attention under torch.compile(fullgraph=True)")
+    add_threads_option(ap)
     args = ap.parse_args(argv)
+    set_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
     # the tiny DSV4 config shipped with the package: window 8, compress ratios 4 and 16, top-k 4
@@ -86,7 +90,7 @@ def main(argv=None) -> None:
     next_id = iter(range(1, NUM_BLOCKS))               # block 0 is the null block
 
     def blocks(n_tokens):                              # fresh block ids per group (mla, swa, c4_state, c128_state)
-        return tuple([next(next_id) for _ in range(-(-n_tokens // g.alloc_block_size))] for g in layout.groups)
+        return tuple([next(next_id) for _ in range(g.blocks_for(n_tokens))] for g in layout.groups)
 
     none = tuple([] for _ in layout.groups)
     steps = [

@@ -51,7 +51,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # examples/_progress.py
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # examples/_progress.py, _threads.py
 
 import argparse
 import ctypes
@@ -63,6 +63,7 @@ from collections import Counter
 import numpy as np
 import torch  # NOTE: does not import triton; TRITON_INTERPRET is set before anything does
 from _progress import progress  # examples/_progress.py: tqdm on a terminal, plain lines otherwise
+from _threads import add_threads_option, set_threads  # examples/_threads.py: --threads (default 1)
 
 KINDS = ("swa", "c4", "c128")
 SALT = {"swa": 0, "c4": 1, "c128": 2}
@@ -91,6 +92,7 @@ def parse_args(argv=None):
     ap.add_argument("--attn-reference", action="store_true", help="attention by the PyTorch reference")
     ap.add_argument("--fault", choices=KINDS, nargs="+", default=(),
                     help="self-test: entry 0 of each token's list of these kinds repeats entry 1 (must FAIL)")
+    add_threads_option(ap)
     a = ap.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sized = any(v is not None for v in (a.steps, a.batch, a.max_model_len, a.ctx))
@@ -445,7 +447,7 @@ def main(argv=None) -> int:
         os.environ["DSV4_INDEX_BACKEND"] = "triton" if args.kernels else "reference"
     # NOTE: one intra-op thread, as an engine's GPU worker runs (and DESIGN §8's host method): tiny ops only
     # contend with intra-op threads (on the H200 host update() read 606 µs with torch's default, 477 with one)
-    torch.set_num_threads(1)
+    set_threads(args.threads)
     md_backend = "triton" if dev.type == "cuda" or args.kernels else "reference (PyTorch)"
     attn_backend = "reference" if args.attn_reference else "triton"
     from dsv4_index import DSV4Layout, MetadataPipeline

@@ -35,7 +35,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # examples/_progress.py
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # examples/_progress.py, _threads.py
 
 import argparse
 import random
@@ -46,6 +46,7 @@ import zlib
 
 import torch  # NOTE: does not import triton; TRITON_INTERPRET is set below before anything does
 from _progress import progress  # examples/_progress.py: tqdm on a terminal, plain lines otherwise
+from _threads import add_threads_option, set_threads  # examples/_threads.py: --threads (default 1)
 
 TOL = 1e-4
 MAX_LEN = 192          # max_model_len of the tiny layout
@@ -79,6 +80,7 @@ def parse_args(argv=None):
     ap.add_argument("--kernels", action="store_true",
                     help="on CPU: run the Triton kernels in the interpreter (TRITON_INTERPRET=1; slow) "
                          "instead of the PyTorch reference")
+    add_threads_option(ap)
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be >= 1")
@@ -173,6 +175,7 @@ def make_trace(sched, inputs, steps, seed):
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = pick_backend(args)
+    set_threads(args.threads)
 
     from dsv4_index import DSV4Layout, MetadataPipeline
     from dsv4_index.testing.scheduler import ReferenceScheduler, cache_writes

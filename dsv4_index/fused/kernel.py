@@ -89,8 +89,12 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
         tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + r, seq, mask=r <= T_pad)
         tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 2, 4) + r, slot, mask=r <= T_pad)
     elif KIND == REPLAYS:
-        rs = tl.load(stage_ptr + off_rs + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_START) != 0), other=0)
-        re = tl.load(stage_ptr + off_re + r, mask=(r < B) & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
+        # NOTE: `tl.where(scalar flag, block mask, False)`, never `block mask & scalar flag`: Triton 3.9's
+        # interpreter makes the latter int32 and refuses it as a mask ("mask has unsupported dtype")
+        rs = tl.load(stage_ptr + off_rs + r, mask=tl.where(tl.load(stage_ptr + _H_REPLAY_START) != 0, r < B, False),
+                     other=0)
+        re = tl.load(stage_ptr + off_re + r, mask=tl.where(tl.load(stage_ptr + _H_REPLAY_END) != 0, r < B, False),
+                     other=0)
         tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + r, rs, mask=r <= T_pad)
         tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + r, re, mask=r <= T_pad)
     elif KIND == DECODE_LENS:
@@ -231,7 +235,8 @@ def _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b
     if KIND == WINDOW or KIND == CAUSAL or KIND == COMPRESSED:
         lo, hi, pay = overlay(stage_ptr, off_ov, gid, rows, b, valid)
     if (FLAG_WRITE_FLOOR & TAB[TI * NF + S_FLAGS]) != 0:
-        wfloor = tl.load(stage_ptr + off_re + b, mask=valid & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
+        wfloor = tl.load(stage_ptr + off_re + b, mask=tl.where(tl.load(stage_ptr + _H_REPLAY_END) != 0, valid, False),
+                         other=0)  # NOTE: tl.where, not `valid & flag`: Triton 3.9's interpreter (_request_task)
     else:
         wfloor = tl.zeros_like(pos)
     if KIND == WINDOW:
@@ -276,7 +281,8 @@ def _window_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, se
     CPR: tl.constexpr = TAB[TI * NF + S_CPR]
     CPI: tl.constexpr = TAB[TI * NF + S_CPI]
     if (FLAG_WINDOW_FLOOR & FLAGS) != 0:
-        floor = tl.load(stage_ptr + off_rs + b, mask=valid & (tl.load(stage_ptr + _H_REPLAY_START) != 0), other=0)
+        floor = tl.load(stage_ptr + off_rs + b, mask=tl.where(tl.load(stage_ptr + _H_REPLAY_START) != 0, valid, False),
+                        other=0)  # NOTE: tl.where, not `valid & flag`: Triton 3.9's interpreter (_request_task)
     else:
         floor = tl.zeros_like(pos)
     first, n = window_len(pos, valid, floor, TAB[TI * NF + S_WINDOW], CPW, CPR, CPI)

@@ -106,10 +106,12 @@ def window_fold(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, k0, t0, 
     row = tl.load(stage_ptr + off_slots + b, mask=valid, other=0)
     wfloor = tl.zeros_like(pos)
     if (FLAG_WRITE_FLOOR & FLAGS) != 0:
-        wfloor = tl.load(stage_ptr + off_re + b, mask=valid & (tl.load(stage_ptr + _H_REPLAY_END) != 0), other=0)
+        wfloor = tl.load(stage_ptr + off_re + b, mask=tl.where(tl.load(stage_ptr + _H_REPLAY_END) != 0, valid, False),
+                         other=0)  # NOTE: tl.where, not `valid & flag`: Triton 3.9's interpreter (kernel._request_task)
     floor = tl.zeros_like(pos)
     if (FLAG_WINDOW_FLOOR & FLAGS) != 0:
-        floor = tl.load(stage_ptr + off_rs + b, mask=valid & (tl.load(stage_ptr + _H_REPLAY_START) != 0), other=0)
+        floor = tl.load(stage_ptr + off_rs + b, mask=tl.where(tl.load(stage_ptr + _H_REPLAY_START) != 0, valid, False),
+                        other=0)  # NOTE: tl.where, not `valid & flag`: Triton 3.9's interpreter (kernel._request_task)
     first, n = window_len(pos, valid, floor, TAB[TI * NF + S_WINDOW], CPW, CPR, CPI)
     q_start = tl.zeros_like(pos)
     if (FLAG_CIRCULAR & FLAGS) != 0:

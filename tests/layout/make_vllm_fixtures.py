@@ -1,4 +1,6 @@
-"""Regenerate ``tests/layout/fixtures/vllm033_*.json``: vLLM 0.33's own KV-cache grouping
+"""Regenerate ``tests/layout/fixtures/vllm033_*.json`` (vLLM 0.33.x) or ``vllm034_*.json`` (0.34.x: the file
+prefix follows the vLLM that runs it; 0.34.0's were written with ``PYTHONPATH`` at a ``pip install --no-deps
+--target DIR vllm==0.34.0`` beside the 0.33 environment): vLLM's own KV-cache grouping
 (``vllm.v1.core.kv_cache_planning.get_kv_cache_groups``) run on CPU for DeepSeek-V4 Flash and Pro, with
 and without the MTP layer, and for DeepSeek-V4.1-Flash with 0 and 3 DSpark drafts (:func:`plan_v41`).
 
@@ -167,18 +169,20 @@ def plan_v41(k: int, replay: bool) -> dict:
 def main() -> int:
     dest = Path(__file__).resolve().parent / "fixtures"
     dest.mkdir(exist_ok=True)
+    major, minor = __import__("vllm").__version__.split(".")[:2]
+    tag = f"vllm{int(major)}{int(minor):02d}"  # NOTE: vllm033 for 0.33.x, vllm034 for 0.34.x
     for k in (0, 3):
-        (dest / f"vllm033_v41_flash{'_dspark3' if k else ''}.json").write_text(
+        (dest / f"{tag}_v41_flash{'_dspark3' if k else ''}.json").write_text(
             json.dumps(plan_v41(k, True), indent=1) + "\n")
     for name in ("flash", "pro"):
         for mtp in (True, False):
             p = plan(name, mtp)
-            path = dest / f"vllm033_{name}{'_mtp' if mtp else ''}.json"
+            path = dest / f"{tag}_{name}{'_mtp' if mtp else ''}.json"
             path.write_text(json.dumps(p, indent=1) + "\n")
             print(path.name, [(len(g["layer_names"]), g["layer_spec"], g["block_size"], g["sliding_window"])
                               for g in p["kv_cache_groups"]])
             a = allocations(name, mtp)
-            (dest / f"vllm033_alloc_{name}{'_mtp' if mtp else ''}.json").write_text(json.dumps(a, indent=1) + "\n")
+            (dest / f"{tag}_alloc_{name}{'_mtp' if mtp else ''}.json").write_text(json.dumps(a, indent=1) + "\n")
     return 0
 
 

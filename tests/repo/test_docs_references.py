@@ -144,8 +144,9 @@ def _expand(tok: str) -> list:
 
 
 def _repo_files() -> list:
-    skip = {".git", ".venv", "__pycache__", "node_modules"}
-    return [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.parts)]
+    skip = {".git", ".venv", "__pycache__", "node_modules"}  # NOTE: and ./dev's second envs, .venv-*
+    return [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.parts)
+            and not any(part.startswith(".venv-") for part in p.parts)]
 
 
 def _imports(name: str) -> bool:

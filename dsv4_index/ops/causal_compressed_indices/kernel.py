@@ -39,7 +39,8 @@ def _causal_compressed_indices_kernel(
     # NOTE: max_len = min(width, cols * S): a clamp for memory safety on unchecked inputs (the
     # value checks reject rows wider than either)
     n = tl.minimum(visible_rows(pos, valid, compress_ratio, cp_world, cp_rank, cp_interleave), max_len)
-    tl.store(lens_ptr + t, n, mask=in_out & (tl.program_id(1) == 0))
+    # NOTE: tl.where, not `in_out & (scalar)`: Triton 3.9's interpreter makes that int32 ("mask has unsupported dtype")
+    tl.store(lens_ptr + t, n, mask=tl.where(tl.program_id(1) == 0, in_out, False))
     j = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
     zero = tl.zeros_like(t)
     slot = causal_row(bt_ptr, row, n, j, rows_per_block, row_stride, bt_ptr, zero, zero, zero, False)
