@@ -2,7 +2,7 @@
 
     python benchmarks/host_profile.py [--rounds 300] [--cases "decode B=256,decode B=1024"]
                                       [--build | --build-only | --lines]
-    python benchmarks/host_profile.py --mix [--old /work/main] [--steps 300]   # issues 26, 37: old vs new
+    python benchmarks/host_profile.py --mix [--old /work/main] [--steps 300] [--mix-cases "serving mix"]  # old vs new
     python benchmarks/host_profile.py --cases "decode B=256,MTP 256x2" [--swa-per-layer]  # 4 vs 47 groups
 
 ``--mix`` (issues 26, 37): the serving mix, the churn stream (``serving_mix.py``), steady decode B=256 as a
@@ -161,14 +161,15 @@ def build_replay_host(layout, case, steps: int = 50, per_wait: int = 8) -> float
 
 
 def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
-    """Per-statement median µs of ``update()``'s host passes (``RequestState.plan``, ``StepChecks.plan``,
-    ``StepStaging.stage``), ``pipes`` pipelines of one case interleaved; a timer after every statement
-    (≈ 0.15 µs each)."""
+    """Per-statement median µs of ``update()`` and its host passes (``RequestState.plan``, ``StepChecks.plan``,
+    ``BlockOwners.check``, ``StepStaging.stage``), ``pipes`` pipelines of one case interleaved; a timer after every
+    statement (≈ 0.15 µs each)."""
     import ast
     import collections
     import inspect
     import textwrap
-    from dsv4_index.state import checks as checks_mod, requests as req_mod, staging as stage_mod
+    from dsv4_index import pipeline as pipe_mod
+    from dsv4_index.state import checks as checks_mod, owners as own_mod, requests as req_mod, staging as stage_mod
     acc, last = collections.defaultdict(list), [0.0]
     pc = time.perf_counter
 
@@ -210,6 +211,8 @@ def line_profile(layout, case, steps: int = 300, pipes: int = 5) -> None:
         instrument(req_mod, req_mod.RequestState, "plan")
         instrument(checks_mod, checks_mod.StepChecks, "plan")
         instrument(stage_mod, stage_mod.StepStaging, "stage")
+        instrument(own_mod, own_mod.BlockOwners, "check")
+        instrument(pipe_mod, pipe_mod.MetadataPipeline, "update")
         line_profile.sources, line_profile.acc, line_profile.last = sources, acc, last
     sources, acc = line_profile.sources, line_profile.acc
     acc.clear()
@@ -278,16 +281,26 @@ def port(x, mod):
     if mod is sys.modules["dsv4_index"]:
         return x
     if isinstance(x, StepBatch):
-        return mod.StepBatch(**vars(x))
+        return mod.StepBatch(**_known(mod.StepBatch, vars(x)))
     if isinstance(x, StepInput):
         return dataclasses.replace(
-            mod.StepInput(**{k.name: getattr(x, k.name) for k in dataclasses.fields(x)}),
-            new_requests=[mod.NewRequest(**vars(r)) for r in x.new_requests],
-            running_requests=[mod.RunningRequest(**vars(r)) for r in x.running_requests])
+            mod.StepInput(**_known(mod.StepInput, {k.name: getattr(x, k.name) for k in dataclasses.fields(x)})),
+            new_requests=[mod.NewRequest(**_known(mod.NewRequest, vars(r))) for r in x.new_requests],
+            running_requests=[mod.RunningRequest(**_known(mod.RunningRequest, vars(r))) for r in x.running_requests])
     return x
 
 
-def mix_profile(steps: int, old_path, replicas: int) -> None:
+def _known(cls, kw: dict) -> dict:
+    """``kw`` less the fields an older tree's ``cls`` lacks, which must be unset (None or empty) here (``drafts``)."""
+    import dataclasses
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = {k: v for k, v in kw.items() if k not in names}
+    if any(v is not None and not (isinstance(v, (dict, list, tuple)) and not v) for v in extra.values()):
+        raise ValueError(f"the old tree's {cls.__name__} lacks the fields {sorted(extra)}, set in this step")
+    return {k: v for k, v in kw.items() if k in names}
+
+
+def mix_profile(steps: int, old_path, replicas: int, only=None) -> None:
     import torch
     torch.set_num_threads(1)
     mods = {"new": sys.modules["dsv4_index"]}
@@ -297,6 +310,8 @@ def mix_profile(steps: int, old_path, replicas: int) -> None:
     streams = mix_streams(layout, steps)
     print("| case | arm | mean op-eq | mean w/o top 2 % | p50 | p90 op-eq | mean µs |\n|---|---|---|---|---|---|---|")
     for case, work in streams.items():
+        if only and case not in only:
+            continue
         arms = {}
         for tag, mod in mods.items():
             lay = mod.DSV4Layout.from_config("flash", max_model_len=131072)
@@ -307,23 +322,32 @@ def mix_profile(steps: int, old_path, replicas: int) -> None:
                 for p in pipes:
                     p.warmup()
                 arms[f"{tag} {checks}"] = (pipes, own)
-        times, units = {k: [] for k in arms}, []
+        times, units, refused = {k: [] for k in arms}, [], {}
         names = list(arms)
         for i in range(len(work)):
             units.append(op_eq_seconds())
             for k in names[i % len(names):] + names[:i % len(names)]:
+                if k in refused:
+                    continue
                 pipes, own = arms[k]
                 best = None
                 for p in pipes:
                     b, pad = own[i]
                     t0 = time.perf_counter()
-                    p.update(b, pad_to=pad)
+                    try:
+                        p.update(b, pad_to=pad)
+                    except ValueError as e:  # NOTE: a tree that rejects a step of the stream: said, not timed
+                        refused[k] = f"step {i}: {e}"
+                        break
                     dt = time.perf_counter() - t0
                     p.staging.applied()
                     best = dt if best is None else min(best, dt)
-                if i >= 2:
+                if i >= 2 and k not in refused:
                     times[k].append(best)
         u = statistics.median(units)
+        for k, why in refused.items():
+            print(f"| {case} | {k} | rejected {why[:300]} | | | | |", flush=True)
+            names.remove(k)
         for k in names:
             v = np.sort(np.asarray(times[k]) / u)
             trim = v[:max(1, int(len(v) * 0.98))].mean()
@@ -350,12 +374,13 @@ def main():
     ap.add_argument("--mix", action="store_true", help="issue 26: serving mix, churn and steady decode, old vs new")
     ap.add_argument("--old", default=None, help="with --mix: a tree whose dsv4_index is the old arm")
     ap.add_argument("--steps", type=int, default=300, help="with --mix: steps per case")
+    ap.add_argument("--mix-cases", default=None, help="with --mix: only these cases (comma-separated names)")
     ap.add_argument("--replicas", type=int, default=1, help="with --mix: pipelines per arm (fastest counts)")
     args = ap.parse_args()
     layout = DSV4Layout.from_config("flash", max_model_len=131072, swa_group_per_layer=args.swa_per_layer)
     gc.disable()
     if args.mix:
-        mix_profile(args.steps, args.old, args.replicas)
+        mix_profile(args.steps, args.old, args.replicas, args.mix_cases.split(",") if args.mix_cases else None)
         return
     print(f"numpy-op unit: a + b on 256 int64, timed interleaved with the arms (µs = this run's host only); "
           f"update() arms on {args.device}")

@@ -78,8 +78,6 @@ MESSAGES: Dict[str, Message] = {
     "id_twice": _m("full", "write run {r}: block id {value} twice in gid {g} of slot {slot}"),
     "ring_shared": _m("full", "block id {value} is in the rings of slots {a} and {b} of circular group gid {g} "
                               "({name}): two requests would write the same ring rows"),
-    "sliding_twice": _m("full", "block id {value} twice in sliding gid {g} ({name}) of slot {slot} from its "
-                                "window start on (one block would hold two positions)"),
     # ---- block ownership (state/owners*): appended below by the ownership checks ----------------
 }
 

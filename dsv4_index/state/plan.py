@@ -42,10 +42,6 @@ class StepPlan:
     w_cu: np.ndarray            # int64 [N + 1]
     w_ids: np.ndarray           # int64 [n]
     w_row: np.ndarray           # int64 [N]: device batch row of each run's slot, -1 when not in the batch
-    # NOTE: the step is in the compiled ownership domain (plain blocks, replicated groups, every run on a batch
-    # row of a non-circular group), and the runs that are not one-id appends (None: all are); read by no pass
-    steady: bool = False
-    w_other: Optional[np.ndarray] = None  # int64 [k]
     drafts: Optional[np.ndarray] = None  # int64 [B]: draft tokens per batch row (ownership), or None
 
 

@@ -2,8 +2,8 @@
 :class:`~dsv4_index.state.plan.StepPlan` or raises the :class:`~dsv4_index.state.messages.Rejection` that
 names the culprit. One planner for every step: the array conversions (dtypes, shapes) here, every
 ``"safe"`` check in one compiled pass (:mod:`.kernel`; its definition, by whole-step numpy, is
-:mod:`.naive`), then ``"full"`` (:func:`.naive.full_checks`, numpy). Nothing here writes state; the
-levels are docs/DESIGN.md §5.
+:mod:`.naive`), then ``"full"`` in a second compiled pass (:func:`.kernel.full_step`; its definition
+:func:`.naive.full_checks`). Nothing here writes state; the levels are docs/DESIGN.md §5.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from ..._numba import compile_pinned, ready
 from ...batch import StepBatch
 from ..messages import reject
 from ..plan import StepPlan
-from .kernel import CODES, HEAD, LIM, check_step, out_size
-from .naive import arr, full_checks
+from .._index import window_start
+from .kernel import CODES, FULL_CODES, HEAD, LIM, check_step, full_step, out_size
+from .naive import arr, null_block_message
 
 __all__ = ["StepChecks"]
 
@@ -38,11 +39,11 @@ class StepChecks:
         self.geo = np.ascontiguousarray(np.stack([np.asarray(c, dtype=np.int64) for c in cols], axis=1)
                                         if len(t.groups) else np.zeros((0, 8), dtype=np.int64))
         self.comp = np.asarray(list(t.compressed) or np.zeros((0, 3)), dtype=np.int64).reshape(-1, 3)
-        # NOTE: the ownership batch path's static domain (checks/naive.py batch_domain): plain blocks, replicated
-        # groups, a window on every ring group
-        self._domain = bool(t.fmax == 1 and not (cp[0] > 1 and t.sharded.any())
-                            and (t.window[t.ring_groups] >= 1).all())
-        self._max_other = max(32, 2 * len(t.groups))
+        sliding = ~t.full & ~t.circular
+        fcols = (t.full, t.circular, sliding, t.base, t.cols, t.f, t.bs, t.window, sharded)  # NOTE: kernel.FGEO
+        self.fgeo = np.ascontiguousarray(np.stack([np.asarray(c, dtype=np.int64) for c in fcols], axis=1)
+                                         if len(t.groups) else np.zeros((0, 9), dtype=np.int64))
+        self._err = np.zeros(8, dtype=np.int64)
         self.lim = np.zeros(len(LIM), dtype=np.int64)
         self.lim[:11] = (t.max_num_reqs, t.max_model_len, max_num_tokens, max_writes, 0, next_n, *cp, t.fmax,
                          t.id_max_min)
@@ -73,7 +74,7 @@ class StepChecks:
                            rs, re, gid, slot, start, cu, ids, out)
         if out[0]:
             raise self._word(out[:6].tolist(), q, pad_to, deferred)
-        nd, ndt, T, T_pad, B, K, inside, n_other = out[6:14].tolist()
+        nd, ndt, T, T_pad, B, K = out[6:12].tolist()
         at = HEAD
         order, b_slots, b_q, seq = out[at:at + B], out[at + n:at + n + B], out[at + 2 * n:at + 2 * n + B], \
             out[at + 3 * n:at + 3 * n + B]
@@ -90,13 +91,32 @@ class StepChecks:
             num_decode_tokens=ndt, num_tokens=T, num_tokens_padded=T_pad, free_slots=free, new_slots=new_slots,
             all_slots=req_slots, all_computed=nc, w_gid=gid, w_slot=slot, w_start=w_start, w_end=w_end,
             w_keep=w_keep, w_row=w_row, w_cu=out[at:at + N + 1] if fmax else cu, w_ids=ids_k if fmax else ids,
-            drafts=None, steady=self._domain and (not N or (inside and n_other <= self._max_other)),
-            w_other=None)
-        if plan.steady and n_other:
-            plan.w_other = out[at + N + 1:at + N + 1 + n_other]
+            drafts=None)
         if self.level == "full":
-            full_checks(self.tables, plan, self.cp, runs[3])
+            self._full(plan, cu)
         return plan
+
+    def _full(self, plan: StepPlan, raw_cu: np.ndarray) -> None:
+        """The ``"full"`` checks of a plan (:func:`.kernel.full_step`; definition :func:`.naive.full_checks`)."""
+        t, err = self.tables, self._err
+        full_step(err, self.fgeo, self.lim, t.mirror, t.num_blocks, plan.seq_lens, plan.num_scheduled,
+                  _EMPTY if plan.replay_start is None else plan.replay_start, plan.free_slots, plan.new_slots,
+                  plan.w_gid, plan.w_slot, plan.w_start, plan.w_row, plan.w_cu, plan.w_ids, raw_cu)
+        if not err[0]:
+            return
+        c, v = FULL_CODES[err[0]], err[1:].tolist()
+        if c == "null_block":
+            g, slot, b, logical, raw, count = v[:6]
+            lo_pos = None
+            if b >= 0:
+                rs = None if plan.replay_start is None else int(plan.replay_start[b])
+                nc = int(plan.seq_lens[b] - plan.num_scheduled[b])
+                lo_pos = int(window_start(nc, int(t.window[g]), rs, self.cp if self.fgeo[g, 8] else None))
+            raise null_block_message(t, g, slot, b, logical, raw, lo_pos, int(plan.seq_lens[b]) if b >= 0 else None,
+                                     bool(self.fgeo[g, 8]), count - 1)
+        if c == "id_twice":
+            raise reject(c, r=v[0], value=v[1], g=v[2], slot=v[3])
+        raise reject(c, value=v[0], a=v[1], b=v[2], g=v[3], name=t.groups[v[3]].name)
 
     def _later(self, deferred: list, at: int, name: str, x, n: int) -> np.ndarray:
         """``arr(name, x, n)``, its error kept for the pass to raise in the definition's order."""

@@ -1,4 +1,4 @@
-# over 400 lines: one compiled pass, every "safe" check in the order of its definition (that order is the contract)
+# over 400 lines: the compiled checks, "safe" in one pass and "full" in another, each in its definition's order
 """The step checks of ``checks="safe"`` as one compiled pass (the definition: :mod:`.naive`).
 
 :func:`check_step` reads the step's arrays (int64, C-contiguous; ``is_new`` bool), the occupancy and the
@@ -22,7 +22,7 @@ import numpy as np
 from ..._numba import njit, pin, ro, rw
 from .._index import cp_owned_at, window_start_at
 
-__all__ = ["check_step", "CODES", "LIM", "GEO", "OUT", "HEAD", "out_size"]
+__all__ = ["check_step", "full_step", "CODES", "FULL_CODES", "LIM", "GEO", "FGEO", "OUT", "HEAD", "out_size"]
 
 CODES = ("", "out_of_range", "negative", "beyond_model_len", "too_many_tokens", "slot_twice", "free_twice",
          "free_not_held", "new_held", "not_held", "pad_to", "replay_start", "replay_end_negative", "replay_end_int32",
@@ -374,47 +374,159 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
     if err[0]:
         return e
     _emit(out, req_slots.shape[0], (nd, ndt, T, T_pad, B, new_slots.shape[0]),
-          (order, b_slots, b_q, seq, new_slots, rs_b, re_b), (start_k, end_k, keep, row), cu_k, geo, gid, start, cu)
+          (order, b_slots, b_q, seq, new_slots, rs_b, re_b), (start_k, end_k, keep, row), cu_k)
     return ids_k
 
 
 @njit
-def _emit(out, n, counts, rows, runs, cu_k, geo, gid, start, cu):
-    """The plan into ``out`` (layout :data:`OUT`), and the runs outside the ownership batch path's one-id appends."""
+def _emit(out, n, counts, rows, runs, cu_k):
+    """The plan into ``out`` (layout :data:`OUT`)."""
     for k in range(6):
         out[6 + k] = counts[k]
     at = HEAD
     for a in rows:
         out[at:at + a.shape[0]] = a
         at += n
-    N = gid.shape[0]
+    N = runs[0].shape[0]
     for a in runs:
         out[at:at + N] = a
         at += N
     out[at:at + cu_k.shape[0]] = cu_k
-    at += N + 1
-    inside, k = 1, 0
-    for i in range(N):
-        if runs[3][i] < 0 or geo[gid[i], 3]:
-            inside = 0
-        if start[i] != APPEND or cu[i + 1] - cu[i] != 1:
-            out[at + k] = i
-            k += 1
-    out[12], out[13] = inside, k
 
 
 HEAD = 16
-# NOTE: out: err [6], (num_decodes, num_decode_tokens, T, T_pad, B, K new), ownership domain of the runs, number
-# of other runs, 2 spare; then 7 row arrays of n entries (order, b_slots, b_q, seq, new_slots, rs_b, re_b), 4 run
-# arrays of N (start_k, end_k, keep, row), cu_k [N + 1], other runs [N]
-OUT = ("err", "counts", "rows", "runs", "cu_k", "other")
+# NOTE: out: err [6], (num_decodes, num_decode_tokens, T, T_pad, B, K new), 4 spare; then 7 row arrays of n entries
+# (order, b_slots, b_q, seq, new_slots, rs_b, re_b), 4 run arrays of N (start_k, end_k, keep, row), cu_k [N + 1]
+OUT = ("err", "counts", "rows", "runs", "cu_k")
 
 
 def out_size(n: int, N: int) -> int:
     """Entries of ``out`` for ``n`` StepBatch rows and ``N`` write runs."""
-    return HEAD + 7 * n + 6 * N + 1
+    return HEAD + 7 * n + 5 * N + 1
 
 
 _I = ro("int64")
 check_step = pin(check_step, (ro("bool"), ro("int64", 2), ro("int64", 2), ro("int64", 2)) + (_I,) * 4 + (ro("bool"),)
                  + (_I,) * 8 + (rw("int64"),))
+
+
+# ----------------------------------------------------------------------------------------------
+# checks="full": the definition is checks/naive.py full_checks (same order, same first culprit)
+# ----------------------------------------------------------------------------------------------
+FULL_CODES = ("", "null_block", "id_twice", "ring_shared")
+# NOTE: fgeo int64 [G, 9]: full, circular, sliding, base, cols, f, bs, window, sharded (under DCP)
+FGEO = ("full", "circular", "sliding", "base", "cols", "f", "bs", "window", "sharded")
+
+
+@njit
+def _null_blocks(err, fgeo, lim, seq, q, rs, gid, slot, start, row, cu, ids, raw_cu):
+    """No null id among a step's write ids where a row reads (sliding: from its window start on):
+    ``err`` = (1, g, slot, batch row, logical block, raw index, count of bad ids)."""
+    G, B = fgeo.shape[0], seq.shape[0]
+    lo = np.zeros((G, B), dtype=np.int64)
+    for g in range(G):
+        if fgeo[g, 2]:
+            for i in range(B):
+                s = window_start_at(seq[i] - q[i], fgeo[g, 7], rs[i] if rs.shape[0] else 0)
+                if fgeo[g, 8]:
+                    s = cp_owned_at(s, lim[6], lim[7], lim[8])
+                lo[g, i] = s // fgeo[g, 6]
+    count = 0
+    for r in range(gid.shape[0]):
+        g = gid[r]
+        for j in range(cu[r], cu[r + 1]):
+            if ids[j] >= fgeo[g, 5]:
+                continue
+            logical = start[r] + j - cu[r]
+            if fgeo[g, 2] and (row[r] < 0 or (B > 0 and logical < lo[g, row[r]])):
+                continue
+            if count == 0:
+                err[0], err[1], err[2], err[3], err[4] = 1, g, slot[r], row[r], logical
+                err[5] = raw_cu[r] + (j - cu[r]) // fgeo[g, 5]
+            count += 1
+    err[6] = count
+
+
+@njit
+def _duplicates(err, fgeo, mirror, gid, slot, start, cu, ids):
+    """No id twice in a row of a full or circular group, nor an id the row already holds (its columns
+    before the run's start): ``err`` = (2, run, smallest such id, g, slot)."""
+    for r in range(gid.shape[0]):
+        g = gid[r]
+        if not (fgeo[g, 0] or fgeo[g, 1]) or cu[r + 1] == cu[r]:
+            continue
+        held = min(max(start[r], 0), fgeo[g, 4])
+        both = np.empty(held + cu[r + 1] - cu[r], dtype=np.int64)
+        at = fgeo[g, 3] + slot[r] * fgeo[g, 4]
+        for c in range(held):
+            both[c] = mirror[at + c]
+        both[held:] = ids[cu[r]:cu[r + 1]]
+        both.sort()
+        for k in range(1, both.shape[0]):
+            if both[k] == both[k - 1]:
+                err[0], err[1], err[2], err[3], err[4] = 2, r, both[k], g, slot[r]
+                return
+
+
+@njit
+def _shared_rings(err, fgeo, mirror, num_blocks, free, new, gid, slot, start, cu, ids):
+    """No positive block id in the rings of two live rows of a circular group after the step's runs:
+    ``err`` = (3, id, lower slot, next slot, g) of the smallest such id."""
+    G, S = fgeo.shape[0], num_blocks.shape[1]
+    for g in range(G):
+        if not fgeo[g, 1]:
+            continue
+        nr = 0
+        for r in range(gid.shape[0]):
+            nr += gid[r] == g
+        if nr == 0:
+            continue
+        nb = num_blocks[g].copy()
+        nb[free] = 0
+        nb[new] = 0
+        for r in range(gid.shape[0]):
+            if gid[r] == g:
+                nb[slot[r]] = min(nb[slot[r]], start[r])
+        cols = fgeo[g, 4]
+        n = 0
+        for s in range(S):
+            n += min(max(nb[s], 0), cols)
+        for r in range(gid.shape[0]):
+            if gid[r] == g:
+                n += cu[r + 1] - cu[r]
+        key = np.empty(n, dtype=np.int64)  # NOTE: id * S + owner slot: sorted = (id, owner) order
+        k = 0
+        for s in range(S):
+            for c in range(min(max(nb[s], 0), cols)):
+                v = np.int64(mirror[fgeo[g, 3] + s * cols + c])
+                if v > 0:
+                    key[k] = v * S + s
+                    k += 1
+        for r in range(gid.shape[0]):
+            if gid[r] == g:
+                for j in range(cu[r], cu[r + 1]):
+                    if ids[j] > 0:
+                        key[k] = ids[j] * S + slot[r]
+                        k += 1
+        key = np.sort(key[:k])
+        for j in range(1, k):
+            if key[j] // S == key[j - 1] // S and key[j] != key[j - 1]:
+                err[0], err[1], err[2], err[3], err[4] = 3, key[j] // S, key[j - 1] % S, key[j] % S, g
+                return
+
+
+def full_step(err, fgeo, lim, mirror, num_blocks, seq, q, rs, free, new, gid, slot, start, row, cu, ids, raw_cu):
+    """Every ``"full"`` check of a planned step (kernel-block runs ``gid .. ids``; ``raw_cu`` the step's
+    ``write_cu`` in allocation ids) into ``err`` int64 ``[8]`` (code of :data:`FULL_CODES`, then fields)."""
+    err[0] = 0
+    _null_blocks(err, fgeo, lim, seq, q, rs, gid, slot, start, row, cu, ids, raw_cu)
+    if err[0]:
+        return
+    _duplicates(err, fgeo, mirror, gid, slot, start, cu, ids)
+    if err[0]:
+        return
+    if gid.shape[0]:
+        _shared_rings(err, fgeo, mirror, num_blocks, free, new, gid, slot, start, cu, ids)
+
+
+full_step = pin(full_step, (rw("int64"), ro("int64", 2), _I, ro("int32"), ro("int64", 2)) + (_I,) * 12)

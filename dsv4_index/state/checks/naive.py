@@ -44,7 +44,7 @@ from .._index import cp_owned, window_start
 from ..messages import reject
 from ..plan import StepPlan
 
-__all__ = ["plan_step", "full_checks", "held_and_duplicates", "arr"]
+__all__ = ["plan_step", "full_checks", "null_block_message", "arr"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,30 +245,10 @@ def plan_step(batch: StepBatch, *, occupied: np.ndarray, tables, cp=(1, 0, 1),
         num_decode_tokens=int(b_q[:nd].sum()) if nd else 0, num_tokens=T, num_tokens_padded=int(T_pad),
         free_slots=free, new_slots=new_slots, all_slots=slots, all_computed=nc, w_gid=w_gid, w_slot=w_slot,
         w_start=w_start, w_end=w_end, w_keep=w_keep, w_cu=w_cu, w_ids=w_ids, w_row=w_row, drafts=None)
-    plan.steady, plan.w_other = batch_domain(tables, cp, plan, arr("write_starts", batch.write_starts) if w_gid.size
-                                             else _EMPTY)
     if level == "full":
         raw_cu = np.asarray(batch.write_cu, dtype=np.int64) if w_gid.size else w_cu
         full_checks(tables, plan, cp, raw_cu)
     return plan
-
-
-def batch_domain(tables, cp, plan, raw_start: np.ndarray) -> tuple:
-    """``(steady, w_other)`` of a plan (:class:`StepPlan`): in the ownership batch path's domain (plain blocks,
-    replicated groups, a window on every ring group, every run on a batch row of a non-circular group, at
-    most ``max(32, 2 G)`` runs that are not one-id appends: ``write_starts`` (``raw_start``) ``APPEND`` and
-    one id), and those runs (None: none)."""
-    G = len(tables.groups)
-    if tables.fmax != 1 or (cp[0] > 1 and tables.sharded.any()) or (tables.window[tables.ring_groups] < 1).any():
-        return False, None
-    if not plan.w_gid.size:
-        return True, None
-    if plan.w_row.min() < 0 or tables.circular[plan.w_gid].any():
-        return False, None
-    other = np.flatnonzero((raw_start != APPEND) | (plan.w_end - plan.w_start != 1))
-    if other.shape[0] > max(32, 2 * G):
-        return False, None
-    return True, (other if other.shape[0] else None)
 
 
 def _rows(batch: StepBatch, occupied: np.ndarray, max_model_len: int, max_num_tokens: int):
@@ -513,10 +493,10 @@ def _null_blocks(tables, plan, cp, write_cu) -> None:
         g, slot, b, logical, raw = hits[0]
         b_lo = int(lo_pos[g, b]) if b >= 0 else None
         seq = int(plan.seq_lens[b]) if b >= 0 else None
-        raise _message(tables, g, slot, b, logical, raw, b_lo, seq, bool(sharded[g]), count - 1)
+        raise null_block_message(tables, g, slot, b, logical, raw, b_lo, seq, bool(sharded[g]), count - 1)
 
 
-def _message(tables, g, slot, b, logical, raw, lo_pos, seq, sharded, more):
+def null_block_message(tables, g, slot, b, logical, raw, lo_pos, seq, sharded, more):
     """The ``null_block`` rejection (:mod:`.messages`)."""
     grp = tables.groups[g]
     f = int(tables.f[g])
@@ -584,73 +564,3 @@ def _shared_rings(tables, plan) -> None:
             grp = tables.groups[g]
             raise reject("ring_shared", value=int(ids[j]), a=int(owner[j]), b=int(owner[j + 1]), g=g, name=grp.name)
 
-
-# ----------------------------------------------------------------------------------------------
-# the incremental part of "full", run by state/owners.py with its per-row marks
-# ----------------------------------------------------------------------------------------------
-def held_and_duplicates(o, st) -> None:
-    """``checks="full"`` on sliding rows, incrementally (``o``: :class:`~.owners.BlockOwners`, ``st``: its
-    checked :class:`~.ownership_rules.Step`): no null block among the held blocks a batch row reads
-    from its window start on, scanned only below the row's ``checked`` mark (positions there were
-    verified by an earlier step; a row's window only moves up); no block id twice in a sliding row."""
-    if st.kb is not None:
-        _held_nulls(o, st)
-    _sliding_duplicates(o, st)
-
-
-def _held_nulls(o, st) -> None:
-    t, num_slots = o.tables, o.num_slots
-    kb = st.kb
-    upto = np.minimum(st.N0b, o.checked.reshape(-1).take(kb))
-    if st.kr_s.size:  # NOTE: a run's own ids were checked as write ids: held ones below its start only
-        sl = np.flatnonzero(st.sl)
-        cut = np.full(o.G * num_slots, np.iinfo(np.int64).max, dtype=np.int64)
-        cut[st.kr_s] = st.s[sl]
-        upto = np.minimum(upto, cut.take(kb))
-    n = upto - st.lo
-    if not (n > 0).any():
-        return
-    j, i = np.nonzero(n > 0)
-    g, slot, lo = o.S[j], st.b[i], st.lo[j, i]
-    rep, k = _ragged(n[j, i])
-    gg, pos = g[rep], lo[rep] + k
-    ring = t.ring.take(gg)
-    col = np.where(ring > 0, pos % np.maximum(ring, 1), pos)
-    ids = t.mirror.take(t.base.take(gg) + slot[rep] * t.cols.take(gg) + col)
-    bad = np.flatnonzero(ids < t.f.take(gg))
-    if bad.size:
-        x = int(bad[0])
-        r, gx = int(rep[x]), int(gg[x])
-        b = int(i[r])
-        raise _message(t, gx, int(slot[r]), b, int(pos[x]), None, int(st.lo_pos[j[r], b]),
-                       int(st.seq[b]), bool(o.sharded[gx]), bad.size - 1)
-
-
-def _sliding_duplicates(o, st) -> None:
-    """No id twice among a sliding row's acquisitions, nor a hit already held by the row (own fills
-    are judged by the ownership check)."""
-    if not st.acq.size:
-        return
-    sl = o.sliding.take(st.acq % o.G)
-    if not sl.any():
-        return
-    key2 = st.acq[sl] * o.num_slots + st.acq_slot[sl]
-    srt = np.sort(key2)
-    d = np.flatnonzero(srt[1:] == srt[:-1])
-    if d.size:
-        k2 = int(srt[d[0]])
-        key, slot = k2 // o.num_slots, k2 % o.num_slots
-        _twice(o, key, slot)
-    hits = np.flatnonzero(sl & ~st.acq_fill)
-    hits = hits[st.N0r.take(st.acq_run.take(hits)) > 0]  # NOTE: rows that held blocks before the step
-    held = o.holders_by_key(st.acq.take(hits), st) if hits.size else {}
-    for h in hits.tolist():
-        key, slot = int(st.acq[h]), int(st.acq_slot[h])
-        if any(s == slot for s, _, how in held[key] if how == "held"):
-            _twice(o, key, slot)
-
-
-def _twice(o, key: int, slot: int) -> None:
-    g = key % o.G
-    f = int(o.tables.f[g])
-    raise reject("sliding_twice", value=key // o.G // f, g=g, name=o.tables.groups[g].name, slot=slot)
