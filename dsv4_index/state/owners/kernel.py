@@ -37,7 +37,7 @@ __all__ = ["check_pass", "commit_pass", "CODES"]
 CODES = ("", "own.jump", "own.ring", "own.again", "own.fill_held", "own.rewind_held", "own.write_held",
          "own.stale_read", "own.hit_position", "own.twice", "own.twice_sliding", "own.held_null")
 BASE, COLS, RING, BS, F, WIN, FULL, CIRC, SLID, SHARD = range(10)
-SKIP_VERIFIED = False  # NOTE: off: skipping a verified row's reads disagreed with naive (own duplicates); unfinished
+SKIP_VERIFIED = True  # NOTE: a verified row's reads skipped while no fill of a held key changed (see _reads)
 
 
 @njit
@@ -402,6 +402,8 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                                   run_of, S, out):
                         err[0], err[1], err[2], err[3] = 10, kid // f, g, s
                         return False, nF, nS
+                    if fs < 0 or (own and fp != q):
+                        err[11] = 1  # NOTE: a fill record made or a cell that fails it: reads are checked in full
                     if fs < 0:
                         nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
                         fst = step
