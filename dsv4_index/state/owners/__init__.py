@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..._numba import compile_pinned, ready
 from .kernel import CODES, check_pass, commit_pass
 from .messages import check_id_limit, reject
 from .naive import default_drafts
@@ -136,6 +137,8 @@ class BlockOwners:
         """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes nothing
         observable (the tables of fills and counts may grow)."""
         self._pending = None
+        if not ready():
+            compile_pinned()  # NOTE: the passes' one signature (warmup() does this first)
         t, B = self.t, plan.slots.shape[0]
         P = np.zeros((7, B), dtype=_I64)
         P[0], P[1], P[2] = plan.slots, plan.seq_lens, plan.num_scheduled

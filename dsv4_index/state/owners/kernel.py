@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._numba import njit
+from ..._numba import njit, numba, pin, ro, rw
 
 __all__ = ["check_pass", "commit_pass", "CODES"]
 
@@ -620,7 +620,6 @@ def _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_o
     return nd, ni
 
 
-@njit
 def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_blocks, slot_st, cell_st, fill,
                seen, meta, mine):
     """The rule on one step, scratch only: ``(err, X, F4 fills, nF, seen list, nS, dec, inc)``."""
@@ -666,7 +665,6 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
     return err, X, F4, nF, seen_l, nS, dec, inc
 
 
-@njit
 def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, dec, inc,
                 meta, step, handover, mine):
     """Apply a checked step (the lists of :func:`check_pass`)."""
@@ -720,3 +718,11 @@ def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, 
                     if geo[g, SLID]:
                         cell_st[0, g, s] = cell_st[1, g, s] = _lo_block(g, nc, 0, geo, cp)
     return True
+
+
+_I2, _I1, _N = ro("int64", 2), ro("int64"), numba.types.int64
+check_pass = pin(check_pass, (_I2, _I1, _I2, _I2, _I1, _I1, _I2, _I2, _N, numba.types.boolean, _N, ro("int32"), _I2,
+                              ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), ro("int8")))
+commit_pass = pin(commit_pass, (_I2, _I1, _I2, _I2, _I2, _N, rw("int64", 2), rw("int64", 3), rw("int64", 2),
+                                rw("int64"), _I2, _I2, _N, _I2, _N, _I1, _I1, rw("int64"), _N, numba.types.boolean,
+                                rw("int8")))
