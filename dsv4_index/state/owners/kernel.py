@@ -593,12 +593,18 @@ def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G):
 
 
 @njit
-def _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc):
+def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc):
     """The id keys leaving (``dec``) and entering (``inc``) the committed held ranges of every affected
     (group, slot); returns their numbers (only counted when the buffers are too small)."""
     G = geo.shape[0]
     nd = ni = 0
-    for s in range(S):
+    done = np.zeros(S, dtype=np.int8)
+    nP, nFN = P.shape[1], FN.shape[1]
+    for j in range(nP + nFN + R.shape[1]):  # NOTE: the slots a step can touch: batch rows, freed / new, runs
+        s = P[0, j] if j < nP else (FN[0, j - nP] if j < nP + nFN else R[1, j - nP - nFN])
+        if done[s]:
+            continue
+        done[s] = 1
         touched = X[0, s] >= 0 or X[1, s] == 1 or (slot_st[0, s] == 1 and X[3, s] == 0)
         for g in range(G):
             r = run_of[g * S + s]
@@ -656,10 +662,10 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
     for j in range(min(nF, F4.shape[0])):
         fill[F4[j, 0], 3] = 0
     if ok:
-        nd, ni = _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
+        nd, ni = _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
         dec = np.zeros(nd, dtype=np.int64)
         inc = np.zeros(ni, dtype=np.int64)
-        _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
+        _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
     if nF > F4.shape[0] or nS > seen_l.shape[0]:
         err[0] = -2
     return err, X, F4, nF, seen_l, nS, dec, inc
