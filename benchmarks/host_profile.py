@@ -277,11 +277,17 @@ def port(x, mod):
     import dataclasses
     if mod is sys.modules["dsv4_index"]:
         return x
-    if isinstance(x, StepBatch):
-        return mod.StepBatch(**vars(x))
+    if isinstance(x, StepBatch):  # NOTE: fields an older StepBatch lacks (drafts) left out when unset
+        known = {f.name for f in dataclasses.fields(mod.StepBatch)}
+        kw = vars(x)
+        extra = [k for k in kw if k not in known and kw[k] is not None]
+        if extra:
+            raise ValueError(f"the old StepBatch has no field {extra}: this stream cannot be ported")
+        return mod.StepBatch(**{k: v for k, v in kw.items() if k in known})
     if isinstance(x, StepInput):
         return dataclasses.replace(
-            mod.StepInput(**{k.name: getattr(x, k.name) for k in dataclasses.fields(x)}),
+            mod.StepInput(**{k.name: getattr(x, k.name) for k in dataclasses.fields(x)
+                             if k.name in {f.name for f in dataclasses.fields(mod.StepInput)}}),
             new_requests=[mod.NewRequest(**vars(r)) for r in x.new_requests],
             running_requests=[mod.RunningRequest(**vars(r)) for r in x.running_requests])
     return x
