@@ -402,8 +402,9 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                                   run_of, S, out):
                         err[0], err[1], err[2], err[3] = 10, kid // f, g, s
                         return False, nF, nS
-                    if fs < 0 or (own and fp != q):
-                        err[11] = 1  # NOTE: a fill record made or a cell that fails it: reads are checked in full
+                    key = kid * G + g
+                    if (fs < 0 and (fill[key, 4] >= 1 or fill[key, 5] >= 2)) or (own and fp != q):
+                        err[11] = 1  # NOTE: a fill record made for a held block, or a cell that fails its own
                     if fs < 0:
                         nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
                         fst = step
