@@ -178,9 +178,9 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
         "block table mirror": ("host", 4 * max(total, 1)),
         "per-slot table state": ("host", 8 * (4 * G * num_slots + 1) + 12 * (max(cols, default=0) + 1)),
         "request slots": ("host", num_slots),
-        # NOTE: state/owners: per-slot and per-(group, slot) state, fill records / holder counts of 1024 block ids a
-        # group at first (they grow with the largest block id seen: 48 bytes an id), two marks per mirror entry
-        "ownership state": ("host", 8 * (4 * num_slots + 1 + 5 * G * num_slots + 6 * (max(G, 1) << 10))
+        # NOTE: state/owners: per-slot and per-(group, slot) state, one 64-byte record (fill, holder count, scratch)
+        # of 256 block ids a group at first (it grows with the largest block id seen), two marks per mirror entry
+        "ownership state": ("host", 8 * (4 * num_slots + 1 + 5 * G * num_slots + 8 * (max(G, 1) << 8))
                             + 9 * max(total, 1)),
         "staging": ("device", 4 * capacity),
         "staging (host)": ("pinned" if pinned else "host", 4 * capacity * (2 if pinned else 1)

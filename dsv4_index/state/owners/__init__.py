@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..._numba import compile_pinned, ready
 from .kernel import CODES, check_pass, commit_pass
 from .messages import check_id_limit, reject
 from .naive import default_drafts
@@ -105,30 +106,39 @@ class BlockOwners:
         self.meta = np.zeros(1, dtype=_I64)
         self.cell_st = np.zeros((5, G, S), dtype=_I64)
         self.cell_st[3] = -1
-        self.fill = np.full((max(G, 1) << 10, 3), -1, dtype=_I64)
-        self.count = np.zeros(self.fill.shape[0], dtype=_I64)
-        self.tmp = np.zeros((self.fill.shape[0], 2), dtype=_I64)
+        self.fill = self._fills(max(G, 1) << 8)
         self.seen = np.zeros(t.mirror.shape[0], dtype=_I64)
         self.mine = np.zeros(t.mirror.shape[0], dtype=np.int8)
         self.steps = 0
         self._pending: Optional[tuple] = None
 
+    @staticmethod
+    def _fills(n: int) -> np.ndarray:
+        """int64 ``[n, 8]``, one cache line a key (kernel docstring): no fill, no holder, scratch zero."""
+        fill = np.zeros((n, 8), dtype=_I64)
+        fill[:, :3] = -1
+        return fill
+
+    @property
+    def count(self) -> np.ndarray:
+        """int64 ``[K]``: committed holders per id key (a view of ``fill[:, 4]``)."""
+        return self.fill[:, 4]
+
     def grow(self, max_key: int) -> None:
         """Room for id keys up to ``max_key`` (no holder, no fill for ids never seen)."""
-        n0 = self.count.shape[0]
+        n0 = self.fill.shape[0]
         if max_key < n0:
             return
-        n = 1 << int(max_key).bit_length()
-        fill = np.full((n, 3), -1, dtype=_I64)
+        fill = self._fills(1 << int(max_key).bit_length())
         fill[:n0] = self.fill
-        count = np.zeros(n, dtype=_I64)
-        count[:n0] = self.count
-        self.fill, self.count, self.tmp = fill, count, np.zeros((n, 2), dtype=_I64)
+        self.fill = fill
 
     def check(self, plan) -> None:
         """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes nothing
         observable (the tables of fills and counts may grow)."""
         self._pending = None
+        if not ready():
+            compile_pinned()  # NOTE: the passes' one signature (warmup() does this first)
         t, B = self.t, plan.slots.shape[0]
         P = np.zeros((7, B), dtype=_I64)
         P[0], P[1], P[2] = plan.slots, plan.seq_lens, plan.num_scheduled
@@ -148,8 +158,7 @@ class BlockOwners:
         FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
         nf = int(plan.free_slots.shape[0])
         res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
-                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.count, self.seen, self.tmp,
-                         self.meta, self.mine)
+                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine)
         if res[0][0]:
             self._reject(res[0], plan)
         self._pending = (plan, P, A, FN, nf, res)
@@ -160,7 +169,7 @@ class BlockOwners:
             raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
         _, P, A, FN, nf, (err, X, F4, nF, seen_l, nS, dec, inc) = self._pending
         self._pending = None
-        commit_pass(self.geo, self.cp, P, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.count, self.seen,
+        commit_pass(self.geo, self.cp, P, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.seen,
                     X, F4, nF, seen_l, nS, dec, inc, self.meta, self.steps + 1, bool(err[11]), self.mine)
         self.steps += 1
 
@@ -233,7 +242,7 @@ class BlockOwners:
     def snapshot(self) -> dict:
         """Every field of the committed state, in :meth:`NaiveOwners.snapshot`'s form."""
         k = np.flatnonzero(self.fill[:, 0] >= 0)
-        fills = {(int(x) % self.G, int(x) // self.G): tuple(int(y) for y in self.fill[x]) for x in k.tolist()}
+        fills = {(int(x) % self.G, int(x) // self.G): tuple(int(y) for y in self.fill[x, :3]) for x in k.tolist()}
         return {"live": self.slot_st[0].astype(bool), "frontier": self.slot_st[1].copy(),
                 "replay_mark": self.slot_st[2].copy(), "floor": self.cell_st[0].copy(),
                 "hold": self.cell_st[1].copy(), "ring_lo": self.cell_st[2].copy(), "fills": fills,

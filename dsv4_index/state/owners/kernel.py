@@ -14,8 +14,9 @@ Arrays (``G`` groups, ``S`` slots, ``K`` id keys ``kid * G + gid``, ``M`` mirror
   fill lookup while no write into a shared block happened since);
   ``meta`` int64 ``[1]``: the last step with a write into a block another row may hold; ``mine`` int8 ``[M]``:
   the cell's row filled its block itself (not a hit); ``cell_st`` int64 ``[5, G, S]``: floor, hold, ring_lo, ...
-* ``fill`` int64 ``[K, 3]``: slot, block position, step of each block's last fill (slot -1: none);
-  ``count`` int64 ``[K]``: committed holders; ``seen`` int64 ``[M]``; ``tmp`` int64 ``[K]``: scratch, zero.
+* ``fill`` int64 ``[K, 8]`` (one cache line a key): 0-2 slot, block position, step of the block's last fill
+  (slot -1: none); 3 this step's fill (scratch, 0: none, else its ``F4`` row + 1); 4 committed holders;
+  5 the step's acquisitions - releases (scratch, zero between steps); ``seen`` int64 ``[M]``.
 * the step (``P`` int64 ``[11, B]``: slots, seq, scheduled, replay start, replay end, drafts, ...;
   ``R`` int64 ``[6, N]``: gid, slot, start, end, keep, cu start; ``w_ids``; ``A`` int64 ``[2, rows]``: slots,
   nc; ``FN`` int64 ``[2, F]``: freed then new slots, ``nf`` freed).
@@ -29,14 +30,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._numba import njit
+from ..._numba import njit, numba, pin, ro, rw
 
 __all__ = ["check_pass", "commit_pass", "CODES"]
 
 CODES = ("", "own.jump", "own.ring", "own.again", "own.fill_held", "own.rewind_held", "own.write_held",
          "own.stale_read", "own.hit_position", "own.twice", "own.twice_sliding", "own.held_null")
 BASE, COLS, RING, BS, F, WIN, FULL, CIRC, SLID, SHARD = range(10)
-SKIP_VERIFIED = False  # NOTE: off: skipping a verified row's reads disagreed with naive (own duplicates); unfinished
+SKIP_VERIFIED = True  # NOTE: a verified row's reads skipped while no fill of a held key changed (see _reads)
 
 
 @njit
@@ -274,16 +275,16 @@ def _no_jump(A, X, slot_st, err):
 
 
 @njit
-def _touch(tmp, key, d, zero):
+def _touch(fill, key, d, zero):
     if zero:
-        tmp[key, 0] = 0
+        fill[key, 5] = 0
     else:
-        tmp[key, 0] += d
+        fill[key, 5] += d
 
 
 @njit
-def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, tmp, G, zero, run_of, S):
-    """``tmp[key, 0]`` = the step's acquisitions - releases per key (the count filter), or, ``zero``, those
+def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, zero, run_of, S):
+    """``fill[key, 5]`` = the step's acquisitions - releases per key (the count filter), or, ``zero``, those
     entries back to 0. Returns whether a batch row's window moved back below its floor (then every suspect
     is scanned)."""
     moved = False
@@ -293,13 +294,13 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
         for q in range(max(R[2, r], R[4, r], lo), R[3, r]):
             kid = w_ids[R[5, r] + q - R[2, r]]
             if kid >= geo[g, F]:
-                _touch(tmp, kid * G + g, 1, zero)
+                _touch(fill, kid * G + g, 1, zero)
         lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
         if X[1, s] == 0:
             for q in range(max(lo0, R[2, r]), nb0):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    _touch(tmp, kid * G + g, -1, zero)
+                    _touch(fill, kid * G + g, -1, zero)
     for j in range(nf):
         s = FN[0, j]
         for g in range(G):
@@ -307,7 +308,7 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
             for q in range(lo0, nb0):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    _touch(tmp, kid * G + g, -1, zero)
+                    _touch(fill, kid * G + g, -1, zero)
     for i in range(P.shape[1]):
         s = P[0, i]
         if X[1, s] == 1 or X[3, s] == 0:
@@ -323,40 +324,40 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
             for q in range(lo0, min(rl, nb0, R[2, r] if r >= 0 else nb0)):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    _touch(tmp, kid * G + g, -1, zero)
+                    _touch(fill, kid * G + g, -1, zero)
     return moved
 
 
 @njit
-def _fill_rec(g, kid, G, fill, tmp, F4):
-    """The last fill of ``(g, kid)``: this step's (``F4`` rows: key, slot, pos, step) or the committed one;
-    (slot, pos, step, from this step), slot -1 when none."""
+def _fill_rec(g, kid, G, fill, F4, nF):
+    """The last fill of ``(g, kid)``: this step's (``F4`` rows: key, slot, pos, step; ``nF`` of them so far)
+    or the committed one; (slot, pos, step, from this step), slot -1 when none."""
     key = kid * G + g
-    j = tmp[key, 1]
+    j = fill[key, 3] if nF > 0 else 0
     if j > 0:
         return F4[j - 1, 1], F4[j - 1, 2], F4[j - 1, 3], True
     return fill[key, 0], fill[key, 1], fill[key, 2], False
 
 
 @njit
-def _add_fill(g, s, q, kid, step, G, tmp, F4, nF):
+def _add_fill(g, s, q, kid, step, G, fill, F4, nF):
     key = kid * G + g
     if nF < F4.shape[0]:
         F4[nF, 0], F4[nF, 1], F4[nF, 2], F4[nF, 3] = key, s, q, step
-        tmp[key, 1] = nF + 1
+        fill[key, 3] = nF + 1
     return nF + 1
 
 
 @njit
-def _suspect(g, kid, G, count, tmp, moved):
+def _suspect(g, kid, G, fill, moved):
     """Another row may hold ``kid`` after the step (beyond one holding: the row's own)."""
     key = kid * G + g
-    return moved or count[key] + tmp[key, 0] >= 2
+    return moved or fill[key, 4] + fill[key, 5] >= 2
 
 
 @njit
-def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_of, S, count, tmp, moved, full,
-                  fill, F4, nF, step, seen_l, nS, err, out):
+def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, moved, full,
+                  F4, nF, step, seen_l, nS, err, out):
     """Fills (prevention) before hits (block position); returns (ok, nF, nS)."""
     G = geo.shape[0]
     for phase in range(2):
@@ -373,9 +374,9 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                 raw = raw0[r] + (q - a) // f
                 if phase == 0 and fl:
                     whole = geo[g, CIRC] or (q * bs >= ws and (q + 1) * bs <= we)
-                    if count[kid * G + g] >= 1 or tmp[kid * G + g, 0] >= 2:
+                    if fill[kid * G + g, 4] >= 1 or fill[kid * G + g, 5] >= 2:
                         err[11] = 1  # NOTE: a block some row held (its own second copy included) filled anew
-                    if _suspect(g, kid, G, count, tmp, moved):
+                    if _suspect(g, kid, G, fill, moved):
                         err[11] = 1  # NOTE: a write into a block someone else may hold: reads are checked in full
                         if _scan(g, kid, s, q, 0, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                  run_of, S, out):
@@ -387,22 +388,25 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                             err[0], err[1], err[2], err[3], err[4] = 9, raw, kid // f, s, q // f
                             err[5], err[6] = g, out[1] // f
                             return False, nF, nS
-                    nF = _add_fill(g, s, q, kid, step, G, tmp, F4, nF)
+                    nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
                     nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), step, 1, g, s, q)
                 elif phase == 1 and not fl:
-                    fs, fp, fst, now = _fill_rec(g, kid, G, fill, tmp, F4)
+                    fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
                     own = fs == s and now
                     if fs >= 0 and fp != q and not own:
                         err[0], err[1], err[2], err[3], err[4] = 8, raw, kid // f, s, q // f
                         err[5], err[6], err[7], err[8] = g, fp // f, fs, fst
                         return False, nF, nS
-                    if full and geo[g, SLID] and _suspect(g, kid, G, count, tmp, moved) and \
+                    if full and geo[g, SLID] and _suspect(g, kid, G, fill, moved) and \
                             _scan(g, kid, s, q, 2, False, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                   run_of, S, out):
                         err[0], err[1], err[2], err[3] = 10, kid // f, g, s
                         return False, nF, nS
+                    key = kid * G + g
+                    if (fs < 0 and (fill[key, 4] >= 1 or fill[key, 5] >= 2)) or (own and fp != q):
+                        err[11] = 1  # NOTE: a fill record made for a held block, or a cell that fails its own
                     if fs < 0:
-                        nF = _add_fill(g, s, q, kid, step, G, tmp, F4, nF)
+                        nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
                         fst = step
                     nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), fst, 0, g, s, q)
     return True, nF, nS
@@ -417,7 +421,7 @@ def _push_seen(seen_l, n, c, v, own, g, s, q):
 
 
 @njit
-def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count, tmp, moved, fill, seen,
+def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, moved, seen,
             F4, nF, step, seen_l, nS, err, out, mine, meta):
     """Old blocks a batch row writes: its own fill extended, or a write anew no other row certainly reads."""
     G = geo.shape[0]
@@ -448,12 +452,12 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count,
                 rewind = ws < min(we, mark) and q * bs < min(we, mark)
                 if not rewind and err[11] == 0 and mine[c] and seen[c] > meta[0]:
                     continue  # NOTE: its own fill, which no write into a shared block can have changed since
-                fs, fp, fst, now = _fill_rec(g, kid, G, fill, tmp, F4)
+                fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
                 if not rewind and fs == s and fp == q and fst == seen[c]:
                     continue
-                if _suspect(g, kid, G, count, tmp, moved) or count[kid * G + g] >= 2 or tmp[kid * G + g, 0] != 0:
+                if _suspect(g, kid, G, fill, moved) or fill[kid * G + g, 4] >= 2 or fill[kid * G + g, 5] != 0:
                     err[11] = 1
-                if _suspect(g, kid, G, count, tmp, moved) and _scan(g, kid, s, q, 0, False, X, P, R, w_ids,
+                if _suspect(g, kid, G, fill, moved) and _scan(g, kid, s, q, 0, False, X, P, R, w_ids,
                                                                     mirror, geo, cp, cell_st, slot_st, run_of,
                                                                     S, out):
                     err[1], err[2], err[3], err[4] = s, g, ws, kid // f
@@ -463,7 +467,7 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count,
                     else:
                         err[0] = 6
                     return False, nF, nS
-                nF = _add_fill(g, s, q, kid, step, G, tmp, F4, nF)
+                nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
                 nS = _push_seen(seen_l, nS, c, step, 1, g, s, q)
     return True, nF, nS
 
@@ -493,7 +497,7 @@ def _moved_back(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, er
 
 
 @njit
-def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, tmp, F4, err, meta):
+def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, F4, nF, err, meta):
     """Detection: a sliding block a batch row reads below its write start holds the fill the row saw. A row
     verified in a step after which no write touched a block another row held (``meta[0]``: the last step with
     one; ``err[11]``: this step has one), whose window did not move below its floor, reads what it was verified
@@ -520,7 +524,7 @@ def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, s
                 kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
                 if kid < f:
                     continue
-                fs, fp, fst, now = _fill_rec(g, kid, G, fill, tmp, F4)
+                fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
                 if fs < 0:
                     continue
                 ok = (fs == s and fp == q) if now else (fst == seen[c] and fp == q)
@@ -590,12 +594,18 @@ def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G):
 
 
 @njit
-def _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc):
+def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc):
     """The id keys leaving (``dec``) and entering (``inc``) the committed held ranges of every affected
     (group, slot); returns their numbers (only counted when the buffers are too small)."""
     G = geo.shape[0]
     nd = ni = 0
-    for s in range(S):
+    done = np.zeros(S, dtype=np.int8)
+    nP, nFN = P.shape[1], FN.shape[1]
+    for j in range(nP + nFN + R.shape[1]):  # NOTE: the slots a step can touch: batch rows, freed / new, runs
+        s = P[0, j] if j < nP else (FN[0, j - nP] if j < nP + nFN else R[1, j - nP - nFN])
+        if done[s]:
+            continue
+        done[s] = 1
         touched = X[0, s] >= 0 or X[1, s] == 1 or (slot_st[0, s] == 1 and X[3, s] == 0)
         for g in range(G):
             r = run_of[g * S + s]
@@ -617,9 +627,8 @@ def _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_o
     return nd, ni
 
 
-@njit
 def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_blocks, slot_st, cell_st, fill,
-               count, seen, tmp, meta, mine):
+               seen, meta, mine):
     """The rule on one step, scratch only: ``(err, X, F4 fills, nF, seen list, nS, dec, inc)``."""
     G, S = geo.shape[0], slot_st.shape[1]
     err = np.zeros(12, dtype=np.int64)
@@ -636,44 +645,43 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
     if not _prepare(X, P, R, A, FN, nf, geo, num_blocks, cell_st, slot_st, run_of, S):
         err[0] = -1
         return err, X, F4, nF, seen_l, nS, dec, inc
-    moved = _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, tmp, G, False,
+    moved = _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, False,
                     run_of, S)
     ok = _no_jump(A, X, slot_st, err) and _rings(X, P, R, geo, cp, cell_st, num_blocks, run_of, S, err)
     if ok:
-        ok, nF, nS = _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_of, S, count,
-                                   tmp, moved, full, fill, F4, nF, step, seen_l, nS, err, out)
+        ok, nF, nS = _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_of, S, fill,
+                                   moved, full, F4, nF, step, seen_l, nS, err, out)
     if ok:
-        ok, nF, nS = _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, count, tmp, moved,
-                             fill, seen, F4, nF, step, seen_l, nS, err, out, mine, meta)
+        ok, nF, nS = _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, moved,
+                             seen, F4, nF, step, seen_l, nS, err, out, mine, meta)
     ok = ok and _moved_back(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, err, out)
-    ok = ok and _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, tmp, F4, err,
-                       meta)
+    ok = ok and _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, F4, nF,
+                       err, meta)
     if ok and full:
         ok = _held_nulls(X, P, R, w_ids, mirror, geo, cp, run_of, S, err)
-    _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, tmp, G, True, run_of, S)
+    _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, True, run_of, S)
     for j in range(min(nF, F4.shape[0])):
-        tmp[F4[j, 0], 1] = 0
+        fill[F4[j, 0], 3] = 0
     if ok:
-        nd, ni = _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
+        nd, ni = _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
         dec = np.zeros(nd, dtype=np.int64)
         inc = np.zeros(ni, dtype=np.int64)
-        _deltas(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
+        _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
     if nF > F4.shape[0] or nS > seen_l.shape[0]:
         err[0] = -2
     return err, X, F4, nF, seen_l, nS, dec, inc
 
 
-@njit
-def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, count, seen, X, F4, nF, seen_l, nS, dec, inc,
+def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, dec, inc,
                 meta, step, handover, mine):
     """Apply a checked step (the lists of :func:`check_pass`)."""
     G, S = geo.shape[0], slot_st.shape[1]
     if handover:
         meta[0] = step
     for j in range(dec.shape[0]):
-        count[dec[j]] -= 1
+        fill[dec[j], 4] -= 1
     for j in range(inc.shape[0]):
-        count[inc[j]] += 1
+        fill[inc[j], 4] += 1
     for j in range(nF):
         k = F4[j, 0]
         fill[k, 0], fill[k, 1], fill[k, 2] = F4[j, 1], F4[j, 2], F4[j, 3]
@@ -717,3 +725,11 @@ def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, count, seen, X, F
                     if geo[g, SLID]:
                         cell_st[0, g, s] = cell_st[1, g, s] = _lo_block(g, nc, 0, geo, cp)
     return True
+
+
+_I2, _I1, _N = ro("int64", 2), ro("int64"), numba.types.int64
+check_pass = pin(check_pass, (_I2, _I1, _I2, _I2, _I1, _I1, _I2, _I2, _N, numba.types.boolean, _N, ro("int32"), _I2,
+                              ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), ro("int8")))
+commit_pass = pin(commit_pass, (_I2, _I1, _I2, _I2, _I2, _N, rw("int64", 2), rw("int64", 3), rw("int64", 2),
+                                rw("int64"), _I2, _I2, _N, _I2, _N, _I1, _I1, rw("int64"), _N, numba.types.boolean,
+                                rw("int8")))
