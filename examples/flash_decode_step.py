@@ -278,17 +278,21 @@ class Workload:
         self.mla = layout.group("mla").gid
         unit = max(c.rows_per_block if c.compress_ratio > 1 else self.bs[c.gid] for c in layout.channels.values())
         n_mla = B * -(-max_model_len // self.bs[self.mla])
-        n_small = B * sum(-(-(w - 1 + next_n) // b) + 1 for b, w in zip(self.bs, self.win) if w)
+        n_small = 2 * B * sum(-(-(w - 1 + next_n) // b) + 1 for b, w in zip(self.bs, self.win) if w)  # NOTE: fresh
         self.top = VROWS // unit if virtual else 2 + n_small + n_mla
         self.mla_lo = self.top - n_mla
         self.trash = self.mla_lo - n_small - 1
-        self.free = {True: list(range(self.mla_lo, self.top)), False: list(range(self.trash + 1, self.mla_lo))}
+        # NOTE: a joining request's context blocks are prefix hits (its KV came from elsewhere): they must be ids never
+        # filled at another position (DESIGN §5), so joiners take never-used ids; freed ids serve the running ones
+        self.fresh = {True: list(range(self.mla_lo, self.top)), False: list(range(self.trash + 1, self.mla_lo))}
+        self.free: dict = {True: [], False: []}
         self.reqs, self.uid, self.max_pos, self.finished = [None] * B, 0, 0, 0
 
-    def _alloc(self, g, n):
-        f = self.free[g == self.mla]
-        assert len(f) >= n, "block pool exhausted (workload bug)"
-        return [f.pop() for _ in range(n)]  # NOTE: highest ids first; freed ids are reused first
+    def _alloc(self, g, n, joining):
+        used, fresh = self.free[g == self.mla], self.fresh[g == self.mla]
+        assert len(fresh) + (0 if joining else len(used)) >= n, "block pool exhausted (workload bug)"
+        # NOTE: highest ids first; a running request reuses freed ids first
+        return [used.pop() if used and not joining else fresh.pop() for _ in range(n)]
 
     def _context(self, s):
         if s < max(1, self.B // 32):  # NOTE: these reach max_model_len during the run
@@ -323,7 +327,7 @@ class Workload:
                 elif lo > first:  # blocks below it left the window: back to the pool
                     self.free[False].extend(ids[:lo - first])
                     first, ids = lo, ids[lo - first:]
-                add = self._alloc(g, need - first - len(ids))
+                add = self._alloc(g, need - first - len(ids), bool(new[s]))
                 r["blocks"][g] = (first, ids + add)
                 if new[s]:  # NOTE: a new request's list starts at logical block 0: null before `first`
                     runs.append((g, s, 0, np.concatenate([np.zeros(first, np.int64), np.asarray(add, np.int64)])))

@@ -53,7 +53,7 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: Dict[str, int]
     total_num_scheduled_tokens: int
-    scheduled_spec_decode_tokens: Dict[str, List[int]]
+    scheduled_spec_decode_tokens: Optional[Dict[str, List[int]]]
     scheduled_encoder_inputs: Dict[str, List[int]]
     num_common_prefix_blocks: List[int]
     finished_req_ids: Set[str]
@@ -78,7 +78,9 @@ def from_step(step: StepInput, *, old: bool = False, none_when_empty: bool = Tru
                                    [1] * len(run))
     new = [NewRequestData(r.req_id, [], [], None, None, tuple(map(list, r.block_ids)), r.num_computed_tokens, None)
            for r in step.new_requests]
-    return SchedulerOutput(new, cached, dict(step.num_scheduled_tokens), step.total_tokens,
-                           {r: [0] * (n - 1) for r, n in step.num_scheduled_tokens.items()
-                            if type(n) is int and 1 < n <= 64}, {}, [],
+    # NOTE: the step's own draft counts, as vLLM lists them (a request not listed has none); a step that gives
+    # none sends no dict, so both forms leave the counts to the default rule (StepInput.drafts)
+    drafts = getattr(step, "drafts", None)
+    spec = {r: [0] * int(d) for r, d in drafts.items()} if drafts else None
+    return SchedulerOutput(new, cached, dict(step.num_scheduled_tokens), step.total_tokens, spec, {}, [],
                            set(step.finished_req_ids), [], set(step.preempted_req_ids))
