@@ -300,6 +300,43 @@ def _known(cls, kw: dict) -> dict:
     return {k: v for k, v in kw.items() if k in names}
 
 
+class ConversionFloor:
+    """The issue's conversion floor of a SchedulerOutput step: one plain Python loop that reads every request's
+    fields the SchedulerOutput carries into preallocated arrays, block-id lists through
+    ``np.asarray(list, np.int32)`` (no checks, no slot map: the least any conversion must do)."""
+
+    def __init__(self, max_rows: int = 4096):
+        self.nc = np.zeros(max_rows, dtype=np.int64)
+        self.q = np.zeros(max_rows, dtype=np.int64)
+        self.drafts = np.zeros(max_rows, dtype=np.int64)
+        self.resumed = np.zeros(max_rows, dtype=bool)
+        self.replay = np.zeros(max_rows, dtype=np.int64)
+
+    def update(self, so, pad_to=None) -> None:
+        nst, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens or {}
+        nc, q, drafts, resumed, replay = self.nc, self.q, self.drafts, self.resumed, self.replay
+        blocks = []
+        i = 0
+        for r in so.scheduled_new_reqs:
+            rid = r.req_id
+            nc[i], q[i], replay[i] = r.num_computed_tokens, nst[rid], r.replay_start or 0
+            d = spec.get(rid)
+            drafts[i] = len(d) if d else 0
+            blocks.append([np.asarray(b, np.int32) for b in r.block_ids])
+            i += 1
+        c = so.scheduled_cached_reqs
+        res = c.resumed_req_ids
+        for rid, ids, n in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            nc[i], q[i], resumed[i] = n, nst[rid], rid in res
+            d = spec.get(rid)
+            drafts[i] = len(d) if d else 0
+            if ids is not None:
+                blocks.append([np.asarray(b, np.int32) for b in ids])
+            i += 1
+        self.gone = [*so.finished_req_ids, *(so.preempted_req_ids or ())]
+        self.blocks = blocks
+
+
 def mix_profile(steps: int, old_path, replicas: int, only=None) -> None:
     import torch
     torch.set_num_threads(1)
@@ -322,6 +359,8 @@ def mix_profile(steps: int, old_path, replicas: int, only=None) -> None:
                 for p in pipes:
                     p.warmup()
                 arms[f"{tag} {checks}"] = (pipes, own)
+        if case.startswith("SchedulerOutput"):
+            arms["conversion floor"] = ([ConversionFloor() for _ in range(replicas)], work)
         times, units, refused = {k: [] for k in arms}, [], {}
         names = list(arms)
         for i in range(len(work)):
@@ -340,7 +379,8 @@ def mix_profile(steps: int, old_path, replicas: int, only=None) -> None:
                         refused[k] = f"step {i}: {e}"
                         break
                     dt = time.perf_counter() - t0
-                    p.staging.applied()
+                    if hasattr(p, "staging"):
+                        p.staging.applied()
                     best = dt if best is None else min(best, dt)
                 if i >= 2 and k not in refused:
                     times[k].append(best)

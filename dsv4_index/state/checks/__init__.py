@@ -8,22 +8,35 @@ names the culprit. One planner for every step: the array conversions (dtypes, sh
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 
-from ..._numba import compile_pinned, ready
+from ..._numba import compile_pinned, numba, ready
 from ...batch import StepBatch
 from ..messages import reject
 from ..plan import StepPlan
 from .._index import window_start
-from .kernel import CODES, FULL_CODES, HEAD, LIM, check_step, full_step, out_size
+from .kernel import _LENGTHS, CODES, FULL_CODES, HEAD, LIM, check_step, full_step, out_size
 from .naive import arr, null_block_message
 
 __all__ = ["StepChecks"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _CU0 = np.zeros(1, dtype=np.int64)
+_NATIVE = not numba.config.DISABLE_JIT  # NOTE: interpreted, the pass would take any type: always convert
+_NO_NEW: Dict[int, np.ndarray] = {}
+
+
+def _no_new(n: int) -> np.ndarray:
+    """bool ``[n]`` zeros, read-only, shared between steps (``is_new`` None)."""
+    a = _NO_NEW.get(n)
+    if a is None:
+        if len(_NO_NEW) > 64:
+            _NO_NEW.clear()
+        a = _NO_NEW[n] = np.zeros(n, dtype=bool)
+        a.flags.writeable = False
+    return a
 _NAMES = ("req_slots", "free_slots", "write_gids", "write_slots")
 _WHAT = ("a slot", "a slot", "a group", "a slot")
 
@@ -55,46 +68,79 @@ class StepChecks:
         if not ready():
             compile_pinned()
         lim = self.lim
-        deferred: list = []
-        req_slots = arr("req_slots", batch.req_slots)
-        n = req_slots.shape[0]
-        nc = arr("num_computed_tokens", batch.num_computed_tokens, n)
-        q = arr("num_scheduled_tokens", batch.num_scheduled_tokens, n)
-        is_new = np.zeros(n, dtype=bool) if batch.is_new is None else arr("is_new", batch.is_new, n, dtype_kind="b")
-        free = _EMPTY if batch.free_slots is None else arr("free_slots", batch.free_slots)
         lim[14] = 0 if pad_to is None else 1 if _is_int(pad_to) and -2 ** 63 <= pad_to < 2 ** 63 else 2
         lim[4] = int(pad_to) if pad_to is not None and lim[14] == 1 else 0
-        rs = self._later(deferred, 11, "replay_start", batch.replay_start, n)
-        re = self._later(deferred, 12, "replay_end", batch.replay_end, n)
-        runs = self._runs(batch, deferred)
-        gid, slot, start, cu, ids = runs
-        n, N = req_slots.shape[0], gid.shape[0]
-        out = np.empty(out_size(n, N), dtype=np.int64)  # NOTE: one fresh buffer: the plan's arrays are views
-        ids_k = check_step(occupied, self.tables.num_blocks, self.geo, self.comp, lim, req_slots, nc, q, is_new, free,
-                           rs, re, gid, slot, start, cu, ids, out)
+        got = self._native(batch, occupied) if _NATIVE else None
+        deferred: list = []
+        if got is None:
+            got = self._converted(batch, occupied, deferred)
+        out, ids_k, n, req_slots, nc, q, free, cu, ids, gid, slot = got
         if out[0]:
             raise self._word(out[:6].tolist(), q, pad_to, deferred)
         nd, ndt, T, T_pad, B, K = out[6:12].tolist()
+        N = gid.shape[0]
         at = HEAD
         order, b_slots, b_q, seq = out[at:at + B], out[at + n:at + n + B], out[at + 2 * n:at + 2 * n + B], \
             out[at + 3 * n:at + 3 * n + B]
-        new_slots = out[at + 4 * n:at + 4 * n + K]
         at += 7 * n
-        w_start, w_end, w_keep, w_row = (out[at + k * N:at + (k + 1) * N] for k in range(4))
-        at += 4 * N
         fmax = lim[9] > 1
         plan = object.__new__(StepPlan)  # NOTE: a template fill, not a 28-keyword dataclass call
         plan.__dict__.update(
             rows=order, slots=b_slots, num_scheduled=b_q, seq_lens=seq,
             replay_start=out[HEAD + 5 * n:HEAD + 5 * n + B] if lim[11] else None,
             replay_end=out[HEAD + 6 * n:HEAD + 6 * n + B] if lim[12] else None, num_decodes=nd,
-            num_decode_tokens=ndt, num_tokens=T, num_tokens_padded=T_pad, free_slots=free, new_slots=new_slots,
-            all_slots=req_slots, all_computed=nc, w_gid=gid, w_slot=slot, w_start=w_start, w_end=w_end,
-            w_keep=w_keep, w_row=w_row, w_cu=out[at:at + N + 1] if fmax else cu, w_ids=ids_k if fmax else ids,
-            drafts=None)
+            num_decode_tokens=ndt, num_tokens=T, num_tokens_padded=T_pad, free_slots=free,
+            new_slots=out[HEAD + 4 * n:HEAD + 4 * n + K], all_slots=req_slots, all_computed=nc, w_gid=gid, w_slot=slot,
+            w_start=out[at:at + N], w_end=out[at + N:at + 2 * N], w_keep=out[at + 2 * N:at + 3 * N],
+            w_row=out[at + 3 * N:at + 4 * N], w_cu=out[at + 4 * N:at + 5 * N + 1] if fmax else cu,
+            w_ids=ids_k if fmax else ids, drafts=None)
         if self.level == "full":
             self._full(plan, cu)
         return plan
+
+    def _native(self, batch: StepBatch, occupied: np.ndarray):
+        """The pass over the step's own arrays when they are what it takes (int64 / bool, 1-D, C-contiguous:
+        the compiled call's types; the pass checks the lengths), else None (:meth:`_converted` then names the
+        field)."""
+        lim, b = self.lim, batch
+        try:
+            req_slots, gid = b.req_slots, b.write_gids
+            n = req_slots.shape[0]
+            is_new = _no_new(n) if b.is_new is None else b.is_new
+            free = _EMPTY if b.free_slots is None else b.free_slots
+            rs, re = b.replay_start, b.replay_end
+            lim[11], lim[12] = rs is not None, re is not None
+            if gid is None or gid.shape[0] == 0:
+                lim[13], gid, slot, start, cu, ids = 0, _EMPTY, _EMPTY, _EMPTY, _CU0, _EMPTY
+            else:
+                lim[13], slot, start, cu, ids = 1, b.write_slots, b.write_starts, b.write_cu, b.write_ids
+            out = np.empty(out_size(n, gid.shape[0]), dtype=np.int64)
+            ids_k = check_step(occupied, self.tables.num_blocks, self.geo, self.comp, lim, req_slots,
+                               b.num_computed_tokens, b.num_scheduled_tokens, is_new, free, _EMPTY if rs is None else rs,
+                               _EMPTY if re is None else re, gid, slot, start, cu, ids, out)
+        except (TypeError, ValueError, AttributeError, IndexError):
+            return None  # NOTE: a type the compiled call does not take (a list, int32, 2-D, a strided view)
+        if out[0] == _LENGTHS:
+            return None
+        return out, ids_k, n, req_slots, b.num_computed_tokens, b.num_scheduled_tokens, free, cu, ids, gid, slot
+
+    def _converted(self, batch: StepBatch, occupied: np.ndarray, deferred: list) -> tuple:
+        """The pass over the step's arrays converted one by one (each conversion names its field; those of
+        replay and run arrays are kept in ``deferred``, raised where the pass reaches them)."""
+        lim = self.lim
+        req_slots = arr("req_slots", batch.req_slots)
+        n = req_slots.shape[0]
+        nc = arr("num_computed_tokens", batch.num_computed_tokens, n)
+        q = arr("num_scheduled_tokens", batch.num_scheduled_tokens, n)
+        is_new = _no_new(n) if batch.is_new is None else arr("is_new", batch.is_new, n, dtype_kind="b")
+        free = _EMPTY if batch.free_slots is None else arr("free_slots", batch.free_slots)
+        rs = self._later(deferred, 11, "replay_start", batch.replay_start, n)
+        re = self._later(deferred, 12, "replay_end", batch.replay_end, n)
+        gid, slot, start, cu, ids = self._runs(batch, deferred)
+        out = np.empty(out_size(n, gid.shape[0]), dtype=np.int64)  # NOTE: one fresh buffer: the plan's arrays are views
+        ids_k = check_step(occupied, self.tables.num_blocks, self.geo, self.comp, lim, req_slots, nc, q, is_new, free,
+                           rs, re, gid, slot, start, cu, ids, out)
+        return out, ids_k, n, req_slots, nc, q, free, cu, ids, gid, slot
 
     def _full(self, plan: StepPlan, raw_cu: np.ndarray) -> None:
         """The ``"full"`` checks of a plan (:func:`.kernel.full_step`; definition :func:`.naive.full_checks`)."""

@@ -27,9 +27,9 @@ __all__ = ["check_step", "full_step", "CODES", "FULL_CODES", "LIM", "GEO", "FGEO
 CODES = ("", "out_of_range", "negative", "beyond_model_len", "too_many_tokens", "slot_twice", "free_twice",
          "free_not_held", "new_held", "not_held", "pad_to", "replay_start", "replay_end_negative", "replay_end_int32",
          "write_slot_free", "write_cu", "two_runs", "hole", "run_too_long", "id_negative", "id_int32", "ring_short",
-         "blocks_missing", "too_many_staged", "deferred")
+         "blocks_missing", "too_many_staged", "deferred", "lengths")
 (_RANGE, _NEG, _MML, _TOKENS, _SLOT2, _FREE2, _FREE_HELD, _NEW_HELD, _NOT_HELD, _PAD, _RS, _RE_NEG, _RE_32, _W_FREE,
- _CU, _RUNS2, _HOLE, _LONG, _ID_NEG, _ID_32, _RING, _MISSING, _STAGED, _DEFER) = range(1, 25)
+ _CU, _RUNS2, _HOLE, _LONG, _ID_NEG, _ID_32, _RING, _MISSING, _STAGED, _DEFER, _LENGTHS) = range(1, 26)
 # NOTE: lim: slots, max_model_len, max_num_tokens, max_writes, pad_to, next_n, cp world, rank, interleave, fmax,
 # smallest id_max, has replay_start / replay_end / runs (1, 0: none, -1: deferred), pad_to given (0 no, 1 int, 2 bad)
 LIM = ("slots", "max_model_len", "max_num_tokens", "max_writes", "pad_to", "next_n", "world", "rank", "interleave",
@@ -50,6 +50,16 @@ def _first_out(x, hi):
         if x[i] < 0 or x[i] >= hi:
             return i
     return -1
+
+
+@njit
+def _lengths(lim, req_slots, nc, q, is_new, rs, re, gid, slot, start, cu):
+    """The per-row arrays have one entry per row, the run arrays one per run (``write_cu`` one more): false
+    sends the caller to its converting path (``checks/__init__.py``), which names the field."""
+    n, N = req_slots.shape[0], gid.shape[0]
+    ok = nc.shape[0] == n and q.shape[0] == n and is_new.shape[0] == n
+    ok = ok and (lim[11] <= 0 or rs.shape[0] == n) and (lim[12] <= 0 or re.shape[0] == n)
+    return ok and (lim[13] <= 0 or (slot.shape[0] == N and start.shape[0] == N and cu.shape[0] == N + 1))
 
 
 @njit
@@ -322,6 +332,9 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
     err = out[:6]
     e = np.zeros(0, dtype=np.int64)
     err[0] = 0
+    if not _lengths(lim, req_slots, nc, q, is_new, rs, re, gid, slot, start, cu):
+        _fail(err, _LENGTHS, 0, 0, 0, 0)
+        return e
     occ = _rows(err, occupied, lim, req_slots, nc, q, is_new, free)
     if err[0]:
         return e
