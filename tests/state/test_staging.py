@@ -25,7 +25,8 @@ def _both(p, plan, mirror_before):
     out = []
     for fn in (kernel.stage_step, naive.stage_step):
         h = np.full(p.staging.capacity, POISON, dtype=np.int32)
-        args = list(stage_args(plan, p.tables, lay.vector(), np.zeros(5, dtype=np.int64)))
+        vec = p.staging.vector(lay.t_pad, p.ctx.staged_inputs)  # NOTE: the staged inputs the pass computes too
+        args = list(stage_args(plan, p.tables, vec, np.zeros(5, dtype=np.int64)))
         args[0] = mirror_before.copy()
         got = fn(h, *args)
         assert got[1:] == (0, 0) and got[0] == p.last_step_stats.num_writes

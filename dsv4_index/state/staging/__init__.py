@@ -3,12 +3,14 @@ defined by :mod:`.naive`) and the one host-to-device copy per step. The format i
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..._numba import compile_pinned, ready
+from ...ops.indexer_lengths.naive import staged_cu
 from ..plan import StepPlan
 from .format import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START, HEADER,
                      OV_HI, OV_LO, OV_PAY, OVERLAY_STRIDE, ROW_ARRAY_PAD, W_DESTS, W_VALUES, WRITE_HALVES, StageLayout,
@@ -31,6 +33,16 @@ def stage_args(plan: StepPlan, tables, lay_vec: np.ndarray, scal: np.ndarray) ->
             _NONE if plan.replay_start is None else plan.replay_start,
             _NONE if plan.replay_end is None else plan.replay_end, plan.w_gid, plan.w_slot, plan.w_start, plan.w_end,
             plan.w_keep, plan.w_row, plan.w_cu, plan.w_ids)
+
+
+def _computed(fn) -> Optional[tuple]:
+    """``(compress ratio, world, rank, interleave)`` of a staged input the write pass computes (a
+    ``partial(staged_cu, ...)`` of keywords only), else None."""
+    if isinstance(fn, partial) and fn.func is staged_cu and not fn.args:
+        kw = fn.keywords
+        return (int(kw["compress_ratio"]), int(kw.get("cp_world_size", 1)), int(kw.get("cp_rank", 0)),
+                int(kw.get("cp_interleave", 1)))
+    return None
 
 
 class StepStaging:
@@ -69,7 +81,9 @@ class StepStaging:
         self._recorded = [False] * len(self.host)
         self._cur = 0
         self._layouts: Dict[int, StageLayout] = {}
-        self._vectors: Dict[int, np.ndarray] = {}  # NOTE: T_pad -> StageLayout.vector()
+        self._vectors: Dict[int, np.ndarray] = {}  # NOTE: T_pad -> vector(T_pad)
+        self._inputs: Optional[Sequence[Callable]] = None  # NOTE: the staged inputs the vectors were built for
+        self._called: List[tuple] = []  # NOTE: (k, fill) of the staged inputs the pass does not compute
         self._scal = np.zeros(5, dtype=np.int64)
         self.lay: Optional[StageLayout] = None  # layout of the last staged step
         self.host_qsl: Optional[np.ndarray] = None  # int64 [B + 1] host query_start_loc of the last staged step
@@ -80,8 +94,22 @@ class StepStaging:
         if lay is None:
             lay = self._layouts[t_pad] = StageLayout.for_tokens(t_pad, self.num_groups, self.num_extra,
                                                                 self.max_num_reqs)
-            self._vectors[t_pad] = lay.vector()
         return lay
+
+    def vector(self, t_pad: int, inputs: Sequence[Callable] = ()) -> np.ndarray:
+        """int64: what the write pass reads of the layout of ``t_pad`` (:meth:`StageLayout.vector`), then the
+        staged inputs it computes itself: their count and ``(k, compress ratio, world, rank, interleave)`` of
+        each (those that are :func:`~dsv4_index.ops.indexer_lengths.naive.staged_cu`); the others are called."""
+        if inputs is not self._inputs:
+            self._inputs, self._vectors = inputs, {}
+            self._called = [(k, fn) for k, fn in enumerate(inputs) if _computed(fn) is None]
+        v = self._vectors.get(t_pad)
+        if v is None:
+            spec = [_computed(fn) for fn in inputs]
+            ext = [(k, *x) for k, x in enumerate(spec) if x is not None]
+            v = self._vectors[t_pad] = np.concatenate([self.layout(t_pad).vector(), [len(ext)],
+                                                       np.asarray(ext, dtype=np.int64).reshape(-1)]).astype(np.int64)
+        return v
 
     def stage(self, plan: StepPlan, tables, inputs: Sequence[Callable]) -> tuple:
         """Write one checked step into the next host buffer (one compiled pass: every region and the
@@ -100,12 +128,14 @@ class StepStaging:
             compile_pinned()
         h = self.begin()
         lay = self.layout(plan.num_tokens_padded)
-        N, bad, i = stage_step(h, *stage_args(plan, tables, self._vectors[lay.t_pad], self._scal))
+        vec = self._vectors.get(lay.t_pad) if inputs is self._inputs else None
+        N, bad, i = stage_step(h, *stage_args(plan, tables, self.vector(lay.t_pad, inputs) if vec is None else vec,
+                                              self._scal))
         N = int(N)
         if bad:  # NOTE: only a plan that bypassed the checks gets here
             raise RuntimeError(f"staging: {FIELDS[bad]} entry {i} is out of range (the plan was not checked)")
         B = plan.slots.shape[0]
-        for k, fn in enumerate(inputs):
+        for k, fn in self._called:
             at = lay.extra_at(k)
             fn(plan.seq_lens, plan.num_scheduled, h[at:at + B + 1])
         self.host_qsl = h[lay.qsl:lay.qsl + B + 1].astype(np.int64)

@@ -47,7 +47,7 @@ W_VALUES, W_DESTS = 0, 1               # halves of the writes region, N int32 ea
 WRITE_HALVES = 2
 # NOTE: the int64 vector a write pass reads the layout from (StageLayout.vector)
 LAY_FIELDS = ("qsl", "seq_lens", "slots", "replay_start", "replay_end", "tok_row", "overlay", "writes", "rows",
-              "t_pad")
+              "t_pad", "extra")
 
 
 def write_halves(h, writes: int, n: int):

@@ -11,6 +11,7 @@ offending entry, the buffers untouched.
 from __future__ import annotations
 
 from ..._numba import njit, pin, ro, rw
+from .._index import cp_owned_at
 
 __all__ = ["stage_step", "FIELDS"]
 
@@ -73,7 +74,33 @@ def _check(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, start, e
             N += stop - first
     if lay[7] + 2 * N > h.shape[0]:
         return -1, _IDS, N
+    ne = lay[11] if lay.shape[0] > 11 else 0
+    if lay.shape[0] < 12 + 5 * ne:
+        return -1, _LAY, 11
+    for e in range(ne):
+        k, ratio, world, inter, rank = lay[12 + 5 * e], lay[13 + 5 * e], lay[14 + 5 * e], lay[16 + 5 * e], \
+            lay[15 + 5 * e]
+        if k < 0 or lay[10] + (k + 1) * (R + 1) > lay[6] or ratio < 1 or world < 1 or inter < 1 or rank < 0:
+            return -1, _LAY, 12 + 5 * e
     return N, 0, 0
+
+
+@njit
+def _extra(h, lay, seq):
+    """The staged per-request inputs the pass computes (``lay[11]`` of them, each ``(k, compress ratio, world,
+    rank, interleave)``): extra array ``k`` = ``0``, then the running sum of the rank's rows of ``seq // ratio``
+    (:func:`dsv4_index.ops.indexer_lengths.naive.staged_cu`)."""
+    ne = lay[11] if lay.shape[0] > 11 else 0
+    for e in range(ne):
+        x = 12 + 5 * e
+        k, ratio, world, rank, inter = lay[x], lay[x + 1], lay[x + 2], lay[x + 3], lay[x + 4]
+        at = lay[10] + k * (lay[8] + 1)
+        h[at] = 0
+        acc = 0
+        for b in range(seq.shape[0]):
+            rows = seq[b] // ratio
+            acc += cp_owned_at(rows, world, rank, inter) if world > 1 else rows
+            h[at + 1 + b] = acc
 
 
 def stage_step(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, start, end, keep, row, cu, ids):
@@ -82,7 +109,8 @@ def stage_step(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, star
     h : int32 ``[capacity]`` — the staging buffer (format of :mod:`.format`).
     mirror : int32 ``[total]`` — the host mirror of the flat block-table buffer.
     geo : int64 ``[G, 3]`` — per group (flat base, stored columns, ring width or 0).
-    lay : int64 ``[len(LAY_FIELDS)]`` — :meth:`StageLayout.vector`.
+    lay : int64 — :meth:`StageLayout.vector`, then (optional) the count of the staged inputs the pass computes
+        and ``(k, compress ratio, world, rank, interleave)`` of each (:meth:`StepStaging.vector`).
     scal : int64 ``[5]`` — (T, num_decodes, has_replay_start, has_replay_end, num_slots).
     slots, q, seq : int64 ``[B]`` — batch rows (decode first): slot, scheduled tokens, seq_lens.
     rs, re : int64 ``[B]`` (or ``[0]`` when absent) — replay bounds.
@@ -113,6 +141,7 @@ def stage_step(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, star
     if scal[3]:
         for b in range(B):
             h[o_re + b] = re[b]
+    _extra(h, lay, seq)
     G = geo.shape[0]
     for x in range(o_ov, o_ov + 3 * G * R):
         h[x] = 0

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...ops.indexer_lengths.naive import staged_cu
+
 __all__ = ["stage_step"]
 
 
 def stage_step(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, start, end, keep, row, cu, ids):
     """What :func:`.kernel.stage_step` writes, region by region; returns ``(N, 0, 0)``."""
     B, (T, nd, has_rs, has_re, _) = slots.shape[0], scal.tolist()
-    o_qsl, o_seq, o_slots, o_rs, o_re, o_tok, o_ov, w0, R, _ = lay.tolist()
+    o_qsl, o_seq, o_slots, o_rs, o_re, o_tok, o_ov, w0, R, _, o_ext = lay[:11].tolist()
+    for k, ratio, world, rank, inter in lay[12:].reshape(-1, 5).tolist():
+        at = o_ext + k * (R + 1)
+        staged_cu(seq, q, h[at:at + B + 1], compress_ratio=ratio, cp_world_size=world, cp_rank=rank,
+                  cp_interleave=inter)
     G = geo.shape[0]
     n = cu[1:] - cu[:-1]
     first = np.maximum(keep, start)
