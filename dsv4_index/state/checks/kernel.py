@@ -67,7 +67,10 @@ def _rows(err, occupied, lim, req_slots, nc, q, is_new, free):
     """Rows and freed slots (slots in range and distinct, counts bounded, occupancy): the occupancy after."""
     S, n = lim[0], req_slots.shape[0]
     occ = occupied.copy()
-    if n:
+    bad = False  # NOTE: one pass finds whether any check below fails; they then find the first culprit in order
+    for i in range(n):
+        bad |= (req_slots[i] < 0) | (req_slots[i] >= S) | (nc[i] < 0) | (q[i] < 0) | (nc[i] > lim[1]) | (q[i] > lim[2])
+    if bad:
         i = _first_out(req_slots, S)
         if i >= 0:
             return _fail(err, _RANGE, i, req_slots[i], 0, S)
@@ -80,15 +83,17 @@ def _rows(err, occupied, lim, req_slots, nc, q, is_new, free):
         for i in range(n):
             if nc[i] > lim[1]:
                 return _fail(err, _MML, i, nc[i], 0, lim[1])
-        for i in range(n):
-            if q[i] > lim[2]:
-                return _fail(err, _TOKENS, -1, 0, 0, lim[2])
-        count = np.zeros(S, dtype=np.int64)
+        return _fail(err, _TOKENS, -1, 0, 0, lim[2])  # NOTE: the one check left: some q > max_num_tokens
+    if n:
+        seen = np.zeros(S, dtype=np.bool_)
         twice = False
         for i in range(n):
-            count[req_slots[i]] += 1
-            twice |= count[req_slots[i]] > 1
+            twice |= seen[req_slots[i]]
+            seen[req_slots[i]] = True
         if twice:
+            count = np.zeros(S, dtype=np.int64)
+            for i in range(n):
+                count[req_slots[i]] += 1
             s = np.argmax(count)
             return _fail(err, _SLOT2, s, count[s], 0, 0)
     if free.shape[0]:
@@ -214,16 +219,14 @@ def _run_bounds(err, lim, geo, num_blocks, is_fresh, gid, slot, start, cu, ids):
         if ids[j] < 0:
             _fail(err, _ID_NEG, j, ids[j], 0, 0)
             return start_k, end_k
-    r = 0
-    for j in range(ids.shape[0]):
-        while cu[r + 1] <= j:
-            r += 1
+    for r in range(N):  # NOTE: run by run: write_ids in order (write_cu rises, checked before)
         g = gid[r]
         f = geo[g, 5]
         lim_g = (geo[g, 6] - (f - 1)) // f
-        if ids[j] > lim_g:
-            _fail(err, _ID_32, j, ids[j], g, lim_g)
-            return start_k, end_k
+        for j in range(cu[r], cu[r + 1]):
+            if ids[j] > lim_g:
+                _fail(err, _ID_32, j, ids[j], g, lim_g)
+                return start_k, end_k
     return start_k, end_k
 
 
@@ -284,20 +287,23 @@ def _coverage(err, lim, geo, comp, nb, b_slots, b_nc, seq, rs_b):
                 return np.zeros((0, 0), dtype=np.int64)
     lo = np.zeros((G, B), dtype=np.int64)
     has_rs = rs_b.shape[0] > 0
+    bad_g, bad_i = G, B  # NOTE: the first (group, row) whose ring is short, in (group, row) order
     for g in range(G):
         if geo[g, 2] > 0 and not geo[g, 3]:
-            W, bs, sharded = geo[g, 1], geo[g, 0], geo[g, 7]
+            W, bs, sharded, ring = geo[g, 1], geo[g, 0], geo[g, 7], geo[g, 2]
+            sh = 0
+            while (1 << sh) < bs:
+                sh += 1
+            pow2 = (1 << sh) == bs  # NOTE: s >= 0: a shift is the floor division (the hot loop)
             for i in range(B):
                 s = window_start_at(b_nc[i], W, rs_b[i] if has_rs else 0)
                 if sharded:
                     s = cp_owned_at(s, lim[6], lim[7], lim[8])
-                lo[g, i] = s // bs
-    for g in range(G):
-        if geo[g, 2] > 0 and not geo[g, 3]:
-            for i in range(B):
-                if nb[g, i] - lo[g, i] > geo[g, 2]:
-                    _fail(err, _RING, g, b_slots[i], nb[g, i], lo[g, i])
-                    return lo
+                lo[g, i] = s >> sh if pow2 else s // bs
+                if nb[g, i] - lo[g, i] > ring and bad_g == G:
+                    bad_g, bad_i = g, i
+    if bad_g < G:
+        _fail(err, _RING, bad_g, b_slots[bad_i], nb[bad_g, bad_i], lo[bad_g, bad_i])
     return lo
 
 
