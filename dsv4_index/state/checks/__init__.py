@@ -8,7 +8,7 @@ names the culprit. One planner for every step: the array conversions (dtypes, sh
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -103,6 +103,10 @@ class StepChecks:
         the compiled call's types; the pass checks the lengths), else None (:meth:`_converted` then names the
         field)."""
         lim, b = self.lim, batch
+        slot: Any
+        start: Any
+        cu: Any
+        ids: Any
         try:
             req_slots, gid = b.req_slots, b.write_gids
             n = req_slots.shape[0]
@@ -116,8 +120,9 @@ class StepChecks:
                 lim[13], slot, start, cu, ids = 1, b.write_slots, b.write_starts, b.write_cu, b.write_ids
             out = np.empty(out_size(n, gid.shape[0]), dtype=np.int64)
             ids_k = check_step(occupied, self.tables.num_blocks, self.geo, self.comp, lim, req_slots,
-                               b.num_computed_tokens, b.num_scheduled_tokens, is_new, free, _EMPTY if rs is None else rs,
-                               _EMPTY if re is None else re, gid, slot, start, cu, ids, out)
+                               b.num_computed_tokens, b.num_scheduled_tokens, is_new, free,
+                               _EMPTY if rs is None else rs, _EMPTY if re is None else re, gid, slot, start, cu, ids,
+                               out)
         except (TypeError, ValueError, AttributeError, IndexError):
             return None  # NOTE: a type the compiled call does not take (a list, int32, 2-D, a strided view)
         if out[0] == _LENGTHS:
