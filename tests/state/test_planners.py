@@ -127,3 +127,36 @@ def test_full_checks_take_a_step_without_write_arrays(kw):
                                num_scheduled_tokens=first.num_scheduled_tokens * 0 + 1)
     p.update(bare)
     assert p.last_plan.w_gid.size == 0 and p.last_plan.num_tokens == first.num_rows
+
+
+@pytest.mark.parametrize("variant", ["ring", "circular"])
+def test_native_arrays_and_converted_arrays_plan_alike(variant, monkeypatch):
+    """The step's own int64 arrays go straight to the pass (``StepChecks._native``); converted one by one
+    (``_NATIVE`` off) they give the same plan; the same step as lists / int32 / strided views is not taken
+    natively (None) and gives the same plan too."""
+    import dataclasses
+
+    import numpy as np
+
+    from dsv4_index.state import checks as checks_mod
+
+    lay = _layout(variant)
+    p = MetadataPipeline(lay, R, T_MAX, "cpu", SPEC, backend="reference")
+    work, native = Serve(lay, 11), 0
+    for k in range(40):
+        step = work.step()
+        chk, occ = p.requests.checks, p.requests.occupied
+        native += chk._native(step, occ) is not None
+        got = _verdict(lambda: chk.plan(step, occ, None))
+        with monkeypatch.context() as m:
+            m.setattr(checks_mod, "_NATIVE", False)
+            ref = _verdict(lambda: chk.plan(step, occ, None))
+        nc = np.asarray(step.num_computed_tokens)
+        alt = dataclasses.replace(step, num_computed_tokens=(nc.tolist(), nc.astype(np.int32),
+                                                             np.repeat(nc, 2)[::2])[k % 3])
+        assert chk._native(alt, occ) is None
+        other = _verdict(lambda: chk.plan(alt, occ, None))
+        for x in (ref, other):
+            assert (str(x) == str(got)) if isinstance(got, ValueError) else not plans_equal(x, got)
+        _feed(p, step, None)
+    assert native >= 30
