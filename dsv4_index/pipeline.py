@@ -91,7 +91,6 @@ class MetadataPipeline:
         self.cp = (cp_world_size, cp_rank, cp_interleave)
         self.validate = bool(validate)
         self.checks = "full" if validate else checks
-        # NOTE: engine_plan.check_block_counts applies to engine group plans without DCP only (its docstring)
         self._count_rule = layout.cp_world_size <= 1 and any(g.layers is not None for g in layout.groups)
         self.slot_map = SlotMap(max_num_reqs, replay_reach=max([(g.window or 1) - 1 for g in layout.groups], default=0),
                                 replay_window=max([g.window or 0 for g in layout.groups if g.role == "swa"], default=0))
@@ -222,7 +221,7 @@ class MetadataPipeline:
         try:
             if self.row_order == "caller":  # NOTE: frontend/row_order.py; the default path skips it
                 check_caller_order(batch, self.ctx.next_n, None if delta is None else delta.order)
-            if self._count_rule:  # NOTE: lists of another group plan never pass; first, so its message names the groups
+            if self._count_rule:  # NOTE: engine group plans, no DCP (check_block_counts); first: it names the groups
                 try:
                     check_block_counts(self.layout, batch)
                 except (IndexError, TypeError, AttributeError):
@@ -355,7 +354,6 @@ class MetadataPipeline:
     def slot_of(self, req_id: str) -> int:
         """Slot (block-table row) of a request (id-keyed updates)."""
         return self.slot_map.slot_of[req_id]
-
 
     @property
     def num_launches(self) -> int:

@@ -120,8 +120,9 @@ def _rows(err, occupied, lim, req_slots, nc, q, is_new, free):
 
 
 @njit
-def _order(err, lim, q):
-    """The device batch (rows with tokens, decode first, stable): ``(order, num_decodes, T, T_pad)``."""
+def _order(err, lim, q, order):
+    """The device batch (rows with tokens, decode first, stable) into ``order[:B]``: ``(B, num_decodes, T,
+    T_pad)``."""
     n, next_n = q.shape[0], lim[5]
     T = 0
     for i in range(n):
@@ -130,7 +131,6 @@ def _order(err, lim, q):
         _fail(err, _TOKENS, 0, T, 0, lim[2])
     elif lim[14] == 2 or (lim[14] == 1 and not T <= lim[4] <= lim[2]):
         _fail(err, _PAD, 0, T, 0, lim[2])
-    order = np.empty(n, dtype=np.int64)
     B = nd = 0
     for i in range(n):
         if 0 < q[i] <= next_n:
@@ -141,7 +141,7 @@ def _order(err, lim, q):
         if q[i] > next_n:
             order[B] = i
             B += 1
-    return order[:B], nd, T, (T if lim[14] == 0 else lim[4])
+    return B, nd, T, (T if lim[14] == 0 else lim[4])
 
 
 @njit
@@ -197,28 +197,26 @@ def _run_shapes(err, lim, G, occ, gid, slot, cu, ids):
 
 
 @njit
-def _run_bounds(err, lim, geo, num_blocks, is_fresh, gid, slot, start, cu, ids):
-    """No hole, inside the logical width, ids that keep slots in int32: ``(start_k, end_k)`` in kernel blocks."""
+def _run_bounds(err, lim, geo, num_blocks, is_fresh, gid, slot, start, cu, ids, start_k, end_k):
+    """No hole, inside the logical width, ids that keep slots in int32: ``start_k``, ``end_k`` in kernel blocks."""
     N = gid.shape[0]
-    start_k = np.empty(N, dtype=np.int64)
-    end_k = np.empty(N, dtype=np.int64)
     for i in range(N):
         g, f = gid[i], geo[gid[i], 5]
         have = 0 if is_fresh[slot[i]] else num_blocks[g, slot[i]]
         if start[i] < APPEND or start[i] > have // f:
             _fail(err, _HOLE, i, start[i], g, slot[i])
             err[5] = have // f
-            return start_k, end_k
+            return
         start_k[i] = have if start[i] == APPEND else start[i] * f
         end_k[i] = start_k[i] + (cu[i + 1] - cu[i]) * f
     for i in range(N):
         if end_k[i] > geo[gid[i], 4]:
             _fail(err, _LONG, i, slot[i], gid[i], end_k[i])
-            return start_k, end_k
+            return
     for j in range(ids.shape[0]):
         if ids[j] < 0:
             _fail(err, _ID_NEG, j, ids[j], 0, 0)
-            return start_k, end_k
+            return
     for r in range(N):  # NOTE: run by run: write_ids in order (write_cu rises, checked before)
         g = gid[r]
         f = geo[g, 5]
@@ -226,16 +224,15 @@ def _run_bounds(err, lim, geo, num_blocks, is_fresh, gid, slot, start, cu, ids):
         for j in range(cu[r], cu[r + 1]):
             if ids[j] > lim_g:
                 _fail(err, _ID_32, j, ids[j], g, lim_g)
-                return start_k, end_k
-    return start_k, end_k
+                return
 
 
 @njit
-def _expand(lim, geo, gid, cu, ids):
-    """Allocation-block ids -> kernel-block ids (``f > 1``; the pass returns empty arrays when ``fmax == 1``:
-    the caller keeps ``cu`` and ``ids``): ``(cu_k, ids_k)``."""
+def _expand(lim, geo, gid, cu, ids, cu_k):
+    """Allocation-block ids -> kernel-block ids (``f > 1``; the pass keeps the step's ``cu`` and ``ids`` when
+    ``fmax == 1``): fills ``cu_k``, returns ``ids_k``."""
     N = gid.shape[0]
-    cu_k = np.zeros(N + 1, dtype=np.int64)
+    cu_k[0] = 0
     for i in range(N):
         cu_k[i + 1] = cu_k[i] + (cu[i + 1] - cu[i]) * geo[gid[i], 5]
     ids_k = np.empty(cu_k[N], dtype=np.int64)
@@ -245,7 +242,7 @@ def _expand(lim, geo, gid, cu, ids):
             for x in range(f):
                 ids_k[p] = ids[j] * f + x
                 p += 1
-    return cu_k, ids_k
+    return ids_k
 
 
 @njit
@@ -308,10 +305,10 @@ def _coverage(err, lim, geo, comp, nb, b_slots, b_nc, seq, rs_b):
 
 
 @njit
-def _keep(err, lim, geo, gid, start_k, end_k, row, cu_k, lo):
-    """Ids a run stores (rings: from the lowest block still read), within ``max_writes``: ``w_keep``."""
+def _keep(err, lim, geo, gid, start_k, end_k, row, cu_k, lo, keep):
+    """Ids a run stores (rings: from the lowest block still read), within ``max_writes``: ``keep`` (``w_keep``)."""
     N = gid.shape[0]
-    keep = start_k.copy()
+    keep[:] = start_k
     for i in range(N):
         g = gid[i]
         if geo[g, 2] > 0 and not geo[g, 3] and lo.shape[0]:
@@ -326,7 +323,6 @@ def _keep(err, lim, geo, gid, start_k, end_k, row, cu_k, lo):
             staged += max(min(end_k[i] - keep[i], cu_k[i + 1] - cu_k[i]), 0)
         if staged > lim[3]:
             _fail(err, _STAGED, 0, staged, 0, lim[3])
-    return keep
 
 
 def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, free, rs, re, gid, slot, start, cu,
@@ -344,21 +340,33 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
     occ = _rows(err, occupied, lim, req_slots, nc, q, is_new, free)
     if err[0]:
         return e
-    order, nd, T, T_pad = _order(err, lim, q)
+    n, G, S, N = req_slots.shape[0], geo.shape[0], lim[0], gid.shape[0]
+    at, ra = HEAD, HEAD + 7 * n  # NOTE: the plan is written in place (layout OUT)
+    B, nd, T, T_pad = _order(err, lim, q, out[at:at + n])
     if err[0]:
         return e
-    B, G, S, N = order.shape[0], geo.shape[0], lim[0], gid.shape[0]
-    b_slots, b_nc, b_q = req_slots[order], nc[order], q[order]
-    seq = b_nc + b_q
+    order, b_slots, b_q, seq = out[at:at + B], out[at + n:at + n + B], out[at + 2 * n:at + 2 * n + B], \
+        out[at + 3 * n:at + 3 * n + B]
+    b_nc = np.empty(B, dtype=np.int64)
     ndt = 0
-    for i in range(nd):
-        ndt += b_q[i]
-    rs_b = rs[order] if lim[11] > 0 else e
-    re_b = re[order] if lim[12] > 0 else e
+    for i in range(B):
+        j = order[i]
+        b_slots[i], b_q[i], b_nc[i], seq[i] = req_slots[j], q[j], nc[j], nc[j] + q[j]
+        ndt += q[j] if i < nd else 0
+    rs_b = out[at + 5 * n:at + 5 * n + B] if lim[11] > 0 else e
+    re_b = out[at + 6 * n:at + 6 * n + B] if lim[12] > 0 else e
+    for i in range(rs_b.shape[0]):
+        rs_b[i] = rs[order[i]]
+    for i in range(re_b.shape[0]):
+        re_b[i] = re[order[i]]
     _replay(err, lim, b_slots, b_nc, rs_b, re_b)
     if err[0]:
         return e
-    new_slots = req_slots[is_new]
+    K = 0
+    for i in range(n):
+        if is_new[i]:
+            out[at + 4 * n + K] = req_slots[i]
+            K += 1
     if lim[13] < 0:
         _fail(err, _DEFER, 2, 0, 0, 0)
         return e
@@ -366,14 +374,19 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
     if err[0]:
         return e
     is_fresh = np.zeros(S, dtype=np.bool_)
-    is_fresh[new_slots] = True
-    start_k, end_k = _run_bounds(err, lim, geo, num_blocks, is_fresh, gid, slot, start, cu, ids)
+    for i in range(K):
+        is_fresh[out[at + 4 * n + i]] = True
+    start_k, end_k, keep, row = out[ra:ra + N], out[ra + N:ra + 2 * N], out[ra + 2 * N:ra + 3 * N], \
+        out[ra + 3 * N:ra + 4 * N]
+    _run_bounds(err, lim, geo, num_blocks, is_fresh, gid, slot, start, cu, ids, start_k, end_k)
     if err[0]:
         return e
-    cu_k, ids_k = _expand(lim, geo, gid, cu, ids) if lim[9] > 1 else (e, e)
+    ids_k = _expand(lim, geo, gid, cu, ids, out[ra + 4 * N:ra + 5 * N + 1]) if lim[9] > 1 else e
     row_of = np.full(S, -1, dtype=np.int64)
-    row_of[b_slots] = np.arange(B)
-    row = row_of[slot]
+    for i in range(B):
+        row_of[b_slots[i]] = i
+    for r in range(N):
+        row[r] = row_of[slot[r]]
     lo = np.zeros((0, 0), dtype=np.int64)
     if B and G:
         nb = np.empty((G, B), dtype=np.int64)
@@ -386,31 +399,11 @@ def check_step(occupied, num_blocks, geo, comp, lim, req_slots, nc, q, is_new, f
         lo = _coverage(err, lim, geo, comp, nb, b_slots, b_nc, seq, rs_b)
         if err[0]:
             return e
-    if lim[9] > 1:
-        keep = _keep(err, lim, geo, gid, start_k, end_k, row, cu_k, lo)
-    else:
-        keep = _keep(err, lim, geo, gid, start_k, end_k, row, cu, lo)
+    _keep(err, lim, geo, gid, start_k, end_k, row, out[ra + 4 * N:ra + 5 * N + 1] if lim[9] > 1 else cu, lo, keep)
     if err[0]:
         return e
-    _emit(out, req_slots.shape[0], (nd, ndt, T, T_pad, B, new_slots.shape[0]),
-          (order, b_slots, b_q, seq, new_slots, rs_b, re_b), (start_k, end_k, keep, row), cu_k)
+    out[6], out[7], out[8], out[9], out[10], out[11] = nd, ndt, T, T_pad, B, K
     return ids_k
-
-
-@njit
-def _emit(out, n, counts, rows, runs, cu_k):
-    """The plan into ``out`` (layout :data:`OUT`)."""
-    for k in range(6):
-        out[6 + k] = counts[k]
-    at = HEAD
-    for a in rows:
-        out[at:at + a.shape[0]] = a
-        at += n
-    N = runs[0].shape[0]
-    for a in runs:
-        out[at:at + N] = a
-        at += N
-    out[at:at + cu_k.shape[0]] = cu_k
 
 
 HEAD = 16
