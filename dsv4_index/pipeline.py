@@ -245,8 +245,7 @@ class MetadataPipeline:
         self.ctx.set_step(plan)
         self._plan = plan
         self._last_batch = (batch, pad_to, None if delta is None else delta.order)
-        self.last_step_stats = StepStats(num_h2d_copies=1, h2d_bytes=nbytes, num_writes=nwrites,
-                                         num_launches=self._num_launches, num_applies=applies)
+        self.last_step_stats = StepStats(1, nbytes, nwrites, self._num_launches, applies)  # NOTE: its fields' order
 
     # ------------------------------------------------------------------------------------------
     # device side

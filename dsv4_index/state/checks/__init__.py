@@ -78,22 +78,18 @@ class StepChecks:
         if out[0]:
             raise self._word(out[:6].tolist(), q, pad_to, deferred)
         nd, ndt, T, T_pad, B, K = out[6:12].tolist()
-        N = gid.shape[0]
-        at = HEAD
-        order, b_slots, b_q, seq = out[at:at + B], out[at + n:at + n + B], out[at + 2 * n:at + 2 * n + B], \
-            out[at + 3 * n:at + 3 * n + B]
-        at += 7 * n
-        fmax = lim[9] > 1
-        plan = object.__new__(StepPlan)  # NOTE: a template fill, not a 28-keyword dataclass call
-        plan.__dict__.update(
-            rows=order, slots=b_slots, num_scheduled=b_q, seq_lens=seq,
-            replay_start=out[HEAD + 5 * n:HEAD + 5 * n + B] if lim[11] else None,
-            replay_end=out[HEAD + 6 * n:HEAD + 6 * n + B] if lim[12] else None, num_decodes=nd,
-            num_decode_tokens=ndt, num_tokens=T, num_tokens_padded=T_pad, free_slots=free,
-            new_slots=out[HEAD + 4 * n:HEAD + 4 * n + K], all_slots=req_slots, all_computed=nc, w_gid=gid, w_slot=slot,
-            w_start=out[at:at + N], w_end=out[at + N:at + 2 * N], w_keep=out[at + 2 * N:at + 3 * N],
-            w_row=out[at + 3 * N:at + 4 * N], w_cu=out[at + 4 * N:at + 5 * N + 1] if fmax else cu,
-            w_ids=ids_k if fmax else ids, drafts=None)
+        N, at, fmax = gid.shape[0], HEAD + 7 * n, lim[9] > 1
+        plan = object.__new__(StepPlan)  # NOTE: a template fill (a dict display), not a 28-keyword dataclass call
+        plan.__dict__ = {
+            "rows": out[HEAD:HEAD + B], "slots": out[HEAD + n:HEAD + n + B],
+            "num_scheduled": out[HEAD + 2 * n:HEAD + 2 * n + B], "seq_lens": out[HEAD + 3 * n:HEAD + 3 * n + B],
+            "replay_start": out[HEAD + 5 * n:HEAD + 5 * n + B] if lim[11] else None,
+            "replay_end": out[HEAD + 6 * n:HEAD + 6 * n + B] if lim[12] else None, "num_decodes": nd,
+            "num_decode_tokens": ndt, "num_tokens": T, "num_tokens_padded": T_pad, "free_slots": free,
+            "new_slots": out[HEAD + 4 * n:HEAD + 4 * n + K], "all_slots": req_slots, "all_computed": nc,
+            "w_gid": gid, "w_slot": slot, "w_start": out[at:at + N], "w_end": out[at + N:at + 2 * N],
+            "w_keep": out[at + 2 * N:at + 3 * N], "w_row": out[at + 3 * N:at + 4 * N],
+            "w_cu": out[at + 4 * N:at + 5 * N + 1] if fmax else cu, "w_ids": ids_k if fmax else ids, "drafts": None}
         if self.level == "full":
             self._full(plan, cu)
         return plan
