@@ -133,7 +133,8 @@ def test_full_checks_take_a_step_without_write_arrays(kw):
 def test_native_arrays_and_converted_arrays_plan_alike(variant, monkeypatch):
     """The step's own int64 arrays go straight to the pass (``StepChecks._native``); converted one by one
     (``_NATIVE`` off) they give the same plan; the same step as lists / int32 / strided views is not taken
-    natively (None) and gives the same plan too."""
+    natively (None) and gives the same plan too. Under ``NUMBA_DISABLE_JIT=1`` (no native path) the forms still
+    plan alike."""
     import dataclasses
 
     import numpy as np
@@ -146,7 +147,7 @@ def test_native_arrays_and_converted_arrays_plan_alike(variant, monkeypatch):
     for k in range(40):
         step = work.step()
         chk, occ = p.requests.checks, p.requests.occupied
-        native += chk._native(step, occ) is not None
+        native += checks_mod._NATIVE and chk._native(step, occ) is not None
         got = _verdict(lambda: chk.plan(step, occ, None))
         with monkeypatch.context() as m:
             m.setattr(checks_mod, "_NATIVE", False)
@@ -154,9 +155,9 @@ def test_native_arrays_and_converted_arrays_plan_alike(variant, monkeypatch):
         nc = np.asarray(step.num_computed_tokens)
         alt = dataclasses.replace(step, num_computed_tokens=(nc.tolist(), nc.astype(np.int32),
                                                              np.repeat(nc, 2)[::2])[k % 3])
-        assert chk._native(alt, occ) is None
+        assert not checks_mod._NATIVE or chk._native(alt, occ) is None
         other = _verdict(lambda: chk.plan(alt, occ, None))
         for x in (ref, other):
             assert (str(x) == str(got)) if isinstance(got, ValueError) else not plans_equal(x, got)
         _feed(p, step, None)
-    assert native >= 30
+    assert native >= 30 or not checks_mod._NATIVE  # NOTE: NUMBA_DISABLE_JIT=1: every step is converted
