@@ -148,15 +148,15 @@ def test_native_arrays_and_converted_arrays_plan_alike(variant, monkeypatch):
         step = work.step()
         chk, occ = p.requests.checks, p.requests.occupied
         native += checks_mod._NATIVE and chk._native(step, occ) is not None
-        got = _verdict(lambda: chk.plan(step, occ, None))
+        got = _verdict(lambda c=chk, s=step, o=occ: c.plan(s, o, None))
         with monkeypatch.context() as m:
             m.setattr(checks_mod, "_NATIVE", False)
-            ref = _verdict(lambda: chk.plan(step, occ, None))
+            ref = _verdict(lambda c=chk, s=step, o=occ: c.plan(s, o, None))
         nc = np.asarray(step.num_computed_tokens)
         alt = dataclasses.replace(step, num_computed_tokens=(nc.tolist(), nc.astype(np.int32),
                                                              np.repeat(nc, 2)[::2])[k % 3])
         assert not checks_mod._NATIVE or chk._native(alt, occ) is None
-        other = _verdict(lambda: chk.plan(alt, occ, None))
+        other = _verdict(lambda c=chk, s=alt, o=occ: c.plan(s, o, None))
         for x in (ref, other):
             assert (str(x) == str(got)) if isinstance(got, ValueError) else not plans_equal(x, got)
         _feed(p, step, None)
