@@ -153,7 +153,7 @@ class MetadataPipeline:
         ctx = self.ctx
         tasks = [FusedTask("common", (ctx.token_to_req, ctx.positions, ctx.is_valid_token)),
                  FusedTask("requests", (ctx.query_start_loc, ctx.seq_lens, ctx.idx_mapping)),
-                 FusedTask("replays", (ctx.replay_start, ctx.replay_end))]
+                 FusedTask("replays", (ctx.replay_start, ctx.replay_end)), *ctx.query_tasks()]
         unfused = []
         for b in self._builders.values():
             t = b.fused_tasks(ctx)
@@ -263,7 +263,7 @@ class MetadataPipeline:
         else:
             self.staging.apply_pending(self.tables.flat)
             ctx.fill_requests(self.staging.dev, self.staging.lay)
-        build_query(ctx, self.staging, fused is not None, self._builders.values(), self._unfused)  # NOTE: DESIGN §5
+        build_query(ctx, self.staging, fused is not None)  # NOTE: a declared step's query map (DESIGN §5)
         for b in self._unfused:
             b.launch(ctx)
         meta = self._metadata(self._plan)

@@ -16,7 +16,7 @@ device tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
@@ -68,6 +68,7 @@ class QueryBatch:
     num_tokens: int
     num_tokens_padded: int
     num_decode_tokens: int
+    padded: bool = False
 
 
 def query_batch(query_lens: np.ndarray, num_decodes: int, padded: bool, num_tokens_padded: int) -> QueryBatch:
@@ -77,7 +78,7 @@ def query_batch(query_lens: np.ndarray, num_decodes: int, padded: bool, num_toke
     T_q = int(qsl_q[-1])
     return QueryBatch(query_lens=query_lens, qsl_q=qsl_q, num_tokens=T_q,
                       num_tokens_padded=num_tokens_padded if padded else T_q,
-                      num_decode_tokens=int(qsl_q[num_decodes]))
+                      num_decode_tokens=int(qsl_q[num_decodes]), padded=bool(padded))
 
 
 def q_to_src(qsl: np.ndarray, qsl_q: np.ndarray, num_tokens_padded: int) -> np.ndarray:
@@ -107,13 +108,22 @@ def fill_q_to_src(qsl: torch.Tensor, qsl_q: torch.Tensor, token_to_req_q: torch.
     return out
 
 
+# NOTE: the staged query_start_loc_q's entry 0 (always 0 in the array itself) says what the step is: the fused
+# kernel reads it first (fused/query.py), the unfused path restores the 0 (BuildContext.fill_query)
+STAGED_PLAIN, STAGED_DECLARED, STAGED_PADDED = -1, -2, -3
+
+
 def staged_qsl_q(seq_lens, num_scheduled, out, *, source) -> None:
-    """Staged per-request input (``BuildContext.staged_input``): ``query_start_loc_q`` of the step, int32
-    ``[B + 1]`` of the declared step (``source()`` returns its :class:`QueryBatch`); a plain step (``source()``
-    None) writes nothing (nothing reads the array then: the query batch is the source batch)."""
+    """Staged per-request input (``BuildContext.staged_input``), int32 ``[B + 1]``: ``query_start_loc_q`` of the
+    declared step (``source()`` returns its :class:`QueryBatch`) with entry 0 replaced by ``STAGED_DECLARED``
+    (``T_q_pad = T_q``) or ``STAGED_PADDED`` (``T_q_pad = T_pad``); a plain step (``source()`` None) writes
+    ``STAGED_PLAIN`` into entry 0 only (nothing else is read then)."""
     qb = source()
-    if qb is not None:
-        out[:] = qb.qsl_q
+    if qb is None:
+        out[0] = STAGED_PLAIN
+        return
+    out[:] = qb.qsl_q
+    out[0] = STAGED_PADDED if qb.padded else STAGED_DECLARED
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,22 +144,16 @@ def plan_query(batch, plan, pad_to: Optional[int], builders: Dict[str, Any], ctx
                                                          plan.num_tokens_padded)
 
 
-def build_query(ctx, staging, fused: bool, builders: Iterable, unfused: Iterable) -> None:
-    """``build()`` of a declared step (nothing for a plain one), after the source batch is built: the query
-    batch's map from the staged ``query_start_loc_q``, then with ``fused`` each fused builder's outputs per query
-    token over it (the fused launch wrote those buffers over the source batch; an unfused builder's ``launch``
-    builds them itself, after this)."""
-    if ctx.query is None:
+def build_query(ctx, staging, fused: bool) -> None:
+    """``build()`` of a declared step on the unfused path (nothing for a plain step, nor after the fused launch,
+    which builds the query batch itself: fused/query.py): the query batch's map from the staged
+    ``query_start_loc_q``, before the builders' ``launch`` reads it."""
+    if ctx.query is None or fused:
         return
     lay = staging.lay
     assert lay is not None  # NOTE: build() follows an update(), which staged the step
     at = lay.extra_at(ctx.qsl_q_index)
     ctx.fill_query(staging.dev[at:at + ctx.num_reqs + 1])
-    if fused:
-        skip = {id(b) for b in unfused}
-        for b in builders:
-            if id(b) not in skip:
-                b.launch_query(ctx)
 
 
 def meta_query_fields(ctx, plan) -> Dict[str, Any]:

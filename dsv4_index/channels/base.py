@@ -164,6 +164,7 @@ class BuildContext:
         B, Tq, Tqp = self.num_reqs, self.num_query_tokens, self.num_query_tokens_padded
         q = self.query_start_loc_q
         q[:B + 1].copy_(qsl_q[:B + 1])
+        q[:1].zero_()  # NOTE: the staged entry 0 is the step's flag (query_batch.STAGED_*)
         q[B + 1:Tqp + 1].fill_(Tq)
         ttr = token_to_req(q[:B + 1], Tqp, out=self.token_to_req_q[:Tqp], backend=self.backend)
         if self._token_ids is None:  # NOTE: once, at capacity (warmup): later builds allocate nothing
@@ -191,13 +192,20 @@ class BuildContext:
         self.num_tokens_padded, self.num_decodes = int(plan.num_tokens_padded), int(plan.num_decodes)
         self.has_replay_start, self.has_replay_end = plan.replay_start is not None, plan.replay_end is not None
 
+    def query_tasks(self) -> List[FusedTask]:
+        """The fused launch's query-batch map (``query_start_loc_q``, ``token_to_req_q``, ``q_to_src``; written
+        for a declared step only: fused/query.py)."""
+        return [FusedTask("query_map", (self.token_to_req_q, self.q_to_src), extra=self.qsl_q_index),
+                FusedTask("query_qsl", (self.query_start_loc_q,), extra=self.qsl_q_index)]
+
     def query_token_map(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(token_to_req int32 [T_q_pad], is_valid bool [T_q_pad])`` of the query batch (the source batch's
         tensors for a plain step; unfused path)."""
         Tqp = self.num_query_tokens_padded
         if self.query is None:
             return self.token_to_req[:Tqp], self.is_valid_token[:Tqp]
-        assert self._token_ids is not None  # NOTE: set by fill_query
+        if self._token_ids is None:  # NOTE: once, at capacity: later builds allocate nothing
+            self._token_ids = torch.arange(self.max_num_tokens, device=self.device)
         return self.token_to_req_q[:Tqp], self._token_ids[:Tqp] < self.num_query_tokens
 
     def group_cp(self, gid: int) -> Tuple[int, int, int]:
@@ -314,6 +322,11 @@ class ChannelBuilder:
         """The outputs per query token (``[0, T_q_pad)``) over the query batch (``ctx.query_qsl()``, ``T_q``),
         functional ops. :meth:`launch` calls it; after the fused launch, the pipeline calls it for a declared
         step (the fused launch wrote those buffers over the source batch). Default: no such outputs."""
+
+    def query_fields(self) -> frozenset:
+        """The :class:`ChannelMetadata` fields with a row per query token (``[T_q_pad]`` rows) when a step declares
+        source rows != query rows; every other field has a row per source token. Default: none."""
+        return frozenset()
 
     def fused_tasks(self, ctx: BuildContext) -> List[FusedTask]:
         """This channel's share of the one fused launch (identical tasks of several builders run

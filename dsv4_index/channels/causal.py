@@ -29,11 +29,14 @@ class CausalCompressedChannel(CompressedBase):
         s = self.spec
         return super().fused_tasks(ctx) + [FusedTask("causal", (self.indices, self.lens), gid=s.gid,
                                                      a=s.compress_ratio, b=s.rows_per_block,
-                                                     width=self.indices.shape[1])]
+                                                     width=self.indices.shape[1], query=True)]
 
     def launch(self, ctx: BuildContext):
         super().launch(ctx)
         self.launch_query(ctx)
+
+    def query_fields(self) -> frozenset:
+        return frozenset({"indices", "lens"})
 
     def launch_query(self, ctx: BuildContext):
         s, B, Tqp = self.spec, ctx.num_reqs, ctx.num_query_tokens_padded

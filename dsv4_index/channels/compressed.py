@@ -117,7 +117,7 @@ class CompressedChannel(CompressedBase):
 
     def fused_tasks(self, ctx: BuildContext):
         return super().fused_tasks(ctx) + [FusedTask("token_rows", (self.token_rows, self.token_nc),
-                                                     gid=self.spec.gid, a=self.spec.compress_ratio)]
+                                                     gid=self.spec.gid, a=self.spec.compress_ratio, query=True)]
 
     def launch(self, ctx: BuildContext):
         super().launch(ctx)

@@ -48,18 +48,21 @@ class IndexerChannel(CompressedBase):
         s, cu_index = self.spec, self.cu_index
         tasks = super().fused_tasks(ctx) + [
             FusedTask("indexer", (self.lens, self.ks, self.ke, self.lens_clamped), gid=s.gid, a=s.compress_ratio,
-                      extra=cu_index),
+                      extra=cu_index, query=True),
             FusedTask("staged_copy", (self.cu,), extra=cu_index),
             FusedTask("decode_lens", (self.decode_lens, self.decode_lens_clamped), gid=s.gid, a=s.compress_ratio,
-                      b=ctx.next_n)]
+                      b=ctx.next_n, query=True)]
         if self.with_indices:
             tasks.append(FusedTask("causal", (self.indices, self.index_lens), gid=s.gid, a=s.compress_ratio,
-                                   b=s.rows_per_block, width=self.indices.shape[1]))
+                                   b=s.rows_per_block, width=self.indices.shape[1], query=True))
         return tasks
 
     def launch(self, ctx: BuildContext):
         super().launch(ctx)
         self.launch_query(ctx)
+
+    def query_fields(self) -> frozenset:
+        return frozenset({"lens", "ks", "ke", "decode_lens", "lens_clamped", "decode_lens_clamped", "indices"})
 
     def launch_query(self, ctx: BuildContext):
         s, B, Tp = self.spec, ctx.num_reqs, ctx.num_query_tokens_padded

@@ -54,7 +54,8 @@ class WindowChannel(ChannelBuilder):
     def fused_tasks(self, ctx: BuildContext):
         return [FusedTask("window", (self.indices, self.lens, self.slots, self.tail), gid=self.spec.gid,
                           a=self.kernel_block_size, b=self._window, width=self.indices.shape[1],
-                          write_floor=self.group.prefix_cacheable, window_floor=True, circular=self.circular)]
+                          write_floor=self.group.prefix_cacheable, window_floor=True, circular=self.circular,
+                          query=self.query_side)]
 
     def launch(self, ctx: BuildContext):
         B, Tp = ctx.num_reqs, ctx.num_tokens_padded
@@ -74,6 +75,9 @@ class WindowChannel(ChannelBuilder):
             window_indices(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], bt, self.kernel_block_size,
                            self._window, replay_start=ctx.replay_start[:B], out=self.indices[:Tp],
                            out_lens=self.lens[:Tp], ring=ring, circular_capacity=cap, **kw)
+
+    def query_fields(self) -> frozenset:
+        return frozenset({"indices", "lens"}) if self.query_side else frozenset()
 
     def launch_query(self, ctx: BuildContext):
         if not self.query_side:

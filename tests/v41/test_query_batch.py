@@ -19,7 +19,9 @@ from dsv4_index import DSV4Layout, MetadataPipeline
 from dsv4_index.batch import StepBatch
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
-from helpers.pipelines import DEVICE, HAS_TRITON, POISONS, poison
+from dsv4_index.validate import MetadataError, check_metadata, check_topk
+
+from helpers.pipelines import DEVICE, HAS_TRITON, POISONS, clone_meta, poison
 from helpers.rejections import diff, state
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -33,6 +35,9 @@ LAYOUTS = {
                                                indexer_causal_indices=True),
     "tiny": lambda: DSV4Layout.from_config("tiny", max_model_len=512, mla_block_size=16, swa_block_size=8,
                                            indexer_causal_indices=True),
+    # NOTE: sliding blocks of 32: the large tiles' split window programs (fused/rows.py) run its sliding groups
+    "tiny_v41_b32": lambda: DSV4Layout.from_config("tiny_v41", max_model_len=512, mla_block_size=16,
+                                                   swa_block_size=32, indexer_causal_indices=True),
     "tiny_circular": lambda: DSV4Layout.from_config("tiny", max_model_len=512, mla_block_size=16, swa_block_size=8,
                                                     circular={"c4_state": 12}),
 }
@@ -45,9 +50,9 @@ def layout(name):
     return _LAYOUTS[name]
 
 
-def pipe(lay, kind):
-    kw = dict(reference=dict(backend="reference"), unfused=dict(fused=False, backend="triton"),
-              fused=dict(fused=True, backend="triton"))[kind]
+def pipe(lay, kind, **kw):
+    kw.update(dict(reference=dict(backend="reference"), unfused=dict(fused=False, backend="triton"),
+                   fused=dict(fused=True, backend="triton"))[kind])
     return MetadataPipeline(lay, R, T_MAX, DEVICE, SPEC, **kw)
 
 
@@ -138,6 +143,7 @@ def check_conversions(mp, md, gen, tag):
         qp[:Tq] = picks[src]
         want_s, want_l = (x.cpu().clone() for x in mp.topk_to_slots(ch, picks.to(DEVICE)))
         got_s, got_l = (x.cpu() for x in md.topk_to_slots(ch, qp.to(DEVICE)))
+        check_topk(md, ch, qp, got_s, got_l)
         assert got_s.shape[0] == Tqp, (tag, ch)
         assert torch.equal(got_s[:Tq], want_s[src]) and torch.equal(got_l[:Tq], want_l[src]), (tag, ch)
         assert bool((got_l[Tq:] == 0).all()), (tag, ch)
@@ -160,7 +166,7 @@ def check_conversions(mp, md, gen, tag):
 
 def run_trace(lay_name, kind, seed, steps, pad):
     lay = layout(lay_name)
-    plain, decl = pipe(lay, "reference"), pipe(lay, kind)
+    plain, decl = pipe(lay, "reference"), pipe(lay, kind, validate=True)  # NOTE: validate: check_metadata each step
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     sched = ReferenceScheduler(lay, 900, max_num_batched_tokens=T_MAX, max_num_seqs=R, num_speculative_tokens=SPEC,
@@ -201,6 +207,22 @@ def test_declared_step_is_the_plain_step_gathered_reference(seed, lay_name, pad)
 def test_declared_step_is_the_plain_step_gathered_triton(seed, lay_name, kind):
     seen = run_trace(lay_name, kind, seed, 5, True)
     assert seen["declared"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (CUDA or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("lay_name", ["tiny_v41_b32", "tiny_circular"])
+def test_declared_step_in_the_large_tiles(monkeypatch, lay_name):
+    """Steps from 16 tokens on take the large tiles (folded and split window programs: a declared step runs
+    their query rows as plain programs, fused/kernel.py ``_token_unit``)."""
+    from dsv4_index.fused.tasks import NF, S_FLAGS, S_FOLD, FLAG_QUERY
+    monkeypatch.setenv("DSV4_INDEX_LARGE_FROM", "16")
+    p = pipe(layout(lay_name), "fused")
+    tok = p.fused_plan._variants[2]["consts"]["TOK"]
+    folded_query = [tok[i + S_FOLD] for i in range(0, len(tok), int(NF)) if tok[i + S_FLAGS] & int(FLAG_QUERY)]
+    assert lay_name != "tiny_v41_b32" or any(folded_query)
+    seen = run_trace(lay_name, "fused", 11, 6, True)
+    assert seen["declared"] >= 3
 
 
 def test_a_trace_declares_decode_rows_too():
@@ -288,3 +310,42 @@ def test_step_batch_json_keeps_its_schema_without_query_lens():
     assert "query_lens" not in b.to_json()
     c = dataclasses.replace(b, query_lens=np.array([2]))
     assert c.to_json()["query_lens"] == [2] and StepBatch.from_json(c.to_json()).query_lens.tolist() == [2]
+
+
+def test_check_metadata_finds_a_wrong_query_row():
+    """``validate`` of a declared step reads the query rows at their source tokens: a corrupted query-side entry,
+    or the plain step's rows handed out as query rows, is found."""
+    lay = layout("tiny_v41")
+    p = pipe(lay, "reference")
+    rng = np.random.default_rng(2)
+    for step in _first_steps(lay, 2):
+        p.update(declare(step, rng))
+        m = p.build()
+    assert m.q_to_src is not None and m.num_query_tokens < m.num_tokens
+    check_metadata(m)
+    bad = clone_meta(m)
+    bad["swa"].lens[0] += 1
+    with pytest.raises(MetadataError, match="swa"):
+        check_metadata(bad)
+    bad = clone_meta(m)
+    bad["c1i"].lens[: m.num_query_tokens] = m["c1i"].lens[: m.num_query_tokens].flip(0)
+    with pytest.raises(MetadataError, match="c1i"):
+        check_metadata(bad)
+
+
+def test_a_declared_trace_records_and_replays(tmp_path):
+    """``query_lens`` travels in a trace (StepBatch JSON, trace schema) and replays equal to the recording."""
+    from dsv4_index.tools.replay import replay_trace
+    from dsv4_index.tools.trace import read_trace, record_steps
+    lay = layout("tiny_v41")
+    p = pipe(lay, "reference")
+    rng = np.random.default_rng(4)
+    path = tmp_path / "declared.jsonl"
+    with record_steps(p, path):
+        for step in _first_steps(lay, 3):
+            p.update(declare(step, rng))
+            p.build()
+    _, steps = read_trace(path)
+    assert any(d["step"].get("query_lens") for d in steps)
+    res = replay_trace(path, backend="reference", log=lambda *a: None)
+    assert res.problem is None and res.stats["accepted steps"] == 3, res
