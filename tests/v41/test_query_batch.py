@@ -38,6 +38,8 @@ LAYOUTS = {
     # NOTE: sliding blocks of 32: the large tiles' split window programs (fused/rows.py) run its sliding groups
     "tiny_v41_b32": lambda: DSV4Layout.from_config("tiny_v41", max_model_len=512, mla_block_size=16,
                                                    swa_block_size=32, indexer_causal_indices=True),
+    "tiny_v41_per_layer": lambda: DSV4Layout.from_config("tiny_v41", max_model_len=512, mla_block_size=16,
+                                                         swa_block_size=8, swa_group_per_layer=True),
     "tiny_circular": lambda: DSV4Layout.from_config("tiny", max_model_len=512, mla_block_size=16, swa_block_size=8,
                                                     circular={"c4_state": 12}),
 }
