@@ -320,8 +320,8 @@ class ChannelBuilder:
     # -- optional ----------------------------------------------------------------------------
     def launch_query(self, ctx: BuildContext) -> None:
         """The outputs per query token (``[0, T_q_pad)``) over the query batch (``ctx.query_qsl()``, ``T_q``),
-        functional ops. :meth:`launch` calls it; after the fused launch, the pipeline calls it for a declared
-        step (the fused launch wrote those buffers over the source batch). Default: no such outputs."""
+        functional ops; :meth:`launch` calls it (the fused launch builds them itself from tasks flagged
+        ``query``: fused/query.py). Default: no such outputs."""
 
     def query_fields(self) -> frozenset:
         """The :class:`ChannelMetadata` fields with a row per query token (``[T_q_pad]`` rows) when a step declares
