@@ -217,6 +217,8 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t0, col0, T_
     a window task's slot mappings stay per source token."""
     KIND: tl.constexpr = TAB[TI * NF + S_KIND]
     BT: tl.constexpr = TAB[TI * NF + S_BT]
+    # NOTE: the token map first: on a plain step a flagged task's flag load runs beside it, not before it
+    t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok, BT)
     if KIND == QUERY_MAP:
         query_map_task(stage_ptr, query_array(stage_ptr, off_extra, rows, QX), base32, base64, base8, orow, t0, T_pad,
                        off_qsl, off_seq, TAB, TI, BT, LOG_R)
@@ -224,32 +226,29 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t0, col0, T_
         qslq = query_array(stage_ptr, off_extra, rows, QX)
         if declared(qslq):
             if KIND == WINDOW:  # NOTE: the slot mappings of the source rows t0 + [0, BT)
-                t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok, BT)
                 _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos,
                             col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI,
                             BLOCK_LOADS, 1)
-            u, in_out, b, valid, seq, end, pos = query_rows(stage_ptr, qslq, t0, T_pad, off_seq, BT, LOG_R)
+            u, in_out_q, b_q, valid_q, seq_q, end_q, pos_q = query_rows(stage_ptr, qslq, t0, T_pad, off_seq, BT,
+                                                                          LOG_R)
             if KIND == WINDOW:
-                _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, u, in_out, b, valid, seq, end, pos,
-                            col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI,
-                            BLOCK_LOADS, 2)
+                _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, u, in_out_q, b_q, valid_q, seq_q,
+                            end_q, pos_q, col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov,
+                            TAB, TI, BLOCK_LOADS, 2)
             else:
-                _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, u, in_out, b, valid, seq, end, pos,
-                            col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI,
-                            BLOCK_LOADS, 0)
+                _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, u, in_out_q, b_q, valid_q, seq_q,
+                            end_q, pos_q, col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov,
+                            TAB, TI, BLOCK_LOADS, 0)
         else:
-            t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok, BT)
             _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, col0,
                         T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI, BLOCK_LOADS, 0)
+    elif KIND == COMMON:
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + t, b, mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 8) + t, pos.to(tl.int64), mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 2, 1) + t, valid.to(tl.int8), mask=in_out)
     else:
-        t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok, BT)
-        if KIND == COMMON:
-            tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + t, b, mask=in_out)
-            tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 8) + t, pos.to(tl.int64), mask=in_out)
-            tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 2, 1) + t, valid.to(tl.int8), mask=in_out)
-        else:
-            _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, col0,
-                        T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI, BLOCK_LOADS, 0)
+        _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, col0,
+                    T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI, BLOCK_LOADS, 0)
 
 
 @triton.jit
