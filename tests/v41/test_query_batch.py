@@ -351,3 +351,29 @@ def test_a_declared_trace_records_and_replays(tmp_path):
     assert any(d["step"].get("query_lens") for d in steps)
     res = replay_trace(path, backend="reference", log=lambda *a: None)
     assert res.problem is None and res.stats["accepted steps"] == 3, res
+
+
+@pytest.mark.gpu
+def test_declared_steps_replay_the_plain_steps_graph():
+    """CUDA graphs (one per T_pad): a declared step replays the graph captured by a plain step of its size (the
+    declaration is read from the staged step), and the other way round; each equals the reference."""
+    lay = layout("tiny_v41")
+    g = MetadataPipeline(lay, R, T_MAX, "cuda", SPEC, cuda_graphs=True)
+    g.warmup(pad_sizes=(T_MAX,))
+    ref = MetadataPipeline(lay, R, T_MAX, "cpu", SPEC, backend="reference")
+    rng = np.random.default_rng(9)
+    for i, step in enumerate(_first_steps(lay, 6)):
+        s = declare(step, rng) if i % 2 else step
+        g.update(s, pad_to=T_MAX)
+        mg = g.build()
+        ref.update(s, pad_to=T_MAX)
+        mr = ref.build()
+        assert (mg.q_to_src is None) == (mr.q_to_src is None) and len(g._graphs) == 1, i
+        for name in mr.channels:
+            for f in dataclasses.fields(mr[name]):
+                x, y = getattr(mg[name], f.name), getattr(mr[name], f.name)
+                if isinstance(y, torch.Tensor) and f.name not in ("block_table", "idx_mapping"):
+                    assert torch.equal(x.cpu(), y), (i, name, f.name)
+        if mr.q_to_src is not None:
+            assert torch.equal(mg.q_to_src.cpu(), mr.q_to_src) and torch.equal(mg.query_start_loc_q.cpu(),
+                                                                            mr.query_start_loc_q)
