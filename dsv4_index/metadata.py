@@ -194,13 +194,17 @@ class DSV4Metadata:
 
         Returns
         -------
-        (indices int32 [Td, 1, width], lens int32 [Td]) — ``Td = num_query_decode_tokens`` (or ``T_q_pad``; a plain
-        step: ``num_decode_tokens``, ``T_pad``).
+        (indices int32 [Td, 1, width], lens int32 [Td]) — ``Td = num_decode_tokens`` (or ``T_pad``); for lists per
+        query token (``swa``, ``c128a``) of a step declaring query rows, ``num_query_decode_tokens`` (or ``T_q_pad``).
         """
         c = self[channel]
         if c.indices is None or c.lens is None:
             raise ValueError(f"channel {channel!r} has no index list")
-        n = self.num_query_tokens_padded if padded else self.num_query_decode_tokens
+        b = self.builders.get(channel)
+        if b is not None and "indices" in b.query_fields():  # NOTE: lists per query token (docs/DESIGN.md §5)
+            n = self.num_query_tokens_padded if padded else self.num_query_decode_tokens
+        else:
+            n = self.num_tokens_padded if padded else self.num_decode_tokens
         assert n is not None  # NOTE: set by __post_init__
         return c.indices[:n].unsqueeze(1), c.lens[:n]
 

@@ -377,3 +377,22 @@ def test_declared_steps_replay_the_plain_steps_graph():
         if mr.q_to_src is not None:
             assert torch.equal(mg.q_to_src.cpu(), mr.q_to_src) and torch.equal(mg.query_start_loc_q.cpu(),
                                                                             mr.query_start_loc_q)
+
+
+def test_decode_view_counts_query_rows_of_query_lists_only():
+    lay = layout("tiny_v41")
+    p = pipe(lay, "reference")
+    rng = np.random.default_rng(3)
+    for i, step in enumerate(_first_steps(lay, 8, seed=3)):
+        p.update(declare(step, rng))
+        m = p.build()
+        if m.q_to_src is not None and m.num_query_decode_tokens < m.num_decode_tokens:
+            break
+    else:
+        pytest.fail("no step with a decode row declaring fewer queries than tokens")
+    idx, lens = m.decode_view("swa")
+    assert idx.shape[0] == lens.shape[0] == m.num_query_decode_tokens
+    assert torch.equal(lens, m["swa"].lens[:m.num_query_decode_tokens])
+    idx, lens = m.decode_view("c2_state")   # compressor-state windows: per source token
+    assert idx.shape[0] == m.num_decode_tokens
+    assert m.decode_view("swa", padded=True)[0].shape[0] == m.num_query_tokens_padded
