@@ -383,7 +383,7 @@ def test_decode_view_counts_query_rows_of_query_lists_only():
     lay = layout("tiny_v41")
     p = pipe(lay, "reference")
     rng = np.random.default_rng(3)
-    for i, step in enumerate(_first_steps(lay, 8, seed=3)):
+    for step in _first_steps(lay, 8, seed=3):
         p.update(declare(step, rng))
         m = p.build()
         if m.q_to_src is not None and m.num_query_decode_tokens < m.num_decode_tokens:
