@@ -200,8 +200,8 @@ class DSV4Metadata:
         c = self[channel]
         if c.indices is None or c.lens is None:
             raise ValueError(f"channel {channel!r} has no index list")
-        b = self.builders.get(channel)
-        if b is not None and "indices" in b.query_fields():  # NOTE: lists per query token (docs/DESIGN.md §5)
+        qf = getattr(self.builders.get(channel), "query_fields", None)
+        if qf is not None and "indices" in qf():  # NOTE: lists per query token (docs/DESIGN.md §5)
             n = self.num_query_tokens_padded if padded else self.num_query_decode_tokens
         else:
             n = self.num_tokens_padded if padded else self.num_decode_tokens
