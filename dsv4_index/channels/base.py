@@ -1,3 +1,4 @@
+# over 400 lines: the channel protocol read top to bottom (output record, build context and query batch, base, registry)
 """Channel builders: the protocol, its per-pipeline context, its output record and the registry.
 
 A builder owns one channel (one cache that reads a group's block table): it allocates the
