@@ -22,6 +22,7 @@ import numpy as np
 
 __all__ = ["StepBatch", "APPEND"]
 
+_OPTIONAL_IN_JSON = ("drafts", "query_lens")  # NOTE: fields added later: left out of a trace while None
 APPEND = -1  # NOTE: a write run starting at APPEND continues the row where it ends (the slot's block count)
 
 
@@ -63,6 +64,11 @@ class StepBatch:
         num_speculative_tokens)`` for a row of at most ``1 + num_speculative_tokens`` tokens, 0 for a prefill
         chunk. The ownership rule releases a sliding block once the window of ``nc + n - d`` (the lowest next
         position) has passed it (docs/DESIGN.md §5). Default (None): the default rule for every row.
+    query_lens : int [B], optional
+        V4.1 decoder-suffix replay (docs/DESIGN.md §5 "Source rows ≠ query rows"): the decoder queries of each row,
+        its last ``q`` scheduled tokens, ``1 <= q <= num_scheduled_tokens`` (0 for a row of 0 tokens). The row's
+        compressor / indexer source still covers every scheduled token. Default (None): every token queries (a
+        declaration with ``q == num_scheduled_tokens`` on every row is the same step).
     """
 
     req_slots: np.ndarray
@@ -78,6 +84,7 @@ class StepBatch:
     replay_start: Optional[np.ndarray] = None
     replay_end: Optional[np.ndarray] = None
     drafts: Optional[np.ndarray] = None
+    query_lens: Optional[np.ndarray] = None
 
     @property
     def num_rows(self) -> int:
@@ -94,7 +101,7 @@ class StepBatch:
     def to_json(self) -> dict:
         """Plain-list form (for traces); inverse of :meth:`from_json`."""
         return {k: (None if v is None else np.asarray(v).tolist()) for k, v in self.__dict__.items()
-                if v is not None or k != "drafts"}  # NOTE: traces without draft counts keep their schema
+                if v is not None or k not in _OPTIONAL_IN_JSON}  # NOTE: traces without them keep their schema
 
     @classmethod
     def from_json(cls, d: dict) -> "StepBatch":

@@ -155,8 +155,11 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
 
     Returns ``{"device": bytes, "host": bytes, "pinned": bytes, "parts": {name: (where, bytes)}}``:
     ``device`` on the pipeline's device (block tables, per-token and per-request buffers, the staging
-    buffer), ``host`` numpy / CPU arrays (the table mirror, per-slot state, unpinned staging),
-    ``pinned`` page-locked host staging (CUDA only). On a CPU pipeline ``device`` is host memory too.
+    buffer; every tensor the build context and the builders allocate, by name: V4.1's candidate buffers
+    ``<channel>.cand_*`` and the query batch's ``ctx.query_start_loc_q`` / ``token_to_req_q`` / ``q_to_src``
+    included, ``tests/v41/test_candidate_memory.py``), ``host`` numpy / CPU arrays (the table mirror,
+    per-slot state, unpinned staging), ``pinned`` page-locked host staging (CUDA only). On a CPU pipeline
+    ``device`` is host memory too.
     Small fixed buffers (under 1 KiB each) and Python objects (about 40 bytes per request slot) are not
     counted; the steps themselves add working memory of O(groups × max_num_reqs) on the host. Takes the
     capacities only: :meth:`MetadataPipeline.memory_estimate` checks every constructor argument first.

@@ -35,6 +35,18 @@ class DSV4Metadata:
     replay_start, replay_end : int64 numpy [B] or None (host).
     builders : dict name -> ChannelBuilder — who produced each channel (what its outputs must equal:
         ``ChannelBuilder.expected``, used by :mod:`dsv4_index.validate`).
+
+    The query batch (docs/DESIGN.md §5 "Source rows ≠ query rows"; a step declaring ``StepBatch.query_lens``):
+    num_query_tokens, num_query_tokens_padded, num_query_decode_tokens : int — ``T_q``, ``T_q_pad`` and the decode
+        rows' query tokens (``T``, ``T_pad``, ``num_decode_tokens`` for a plain step).
+    query_lens : int64 numpy [B]; host_query_start_loc_q : int64 numpy [B + 1] — host copies (None: plain step).
+    query_start_loc_q : int32 [B + 1]; q_to_src : int32 [T_q_pad] — the query batch's row offsets and the source
+        row of each query row (``-1`` for padded query rows); None for a plain step (the identity).
+    Per source token (``[T_pad]`` rows): ``positions``, ``token_to_req``, ``is_valid_token`` and every slot mapping
+    (``slot_mapping``, ``tail_slot_mapping``, ``compressed_slot_mapping``, ``compact_slot_mapping``), and the
+    window lists of compressor-state groups. Per query token (``[T_q_pad]`` rows): the ``swa`` groups' window lists,
+    causal compressed lists (``c128a``), indexer ``lens`` / ``ks`` / ``ke`` (``decode_lens`` over the decode rows'
+    query tokens) and every top-k / candidate conversion; such a row equals the plain step's row ``q_to_src[u]``.
     """
 
     num_reqs: int
@@ -64,6 +76,22 @@ class DSV4Metadata:
     replay_end: Optional[np.ndarray] = None
     builders: Dict[str, object] = field(default_factory=dict, repr=False)
     _converters: Dict[str, Callable] = field(default_factory=dict, repr=False)
+    num_query_tokens: Optional[int] = None
+    num_query_tokens_padded: Optional[int] = None
+    num_query_decode_tokens: Optional[int] = None
+    query_lens: Optional[np.ndarray] = None
+    host_query_start_loc_q: Optional[np.ndarray] = None
+    query_start_loc_q: Optional[torch.Tensor] = None
+    q_to_src: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        # NOTE: a plain step: the query batch is the source batch
+        if self.num_query_tokens is None:
+            self.num_query_tokens = self.num_tokens
+        if self.num_query_tokens_padded is None:
+            self.num_query_tokens_padded = self.num_tokens_padded
+        if self.num_query_decode_tokens is None:
+            self.num_query_decode_tokens = self.num_decode_tokens
 
     def __getitem__(self, name: str) -> ChannelMetadata:
         try:
@@ -166,12 +194,18 @@ class DSV4Metadata:
 
         Returns
         -------
-        (indices int32 [Td, 1, width], lens int32 [Td]) — ``Td = num_decode_tokens`` (or ``T_pad``).
+        (indices int32 [Td, 1, width], lens int32 [Td]) — ``Td = num_decode_tokens`` (or ``T_pad``); for lists per
+        query token (``swa``, ``c128a``) of a step declaring query rows, ``num_query_decode_tokens`` (or ``T_q_pad``).
         """
         c = self[channel]
         if c.indices is None or c.lens is None:
             raise ValueError(f"channel {channel!r} has no index list")
-        n = self.num_tokens_padded if padded else self.num_decode_tokens
+        qf = getattr(self.builders.get(channel), "query_fields", None)
+        if qf is not None and "indices" in qf():  # NOTE: lists per query token (docs/DESIGN.md §5)
+            n = self.num_query_tokens_padded if padded else self.num_query_decode_tokens
+        else:
+            n = self.num_tokens_padded if padded else self.num_decode_tokens
+        assert n is not None  # NOTE: set by __post_init__
         return c.indices[:n].unsqueeze(1), c.lens[:n]
 
     def sparse_decode_args(self, layer_kind: str, topk: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, *,

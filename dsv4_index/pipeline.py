@@ -23,21 +23,20 @@ import torch
 
 from ._common import check_device, use_triton
 from .batch import StepBatch
-from .capacity import BOUNDS, check_arguments, check_flags, memory_estimate
+from .capacity import check_arguments, check_flags, memory_estimate
 from .engine_plan import check_block_counts
 from .channels import BuildContext, ChannelBuilder, ChannelMetadata, builder_for
 from .fused.plan import FusedPlan
 from .fused.tasks import FusedTask
 from .aliasing import check_pipeline_buffers, check_step_outputs
 from .metadata import DSV4Metadata, StepStats
+from .query_batch import build_query, meta_query_fields, plan_query
 from .geometry import DSV4Layout
 from ._numba import compile_pinned
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
 from .frontend.row_order import check_caller_order, check_row_order
 from .state import BlockTables, RequestState, StepPlan, StepStaging
 from .state.requests import RowIds, SlotMap
-
-MAX_STAGED_BLOCKS = BOUNDS["max_staged_blocks"][0]
 
 __all__ = ["MetadataPipeline"]
 
@@ -120,7 +119,7 @@ class MetadataPipeline:
         self._graphs: Optional[Dict[int, torch.cuda.CUDAGraph]] = {} if cuda_graphs else None
         self._plan: Optional[StepPlan] = None
         self._req_ids: Optional[RowIds] = None
-        self._views: Optional[Tuple[Tuple[int, int, int], Dict[str, ChannelMetadata], Dict[str, Any]]] = None
+        self._views: Optional[Tuple[Tuple[int, ...], Dict[str, ChannelMetadata], Dict[str, Any]]] = None
         self._converters = {name: (lambda topk, compact=False, _b=b: _b.topk_to_slots(self.ctx, topk, compact=compact))
                             for name, b in self._builders.items()
                             if type(b).topk_to_slots is not ChannelBuilder.topk_to_slots}
@@ -155,7 +154,7 @@ class MetadataPipeline:
         ctx = self.ctx
         tasks = [FusedTask("common", (ctx.token_to_req, ctx.positions, ctx.is_valid_token)),
                  FusedTask("requests", (ctx.query_start_loc, ctx.seq_lens, ctx.idx_mapping)),
-                 FusedTask("replays", (ctx.replay_start, ctx.replay_end))]
+                 FusedTask("replays", (ctx.replay_start, ctx.replay_end)), *ctx.query_tasks()]
         unfused = []
         for b in self._builders.values():
             t = b.fused_tasks(ctx)
@@ -227,6 +226,7 @@ class MetadataPipeline:
                 except (IndexError, TypeError, AttributeError):
                     pass  # NOTE: malformed arrays: the plan's checks below name the field
             plan = self.requests.plan(batch, pad_to)
+            plan_query(batch, plan, pad_to, self._builders, self.ctx)  # NOTE: last check; sets ctx.query (DESIGN §5)
         except ValueError as e:
             named = e if delta is None else explain(e, batch, delta, src)  # NOTE: id-keyed: name the request
             if named is e:
@@ -264,6 +264,7 @@ class MetadataPipeline:
         else:
             self.staging.apply_pending(self.tables.flat)
             ctx.fill_requests(self.staging.dev, self.staging.lay)
+        build_query(ctx, self.staging, fused is not None)  # NOTE: a declared step's query map (DESIGN §5)
         for b in self._unfused:
             b.launch(ctx)
         meta = self._metadata(self._plan)
@@ -294,9 +295,9 @@ class MetadataPipeline:
         ctx, host_qsl = self.ctx, self.staging.host_qsl
         assert host_qsl is not None  # NOTE: set by the stage() of the step's update()
         B, T, Tp, nd = ctx.num_reqs, ctx.num_tokens, ctx.num_tokens_padded, ctx.num_decodes
-        key = (B, Tp, nd)
+        key = (B, Tp, nd, ctx.num_query_tokens_padded)
         if self._views is None or self._views[0] != key:
-            # NOTE: views depend on (B, T_pad, num_decodes) only: reuse them while those repeat
+            # NOTE: views depend on (B, T_pad, num_decodes, T_q_pad) only: reuse them while those repeat
             common: Dict[str, Any] = dict(
                 query_start_loc=ctx.query_start_loc[:B + 1], seq_lens=ctx.seq_lens[:B],
                 idx_mapping=ctx.idx_mapping[:B], positions=ctx.positions[:Tp],
@@ -306,7 +307,7 @@ class MetadataPipeline:
                 num_tokens_padded=Tp, num_decodes=nd, num_prefills=B - nd)
             self._views = (key, {name: b.views(ctx) for name, b in self._builders.items()}, common)
         _, channels, common = self._views
-        return DSV4Metadata(
+        return DSV4Metadata(**meta_query_fields(ctx, plan),
             num_tokens=T, num_decode_tokens=plan.num_decode_tokens, num_prefill_tokens=T - plan.num_decode_tokens,
             req_slots=plan.slots, req_ids=self._req_ids, host_query_start_loc=host_qsl,
             host_seq_lens=plan.seq_lens, block_tables=list(self.tables.tables), channels=dict(channels),

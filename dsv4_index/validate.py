@@ -27,6 +27,7 @@ import torch
 
 from ._common import cp_owner
 from .channels.base import BuildContext
+from .query_batch import query_batch
 
 __all__ = ["MetadataError", "check_metadata", "check_topk", "check_candidates", "check_cp_partition", "host_context"]
 
@@ -86,6 +87,11 @@ def host_context(meta) -> BuildContext:
         backend="reference", num_reqs=B, num_tokens=T, num_tokens_padded=Tp, num_decodes=meta.num_decodes,
         has_replay_start=meta.replay_start is not None, has_replay_end=meta.replay_end is not None)
     ctx.fill_token_map()
+    if meta.query_lens is not None:  # NOTE: a declared step: its query batch (docs/DESIGN.md §5)
+        qsl_q = torch.as_tensor(meta.host_query_start_loc_q, dtype=i32)
+        ctx.query = query_batch(torch.as_tensor(meta.query_lens).numpy(), meta.num_decodes, True,
+                                meta.num_query_tokens_padded)
+        ctx.fill_query(qsl_q)
     return ctx
 
 
@@ -96,11 +102,18 @@ class _Step:
         self.valid = ctx.is_valid_token[:Tp]
         self.req = ctx.token_to_req[:Tp].long()
         self.pos = ctx.positions[:Tp]
+        # NOTE: a declared step's query rows (docs/DESIGN.md §5): their mask and source rows (-1: padded)
+        self.q_to_src = None if meta.q_to_src is None else _cpu(meta.q_to_src).long()
+        self.valid_q = self.valid if self.q_to_src is None else self.q_to_src >= 0
 
-    def fail(self, channel, what, t=None, expected=None, found=None):
+    def fail(self, channel, what, t=None, expected=None, found=None, query=False):
         if t is None:
             raise MetadataError(channel, what, expected=expected, found=found)
         t = int(t)
+        if query and self.q_to_src is not None:  # NOTE: a query row: name its source token
+            what, t = f"{what} (query row {t})", int(self.q_to_src[t])
+            if t < 0:
+                raise MetadataError(channel, what, expected=expected, found=found)
         ok = bool(self.valid[t])
         b = int(self.req[t]) if ok else None
         ids = self.meta.req_ids
@@ -115,7 +128,8 @@ def _first(mask: torch.Tensor) -> Optional[int]:
     return int(nz[0]) if nz.numel() else None
 
 
-def _compare(s: _Step, channel: str, field: str, found: torch.Tensor, exp: torch.Tensor, what: str):
+def _compare(s: _Step, channel: str, field: str, found: torch.Tensor, exp: torch.Tensor, what: str,
+             query: bool = False):
     if found.shape != exp.shape:
         s.fail(channel, f"{field} shape", expected=tuple(exp.shape), found=tuple(found.shape))
     bad = found != exp
@@ -124,10 +138,11 @@ def _compare(s: _Step, channel: str, field: str, found: torch.Tensor, exp: torch
         tok = None if field in _PER_REQUEST else t  # NOTE: rows of per-request fields are no tokens
         if found.dim() > 1:
             k = int(torch.nonzero(bad[t])[0])
-            s.fail(channel, f"{field}[{t}, {k}] {what}", tok, expected=int(exp[t, k]), found=int(found[t, k]))
+            s.fail(channel, f"{field}[{t}, {k}] {what}", tok, expected=int(exp[t, k]), found=int(found[t, k]),
+                   query=query)
         if tok is None:
             s.fail(channel, f"{field}[{t}] {what}", expected=int(exp[t]), found=int(found[t]))
-        s.fail(channel, f"{field} {what}", t, expected=int(exp[t]), found=int(found[t]))
+        s.fail(channel, f"{field} {what}", t, expected=int(exp[t]), found=int(found[t]), query=query)
 
 
 def _check_common(s: _Step, meta) -> None:
@@ -158,12 +173,14 @@ def _check_common(s: _Step, meta) -> None:
 def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
     spec = s.meta.layout.channels[name]
     g = s.meta.layout.groups[spec.gid]
-    valid = s.valid
+    qf = s.meta.builders[name].query_fields() if s.q_to_src is not None else frozenset()
     circular = g.kind == "circular"  # NOTE: address map may repeat slots; in-step window entries are <= -2
     for field in ("slot_mapping", "tail_slot_mapping", "compressed_slot_mapping", "compact_slot_mapping",
                   "compact_cu", "indices", "lens", "ks", "ke", "cu", "decode_lens", "lens_clamped",
                   "decode_lens_clamped"):
         found, want = getattr(c, field), getattr(exp, field)
+        q = field in qf  # NOTE: rows of the query batch (docs/DESIGN.md §5)
+        valid = s.valid_q if q else s.valid
         if (found is None) != (want is None):
             s.fail(name, f"{field} present / absent", expected=want is not None, found=found is not None)
         if found is None:
@@ -179,7 +196,7 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
             t = _first(pad & (found != sentinel))
             if t is not None:
                 s.fail(name, f"padded token has {field} != {sentinel}", t, expected=sentinel,
-                       found=found[t].tolist())
+                       found=found[t].tolist(), query=q)
         if field in _SLOT_FIELDS:
             unit = spec.rows_per_block if spec.compress_ratio > 1 and field != "slot_mapping" else g.block_size
             listed = found >= 0 if circular and field == "indices" else found != -1
@@ -194,7 +211,7 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
                 s.fail(name, f"{field}{'' if k is None else f'[{t}, {k}]'} outside the cache or in the null "
                        f"block {null_block}" + (f" ({more} more entries)" if more else ""), t if per_token else None,
                        expected=f"-1 or a slot in [0, {'inf' if cap is None else cap}) outside block {null_block}",
-                       found=int(found[t] if k is None else found[t, k]))
+                       found=int(found[t] if k is None else found[t, k]), query=q)
             if field in ("slot_mapping", "compressed_slot_mapping", "tail_slot_mapping") and not (
                     circular and field == "slot_mapping"):
                 x = found[valid & listed]
@@ -210,9 +227,11 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
             t = _first(valid[:, None] & ~shape)
             if t is not None:
                 s.fail(name, "indices: lens entries listed, then -1", t, expected=f"{int(lens[t])} entries",
-                       found=found[t].tolist())
+                       found=found[t].tolist(), query=q)
             if c.slot_mapping is not None:
                 sm, L = _cpu(c.slot_mapping), lens
+                if q and s.q_to_src is not None:  # NOTE: the slot of each query row's source token
+                    sm = torch.where(valid, sm[s.q_to_src.clamp(min=0)], -1)
                 if circular:  # NOTE: the token itself is read from its own row t, encoded -2 - t
                     sm = torch.where(sm != -1, -2 - torch.arange(sm.shape[0], dtype=sm.dtype), sm)
                 last = found.gather(1, (L - 1).clamp(0, found.shape[1] - 1)[:, None].long())[:, 0]
@@ -220,8 +239,8 @@ def _check_channel(s: _Step, name: str, c, exp, num_blocks, null_block) -> None:
                 t = _first(mine & ((L == 0) | (last != sm)))
                 if t is not None:
                     s.fail(name, "window does not end at the token's own slot", t, expected=int(sm[t]),
-                           found=int(last[t]) if int(L[t]) else "empty row")
-        _compare(s, name, field, found, want, "(docs/DESIGN.md §4, from the reference)")
+                           found=int(last[t]) if int(L[t]) else "empty row", query=q)
+        _compare(s, name, field, found, want, "(docs/DESIGN.md §4, from the reference)", query=q)
 
 
 def check_metadata(meta, *, num_blocks: Optional[int] = None, null_block: Optional[int] = 0) -> None:
@@ -254,14 +273,14 @@ def check_topk(meta, channel: str, topk: torch.Tensor, slots: torch.Tensor, lens
     ctx = host_context(meta)
     s = _Step(meta, ctx)
     c = meta[channel]
-    B, T, Tp = meta.num_reqs, meta.num_tokens, meta.num_tokens_padded
+    B, T, Tp = meta.num_reqs, meta.num_query_tokens, meta.num_query_tokens_padded  # NOTE: query rows
     w, r, i = ctx.group_cp(c.gid)
     K = slots.shape[1]
     pad = torch.full((Tp, K), -1, dtype=torch.int64)
     m = min(Tp, topk.shape[0])
     pad[:m] = _cpu(topk)[:m, :K].long()
     exp, exp_lens = reference.topk_to_slots(
-        pad, ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], ctx.tables[c.gid], c.rows_per_block, c.compress_ratio,
+        pad, ctx.query_qsl(), ctx.seq_lens[:B], ctx.tables[c.gid], c.rows_per_block, c.compress_ratio,
         idx_mapping=ctx.idx_mapping[:B], cp_world_size=w, cp_rank=r, cp_interleave=i, compact=compact,
         num_tokens=T, out=torch.empty((Tp, K), dtype=torch.int32), out_lens=torch.empty(Tp, dtype=torch.int32))
     g = meta.layout.groups[c.gid]
@@ -270,9 +289,9 @@ def check_topk(meta, channel: str, topk: torch.Tensor, slots: torch.Tensor, lens
         t = _first((out != -1) & ((out < 0) | (out >= num_blocks * g.blocks_per_kv_block * c.rows_per_block)))
         if t is not None:
             s.fail(channel, "top-k slot outside the cache", t, expected=f"< {num_blocks * c.rows_per_block}",
-                   found=out[t].tolist())
-    _compare(s, channel, "top-k slots", out, exp, "(reference topk_to_slots)")
-    _compare(s, channel, "top-k lens", _cpu(lens), exp_lens, "(reference topk_to_slots)")
+                   found=out[t].tolist(), query=True)
+    _compare(s, channel, "top-k slots", out, exp, "(reference topk_to_slots)", query=True)
+    _compare(s, channel, "top-k lens", _cpu(lens), exp_lens, "(reference topk_to_slots)", query=True)
 
 
 def check_candidates(meta, channel: str, blocks: torch.Tensor, cols: Optional[torch.Tensor],
@@ -285,19 +304,21 @@ def check_candidates(meta, channel: str, blocks: torch.Tensor, cols: Optional[to
     ctx = host_context(meta)
     s = _Step(meta, ctx)
     c = meta[channel]
-    B, T, Tp = meta.num_reqs, meta.num_tokens, meta.num_tokens_padded
+    B, T, Tp = meta.num_reqs, meta.num_query_tokens, meta.num_query_tokens_padded  # NOTE: query rows
     C = meta.layout.candidate_block_size
     if C is None:
         raise ValueError("this layout has no two-level indexer (layout.candidate_block_size is None)")
-    args = (ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], ctx.tables[c.gid], c.rows_per_block, c.compress_ratio, C)
+    args = (ctx.query_qsl(), ctx.seq_lens[:B], ctx.tables[c.gid], c.rows_per_block, c.compress_ratio, C)
     blk = _cpu(blocks)[:Tp]
     if phys is not None and counts is not None:
         exp, exp_n = reference.candidate_blocks_to_physical(blk, *args, idx_mapping=ctx.idx_mapping[:B],
                                                             num_tokens=T, out=torch.empty((Tp, blk.shape[1]),
                                                                                           dtype=torch.int32),
                                                             out_counts=torch.empty(Tp, dtype=torch.int32))
-        _compare(s, channel, "candidate physical blocks", _cpu(phys), exp, "(reference candidate_blocks_to_physical)")
-        _compare(s, channel, "candidate counts", _cpu(counts), exp_n, "(reference candidate_blocks_to_physical)")
+        _compare(s, channel, "candidate physical blocks", _cpu(phys), exp, "(reference candidate_blocks_to_physical)",
+                 query=True)
+        _compare(s, channel, "candidate counts", _cpu(counts), exp_n, "(reference candidate_blocks_to_physical)",
+                 query=True)
     if cols is not None and slots is not None and lens is not None:
         w, r, i = ctx.group_cp(c.gid)
         K = slots.shape[1]
@@ -305,8 +326,8 @@ def check_candidates(meta, channel: str, blocks: torch.Tensor, cols: Optional[to
             blk, _cpu(cols)[:Tp, :K], *args, idx_mapping=ctx.idx_mapping[:B], cp_world_size=w, cp_rank=r,
             cp_interleave=i, compact=compact, num_tokens=T, out=torch.empty((Tp, K), dtype=torch.int32),
             out_lens=torch.empty(Tp, dtype=torch.int32))
-        _compare(s, channel, "candidate slots", _cpu(slots), exp, "(reference candidate_topk_to_slots)")
-        _compare(s, channel, "candidate lens", _cpu(lens), exp_n, "(reference candidate_topk_to_slots)")
+        _compare(s, channel, "candidate slots", _cpu(slots), exp, "(reference candidate_topk_to_slots)", query=True)
+        _compare(s, channel, "candidate lens", _cpu(lens), exp_n, "(reference candidate_topk_to_slots)", query=True)
 
 
 def check_cp_partition(metas_per_rank: Sequence) -> None:

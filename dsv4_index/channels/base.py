@@ -1,3 +1,4 @@
+# over 400 lines: the channel protocol read top to bottom (output record, build context and query batch, base, registry)
 """Channel builders: the protocol, its per-pipeline context, its output record and the registry.
 
 A builder owns one channel (one cache that reads a group's block table): it allocates the
@@ -11,12 +12,14 @@ builder class.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 
 from ..fused.tasks import FusedTask
+from ..query_batch import QueryBatch, fill_q_to_src, staged_qsl_q
 from ..specs import ChannelSpec
 
 if TYPE_CHECKING:
@@ -123,6 +126,51 @@ class BuildContext:
     _done: set = field(default_factory=set)
     staged_inputs: List[Callable] = field(default_factory=list)  # per-request host arrays, in stage order
     _staged_keys: Dict[tuple, int] = field(default_factory=dict)
+    # the query batch of a step declaring source rows != query rows (query_batch.py; None: the plain step)
+    query: Optional[QueryBatch] = None
+    query_start_loc_q: torch.Tensor = field(init=False)  # int32 [T_max + 1]
+    token_to_req_q: torch.Tensor = field(init=False)     # int32 [T_max]
+    q_to_src: torch.Tensor = field(init=False)           # int32 [T_max]
+    qsl_q_index: int = field(init=False)                 # the staged query_start_loc_q (extra array)
+
+    def __post_init__(self):
+        T, dev, i32 = self.max_num_tokens, self.device, torch.int32
+        self.query_start_loc_q = torch.zeros(T + 1, dtype=i32, device=dev)
+        self.token_to_req_q = torch.zeros(T, dtype=i32, device=dev)
+        self.q_to_src = torch.full((T,), -1, dtype=i32, device=dev)
+        self.qsl_q_index = self.staged_input(("query_start_loc_q",), functools.partial(staged_qsl_q,
+                                                                                     source=lambda: self.query))
+
+    # -- the query batch (docs/DESIGN.md §5 "Source rows ≠ query rows") --------------------------
+    @property
+    def num_query_tokens(self) -> int:
+        """``T_q`` (``T`` for a plain step)."""
+        return self.num_tokens if self.query is None else self.query.num_tokens
+
+    @property
+    def num_query_tokens_padded(self) -> int:
+        """``T_q_pad``: rows of every query-side output (``T_pad`` for a plain step)."""
+        return self.num_tokens_padded if self.query is None else self.query.num_tokens_padded
+
+    def query_qsl(self) -> torch.Tensor:
+        """int32 ``[B + 1]``: ``query_start_loc`` of the query batch (the source batch's for a plain step)."""
+        B = self.num_reqs
+        return self.query_start_loc[:B + 1] if self.query is None else self.query_start_loc_q[:B + 1]
+
+    def fill_query(self, qsl_q: torch.Tensor) -> None:
+        """A declared step: ``query_start_loc_q`` from ``qsl_q`` (int32 ``[B + 1]``, e.g. the staged array), then
+        ``token_to_req_q`` and ``q_to_src`` of ``[0, T_q_pad)`` (torch ops; the source batch's
+        ``query_start_loc`` must be on the device already)."""
+        from ..ops import token_to_req
+        B, Tq, Tqp = self.num_reqs, self.num_query_tokens, self.num_query_tokens_padded
+        q = self.query_start_loc_q
+        q[:B + 1].copy_(qsl_q[:B + 1])
+        q[:1].zero_()  # NOTE: the staged entry 0 is the step's flag (query_batch.STAGED_*)
+        q[B + 1:Tqp + 1].fill_(Tq)
+        ttr = token_to_req(q[:B + 1], Tqp, out=self.token_to_req_q[:Tqp], backend=self.backend)
+        if self._token_ids is None:  # NOTE: once, at capacity (warmup): later builds allocate nothing
+            self._token_ids = torch.arange(self.max_num_tokens, device=self.device)
+        fill_q_to_src(self.query_start_loc[:B + 1], q[:B + 1], ttr, Tq, self.q_to_src[:Tqp], self._token_ids)
 
     def staged_input(self, key: tuple, fill: Callable) -> int:
         """Declare a per-request int32 array ``[B + 1]`` staged with every step (at ``allocate``).
@@ -144,6 +192,22 @@ class BuildContext:
         self.num_reqs, self.num_tokens = plan.slots.shape[0], plan.num_tokens
         self.num_tokens_padded, self.num_decodes = int(plan.num_tokens_padded), int(plan.num_decodes)
         self.has_replay_start, self.has_replay_end = plan.replay_start is not None, plan.replay_end is not None
+
+    def query_tasks(self) -> List[FusedTask]:
+        """The fused launch's query-batch map (``query_start_loc_q``, ``token_to_req_q``, ``q_to_src``; written
+        for a declared step only: fused/query.py)."""
+        return [FusedTask("query_map", (self.token_to_req_q, self.q_to_src), extra=self.qsl_q_index),
+                FusedTask("query_qsl", (self.query_start_loc_q,), extra=self.qsl_q_index)]
+
+    def query_token_map(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(token_to_req int32 [T_q_pad], is_valid bool [T_q_pad])`` of the query batch (the source batch's
+        tensors for a plain step; unfused path)."""
+        Tqp = self.num_query_tokens_padded
+        if self.query is None:
+            return self.token_to_req[:Tqp], self.is_valid_token[:Tqp]
+        if self._token_ids is None:  # NOTE: once, at capacity: later builds allocate nothing
+            self._token_ids = torch.arange(self.max_num_tokens, device=self.device)
+        return self.token_to_req_q[:Tqp], self._token_ids[:Tqp] < self.num_query_tokens
 
     def group_cp(self, gid: int) -> Tuple[int, int, int]:
         """(world, rank, interleave) that applies to group ``gid`` ((1, 0, 1) when replicated)."""
@@ -213,12 +277,18 @@ class ChannelBuilder:
     """Base class of channel builders (subclass it and :func:`register_channel` the class).
 
     Required: :meth:`allocate`, :meth:`launch`, :meth:`views`. Optional:
+    :meth:`launch_query` with :attr:`query_batch` (outputs per query token: a step declaring source rows != query
+    rows, docs/DESIGN.md §5; a builder without it refuses such steps),
     :meth:`fused_tasks` (join the one fused launch; default: none, so :meth:`launch` runs),
     per-request host arrays staged with the step (declare them with :meth:`BuildContext.staged_input`
     in :meth:`allocate`),
     :attr:`int32_unit`, :meth:`expected` (used by :mod:`dsv4_index.validate`), :meth:`topk_to_slots`.
     Device work must do no host sync, no allocation and have no data-dependent shape (docs/DESIGN.md §7).
     """
+
+    #: True when the builder knows the query batch (:meth:`launch_query`); a pipeline with a builder where it is
+    #: False refuses a step declaring ``query_lens``
+    query_batch: bool = False
 
     def __init__(self, spec: ChannelSpec, layout: DSV4Layout):
         self.spec = spec
@@ -249,6 +319,16 @@ class ChannelBuilder:
         raise NotImplementedError
 
     # -- optional ----------------------------------------------------------------------------
+    def launch_query(self, ctx: BuildContext) -> None:
+        """The outputs per query token (``[0, T_q_pad)``) over the query batch (``ctx.query_qsl()``, ``T_q``),
+        functional ops; :meth:`launch` calls it (the fused launch builds them itself from tasks flagged
+        ``query``: fused/query.py). Default: no such outputs."""
+
+    def query_fields(self) -> frozenset:
+        """The :class:`ChannelMetadata` fields with a row per query token (``[T_q_pad]`` rows) when a step declares
+        source rows != query rows; every other field has a row per source token. Default: none."""
+        return frozenset()
+
     def fused_tasks(self, ctx: BuildContext) -> List[FusedTask]:
         """This channel's share of the one fused launch (identical tasks of several builders run
         once); an empty list keeps the channel on its own :meth:`launch`."""
@@ -281,6 +361,10 @@ class ChannelBuilder:
         B = ctx.num_reqs
         return dict(idx_mapping=ctx.idx_mapping[:B], num_tokens=ctx.num_tokens, backend=ctx.backend,
                     **ctx.cp_kwargs(self.spec.gid))
+
+    def query_args(self, ctx: BuildContext) -> dict:
+        """Keyword arguments of the functional ops over the query batch (unfused path)."""
+        return dict(self.batch_args(ctx), num_tokens=ctx.num_query_tokens)
 
     def meta(self, ctx: BuildContext, **outputs) -> ChannelMetadata:
         s = self.spec

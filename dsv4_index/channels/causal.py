@@ -14,7 +14,10 @@ __all__ = ["CausalCompressedChannel"]
 
 class CausalCompressedChannel(CompressedBase):
     """``indices`` int32 ``[T, spec.index_width]`` (rows ``0 .. n_c - 1`` as slots, then ``-1``) and
-    ``lens`` int32 ``[T]``, plus the shared compressed slot mapping."""
+    ``lens`` int32 ``[T]``, plus the shared compressed slot mapping. The lists are per query token (``[T_q_pad]``
+    rows, docs/DESIGN.md §5 "Source rows ≠ query rows")."""
+
+    query_batch = True
 
     def allocate(self, ctx: BuildContext):
         super().allocate(ctx)
@@ -26,15 +29,21 @@ class CausalCompressedChannel(CompressedBase):
         s = self.spec
         return super().fused_tasks(ctx) + [FusedTask("causal", (self.indices, self.lens), gid=s.gid,
                                                      a=s.compress_ratio, b=s.rows_per_block,
-                                                     width=self.indices.shape[1])]
+                                                     width=self.indices.shape[1], query=True)]
 
     def launch(self, ctx: BuildContext):
         super().launch(ctx)
-        s, B, Tp = self.spec, ctx.num_reqs, ctx.num_tokens_padded
-        causal_compressed_indices(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], ctx.tables[s.gid],
-                                  s.rows_per_block, s.compress_ratio, self._width, out=self.indices[:Tp],
-                                  out_lens=self.lens[:Tp], **self.batch_args(ctx))
+        self.launch_query(ctx)
+
+    def query_fields(self) -> frozenset:
+        return frozenset({"indices", "lens"})
+
+    def launch_query(self, ctx: BuildContext):
+        s, B, Tqp = self.spec, ctx.num_reqs, ctx.num_query_tokens_padded
+        causal_compressed_indices(ctx.query_qsl(), ctx.seq_lens[:B], ctx.tables[s.gid],
+                                  s.rows_per_block, s.compress_ratio, self._width, out=self.indices[:Tqp],
+                                  out_lens=self.lens[:Tqp], **self.query_args(ctx))
 
     def views(self, ctx: BuildContext):
-        Tp = ctx.num_tokens_padded
-        return self.meta(ctx, indices=self.indices[:Tp], lens=self.lens[:Tp], **self.compressed_views(ctx))
+        Tqp = ctx.num_query_tokens_padded
+        return self.meta(ctx, indices=self.indices[:Tqp], lens=self.lens[:Tqp], **self.compressed_views(ctx))

@@ -26,7 +26,9 @@ __all__ = ["CompressedBase", "CompressedChannel"]
 class CompressedBase(ChannelBuilder):
     """Compressed slot mapping int64 ``[T]`` (shared by channels of one geometry), and with
     ``spec.compact`` its compact form (``compact_slot_mapping`` int64 ``[T]``, ``compact_cu`` int32
-    ``[B + 1]``)."""
+    ``[B + 1]``). Every output is per source token (docs/DESIGN.md §5 "Source rows ≠ query rows")."""
+
+    query_batch = True
 
     @property
     def int32_unit(self) -> int:
@@ -91,7 +93,8 @@ class CompressedBase(ChannelBuilder):
 class CompressedChannel(CompressedBase):
     """Compressed cache read through the indexer's top-k (``c4a``): compressed slots + top-k
     conversion (per layer, after the indexer) from the per-token table row and ``n_c`` the step
-    build leaves behind."""
+    build leaves behind. The table row and ``n_c`` are per query token (``[T_q_pad]``), and so is every
+    conversion (docs/DESIGN.md §5 "Source rows ≠ query rows")."""
 
     def allocate(self, ctx: BuildContext):
         super().allocate(ctx)
@@ -114,18 +117,21 @@ class CompressedChannel(CompressedBase):
 
     def fused_tasks(self, ctx: BuildContext):
         return super().fused_tasks(ctx) + [FusedTask("token_rows", (self.token_rows, self.token_nc),
-                                                     gid=self.spec.gid, a=self.spec.compress_ratio)]
+                                                     gid=self.spec.gid, a=self.spec.compress_ratio, query=True)]
 
     def launch(self, ctx: BuildContext):
         super().launch(ctx)
-        s, B, Tp = self.spec, ctx.num_reqs, ctx.num_tokens_padded
+        self.launch_query(ctx)
+
+    def launch_query(self, ctx: BuildContext):
+        s, B, Tqp = self.spec, ctx.num_reqs, ctx.num_query_tokens_padded
         # NOTE: n_c of every row (picks are global row ids; ownership is checked per pick)
-        indexer_lengths(ctx.query_start_loc[:B + 1], ctx.seq_lens[:B], s.compress_ratio, out=self.token_nc[:Tp],
-                        num_tokens=ctx.num_tokens, backend=ctx.backend)
-        valid = ctx.is_valid_token[:Tp]
-        rows = ctx.idx_mapping[:B][ctx.token_to_req[:Tp].long().clamp(max=max(B - 1, 0))] if B else \
-            torch.zeros_like(self.token_rows[:Tp])
-        self.token_rows[:Tp].copy_(torch.where(valid, rows, -1))
+        indexer_lengths(ctx.query_qsl(), ctx.seq_lens[:B], s.compress_ratio, out=self.token_nc[:Tqp],
+                        num_tokens=ctx.num_query_tokens, backend=ctx.backend)
+        ttr, valid = ctx.query_token_map()
+        rows = ctx.idx_mapping[:B][ttr.long().clamp(max=max(B - 1, 0))] if B else \
+            torch.zeros_like(self.token_rows[:Tqp])
+        self.token_rows[:Tqp].copy_(torch.where(valid, rows, -1))
 
     def _check_picks(self, ctx: BuildContext, name: str, x, dtypes, cap: int, what: str) -> int:
         """A per-token int tensor ``[>= T_pad, <= cap]`` on the channel's device, unit column stride; its
@@ -139,15 +145,16 @@ class CompressedChannel(CompressedBase):
         if x.shape[1] > cap:
             raise ValueError(f"{name} has {x.shape[1]} columns, channel {self.spec.name!r} was sized for "
                              f"{what} = {cap}")
-        if x.shape[0] < ctx.num_tokens_padded:
-            raise ValueError(f"{name} has {x.shape[0]} rows, the step has T_pad = {ctx.num_tokens_padded}")
+        if x.shape[0] < ctx.num_query_tokens_padded:
+            what = "T_pad" if ctx.query is None else "query rows T_q_pad"
+            raise ValueError(f"{name} has {x.shape[0]} rows, the step has {what} = {ctx.num_query_tokens_padded}")
         if x.stride(1) != 1:
             raise ValueError(f"{name} must have a unit stride in its last dimension")
         return x.shape[1]
 
     def topk_to_slots(self, ctx: BuildContext, topk: torch.Tensor, *, compact: bool = False):
         K = self._check_picks(ctx, "topk", topk, (torch.int32, torch.int64), self.k_capacity, "index_topk")
-        Tp = ctx.num_tokens_padded
+        Tp = ctx.num_query_tokens_padded
         s = self.spec
         out = self.topk_flat[:Tp * K].view(Tp, K)
         lens = self.topk_lens[:Tp]
@@ -174,7 +181,7 @@ class CompressedChannel(CompressedBase):
         blocks"): views of persistent buffers, overwritten by the next call."""
         C, nb_cap = self._candidate(ctx)
         nb = self._check_picks(ctx, "blocks", blocks, (torch.int32,), nb_cap, "candidate_topk_blocks")
-        s, Tp = self.spec, ctx.num_tokens_padded
+        s, Tp = self.spec, ctx.num_query_tokens_padded
         if ctx.group_cp(s.gid)[0] > 1:
             raise ValueError(f"candidate_blocks_to_physical: channel {s.name!r} is sharded by DCP (cp_world_size "
                              f"{ctx.group_cp(s.gid)[0]}); a candidate block's rows span ranks (vLLM refuses DCP "
@@ -195,7 +202,7 @@ class CompressedChannel(CompressedBase):
         C, nb_cap = self._candidate(ctx)
         self._check_picks(ctx, "blocks", blocks, (torch.int32,), nb_cap, "candidate_topk_blocks")
         K = self._check_picks(ctx, "cols", cols, (torch.int32, torch.int64), self.k_capacity, "index_topk")
-        s, Tp = self.spec, ctx.num_tokens_padded
+        s, Tp = self.spec, ctx.num_query_tokens_padded
         out, lens = self.cand_flat[:Tp * K].view(Tp, K), self.cand_lens[:Tp]
         cp, bt = ctx.group_cp(s.gid), ctx.tables[s.gid]
         if use_triton(ctx.device, ctx.backend):
@@ -210,7 +217,7 @@ class CompressedChannel(CompressedBase):
         """Compile the candidate kernels (``MetadataPipeline.warmup``; nothing without the two-level indexer)."""
         if self.candidate is None or (ctx.group_cp(self.spec.gid)[0] > 1):
             return
-        Tp, dev = max(1, ctx.num_tokens_padded), self.token_rows.device
+        Tp, dev = max(1, ctx.num_query_tokens_padded), self.token_rows.device
         blocks = torch.full((Tp, self.candidate[1]), -1, dtype=torch.int32, device=dev)
         self.candidate_blocks_to_physical(ctx, blocks)
         self.candidate_topk_to_slots(ctx, blocks, torch.full((Tp, self.k_capacity), -1, dtype=torch.int32, device=dev))

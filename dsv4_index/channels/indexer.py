@@ -20,7 +20,8 @@ class IndexerChannel(CompressedBase):
     """Per token ``lens = n_c(pos)``, ``ks = cu[b]``, ``ke = cu[b] + n_c`` (int32 ``[T]``); ``cu``
     int32 ``[B + 1]`` (staged by the host with the step); ``decode_lens`` int32 ``[num_decodes,
     next_n]`` right-aligned; with ``"indices"`` in ``spec.outputs`` a causal list of width
-    ``spec.index_width``."""
+    ``spec.index_width``. Every output but the compressed slot mappings is per query token (``[T_q_pad]`` rows;
+    ``decode_lens`` over the decode rows' query tokens: docs/DESIGN.md §5 "Source rows ≠ query rows")."""
 
     def allocate(self, ctx: BuildContext):
         super().allocate(ctx)
@@ -47,21 +48,27 @@ class IndexerChannel(CompressedBase):
         s, cu_index = self.spec, self.cu_index
         tasks = super().fused_tasks(ctx) + [
             FusedTask("indexer", (self.lens, self.ks, self.ke, self.lens_clamped), gid=s.gid, a=s.compress_ratio,
-                      extra=cu_index),
+                      extra=cu_index, query=True),
             FusedTask("staged_copy", (self.cu,), extra=cu_index),
             FusedTask("decode_lens", (self.decode_lens, self.decode_lens_clamped), gid=s.gid, a=s.compress_ratio,
-                      b=ctx.next_n)]
+                      b=ctx.next_n, query=True)]
         if self.with_indices:
             tasks.append(FusedTask("causal", (self.indices, self.index_lens), gid=s.gid, a=s.compress_ratio,
-                                   b=s.rows_per_block, width=self.indices.shape[1]))
+                                   b=s.rows_per_block, width=self.indices.shape[1], query=True))
         return tasks
 
     def launch(self, ctx: BuildContext):
         super().launch(ctx)
-        s, B, Tp = self.spec, ctx.num_reqs, ctx.num_tokens_padded
-        kw = self.batch_args(ctx)
+        self.launch_query(ctx)
+
+    def query_fields(self) -> frozenset:
+        return frozenset({"lens", "ks", "ke", "decode_lens", "lens_clamped", "decode_lens_clamped", "indices"})
+
+    def launch_query(self, ctx: BuildContext):
+        s, B, Tp = self.spec, ctx.num_reqs, ctx.num_query_tokens_padded
+        kw = self.query_args(ctx)
         kw.pop("idx_mapping")
-        qsl, seq = ctx.query_start_loc[:B + 1], ctx.seq_lens[:B]
+        qsl, seq = ctx.query_qsl(), ctx.seq_lens[:B]
         indexer_lengths(qsl, seq, s.compress_ratio, next_n=ctx.next_n, num_decodes=ctx.num_decodes,
                         out=self.lens[:Tp], out_decode=self.decode_lens[:max(ctx.num_decodes, 1)],
                         out_ks=self.ks[:Tp], out_ke=self.ke[:Tp], out_cu=self.cu[:B + 1], **kw)
@@ -72,10 +79,10 @@ class IndexerChannel(CompressedBase):
         if self.with_indices:
             causal_compressed_indices(qsl, seq, ctx.tables[s.gid], s.rows_per_block, s.compress_ratio,
                                       self._width, out=self.indices[:Tp], out_lens=self.index_lens[:Tp],
-                                      **self.batch_args(ctx))
+                                      **self.query_args(ctx))
 
     def views(self, ctx: BuildContext):
-        Tp, B = ctx.num_tokens_padded, ctx.num_reqs
+        Tp, B = ctx.num_query_tokens_padded, ctx.num_reqs
         extra = {"indices": self.indices[:Tp]} if self.with_indices else {}
         nd = ctx.num_decodes
         return self.meta(ctx, lens=self.lens[:Tp], ks=self.ks[:Tp], ke=self.ke[:Tp], cu=self.cu[:B + 1],

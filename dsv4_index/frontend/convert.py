@@ -117,25 +117,37 @@ def batch_from_step(step: StepInput, slot_map: SlotMap, num_groups: Optional[int
     """
     if not isinstance(step, StepInput):
         raise StepTypeError(f"step must be a StepInput, got {type(step).__name__}")
-    return with_drafts(_batch_from_step(step, slot_map, num_groups), step.drafts, "drafts")
+    done = with_drafts(_batch_from_step(step, slot_map, num_groups), step.drafts, "drafts")
+    return with_row_counts(done, step.query_lens, "query_lens", "query_lens", "decoder query token count")
 
 
 def with_drafts(done: Tuple[StepBatch, SlotMapDelta], drafts, where: str) -> Tuple[StepBatch, SlotMapDelta]:
     """``done`` with ``StepBatch.drafts`` from ``drafts`` (``{req_id: count}``; rows not listed: -1,
     the default rule); unchanged when ``drafts`` is empty. A key that is not a row of the step is refused."""
-    if not drafts:
+    return with_row_counts(done, drafts, where, "drafts", "draft token count")
+
+
+def with_row_counts(done: Tuple[StepBatch, SlotMapDelta], counts, where: str, name: str,
+                    what: str) -> Tuple[StepBatch, SlotMapDelta]:
+    """``done`` with the per-row ``StepBatch`` field ``name`` from ``counts`` (``{req_id: count}``); rows not
+    listed: -1 for ``drafts`` (the default rule), the row's scheduled tokens for ``query_lens`` (every token
+    queries); unchanged when ``counts`` is empty. A key that is not a row of the step is refused."""
+    if not counts:
         return done
     batch, delta = done
-    if not isinstance(drafts, Mapping):
-        raise StepTypeError(f"{where} must be a dict of request id -> draft token count, got {type(drafts).__name__}")
+    if not isinstance(counts, Mapping):
+        raise StepTypeError(f"{where} must be a dict of request id -> {what}, got {type(counts).__name__}")
     rows = set(delta.order)
-    for rid, v in drafts.items():
+    for rid, v in counts.items():
         if rid not in rows:
             raise ValueError(f"{where}[{rid!r}]: request {rid!r} is not scheduled in this step")
         if type(v) is not int and not isinstance(v, np.integer):
             raise StepTypeError(f"{where}[{rid!r}] must be an int, got {type(v).__name__}")
-    d = np.fromiter((drafts.get(rid, -1) for rid in delta.order), dtype=np.int64, count=len(delta.order))
-    return dataclasses.replace(batch, drafts=d), delta
+    default = np.full(len(delta.order), -1, dtype=np.int64) if name == "drafts" else \
+        np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
+    d = np.fromiter((counts.get(rid, int(default[i])) for i, rid in enumerate(delta.order)), dtype=np.int64,
+                    count=len(delta.order))
+    return dataclasses.replace(batch, **{name: d}), delta
 
 
 def _batch_from_step(step: StepInput, slot_map: SlotMap, num_groups: Optional[int]) -> Tuple[StepBatch, SlotMapDelta]:

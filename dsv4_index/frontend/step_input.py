@@ -135,6 +135,10 @@ class StepInput:
         ``len(scheduled_spec_decode_tokens[req])`` in vLLM). Requests not listed use the default rule:
         ``min(n - 1, num_speculative_tokens)`` for a row of at most ``1 + num_speculative_tokens`` tokens, 0 for
         a prefill chunk.
+    query_lens : dict[str, int]
+        Optional per-request decoder queries (``StepBatch.query_lens``, V4.1 decoder-suffix replay): the request's
+        last ``q`` scheduled tokens query (``1 <= q <= num_scheduled_tokens``), its compressor / indexer source
+        covers every scheduled token. Requests not listed: every scheduled token queries.
     """
 
     new_requests: Sequence[NewRequest]
@@ -145,6 +149,7 @@ class StepInput:
     replay_start: Dict[str, int] = field(default_factory=dict)
     replay_end: Dict[str, int] = field(default_factory=dict)
     drafts: Dict[str, int] = field(default_factory=dict)
+    query_lens: Dict[str, int] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:

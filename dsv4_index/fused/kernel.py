@@ -1,3 +1,4 @@
+# over 400 lines: one kernel, read top to bottom (request, token and table tasks, the query batch's dispatch)
 """The fused step kernel: one launch applies the step's staged block-table writes and runs every
 task of :mod:`dsv4_index.fused.tasks`, calling the formulas of :mod:`dsv4_index.ops._device`.
 
@@ -27,11 +28,12 @@ from ..ops._device import (causal_row, causal_row_blocks, circular_split, compre
                            visible_rows, window_chunk, window_len)
 from ..state.staging import (H_NUM_DECODES, H_NUM_REQS, H_NUM_TOKENS, H_NUM_WRITES, H_REPLAY_END, H_REPLAY_START,
                              ROW_ARRAY_PAD, W_DESTS, W_VALUES)
-from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, FLAG_CIRCULAR, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR,
-                    G_TABLE, HAS_OUT1, HAS_OUT2, HAS_OUT3, INDEXER, NF, OUTS_WORDS, REPLAYS, REQUESTS, S_BC,
-                    S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_EXTRA, S_FLAGS, S_FOLD, S_HAS, S_KIND, S_NCHUNK,
-                    S_NEXT_N, S_NPROG, S_RATIO, S_REP, S_RING, S_ROWS_PER_BLOCK,
+from .tasks import (CAUSAL, COMMON, COMPRESSED, DECODE_LENS, FLAG_CIRCULAR, FLAG_QUERY, FLAG_WINDOW_FLOOR,
+                    FLAG_WRITE_FLOOR, G_TABLE, HAS_OUT1, HAS_OUT2, HAS_OUT3, INDEXER, NF, OUTS_WORDS, QUERY_MAP,
+                    QUERY_QSL, REPLAYS, REQUESTS, S_BC, S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_EXTRA, S_FLAGS,
+                    S_FOLD, S_HAS, S_KIND, S_NCHUNK, S_NEXT_N, S_NPROG, S_RATIO, S_REP, S_RING, S_ROWS_PER_BLOCK,
                     S_SPLIT, S_START, S_TASK, S_WIDTH, S_WINDOW, STAGED_COPY, TOKEN_ROWS, WINDOW)
+from .query import declared, query_array, query_map_task, query_qsl_task, query_rows
 from .rows import window_split
 from .window import out_ptr, overlay, table_words, token_rows, window_fold
 
@@ -73,7 +75,7 @@ def _write_blocks(stage_ptr, tables_ptr, w, off_w, NUM_WRITERS: tl.constexpr, BL
 @triton.jit
 def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows, off_qsl, off_seq, off_slots,
                   off_rs, off_re, off_extra, TAB: tl.constexpr, TI: tl.constexpr, BLOCK_R: tl.constexpr,
-                  NEXT_N_PAD: tl.constexpr):
+                  NEXT_N_PAD: tl.constexpr, QX: tl.constexpr):
     """Batch rows ``tile * BLOCK_R + [0, BLOCK_R)`` of request task ``TI`` (rows ``(B, T_pad]`` padded)."""
     KIND: tl.constexpr = TAB[TI * NF + S_KIND]
     orow = outs_ptr + TAB[TI * NF + S_TASK] * OUTS_WORDS
@@ -104,6 +106,10 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
         seq = tl.load(stage_ptr + off_seq + r, mask=dec, other=0)
         q = tl.load(stage_ptr + off_qsl + r + 1, mask=dec, other=0) - tl.load(stage_ptr + off_qsl + r, mask=dec,
                                                                                 other=0)
+        if (FLAG_QUERY & TAB[TI * NF + S_FLAGS]) != 0:  # a declared step: the decode rows' query tokens
+            qslq = query_array(stage_ptr, off_extra, rows, QX)
+            qq = tl.load(qslq + r + 1, mask=dec, other=0) - tl.load(qslq + r, mask=dec & (r > 0), other=0)
+            q = tl.where(declared(qslq), qq, q)
         j = tl.arange(0, NEXT_N_PAD)[None, :]
         n = decode_row_lens(seq, q, j, NEXT_N, TAB[TI * NF + S_RATIO], TAB[TI * NF + S_CPW], TAB[TI * NF + S_CPR],
                             TAB[TI * NF + S_CPI])
@@ -119,6 +125,8 @@ def _request_task(stage_ptr, base32, base64, base8, outs_ptr, tile, T_pad, rows,
         v = tl.load(src + r, mask=r <= B, other=0)
         tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + r, tl.where(r <= B, v, last),
                  mask=r <= T_pad)
+    elif KIND == QUERY_QSL:
+        query_qsl_task(query_array(stage_ptr, off_extra, rows, QX), base32, base64, base8, orow, r, B, T_pad, TAB, TI)
 
 
 @triton.jit
@@ -202,27 +210,54 @@ def _index_chunk(stage_ptr, bt, t, row, pos, first, n, q_start, lo, hi, pay, j, 
 @triton.jit
 def _token_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t0, col0, T_pad, rows, off_qsl, off_seq,
                 off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, TI: tl.constexpr,
-                BLOCK_LOADS: tl.constexpr):
+                BLOCK_LOADS: tl.constexpr, QX: tl.constexpr, LOG_R: tl.constexpr):
     """Token rows ``t0 + [0, BT)`` (index-list columns from ``col0``) of token task ``TI``: each token's
     batch row ``b`` and position, then the kind's outputs (:func:`_table_task` for the kinds that read
-    the group's table)."""
-    t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok,
-                                                    TAB[TI * NF + S_BT])
-    if TAB[TI * NF + S_KIND] == COMMON:
+    the group's table). A task flagged ``FLAG_QUERY`` of a declared step runs over query rows (fused/query.py);
+    a window task's slot mappings stay per source token."""
+    KIND: tl.constexpr = TAB[TI * NF + S_KIND]
+    BT: tl.constexpr = TAB[TI * NF + S_BT]
+    # NOTE: the token map first: on a plain step a flagged task's flag load runs beside it, not before it
+    t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok, BT)
+    if KIND == QUERY_MAP:
+        query_map_task(stage_ptr, query_array(stage_ptr, off_extra, rows, QX), base32, base64, base8, orow, t0, T_pad,
+                       off_qsl, off_seq, TAB, TI, BT, LOG_R)
+    elif (FLAG_QUERY & TAB[TI * NF + S_FLAGS]) != 0:
+        qslq = query_array(stage_ptr, off_extra, rows, QX)
+        if declared(qslq):
+            if KIND == WINDOW:  # NOTE: the slot mappings of the source rows t0 + [0, BT)
+                _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos,
+                            col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI,
+                            BLOCK_LOADS, 1)
+            u, in_out_q, b_q, valid_q, seq_q, end_q, pos_q = query_rows(stage_ptr, qslq, t0, T_pad, off_seq, BT,
+                                                                          LOG_R)
+            if KIND == WINDOW:
+                _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, u, in_out_q, b_q, valid_q, seq_q,
+                            end_q, pos_q, col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov,
+                            TAB, TI, BLOCK_LOADS, 2)
+            else:
+                _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, u, in_out_q, b_q, valid_q, seq_q,
+                            end_q, pos_q, col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov,
+                            TAB, TI, BLOCK_LOADS, 0)
+        else:
+            _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, col0,
+                        T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI, BLOCK_LOADS, 0)
+    elif KIND == COMMON:
         tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + t, b, mask=in_out)
         tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 8) + t, pos.to(tl.int64), mask=in_out)
         tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 2, 1) + t, valid.to(tl.int8), mask=in_out)
     else:
         _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, col0,
-                    T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI, BLOCK_LOADS)
+                    T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI, BLOCK_LOADS, 0)
 
 
 @triton.jit
 def _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos, col0,
                 T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB: tl.constexpr,
-                TI: tl.constexpr, BLOCK_LOADS: tl.constexpr):
+                TI: tl.constexpr, BLOCK_LOADS: tl.constexpr, PART: tl.constexpr):
     """A token task that reads its group's table (every kind but COMMON), for tokens ``t`` of batch rows
-    ``b``: the table row and geometry, the staged overlay record, the write floor, then the kind's outputs."""
+    ``b``: the table row and geometry, the staged overlay record, the write floor, then the kind's outputs
+    (a window task's: all with ``PART`` 0, its slot mappings only with 1, its lists and lens only with 2)."""
     KIND: tl.constexpr = TAB[TI * NF + S_KIND]
     R: tl.constexpr = TAB[TI * NF + S_RATIO]  # NOTE: the ratio of the kinds but WINDOW (_window_task)
     CPW: tl.constexpr = TAB[TI * NF + S_CPW]
@@ -241,7 +276,7 @@ def _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b
         wfloor = tl.zeros_like(pos)
     if KIND == WINDOW:
         _window_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, pos, row, bt, stride,
-                     twidth, ring, lo, hi, pay, wfloor, col0, off_qsl, off_rs, TAB, TI, BLOCK_LOADS)
+                     twidth, ring, lo, hi, pay, wfloor, col0, off_qsl, off_rs, TAB, TI, BLOCK_LOADS, PART)
     elif KIND == CAUSAL:
         PB: tl.constexpr = TAB[TI * NF + S_ROWS_PER_BLOCK]
         n = visible_rows(pos, valid, R, CPW, CPR, CPI)
@@ -271,9 +306,9 @@ def _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b
 @triton.jit
 def _window_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, pos, row, bt, stride, twidth,
                  ring, lo, hi, pay, wfloor, col0, off_qsl, off_rs, TAB: tl.constexpr, TI: tl.constexpr,
-                 BLOCK_LOADS: tl.constexpr):
+                 BLOCK_LOADS: tl.constexpr, PART: tl.constexpr):
     """WINDOW: the window index lists (columns from ``col0``), and with the first column the lens, the
-    slot mapping (out2) and a circular group's write plan (out3)."""
+    slot mapping (out2) and a circular group's write plan (out3); ``PART`` (:func:`_table_task`) picks them."""
     FLAGS: tl.constexpr = TAB[TI * NF + S_FLAGS]
     HAS: tl.constexpr = TAB[TI * NF + S_HAS]
     BLOCK_SIZE: tl.constexpr = TAB[TI * NF + S_BLOCK_SIZE]
@@ -290,10 +325,12 @@ def _window_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid, se
         q_start = tl.load(stage_ptr + off_qsl + b, mask=valid, other=0)
     else:
         q_start = tl.zeros_like(pos)
-    _index_rows(stage_ptr, bt, out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4), t, in_out, row,
-                pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
-    if col0 == 0:
+    if PART != 1:
+        _index_rows(stage_ptr, bt, out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4), t, in_out, row,
+                    pos, first, n, q_start, lo, hi, pay, col0, twidth, ring, stride, TAB, TI, BLOCK_LOADS)
+    if col0 == 0 and PART != 1:
         tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + t, n, mask=in_out)
+    if col0 == 0 and PART != 2:
         if (HAS_OUT2 & HAS) != 0:  # slot_mapping
             slot = raw_slot(bt, row, pos, valid, wfloor, BLOCK_SIZE, twidth, ring, stride, CPW,
                             CPR, CPI, stage_ptr, lo, hi, pay, True)
@@ -333,7 +370,7 @@ def _compressed_task(stage_ptr, base32, base64, base8, orow, t, in_out, b, valid
 @triton.jit
 def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_pad, rows, off_qsl, off_seq,
                 off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TAB: tl.constexpr, TI: tl.constexpr,
-                T_SUPER: tl.constexpr, BLOCK_LOADS: tl.constexpr):
+                T_SUPER: tl.constexpr, BLOCK_LOADS: tl.constexpr, QX: tl.constexpr, LOG_R: tl.constexpr):
     """Program ``r`` of super tile ``s``, if it belongs to unit ``TI``: its task (one of the unit's ``S_REP``
     tasks of the same code, outs rows ``S_TASK + k``), token rows and first column."""
     START: tl.constexpr = TAB[TI * NF + S_START]
@@ -346,14 +383,20 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
     if FOLD > 0:
         if (r >= START) & (r < START + NPROG * (REP // FOLD)):
             q = r - START
-            if TAB[TI * NF + S_SPLIT] != 0:
-                window_split(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
-                             s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
-                             off_tok, off_ov, TAB, TI)
+            if (FLAG_QUERY & TAB[TI * NF + S_FLAGS]) != 0:
+                if declared(query_array(stage_ptr, off_extra, rows, QX)):
+                    # NOTE: a declared step: each folded task as a plain one (one chunk: width <= BC), over query rows
+                    for k in tl.static_range(FOLD):
+                        _token_task(stage_ptr, tables_ptr, base32, base64, base8,
+                                    outs_ptr + (TAB[TI * NF + S_TASK] + (q // NPROG) * FOLD + k) * OUTS_WORDS,
+                                    s * T_SUPER + (q % NPROG) * BT, 0, T_pad, rows, off_qsl, off_seq, off_slots,
+                                    off_rs, off_re, off_tok, off_extra, off_ov, TAB, TI, BLOCK_LOADS, QX, LOG_R)
+                else:
+                    _fold_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, q, T_pad, rows, off_qsl,
+                               off_seq, off_slots, off_rs, off_re, off_tok, off_ov, TAB, TI, T_SUPER, BLOCK_LOADS)
             else:
-                window_fold(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
-                            s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
-                            off_tok, off_ov, TAB, TI, BLOCK_LOADS)
+                _fold_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, q, T_pad, rows, off_qsl, off_seq,
+                           off_slots, off_rs, off_re, off_tok, off_ov, TAB, TI, T_SUPER, BLOCK_LOADS)
     elif (r >= START) & (r < START + NPROG * REP):
         q = r - START
         if REP > 1:
@@ -363,7 +406,26 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
             orow = outs_ptr + TAB[TI * NF + S_TASK] * OUTS_WORDS
         _token_task(stage_ptr, tables_ptr, base32, base64, base8, orow, s * T_SUPER + (q % PER) * BT,
                     (q // PER) * COLS, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra,
-                    off_ov, TAB, TI, BLOCK_LOADS)
+                    off_ov, TAB, TI, BLOCK_LOADS, QX, LOG_R)
+
+
+@triton.jit
+def _fold_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, q, T_pad, rows, off_qsl, off_seq, off_slots,
+               off_rs, off_re, off_tok, off_ov, TAB: tl.constexpr, TI: tl.constexpr, T_SUPER: tl.constexpr,
+               BLOCK_LOADS: tl.constexpr):
+    """Program ``q`` of a folded window unit (``S_FOLD`` tasks a program): split (fused/rows.py) or folded
+    (fused/window.py)."""
+    NPROG: tl.constexpr = TAB[TI * NF + S_NPROG]
+    FOLD: tl.constexpr = TAB[TI * NF + S_FOLD]
+    BT: tl.constexpr = TAB[TI * NF + S_BT]
+    if TAB[TI * NF + S_SPLIT] != 0:
+        window_split(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
+                     s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
+                     off_tok, off_ov, TAB, TI)
+    else:
+        window_fold(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
+                    s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
+                    off_tok, off_ov, TAB, TI, BLOCK_LOADS)
 
 
 @triton.jit(do_not_specialize=["T_pad", "req_tiles", "rows", "off_qsl", "off_seq", "off_slots", "off_rs", "off_re",
@@ -377,7 +439,7 @@ def fused_step_kernel(stage_ptr,   # int32 [*] staging buffer (state/staging.py 
                       REQ: tl.constexpr, TOK: tl.constexpr, NUM_REQ: tl.constexpr, NUM_TOK: tl.constexpr,
                       T_SUPER: tl.constexpr, P_SUPER: tl.constexpr, NUM_WRITERS: tl.constexpr,
                       BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, NEXT_N_PAD: tl.constexpr,
-                      BLOCK_LOADS: tl.constexpr):
+                      BLOCK_LOADS: tl.constexpr, QX: tl.constexpr, LOG_R: tl.constexpr):
     pid = tl.program_id(0)
     if pid < NUM_WRITERS:
         _write_blocks(stage_ptr, tables_ptr, pid, off_w, NUM_WRITERS, BLOCK_W)
@@ -389,7 +451,7 @@ def fused_step_kernel(stage_ptr,   # int32 [*] staging buffer (state/staging.py 
             for i in tl.static_range(NUM_REQ):
                 if unit == i:
                     _request_task(stage_ptr, base32, base64, base8, outs_ptr, p // NUM_REQ, T_pad, rows, off_qsl,
-                                  off_seq, off_slots, off_rs, off_re, off_extra, REQ, i, BLOCK_R, NEXT_N_PAD)
+                                  off_seq, off_slots, off_rs, off_re, off_extra, REQ, i, BLOCK_R, NEXT_N_PAD, QX)
         else:
             p = p - n_req
             s = p // P_SUPER
@@ -397,4 +459,4 @@ def fused_step_kernel(stage_ptr,   # int32 [*] staging buffer (state/staging.py 
             for i in tl.static_range(NUM_TOK):
                 _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_pad, rows, off_qsl,
                             off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, TOK, i, T_SUPER,
-                            BLOCK_LOADS)
+                            BLOCK_LOADS, QX, LOG_R)

@@ -111,6 +111,12 @@ class FusedPlan:
             outs[i, OUTS_GEO:OUTS_GEO + GEO_WORDS] = geometry(t, tables)
             specs.append(task_spec(i, t, group_cp, muls, bool(outs[i, OUTS_GEO + G_RING])))
         self._num_req = len(req)
+        # NOTE: the query batch (fused/query.py): the staged query_start_loc_q the query tasks name (one array a
+        # pipeline), and the search steps over batch rows (2^LOG_R > max_num_reqs)
+        qx = {t.extra for t in self.tasks if t.kind in ("query_map", "query_qsl")}
+        if len(qx) > 1:
+            raise ValueError(f"query tasks name {len(qx)} staged query_start_loc_q arrays {sorted(qx)}; one a launch")
+        self._query = (max(qx.pop(), 0) if qx else 0, max(int(tables.max_num_reqs), 1).bit_length())
         self._req = request_specs(specs[:len(req)])
         self._tok_specs, self._tok_tasks = specs[len(req):], tok
         self.next_n_pad = triton.next_power_of_2(max(next_n, 1))
@@ -153,7 +159,8 @@ class FusedPlan:
         units, t_super, p_super = token_units(self._tok_specs, self._tok_tasks, cfg)
         consts = dict(REQ=self._req, TOK=units, NUM_REQ=self._num_req, NUM_TOK=len(units) // int(NF), T_SUPER=t_super,
                       P_SUPER=p_super, NUM_WRITERS=self.num_writers, BLOCK_W=self.block_w, BLOCK_R=self.block_r,
-                      NEXT_N_PAD=self.next_n_pad, BLOCK_LOADS=bool(cfg.block_loads))
+                      NEXT_N_PAD=self.next_n_pad, BLOCK_LOADS=bool(cfg.block_loads), QX=self._query[0],
+                      LOG_R=self._query[1])
         return dict(cfg=cfg, t_super=t_super, p_super=p_super, consts=consts, kernel=None)
 
     def variant(self, t_pad: int) -> int:

@@ -27,7 +27,15 @@ DECODE_LENS    decode_lens i32 [T_pad, next_n], clamped (>= 1)   a = R, b = next
                copy i32 [T_pad, next_n] (or none)
 STAGED_COPY    copy of staged array ``extra`` i32 [T_pad + 1]    extra
 REPLAYS        replay_start, replay_end i32 [T_pad + 1]          -
+QUERY_MAP      token_to_req_q i32 [T], q_to_src i32 [T]          - (query rows; a plain step: none)
+QUERY_QSL      query_start_loc_q i32 [T_pad + 1]                 - (a plain step: none)
 =============  ===============================================  =================================
+
+A task flagged ``query`` (``FLAG_QUERY``: window lists of ``swa`` groups, causal lists, indexer lengths,
+token rows, decode lengths) runs over the query batch of a step declaring source rows != query rows
+(docs/DESIGN.md §5; :mod:`dsv4_index.fused.query`): its rows are query rows, each read at its source row's
+batch row and position; a flagged window task still writes its slot mapping per source token. A plain step
+runs it as an unflagged one.
 
 NOTE: the numbers are ``tl.constexpr`` objects (Triton reads a global in ``@triton.jit`` code only as
 one; the interpreter reads plain ints too, so a plain int would pass the CPU tests and fail to compile).
@@ -45,10 +53,10 @@ import torch
 from .._triton import tl
 __all__ = ["FusedTask", "TileConfig", "TOKEN_KINDS", "REQUEST_KINDS"]
 
-KINDS = {"common": 0, "window": 1, "compressed": 2, "causal": 3, "indexer": 4, "token_rows": 5,
-         "requests": 8, "decode_lens": 9, "staged_copy": 10, "replays": 11}
-TOKEN_KINDS = frozenset({"common", "window", "compressed", "causal", "indexer", "token_rows"})
-REQUEST_KINDS = frozenset({"requests", "decode_lens", "staged_copy", "replays"})
+KINDS = {"common": 0, "window": 1, "compressed": 2, "causal": 3, "indexer": 4, "token_rows": 5, "query_map": 6,
+         "query_qsl": 7, "requests": 8, "decode_lens": 9, "staged_copy": 10, "replays": 11}
+TOKEN_KINDS = frozenset({"common", "window", "compressed", "causal", "indexer", "token_rows", "query_map"})
+REQUEST_KINDS = frozenset({"requests", "decode_lens", "staged_copy", "replays", "query_qsl"})
 COMMON: tl.constexpr = tl.constexpr(KINDS["common"])
 WINDOW: tl.constexpr = tl.constexpr(KINDS["window"])
 COMPRESSED: tl.constexpr = tl.constexpr(KINDS["compressed"])
@@ -59,6 +67,8 @@ REQUESTS: tl.constexpr = tl.constexpr(KINDS["requests"])
 DECODE_LENS: tl.constexpr = tl.constexpr(KINDS["decode_lens"])
 STAGED_COPY: tl.constexpr = tl.constexpr(KINDS["staged_copy"])
 REPLAYS: tl.constexpr = tl.constexpr(KINDS["replays"])
+QUERY_MAP: tl.constexpr = tl.constexpr(KINDS["query_map"])
+QUERY_QSL: tl.constexpr = tl.constexpr(KINDS["query_qsl"])
 
 # NOTE: what never changes for a layout (kinds, parameters, widths, DCP, flags, tiles) is packed into
 # ``NF`` ints per task (fields ``S_*``, one flat ``constexpr`` tuple per launch variant: field F of task
@@ -101,6 +111,7 @@ S_NEXT_N: tl.constexpr = tl.constexpr(_S_B)          # DECODE_LENS: next_n
 FLAG_WRITE_FLOOR: tl.constexpr = tl.constexpr(1)   # writes stop below replay_end (prefix-cacheable group)
 FLAG_WINDOW_FLOOR: tl.constexpr = tl.constexpr(2)  # windows start at replay_start at the earliest
 FLAG_CIRCULAR: tl.constexpr = tl.constexpr(4)      # circular group: in-step window entries -2 - row, out3 = write plan
+FLAG_QUERY: tl.constexpr = tl.constexpr(8)         # rows of the query batch (a step declaring query_lens)
 
 
 def has_bit(k: int) -> int:
@@ -184,7 +195,7 @@ def task_spec(i: int, t: "FusedTask", group_cp, muls: Sequence[int], ring: bool)
     s[S_CPW], s[S_CPR], s[S_CPI] = map(int, group_cp(t.gid)) if t.gid is not None else (1, 0, 1)
     s[S_GID] = t.gid if t.gid is not None else 0
     s[S_FLAGS] = sum(int(bit) for bit, on in ((FLAG_WRITE_FLOOR, t.write_floor), (FLAG_WINDOW_FLOOR, t.window_floor),
-                                             (FLAG_CIRCULAR, t.circular)) if on)
+                                             (FLAG_CIRCULAR, t.circular), (FLAG_QUERY, t.query)) if on)
     s[S_EXTRA] = int(t.extra)
     s[S_HAS] = sum(has_bit(k) for k, o in enumerate(t.outputs) if o is not None)
     for k, m in enumerate(muls):
@@ -215,7 +226,7 @@ def code_order(tasks: Sequence["FusedTask"]) -> List[int]:
     e.g. one window task per sliding group of equal geometry) are adjacent, the first of each kind of
     code keeping its place (a layout without such repeats keeps its order)."""
     def sig(t: "FusedTask") -> tuple:
-        return (t.kind, t.a, t.b, t.width, t.write_floor, t.window_floor, t.circular, t.extra,
+        return (t.kind, t.a, t.b, t.width, t.write_floor, t.window_floor, t.circular, t.query, t.extra,
                 tuple(None if o is None else (o.dtype, o.data_ptr() % 16 == 0) for o in t.outputs))
     groups: dict = {}
     for i, t in enumerate(tasks):
@@ -285,6 +296,7 @@ class FusedTask:
     circular : bool — window task of a circular group (docs/DESIGN.md §4): entries inside the step's chunk
         are in-step token rows ``-2 - row``; ``out3`` (when given) is the write plan.
     extra : int — index of a staged per-request array (the plan fills it from the builder's index).
+    query : bool — rows of the query batch (``FLAG_QUERY``, module docstring).
     """
 
     kind: str
@@ -297,6 +309,7 @@ class FusedTask:
     window_floor: bool = False
     extra: int = -1
     circular: bool = False
+    query: bool = False
 
     def key(self) -> tuple:
         """Identical tasks (same kind and outputs) run once, whoever declares them."""

@@ -263,7 +263,7 @@ def test_plan_grid_is_host_sized_and_shares_identical_geometry():
         if t.kind in ("window", "causal"):
             bc = min(small.bc, 1 << (t.width - 1).bit_length())
             progs += cdiv(t.width, bc) * (t_super // min(small.bt2 * (small.bc // bc), max(small.bt1, small.bt2)))
-        elif t.kind in ("common", "compressed", "indexer", "token_rows"):
+        elif t.kind in ("common", "compressed", "indexer", "token_rows", "query_map"):
             progs += t_super // small.bt1
     assert n_tok == progs
     # the large variant: whole index-list rows per program, far fewer programs for a long step

@@ -86,7 +86,8 @@ def output_buffers(pipe) -> list:
     state = {pipe.tables.flat.untyped_storage().data_ptr(), pipe.staging.dev.untyped_storage().data_ptr()}
     cands = [v for b in pipe.builders.values() for v in vars(b).values()] + list(ctx._shared.values())
     cands += [getattr(ctx, n) for n in ("query_start_loc", "seq_lens", "idx_mapping", "replay_start", "replay_end",
-                                        "token_to_req", "positions", "is_valid_token")]
+                                        "token_to_req", "positions", "is_valid_token", "query_start_loc_q",
+                                        "token_to_req_q", "q_to_src")]
     for t in cands:
         if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
             assert t.untyped_storage().data_ptr() not in state, "an output aliases the tables or the staging"

@@ -18,6 +18,8 @@ SMOKES = {
     "benchmarks/gpu_check.py": (("--device", "cpu", "--steps", 1, "--long-steps", 0, "--cases", "tiny"),
                                 "gpu_check passed"),
     "benchmarks/host_profile.py": (("--rounds", 3, "--cases", "decode B=1"), "| decode B=1 |"),
+    "benchmarks/query_bench.py": (("--smoke", "--chunk", 64, "--q", 8, "--ctx", 40),
+                                  "smoke OK: V4.1-Flash B=1, chunk 64, q 8, ctx 40: 8 query rows"),
     "benchmarks/table_memory.py": ((), "| 128K | 256 | ring |"),
     "benchmarks/trace_overhead.py": (("--requests", 2, "--prefill", 64, "--steps", 2, "--max-model-len", 1024),
                                      "decode"),

@@ -1,0 +1,82 @@
+"""The query batch in the fused launch (docs/DESIGN.md §5 "Source rows ≠ query rows"): a task flagged
+``FLAG_QUERY`` (:mod:`dsv4_index.fused.tasks`) reads the step's staged ``query_start_loc_q`` (the extra array
+``QX``, :mod:`dsv4_index.query_batch`): its entry 0 says whether the step declares query rows; a plain step runs
+the task as an unflagged one (one load more). A declared step's query row ``u`` belongs to batch row ``b``, the
+last row with ``qsl_q[b] <= u`` (a search of ``LOG_R`` steps over the staged array), and sits at the position of
+its source row: ``seq_lens[b] - qsl_q[b + 1] + u``.
+
+The staging format's numbers come from :mod:`dsv4_index.state.staging`, the flag values from
+:mod:`dsv4_index.query_batch`.
+"""
+
+from __future__ import annotations
+
+from .._triton import triton, tl
+
+from ..query_batch import STAGED_PADDED, STAGED_PLAIN
+from ..state.staging import H_NUM_REQS, ROW_ARRAY_PAD
+from .window import out_ptr
+
+# NOTE: plain ints wrapped as tl.constexpr (kernel.py says why)
+_H_NUM_REQS: tl.constexpr = tl.constexpr(H_NUM_REQS)
+_ROW_ARRAY_PAD: tl.constexpr = tl.constexpr(ROW_ARRAY_PAD)
+_PLAIN: tl.constexpr = tl.constexpr(STAGED_PLAIN)
+_PADDED: tl.constexpr = tl.constexpr(STAGED_PADDED)
+
+
+@triton.jit
+def query_array(stage_ptr, off_extra, rows, QX: tl.constexpr):
+    """Pointer to the staged ``query_start_loc_q`` (entry 0: the step's flag)."""
+    return stage_ptr + off_extra + QX * (rows + _ROW_ARRAY_PAD)
+
+
+@triton.jit
+def declared(qslq):
+    """True when the step declares query rows (a scalar)."""
+    return tl.load(qslq) != _PLAIN
+
+
+@triton.jit
+def query_rows(stage_ptr, qslq, t0, T_pad, off_seq, BT: tl.constexpr, LOG_R: tl.constexpr):
+    """Query rows ``u = t0 + [0, BT)`` of a declared step, as :func:`~dsv4_index.fused.window.token_rows` gives
+    token rows: (u, in_out, batch row b, valid, seq_len, query end, position)."""
+    u = t0 + tl.arange(0, BT)
+    B = tl.load(stage_ptr + _H_NUM_REQS)
+    Tq = tl.load(qslq + B)
+    Tqp = tl.where(tl.load(qslq) == _PADDED, T_pad, Tq)
+    in_out = u < Tqp
+    valid = u < Tq
+    # NOTE: b = the last row with qsl_q[b] <= u: steps of 2^(LOG_R-1) .. 1 over entries [1, B) (entry 0, the flag,
+    # is never read; 2^LOG_R > max_num_reqs >= B)
+    b = tl.zeros([BT], dtype=tl.int32)
+    for k in tl.static_range(LOG_R):
+        cand = b + (1 << (LOG_R - 1 - k))
+        ok = cand < B
+        v = tl.load(qslq + cand, mask=ok & valid, other=0)
+        b = tl.where(ok & valid & (v <= u), cand, b)
+    seq = tl.load(stage_ptr + off_seq + b, mask=valid, other=0)
+    end = tl.load(qslq + b + 1, mask=valid, other=0)
+    return u, in_out, b, valid, seq, end, tl.where(valid, seq - end + u, 0)
+
+
+@triton.jit
+def query_map_task(stage_ptr, qslq, base32, base64, base8, orow, t0, T_pad, off_qsl, off_seq, TAB: tl.constexpr,
+                   TI: tl.constexpr, BT: tl.constexpr, LOG_R: tl.constexpr):
+    """QUERY_MAP (a declared step only): each query row's batch row (0 when padded) and source row
+    ``u + qsl[b + 1] - qsl_q[b + 1]`` (``-1`` when padded)."""
+    if declared(qslq):
+        u, in_out, b, valid, seq, end, pos = query_rows(stage_ptr, qslq, t0, T_pad, off_seq, BT, LOG_R)
+        src_end = tl.load(stage_ptr + off_qsl + b + 1, mask=valid, other=0)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + u, b, mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + u, tl.where(valid, u + src_end - end, -1),
+                 mask=in_out)
+
+
+@triton.jit
+def query_qsl_task(qslq, base32, base64, base8, orow, r, B, T_pad, TAB: tl.constexpr, TI: tl.constexpr):
+    """QUERY_QSL (a declared step only): ``query_start_loc_q`` rows ``r`` (entry 0 is 0, rows past ``B`` hold
+    ``T_q``)."""
+    if declared(qslq):
+        Tq = tl.load(qslq + B)
+        v = tl.load(qslq + r, mask=(r > 0) & (r <= B), other=0)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4) + r, tl.where(r <= B, v, Tq), mask=r <= T_pad)
