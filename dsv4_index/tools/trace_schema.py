@@ -25,7 +25,8 @@ LIMITS = dict(max_num_reqs=1 << 16, max_num_batched_tokens=1 << 20, max_model_le
 ``max_model_len`` 2**20 with 8192 tokens needs about 2**26 per-token entries)."""
 
 _STEP_FIELDS = ("req_slots", "num_computed_tokens", "num_scheduled_tokens", "is_new", "free_slots", "write_gids",
-                "write_slots", "write_starts", "write_cu", "write_ids", "replay_start", "replay_end", "query_lens")
+                "write_slots", "write_starts", "write_cu", "write_ids", "replay_start", "replay_end", "query_lens",
+                "drafts")
 _OUTPUT_FIELDS = frozenset().union(*CHANNEL_OUTPUTS.values(), {"compact_slot_mapping", "compact_cu", "indices",
                                                                "lens_clamped", "decode_lens_clamped",
                                                                "tail_slot_mapping"})

@@ -4,6 +4,7 @@ to record the same trace (request ids aside), and each replays clean. The core d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -106,3 +107,21 @@ def test_the_pipeline_takes_no_record_argument_and_imports_no_tools():
     trace_src = (Path(mod.__file__).parent / "tools" / "trace.py").read_text()
     assert "replay" not in {a for n in ast.walk(ast.parse(trace_src)) if isinstance(n, ast.ImportFrom)
                             for a in [(n.module or "").split(".")[-1]]}
+
+
+def test_a_step_with_draft_counts_records_and_replays(tmp_path):
+    """``StepBatch.drafts`` (issue 37: the draft tokens among a row's scheduled tokens) travels in a trace: a
+    SchedulerOutput's ``scheduled_spec_decode_tokens`` become the step's draft counts, the reader accepts the
+    field, and the replay equals the recording."""
+    from dsv4_index.tools.trace import read_trace
+    sched = ReferenceScheduler(_layout(), 64, max_num_batched_tokens=24, max_num_seqs=4, num_speculative_tokens=1)
+    steps = [from_step(dataclasses.replace(s, drafts={r: n - 1 for r, n in s.num_scheduled_tokens.items()
+                                                      if n == 2 and r not in {x.req_id for x in s.new_requests}}))
+             for s, _ in scripted_trace(sched, SCRIPT)]
+    path = tmp_path / "drafts.jsonl"
+    _record(path, steps, [None] * len(steps))
+    _, lines = read_trace(path)
+    assert any(d["step"].get("drafts") and max(d["step"]["drafts"]) > 0 for d in lines), \
+        "the script's decode steps carry draft tokens"
+    res = replay_trace(path, backend="reference", log=lambda *a: None)
+    assert res.problem is None and res.stats["accepted steps"] == len(steps), res
