@@ -126,3 +126,15 @@ def test_another_holders_block_id_is_rejected():
     assert s["rejected"] == {"safe": 0, "full": 0}, printed  # NOTE: and the real steps after each mutation
     assert s["mutations"]["safe"] > 400, s  # NOTE: running and new requests' block ids
     assert s["mutations_rejected"] == s["mutations"], printed
+
+
+def test_async_handovers_are_accepted():
+    """``--handovers``: under async scheduling a block its holder does not certainly read (behind the window of
+    its upper bound) handed to another request is accepted, on a copy of each pipeline, and the copy accepts the
+    real steps after it while the holder does not read the block (vllm_handovers.py); the certain ids of
+    ``--mutate`` are still all rejected."""
+    s, printed = _run("--steps", 40, "--async-scheduling", "--spec", 2, "--handovers", 2, "--mutate", 2, *BURST)
+    assert s["rejected"] == {"safe": 0, "full": 0}, printed
+    assert s["handovers"] > 40 and s["handovers_accepted"] == s["handovers"], printed
+    assert s["handover_reads_accepted"] == 0 and s["handover_other_rejections"] == 0, printed
+    assert s["mutations"]["safe"] > 0 and s["mutations_rejected"] == s["mutations"], printed
