@@ -40,9 +40,11 @@ replaced by an id another live request certainly reads in that group, ``Loop.cer
 requests (one block id they write replaced by such an id of a running request): each must be rejected, and the
 pipeline must then accept the real step. An id only the holder's band keeps (behind the window of its lower
 bound ``nc + n - d`` but not of its upper bound ``nc + n``: async scheduling frees on the optimistic count) is
-no certain corruption and is not used (``band_ids_skipped``): the rule accepts the write and rejects the read.
-Exit status 0 when no step was rejected, no mutation accepted and no output differed, 1 otherwise (each printed
-with its step).
+no certain corruption and is not used (``band_ids_skipped``, counted once per id and mutation): the rule accepts
+the write and rejects the read. ``--handovers K`` feeds such ids instead, on copies of the pipelines, which must
+accept them and then reject the real step in which the holder reads the block (``vllm_handovers.py``).
+Exit status 0 when no step was rejected, no mutation accepted, no hand-over rejected nor its read accepted, and no
+output differed, 1 otherwise (each printed with its step).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from types import SimpleNamespace as NS
 from typing import List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_handovers import Handovers  # noqa: E402
 from vllm_parts import (STOP, Owners, check_outputs, model_output, model_runner_v2, prompts,  # noqa: E402
                         vllm_setup)
 
@@ -110,6 +113,7 @@ class Loop:
                           mutations_rejected={lvl: 0 for lvl in self.pipes}, verified_tokens=0, output_mismatches=0,
                           band_ids_skipped=0)
         self.update_s = {lvl: 0.0 for lvl in self.pipes}
+        self.handovers = Handovers(self, args.handovers) if args.handovers else None
 
     def _count_lookups(self) -> None:
         """Record what each prefix-cache lookup found (``KVCacheManager.get_computed_blocks``): V4.1 bounded
@@ -370,7 +374,9 @@ def run(args) -> dict:
         so = loop.schedule()
         if so is None:
             break
-        lines = loop.feed_mutations(so, step) + loop.feed(so, step)
+        lines = loop.feed_mutations(so, step)
+        lines += loop.handovers.feed(so, step) if loop.handovers else []
+        lines += loop.feed(so, step)
         for line in lines + (loop.verify(step) if args.verify else []):
             print(line)
         loop.finish(so)
@@ -408,6 +414,8 @@ def parser() -> argparse.ArgumentParser:
                    "scheduled before the previous step's output (rejected drafts) is known")
     p.add_argument("--mutate", type=int, default=0, help="corrupted copies of each step to feed first (each must "
                    "be rejected): one new block id replaced by another live request's")
+    p.add_argument("--handovers", type=int, default=0, help="hand-over copies of each step to feed to copies of "
+                   "the pipelines (each must be accepted, and a later read of the block rejected; vllm_handovers.py)")
     p.add_argument("--verify", action="store_true", help="build() every step and check every output of the "
                    "first pipeline against DESIGN §4 from vLLM's block lists")
     p.add_argument("--seed", type=int, default=0)
@@ -432,6 +440,7 @@ def main(argv=None) -> int:
         for key, v in s.items():
             print(f"{key}: {v}")
     missed = any(s["mutations"][lvl] != s["mutations_rejected"][lvl] for lvl in s["mutations"])
+    missed |= s.get("handovers", 0) != s.get("handovers_accepted", 0) or s.get("handover_reads_accepted", 0) > 0
     return 0 if not any(s["rejected"].values()) and not missed and not s["output_mismatches"] else 1
 
 

@@ -127,7 +127,8 @@ def compressed_channel(layout, layer_kind: str, layer: Optional[int] = None) -> 
 
 
 def _kind_params(meta, layer_kind: str, topk: Optional[torch.Tensor], layer: Optional[int] = None):
-    """(R, K) of a layer kind: compress ratio (0 for swa) and compressed columns of a row."""
+    """(R, K) of a layer kind: compress ratio (0 for swa) and compressed columns of a row; ``topk`` the raw
+    picks of a ``"c4"`` layer (``topk_picks``: checked here, the one place)."""
     if layer_kind not in _KINDS:
         raise ValueError(f"layer_kind must be one of {_KINDS}, got {layer_kind!r}")
     if meta.cp[0] > 1:
@@ -138,12 +139,16 @@ def _kind_params(meta, layer_kind: str, topk: Optional[torch.Tensor], layer: Opt
     if layer_kind == "c128":
         c = meta[compressed_channel(meta.layout, layer_kind, layer)]
         return c.compress_ratio, c.indices.shape[1]
+    if isinstance(topk, (tuple, list)):
+        raise ValueError("topk_picks: the prefill helpers take the raw request-local picks, int32/int64 [>= T, K] "
+                         "(the indexer's output; they convert them themselves), got a pair: the (slots, lens) of "
+                         "meta.topk_to_slots are meta.sparse_decode_args' form")
     if not isinstance(topk, torch.Tensor) or topk.dim() != 2 or topk.dtype not in (torch.int32, torch.int64):
-        raise ValueError("topk: a c4 layer needs its request-local top-k picks, int32/int64 [>= T, K]")
+        raise ValueError("topk_picks: a c4 layer needs its request-local top-k picks, int32/int64 [>= T, K]")
     if topk.shape[0] < meta.num_tokens:
-        raise ValueError(f"topk has {topk.shape[0]} rows, needs at least num_tokens = {meta.num_tokens}")
+        raise ValueError(f"topk_picks has {topk.shape[0]} rows, needs at least num_tokens = {meta.num_tokens}")
     if topk.device != meta.positions.device:
-        raise ValueError(f"topk is on {topk.device}, expected {meta.positions.device} (the metadata's)")
+        raise ValueError(f"topk_picks is on {topk.device}, expected {meta.positions.device} (the metadata's)")
     return meta[compressed_channel(meta.layout, layer_kind, layer)].compress_ratio, topk.shape[1]
 
 
@@ -173,7 +178,7 @@ def prefill_workspace_size(meta, layer_kind: str, req_start: Optional[int] = Non
     return N, N + int(g.max())
 
 
-def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Optional[torch.Tensor] = None,
+def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk_picks: Optional[torch.Tensor] = None,
                   *, N: Optional[int] = None, M: Optional[int] = None, layer: Optional[int] = None) -> PrefillChunk:
     """The workspace gather plan and the combined index matrix of prefill rows ``[req_start, req_end)``.
 
@@ -183,8 +188,10 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
     layer_kind : {"swa", "c4", "c128"}
     req_start, req_end : int — batch rows, all prefill rows (``num_decodes <= req_start < req_end <=
         num_reqs``).
-    topk : int32 / int64 [>= T, K] — ``"c4"`` only: the layer's request-local indexer picks, rows = the
-        step's token rows (decodes first; vLLM's shared top-k buffer), ``-1`` = none.
+    topk_picks : int32 / int64 [>= T, K] — ``"c4"`` only: the layer's **raw** request-local indexer picks
+        (compressed row numbers of the request, not slots: the helper converts them itself), rows = the step's
+        token rows (decodes first; vLLM's shared top-k buffer), ``-1`` = none. Not the ``(slots, lens)`` of
+        ``meta.topk_to_slots`` (that is :meth:`DSV4Metadata.sparse_decode_args`' form; a pair raises).
     N, M : int, optional — workspace geometry; default :func:`prefill_workspace_size` of these rows.
         Larger values (e.g. one shape for every chunk of a step) are allowed; smaller raise.
     layer : int, optional — the layer index: its own SWA and compressed channels (:func:`swa_channel`,
@@ -195,7 +202,7 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
     PrefillChunk — see its attributes; ``indices int32 [T_chunk, 1, width]`` with ``width =
     round_up(K + W, 128)`` (``K`` = top-k for c4, the fixed C128A list width for c128, 0 for swa).
     """
-    R, K = _kind_params(meta, layer_kind, topk, layer)
+    R, K = _kind_params(meta, layer_kind, topk_picks, layer)
     swa_name = swa_channel(meta.layout, layer_kind, layer)
     check_int("req_start", req_start)
     check_int("req_end", req_end)
@@ -254,8 +261,8 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
     n_c = torch.clamp(vis, max=K)
     c = torch.arange(width, device=dev)[None, :]
     if layer_kind == "c4":
-        assert topk is not None  # NOTE: _kind_params rejected a c4 call without topk
-        picks = topk[t0:t1].long()
+        assert topk_picks is not None  # NOTE: _kind_params rejected a c4 call without them
+        picks = topk_picks[t0:t1].long()
         picks = torch.where((picks >= 0) & (picks < vis[:, None]), base[:, None] + picks, -1)
         comp = torch.nn.functional.pad(picks, (0, width - K), value=-1)
     else:
@@ -266,13 +273,13 @@ def prefill_chunk(meta, layer_kind: str, req_start: int, req_end: int, topk: Opt
                         idx.to(torch.int32).unsqueeze(1), (n_c + n_w).to(torch.int32))
 
 
-def prefill_chunks(meta, layer_kind: str, topk: Optional[torch.Tensor] = None, *, chunk_reqs: int = 4,
+def prefill_chunks(meta, layer_kind: str, topk_picks: Optional[torch.Tensor] = None, *, chunk_reqs: int = 4,
                    same_shape: bool = True, layer: Optional[int] = None) -> List[PrefillChunk]:
     """Every prefill request of the step, ``chunk_reqs`` requests per :class:`PrefillChunk`.
 
     Parameters
     ----------
-    meta, layer_kind, topk, layer : see :func:`prefill_chunk`.
+    meta, layer_kind, topk_picks, layer : see :func:`prefill_chunk` (``topk_picks``: the raw picks).
     chunk_reqs : int — requests per chunk (vLLM: 4).
     same_shape : bool — one ``(N, M)`` for every chunk (the step's maximum, like vLLM: one workspace
         allocation per step) instead of each chunk's own.
@@ -282,11 +289,12 @@ def prefill_chunks(meta, layer_kind: str, topk: Optional[torch.Tensor] = None, *
     list of PrefillChunk — in batch order; empty when the step has no prefill.
     """
     check_int("chunk_reqs", chunk_reqs, lo=1)
-    _kind_params(meta, layer_kind, topk, layer)
+    _kind_params(meta, layer_kind, topk_picks, layer)
     N = M = None
     if same_shape:
         N, M = prefill_workspace_size(meta, layer_kind, layer=layer)
-    return [prefill_chunk(meta, layer_kind, s, min(s + chunk_reqs, meta.num_reqs), topk, N=N, M=M, layer=layer)
+    return [prefill_chunk(meta, layer_kind, s, min(s + chunk_reqs, meta.num_reqs), topk_picks, N=N, M=M,
+                          layer=layer)
             for s in range(meta.num_decodes, meta.num_reqs, chunk_reqs)]
 
 

@@ -208,16 +208,17 @@ class DSV4Metadata:
         assert n is not None  # NOTE: set by __post_init__
         return c.indices[:n].unsqueeze(1), c.lens[:n]
 
-    def sparse_decode_args(self, layer_kind: str, topk: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, *,
-                           padded: bool = False, layer: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
+    def sparse_decode_args(self, layer_kind: str, topk_slots: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                           *, padded: bool = False, layer: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
         """The index arguments of FlashMLA's sparse decode (two pools) for one layer kind, as views.
 
         Parameters
         ----------
         layer_kind : {"swa", "c4", "c128"}
-        topk : (slots int32 [>= Td, K], lens int32 [>= Td]), for ``"c4"`` — this layer's
-            :meth:`topk_to_slots` result with ``compact=True`` (FlashMLA reads only the first
-            ``extra_topk_length`` entries; uncompacted, a valid slot after an invalid pick is dropped).
+        topk_slots : (slots int32 [>= Td, K], lens int32 [>= Td]), for ``"c4"`` — the **converted** top-k:
+            this layer's :meth:`topk_to_slots` result with ``compact=True`` (FlashMLA reads only the first
+            ``extra_topk_length`` entries; uncompacted, a valid slot after an invalid pick is dropped). Not the
+            raw indexer picks (those are ``consumers.prefill_chunks``' form; one tensor raises).
         padded : bool — see :meth:`decode_view`.
         layer : int, optional — the layer index: its own SWA and C128A channels (``layout.layer_channels``,
             found by role); needed when the layout has several of them (``from_config(groups="vllm")``).
@@ -233,15 +234,32 @@ class DSV4Metadata:
         n = idx.shape[0]
         extra = extra_len = None
         if layer_kind == "c4":
-            if topk is None:
-                raise ValueError("topk: a c4 layer needs its converted top-k (meta.topk_to_slots('c4a', picks))")
-            slots, slot_lens = topk
+            slots, slot_lens = _converted_topk(topk_slots, n)
             extra, extra_len = slots[:n].unsqueeze(1), slot_lens[:n]
         elif layer_kind == "c128":
             extra, extra_len = self.decode_view(compressed_channel(self.layout, layer_kind, layer), padded=padded)
         elif layer_kind != "swa":
             raise ValueError(f"layer_kind must be 'swa', 'c4' or 'c128', got {layer_kind!r}")
         return dict(indices=idx, topk_length=lens, extra_indices=extra, extra_topk_length=extra_len)
+
+
+def _converted_topk(topk_slots, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(slots, lens)`` of :meth:`DSV4Metadata.sparse_decode_args`' ``topk_slots``, checked: the converted pair
+    (``slots [>= n, K]``, ``lens [>= n]``), not the raw picks."""
+    conv = "meta.topk_to_slots('c4a', picks, compact=True)"
+    if topk_slots is None:
+        raise ValueError(f"topk_slots: a c4 layer needs its converted top-k, the (slots, lens) of {conv}")
+    if isinstance(topk_slots, torch.Tensor):
+        raise ValueError(f"topk_slots: sparse_decode_args takes the converted (slots, lens) pair of {conv}, got one "
+                         f"tensor {tuple(topk_slots.shape)}: raw indexer picks are consumers.prefill_chunks' form")
+    if not (isinstance(topk_slots, (tuple, list)) and len(topk_slots) == 2
+            and all(isinstance(t, torch.Tensor) for t in topk_slots)):
+        raise ValueError(f"topk_slots must be the (slots, lens) tensor pair of {conv}, got {type(topk_slots).__name__}")
+    slots, lens = topk_slots
+    if slots.dim() != 2 or lens.dim() != 1 or slots.shape[0] < n or lens.shape[0] < n:
+        raise ValueError(f"topk_slots: need slots [>= {n}, K] and lens [>= {n}] (Td = {n} rows), got "
+                         f"{tuple(slots.shape)} and {tuple(lens.shape)}")
+    return slots, lens
 
 
 @dataclass

@@ -1,3 +1,4 @@
+# over 400 lines: the composer of one step (constructor, update, build, warmup and the views they hand out)
 """The per-step metadata pipeline (docs/DESIGN.md §5): scheduler output in, per-channel device metadata out.
 
 ::
@@ -32,6 +33,7 @@ from .aliasing import check_pipeline_buffers, check_step_outputs
 from .metadata import DSV4Metadata, StepStats
 from .query_batch import build_query, meta_query_fields, plan_query
 from .geometry import DSV4Layout
+from .streams import check_stream, on_stream
 from ._numba import compile_pinned
 from .frontend import StepInput, batch_from_scheduler_output, batch_from_step, explain
 from .frontend.row_order import check_caller_order, check_row_order
@@ -71,19 +73,23 @@ class MetadataPipeline:
         launch, one per padded token count (captured on first use, or by ``warmup(pad_sizes=...)``).
     row_order : "decode_first" (default: the pipeline orders rows decode-first) or "caller" (``meta`` row ``i``
         is the step's row ``i``; a step not decode-first is refused naming the row: :mod:`.frontend.row_order`).
+    stream : torch.cuda.Stream, optional — CUDA only: ``update()``'s copy, ``build()`` and ``warmup()`` run on it
+        whatever stream is current (default None: the current stream at each call; :mod:`.streams`).
     """
 
     def __init__(self, layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
                  num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                 cuda_graphs: bool = False, row_order: str = "decode_first"):
+                 cuda_graphs: bool = False, row_order: str = "decode_first",
+                 stream: Optional[torch.cuda.Stream] = None):
         check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          (cp_world_size, cp_rank, cp_interleave), checks)
         check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs)
         self.row_order = check_row_order(row_order)
         self.layout = layout
         self.device = check_device(device)
+        self.stream = check_stream(stream, self.device)
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = T = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
@@ -190,6 +196,7 @@ class MetadataPipeline:
     # ------------------------------------------------------------------------------------------
     # host side
     # ------------------------------------------------------------------------------------------
+    @on_stream
     def update(self, step, *, pad_to: Optional[int] = None) -> None:
         """Apply one scheduler step on the host and stage it for the device (ONE H2D copy).
 
@@ -250,6 +257,7 @@ class MetadataPipeline:
     # ------------------------------------------------------------------------------------------
     # device side
     # ------------------------------------------------------------------------------------------
+    @on_stream
     def build(self) -> DSV4Metadata:
         """Fill every channel's buffers for the step of the last :meth:`update` (no host sync, no
         allocation). Idempotent: a second build of the same step writes the same values."""
@@ -313,6 +321,7 @@ class MetadataPipeline:
             host_seq_lens=plan.seq_lens, block_tables=list(self.tables.tables), channels=dict(channels),
             replay_start=plan.replay_start, replay_end=plan.replay_end, **common)
 
+    @on_stream
     def warmup(self, pad_sizes=(1,)) -> None:
         """Compile every kernel the pipeline uses (the compiled host passes of ``state/``, each for its one
         signature; an empty step per size in ``pad_sizes``, one top-k

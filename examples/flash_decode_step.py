@@ -8,7 +8,7 @@ token, and the step is padded) through ``MetadataPipeline.update / build`` (arra
 start in 4K..max_model_len; a few start next to max_model_len, finish there and are replaced. All a layer
 touches comes from the metadata: KV writes through ``meta["swa"].slot_mapping`` and, when a token
 completes a compressed row (random content, no real compressor), ``compressed_slot_mapping``; reads
-through ``meta.sparse_decode_args(kind, topk, padded=True)`` -> ``sparse_decode_attention`` (Triton), with
+through ``meta.sparse_decode_args(kind, topk_slots, padded=True)`` -> ``sparse_decode_attention`` (Triton), with
 ``meta.topk_to_slots("c4a", picks, compact=True)`` on C4A. Picks are the top-k of random scores over the
 visible rows plus ~2 % garbage (-1, rows not visible yet, 2**31 - 1) that must be dropped.
 

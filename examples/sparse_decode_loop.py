@@ -231,7 +231,12 @@ def main(argv=None) -> int:
                                enable_prefix_caching=True, seed=args.seed)
     capacity = -(-BUDGET // PAD) * PAD
     pipe = MetadataPipeline(layout, 8, capacity, device, num_speculative_tokens=SPEC)
+    t_warm = time.perf_counter()
     pipe.warmup()
+    t_warm = time.perf_counter() - t_warm
+    cold = " (numba compiled the host passes: the first run after a checkout or a change to dsv4_index; later runs " \
+        "load them from __pycache__)"
+    print(f"warmup {t_warm:.1f} s" + (cold if t_warm > 3 else ""))
     recording = contextlib.ExitStack()
     if args.record:
         from dsv4_index.tools.trace import record_steps

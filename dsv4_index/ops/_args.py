@@ -12,8 +12,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from .._common import (INT32_MAX, INT32_MIN, check_batch_values, check_int, check_tensor, prepare_out,
-                       resolve_num_tokens)
+from .._common import (INT32_MAX, INT32_MIN, check_batch_values, check_int, check_tensor, cp_owned_count,
+                       prepare_out, resolve_num_tokens, token_positions)
 
 
 # out= buffers
@@ -223,6 +223,37 @@ def prefix_blocks_used(req: torch.Tensor, n_rows: torch.Tensor, need: torch.Tens
     return torch.arange(width)[None, :] < blocks[:, None]
 
 
+def check_token_inputs(inputs: Mapping[str, torch.Tensor], num_tokens: Optional[int], rows: int,
+                       outs: Mapping[str, object]) -> None:
+    """Shape check of the per-token inputs of a top-k style op (``topk``; ``blocks`` / ``cols``): each has at
+    least ``num_tokens`` rows, or ``rows`` (the output rows :func:`resolve_rows` gave) when neither
+    ``num_tokens`` nor an ``out=`` buffer of ``outs`` is given."""
+    live = num_tokens if num_tokens is not None else (rows if all(o is None for o in outs.values()) else None)
+    for name, x in inputs.items():
+        if live is not None and x.shape[0] < live:
+            raise ValueError(f"{name} has {x.shape[0]} rows, needs at least num_tokens = {live}")
+
+
+def check_compressed_reads(inputs: Mapping[str, torch.Tensor], query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, num_tokens: Optional[int], rows: int, block_table: torch.Tensor,
+                           table_rows_: torch.Tensor, rows_per_block: int, compress_ratio: int,
+                           cp: tuple = (1, 0, 1)) -> None:
+    """Value checks of a top-k style op (run where :func:`dsv4_index._common.needs_value_checks` says): the
+    batch values (:func:`check_values`), each per-token input covering ``query_start_loc[-1]`` rows, and the
+    table blocks holding each request's visible compressed rows (``(pos + 1) // compress_ratio``, this rank's
+    share under ``cp = (world, rank, interleave)``) keeping their slots inside int32."""
+    check_values(query_start_loc, seq_lens, num_tokens, rows)
+    n_live = int(query_start_loc[-1])
+    for name, x in inputs.items():
+        if x.shape[0] < n_live:
+            raise ValueError(f"{name} has {x.shape[0]} rows, query_start_loc[-1] = {n_live}")
+    # NOTE: the picks of a token reach local rows 0 .. owned(n_c) - 1 of its request
+    req, pos, valid = token_positions(query_start_loc.cpu(), seq_lens.cpu(), n_live)
+    n = cp_owned_count((pos + 1).clamp(min=0) // compress_ratio, *cp)
+    used = prefix_blocks_used(req, n, valid, len(table_rows_), block_table.shape[1], rows_per_block)
+    check_slots_fit_int32("block_table", block_table, table_rows_, used, rows_per_block)
+
+
 def check_int32_total(name: str, total: int, what: str) -> None:
     """ValueError naming ``name`` when a host-summed count stored as int32 would overflow."""
     if total > INT32_MAX:
@@ -232,4 +263,4 @@ def check_int32_total(name: str, total: int, what: str) -> None:
 __all__ = ["resolve_rows", "token_out", "prepare_rows", "check_values", "check_block_table",
            "check_per_request", "table_rows", "check_ring", "ring_cols", "check_ring_span", "check_write_plan",
            "ring_columns_used", "check_table_width", "check_slots_fit_int32", "prefix_blocks_used",
-           "check_int32_total"]
+           "check_token_inputs", "check_compressed_reads", "check_int32_total"]

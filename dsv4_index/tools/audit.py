@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .._common import cdiv, check_int
 from ..engine_plan import kv_owners
 from ..specs import ratio_kinds
+from .argtypes import int_in
 
 __all__ = ["audit", "format_audit", "add_arguments", "audit_cmd", "ROW_BYTES"]
 
@@ -246,31 +247,15 @@ def format_audit(a: dict) -> str:
     return "\n".join(lines)
 
 
-def _int_in(lo: int, hi: int):
-    """An argparse type: an int in ``[lo, hi]`` (argparse names the option in its one-line error)."""
-    import argparse
-
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s[:40]!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s[:40]}")
-        return v
-    parse.__name__ = "integer"
-    return parse
-
-
 def add_arguments(p) -> None:
     """The ``audit`` command's own options (``--config`` / ``--max-model-len`` come from the CLI)."""
     p.add_argument("--groups", default=None, help="vllm (vLLM 0.33's plan), or a JSON file of the engine's "
                    "kv_cache_groups (a KVCacheConfig dump); default: one group per role")
     from ..capacity import BOUNDS
 
-    p.add_argument("--spec", type=_int_in(0, BOUNDS["num_speculative_tokens"][0]), default=0, metavar="N",
+    p.add_argument("--spec", type=int_in(0, BOUNDS["num_speculative_tokens"][0]), default=0, metavar="N",
                    help="speculative tokens (default 0)")
-    p.add_argument("--max-num-batched-tokens", type=_int_in(1, BOUNDS["max_num_batched_tokens"][0]), default=8192,
+    p.add_argument("--max-num-batched-tokens", type=int_in(1, BOUNDS["max_num_batched_tokens"][0]), default=8192,
                    metavar="N",
                    help="token budget of a step; sizes the sliding ring tables (default 8192)")
     p.add_argument("--draft-drop", default="scheduler", choices=("scheduler", "block"),

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import SHIPPED
+from .argtypes import int_in
 from .audit import add_arguments as audit_arguments, audit_cmd
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # package data (dsv4_index.config.CONFIG_DIR)
@@ -260,19 +261,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (--help for usage)\n")
 
 
-def _int_in(lo: int, hi: int):
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s[:40]!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s[:40]}")
-        return v
-    parse.__name__ = "integer"
-    return parse
-
-
 def _device(s: str) -> str:
     """A ``--device`` that exists on this machine: ``cpu``, ``cuda`` or ``cuda:N``."""
     try:
@@ -305,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=description or help)
         p.add_argument("--config", default="flash", help=f"{' | '.join(SHIPPED)} | path to a config.json "
                        "(default: flash)")
-        p.add_argument("--max-model-len", type=_int_in(1, longest), default=None, metavar="N",
+        p.add_argument("--max-model-len", type=int_in(1, longest), default=None, metavar="N",
                        help="longest request in tokens; sizes every table (default: the config's "
                        f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN}; largest: 2**20 for demo and "
                        "inspect, 2**24 for layout and audit)")
@@ -319,11 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("inspect", "draw one sample step (table occupancy, token order, zoomed requests) as a PNG",
                 "draw one sample step of a layout as a PNG (needs matplotlib: pip install 'dsv4-index[plot]')",
                 longest=SAMPLE_MAX_MODEL_LEN)
-    p.add_argument("--requests", type=_int_in(1, MAX_SAMPLE_REQUESTS), default=None, metavar="N",
+    p.add_argument("--requests", type=int_in(1, MAX_SAMPLE_REQUESTS), default=None, metavar="N",
                    help="requests in the step (default: 300; tiny: 6)")
     p.add_argument("--out", default="step.png", help="output picture (default: step.png; no extension: .png "
                    "added; the line printed names the file written)")
-    p.add_argument("--seed", type=_int_in(0, SEED_MAX), default=0,
+    p.add_argument("--seed", type=int_in(0, SEED_MAX), default=0,
                    help="seed of the sample step and its top-k picks (default: 0)")
     p.add_argument("--device", type=_device, default=None, help="pipeline device (default: cpu, the PyTorch reference)")
     audit_arguments(command("audit", "audit a layout's geometry: prefix-hit lengths, write/read overlap, chunk demand"))
@@ -337,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device of the checked pipeline (default: cuda if available)")
     p.add_argument("--backend", default=None, choices=("triton", "reference"),
                    help="backend of the checked pipeline (default: triton on CUDA or under TRITON_INTERPRET=1)")
-    p.add_argument("--seed", type=_int_in(0, SEED_MAX), default=0,
+    p.add_argument("--seed", type=int_in(0, SEED_MAX), default=0,
                    help="seed of the random top-k picks compared every step")
     p.add_argument("--no-progress", action="store_true", default=not sys.stderr.isatty(),
                    help="no progress output (default: a bar on a terminal, nothing when stderr is not one)")

@@ -11,31 +11,15 @@ Needs vLLM 0.33 as ``test_vllm_scheduler.py`` does (``./dev test-vllm``; ``DSV4_
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import os
 import random
 
 import pytest
 
-from helpers.scripts import ROOT
+from helpers.vllm_loop import BURST, load_loop, require_vllm
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-if os.environ.get("DSV4_REQUIRE_VLLM") == "1":  # NOTE: ./dev test-vllm (CI): an import failure fails loudly
-    import vllm
-    assert vllm.__version__.startswith("0.33."), f"written against vLLM 0.33's scheduler, found {vllm.__version__}"
-else:
-    vllm = pytest.importorskip("vllm", reason="needs vLLM 0.33: ./dev test-vllm (CI's integration stage)")
-    if not vllm.__version__.startswith("0.33."):
-        pytest.skip(f"written against vLLM 0.33's scheduler, found {vllm.__version__}", allow_module_level=True)
-
-_spec = importlib.util.spec_from_file_location("vllm_scheduler_loop_adapter",
-                                               ROOT / "benchmarks" / "vllm_scheduler_loop.py")
-loop = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(loop)  # type: ignore[union-attr]
-
-BURST = ["--initial", "48", "--arrival", "0.9", "--shared-prefixes", "2", "--max-prompt", "600",
-         "--max-tokens", "4096"]
+require_vllm()
+loop = load_loop("vllm_scheduler_loop_adapter")
 
 
 class AdapterLoop(loop.Loop):

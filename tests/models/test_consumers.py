@@ -482,6 +482,34 @@ def test_prefill_argument_errors():
             call()
 
 
+@pytest.mark.slow  # NOTE: builds a Flash step like the tests above
+def test_each_helper_refuses_the_other_top_k_form():
+    """``prefill_chunk(s)`` take the raw picks (``topk_picks``), ``sparse_decode_args`` the converted
+    ``(slots, lens)`` (``topk_slots``): the other form raises a ValueError naming the parameter and the right form."""
+    layout, (s1, s2) = _flash_steps()
+    pipe = MetadataPipeline(layout, 4, 256, "cpu", num_speculative_tokens=1)
+    pipe.update(s1)
+    meta = pipe.build()
+    picks = torch.full((meta.num_tokens_padded, 512), -1, dtype=torch.int32)
+    pair = meta.topk_to_slots("c4a", picks, compact=True)
+    for call in (lambda: prefill_chunks(meta, "c4", pair), lambda: prefill_chunk(meta, "c4", 0, 2, pair),
+                 lambda: prefill_chunks(meta, "c4", topk_picks=list(pair))):
+        with pytest.raises(ValueError, match=r"topk_picks: .*raw .*sparse_decode_args' form"):
+            call()
+    assert len(prefill_chunks(meta, "c4", topk_picks=picks)) == 1  # NOTE: the right form passes
+    pipe.update(s2)
+    meta = pipe.build()
+    picks = torch.full((meta.num_tokens_padded, 512), -1, dtype=torch.int32)
+    pair = meta.topk_to_slots("c4a", picks, compact=True)
+    with pytest.raises(ValueError, match=r"topk_slots: .*converted \(slots, lens\) pair.*prefill_chunks' form"):
+        meta.sparse_decode_args("c4", picks)
+    for bad, what in ((None, "needs its converted top-k"), ((pair[0],), "tensor pair"),
+                      ((pair[0][:2], pair[1]), r"need slots \[>= 4, K\]")):
+        with pytest.raises(ValueError, match="topk_slots.*" + what):
+            meta.sparse_decode_args("c4", bad)
+    assert meta.sparse_decode_args("c4", topk_slots=pair)["extra_indices"].shape == (4, 1, 512)
+
+
 @pytest.mark.gpu
 def test_prefill_chunks_make_no_host_sync():
     layout, (s1, _) = _flash_steps()

@@ -10,10 +10,9 @@ from typing import Optional
 
 import torch
 
-from ..._common import (check_batch, check_cp, check_int, check_tensor, cp_owned_count, needs_value_checks,
-                        token_positions, use_triton)
-from .._args import (check_block_table, check_per_request, check_slots_fit_int32, check_values, prefix_blocks_used,
-                     resolve_rows, table_rows, token_out)
+from ..._common import check_batch, check_cp, check_int, check_tensor, needs_value_checks, use_triton
+from .._args import (check_block_table, check_compressed_reads, check_per_request, check_token_inputs, resolve_rows,
+                     table_rows, token_out)
 from ..topk_to_slots import naive as topk_naive
 from . import kernel, naive
 
@@ -81,27 +80,18 @@ def candidate_topk_to_slots(blocks: torch.Tensor, cols: torch.Tensor, query_star
     check_int("compress_ratio", compress_ratio, lo=1)
     check_cp(cp_world_size, cp_rank, cp_interleave)
     idx_mapping = check_per_request("idx_mapping", idx_mapping, B, device)
-    T_out = resolve_rows(query_start_loc, num_tokens, {"out": out, "out_lens": out_lens})
-    live = num_tokens if num_tokens is not None else (T_out if out is None and out_lens is None else None)
-    for name, x in (("blocks", blocks), ("cols", cols)):
-        if live is not None and x.shape[0] < live:
-            raise ValueError(f"{name} has {x.shape[0]} rows, needs at least num_tokens = {live}")
+    outs = {"out": out, "out_lens": out_lens}
+    T_out = resolve_rows(query_start_loc, num_tokens, outs)
+    check_token_inputs({"blocks": blocks, "cols": cols}, num_tokens, T_out, outs)
     K = cols.shape[1]
     out = token_out("out", out, T_out, num_tokens, torch.int32, device, cols=K, exact_cols=True)
     out_lens = token_out("out_lens", out_lens, T_out, num_tokens, torch.int32, device)
     check = needs_value_checks(device, validate)
     rows = table_rows(block_table, idx_mapping, B, check)
-    if check:
-        check_values(query_start_loc, seq_lens, num_tokens, T_out)
-        n_live = int(query_start_loc[-1])
-        for name, x in (("blocks", blocks), ("cols", cols)):
-            if x.shape[0] < n_live:
-                raise ValueError(f"{name} has {x.shape[0]} rows, query_start_loc[-1] = {n_live}")
-        req, pos, valid = token_positions(query_start_loc.cpu(), seq_lens.cpu(), n_live)
-        n = cp_owned_count((pos + 1).clamp(min=0) // compress_ratio, cp_world_size, cp_rank, cp_interleave)
-        used = prefix_blocks_used(req, n, valid, B, block_table.shape[1], rows_per_block)
-        check_slots_fit_int32("block_table", block_table, rows, used, rows_per_block)
     cp = (cp_world_size, cp_rank, cp_interleave)
+    if check:
+        check_compressed_reads({"blocks": blocks, "cols": cols}, query_start_loc, seq_lens, num_tokens, T_out,
+                               block_table, rows, rows_per_block, compress_ratio, cp)
     if use_triton(device, backend):
         return kernel.launch(blocks, cols, (query_start_loc, seq_lens, idx_mapping), None, block_table,
                              rows_per_block, compress_ratio, candidate_block_size, block_table.shape[1], cp,
