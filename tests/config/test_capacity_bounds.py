@@ -104,3 +104,14 @@ def test_readme_states_what_the_defaults_cost():
     est = MetadataPipeline.memory_estimate(flash(), 256, 8192, "cuda", 1)
     mib = round(est["device"] / 2 ** 20)
     assert f"{mib} MiB" in text and "memory_estimate" in text, mib
+
+
+def test_the_ownership_state_estimate_is_exact():
+    """The host bytes of ``state/owners`` (``BlockOwners``: per-slot state, scratch, marks, the first hash table) equal
+    what a fresh pipeline allocates, for one and several groups and two slot counts."""
+    import numpy as np
+    for lay, slots in ((DSV4Layout.from_config("tiny", max_model_len=1024), 8), (flash(8192), 64)):
+        pipe = MetadataPipeline(lay, slots, 64, device="cpu", backend="reference")
+        held = sum(v.nbytes for v in vars(pipe.requests.owners).values() if isinstance(v, np.ndarray))
+        est = MetadataPipeline.memory_estimate(lay, slots, 64, device="cpu")
+        assert est["parts"]["ownership state"] == ("host", held)
