@@ -185,7 +185,7 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
         # run_of, lists), two marks per mirror entry, and the (group, id) hash table of 64-byte records at its first
         # size (the next power of two >= 256 G, plus 2 rows; it grows with the records in use, not with the ids)
         "ownership state": ("host", 8 * (10 * G + 3 + 4 * num_slots + 1 + 5 * G * num_slots + (4 + 3 * G) * num_slots
-                                         + 256 * 10 + 3 * 1024 + 16 + 8 * ((1 << (max(G, 1) * 256 - 1).bit_length()) + 2))
+                                         + 256 * 10 + 3 * 1024 + 16 + 8 * (_pow2(256 * max(G, 1)) + 2))
                             + 9 * max(total, 1)),
         "staging": ("device", 4 * capacity),
         "staging (host)": ("pinned" if pinned else "host", 4 * capacity * (2 if pinned else 1)
@@ -196,3 +196,8 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
     out: Dict[str, object] = {k: sum(b for w, b in parts.values() if w == k) for k in ("device", "host", "pinned")}
     out["parts"] = parts
     return out
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
