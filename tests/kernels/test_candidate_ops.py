@@ -160,8 +160,10 @@ def test_equals_topk_to_slots_of_the_expanded_rows(c, cp):
     want = ref.topk_to_slots(rows, qsl, sl, bt, c["S"], c["R"], **kw)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     if DEV.type == "cuda" or interpreting():
-        out = dsv4_index.candidate_topk_to_slots(blocks, cols, qsl, sl, bt, c["S"], c["R"], C, backend="triton", **kw)
-        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+        d = DEV if DEV.type == "cuda" else "cpu"  # NOTE: the Triton backend takes CUDA tensors on a GPU machine
+        args = (x.to(d) for x in (blocks, cols, qsl, sl, bt))
+        out = dsv4_index.candidate_topk_to_slots(*args, c["S"], c["R"], C, backend="triton", **kw)
+        assert torch.equal(out[0].cpu(), want[0]) and torch.equal(out[1].cpu(), want[1])
 
 
 def test_hand_example():
