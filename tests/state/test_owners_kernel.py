@@ -98,3 +98,19 @@ def test_kernel_equals_naive_on_scheduler_traces(kind, policy):
                 break                                   # NOTE: an optimistic trace may read a handed-over block
             same(a, b)
             assert np.array_equal(a.tables.mirror, b.tables.mirror)
+
+
+def test_kernel_table_grows_within_a_step():
+    """The kernel's id table starts at 4 records: the first steps fill it up mid-pass (the pass is run again
+    on a larger table) and later ones pass half load (rebuilt before the next step); the verdicts and the
+    state stay the naive rule's."""
+    a, b = pair(layout("ring"), R, T_MAX, SPEC, "safe")
+    a.requests.owners.fill = a.requests.owners._fills(4)
+    work = Serve(layout("ring"), 5)
+    sizes = set()
+    for _ in range(30):
+        step = work.step()
+        assert feed(a, step) is None and feed(b, step) is None
+        same(a, b)
+        sizes.add(a.requests.owners.fill.shape[0])
+    assert len(sizes) >= 2, sizes

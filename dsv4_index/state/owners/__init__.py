@@ -37,7 +37,7 @@ from typing import Optional
 import numpy as np
 
 from ..._numba import compile_pinned, ready
-from .kernel import CODES, check_pass, commit_pass
+from .kernel import CODES, check_pass, commit_pass, rehash
 from .messages import check_id_limit, reject
 from .naive import default_drafts
 
@@ -106,36 +106,39 @@ class BlockOwners:
         self.meta = np.zeros(1, dtype=_I64)
         self.cell_st = np.zeros((5, G, S), dtype=_I64)
         self.cell_st[3] = -1
-        self.fill = self._fills(max(G, 1) << 8)
+        self.fill = self._fills(1 << (max(G, 1) * 256 - 1).bit_length())
         self.seen = np.zeros(t.mirror.shape[0], dtype=_I64)
         self.mine = np.zeros(t.mirror.shape[0], dtype=np.int8)
         self.steps = 0
         self._pending: Optional[tuple] = None
 
     @staticmethod
-    def _fills(n: int) -> np.ndarray:
-        """int64 ``[n, 8]``, one cache line a key (kernel docstring): no fill, no holder, scratch zero."""
-        fill = np.zeros((n, 8), dtype=_I64)
-        fill[:, :3] = -1
+    def _fills(cap: int) -> np.ndarray:
+        """int64 ``[cap + 2, 8]``: an empty open-addressing table of ``cap`` (a power of two) records, one
+        cache line each (kernel docstring), then the header row (records used, overflow flag) and a spare row."""
+        fill = np.zeros((cap + 2, 8), dtype=_I64)
+        fill[:cap, :3] = -1
+        fill[:cap, 6] = -1
         return fill
 
     @property
-    def count(self) -> np.ndarray:
-        """int64 ``[K]``: committed holders per id key (a view of ``fill[:, 4]``)."""
-        return self.fill[:, 4]
+    def _keys(self) -> np.ndarray:
+        """int64 ``[n]``: the table rows that hold a key."""
+        return np.flatnonzero(self.fill[:-2, 6] >= 0)
 
-    def grow(self, max_key: int) -> None:
-        """Room for id keys up to ``max_key`` (no holder, no fill for ids never seen)."""
-        n0 = self.fill.shape[0]
-        if max_key < n0:
+    def grow(self) -> None:
+        """Rebuild the table at four times the records in use, when the last pass found it more than half
+        full (records that hold neither a fill nor a holder are dropped)."""
+        if not self.fill[-2, 1]:
             return
-        fill = self._fills(1 << int(max_key).bit_length())
-        fill[:n0] = self.fill
+        used = int(self.fill[-2, 0])
+        fill = self._fills(1 << (4 * used - 1).bit_length())
+        rehash(self.fill, fill)
         self.fill = fill
 
     def check(self, plan) -> None:
         """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes nothing
-        observable (the tables of fills and counts may grow)."""
+        observable (the table of fills and counts may grow)."""
         self._pending = None
         if not ready():
             compile_pinned()  # NOTE: the passes' one signature (warmup() does this first)
@@ -153,12 +156,16 @@ class BlockOwners:
         if R.shape[1]:
             np.cumsum((plan.w_cu[1:] - plan.w_cu[:-1]) // t.f[plan.w_gid], out=raw0[1:])
             check_id_limit(int(w_ids.max(initial=0)), self.G)
-            self.grow(int(w_ids.max(initial=0)) * self.G + self.G)
+        self.grow()
         A = np.stack([plan.all_slots, plan.all_computed]).astype(_I64).reshape(2, -1)
         FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
         nf = int(plan.free_slots.shape[0])
-        res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
-                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine)
+        while True:
+            res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
+                             t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine)
+            if not self.fill[-2, 2]:
+                break
+            self.grow()  # NOTE: the table filled up within this step (its verdict is void): grow, check again
         if res[0][0]:
             self._reject(res[0], plan)
         self._pending = (plan, P, A, FN, nf, res)
@@ -224,8 +231,9 @@ class BlockOwners:
         """``{(gid, kernel id): live holders}`` of the committed state (``certain``: only where the holder
         certainly reads the block next); the counts (not ``certain``) are the kernel's own."""
         if not certain:
-            nz = np.flatnonzero(self.count)
-            return {(k % self.G, k // self.G): int(self.count[k]) for k in nz.tolist()}
+            k = self._keys
+            c, key = self.fill[k, 4], self.fill[k, 6]
+            return {(int(x) % self.G, int(x) // self.G): int(n) for x, n in zip(key.tolist(), c.tolist()) if n}
         t = self.t
         out: dict = {}
         for g in range(self.G):
@@ -241,8 +249,10 @@ class BlockOwners:
 
     def snapshot(self) -> dict:
         """Every field of the committed state, in :meth:`NaiveOwners.snapshot`'s form."""
-        k = np.flatnonzero(self.fill[:, 0] >= 0)
-        fills = {(int(x) % self.G, int(x) // self.G): tuple(int(y) for y in self.fill[x, :3]) for x in k.tolist()}
+        k = self._keys
+        k = k[self.fill[k, 0] >= 0]
+        fills = {(int(x) % self.G, int(x) // self.G): tuple(int(y) for y in self.fill[h, :3])
+                 for h, x in zip(k.tolist(), self.fill[k, 6].tolist())}
         return {"live": self.slot_st[0].astype(bool), "frontier": self.slot_st[1].copy(),
                 "replay_mark": self.slot_st[2].copy(), "floor": self.cell_st[0].copy(),
                 "hold": self.cell_st[1].copy(), "ring_lo": self.cell_st[2].copy(), "fills": fills,

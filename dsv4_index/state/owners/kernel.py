@@ -32,11 +32,12 @@ import numpy as np
 
 from ..._numba import njit, numba, pin, ro, rw
 
-__all__ = ["check_pass", "commit_pass", "CODES"]
+__all__ = ["check_pass", "commit_pass", "rehash", "CODES"]
 
 CODES = ("", "own.jump", "own.ring", "own.again", "own.fill_held", "own.rewind_held", "own.write_held",
          "own.stale_read", "own.hit_position", "own.twice", "own.twice_sliding", "own.held_null")
 BASE, COLS, RING, BS, F, WIN, FULL, CIRC, SLID, SHARD = range(10)
+HASH_MUL = 2654435761  # NOTE: Knuth's multiplicative hash; keys < 2**28, so key * HASH_MUL < 2**60 (no wrap)
 SKIP_VERIFIED = True  # NOTE: a verified row's reads skipped while no fill of a held key changed (see _reads)
 
 
@@ -275,11 +276,34 @@ def _no_jump(A, X, slot_st, err):
 
 
 @njit
+def _rec(fill, key):
+    """The record of id key ``key`` in the open-addressing table ``fill`` (linear probing; inserted, empty,
+    when absent). Header row ``cap``: records used, more than half used (the wrapper grows the table before
+    the next step), full (then the spare row ``cap + 1`` is returned and the wrapper grows the table and
+    checks the step again)."""
+    cap = fill.shape[0] - 2
+    h = ((key * HASH_MUL) >> 16) & (cap - 1)
+    while fill[h, 6] >= 0:
+        if fill[h, 6] == key:
+            return h
+        h = (h + 1) & (cap - 1)
+    if fill[cap, 0] >= cap - 1:
+        fill[cap, 2] = 1
+        return cap + 1
+    fill[cap, 0] += 1
+    if 2 * fill[cap, 0] > cap:
+        fill[cap, 1] = 1
+    fill[h, 6] = key
+    return h
+
+
+@njit
 def _touch(fill, key, d, zero):
+    h = _rec(fill, key)
     if zero:
-        fill[key, 5] = 0
+        fill[h, 5] = 0
     else:
-        fill[key, 5] += d
+        fill[h, 5] += d
 
 
 @njit
@@ -332,27 +356,27 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
 def _fill_rec(g, kid, G, fill, F4, nF):
     """The last fill of ``(g, kid)``: this step's (``F4`` rows: key, slot, pos, step; ``nF`` of them so far)
     or the committed one; (slot, pos, step, from this step), slot -1 when none."""
-    key = kid * G + g
-    j = fill[key, 3] if nF > 0 else 0
+    h = _rec(fill, kid * G + g)
+    j = fill[h, 3] if nF > 0 else 0
     if j > 0:
         return F4[j - 1, 1], F4[j - 1, 2], F4[j - 1, 3], True
-    return fill[key, 0], fill[key, 1], fill[key, 2], False
+    return fill[h, 0], fill[h, 1], fill[h, 2], False
 
 
 @njit
 def _add_fill(g, s, q, kid, step, G, fill, F4, nF):
-    key = kid * G + g
+    h = _rec(fill, kid * G + g)
     if nF < F4.shape[0]:
-        F4[nF, 0], F4[nF, 1], F4[nF, 2], F4[nF, 3] = key, s, q, step
-        fill[key, 3] = nF + 1
+        F4[nF, 0], F4[nF, 1], F4[nF, 2], F4[nF, 3] = h, s, q, step
+        fill[h, 3] = nF + 1
     return nF + 1
 
 
 @njit
 def _suspect(g, kid, G, fill, moved):
     """Another row may hold ``kid`` after the step (beyond one holding: the row's own)."""
-    key = kid * G + g
-    return moved or fill[key, 4] + fill[key, 5] >= 2
+    h = _rec(fill, kid * G + g)
+    return moved or fill[h, 4] + fill[h, 5] >= 2
 
 
 @njit
@@ -374,7 +398,8 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                 raw = raw0[r] + (q - a) // f
                 if phase == 0 and fl:
                     whole = geo[g, CIRC] or (q * bs >= ws and (q + 1) * bs <= we)
-                    if fill[kid * G + g, 4] >= 1 or fill[kid * G + g, 5] >= 2:
+                    h = _rec(fill, kid * G + g)
+                    if fill[h, 4] >= 1 or fill[h, 5] >= 2:
                         err[11] = 1  # NOTE: a block some row held (its own second copy included) filled anew
                     if _suspect(g, kid, G, fill, moved):
                         err[11] = 1  # NOTE: a write into a block someone else may hold: reads are checked in full
@@ -402,8 +427,8 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                                   run_of, S, out):
                         err[0], err[1], err[2], err[3] = 10, kid // f, g, s
                         return False, nF, nS
-                    key = kid * G + g
-                    if (fs < 0 and (fill[key, 4] >= 1 or fill[key, 5] >= 2)) or (own and fp != q):
+                    h = _rec(fill, kid * G + g)
+                    if (fs < 0 and (fill[h, 4] >= 1 or fill[h, 5] >= 2)) or (own and fp != q):
                         err[11] = 1  # NOTE: a fill record made for a held block, or a cell that fails its own
                     if fs < 0:
                         nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
@@ -455,7 +480,8 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
                 fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
                 if not rewind and fs == s and fp == q and fst == seen[c]:
                     continue
-                if _suspect(g, kid, G, fill, moved) or fill[kid * G + g, 4] >= 2 or fill[kid * G + g, 5] != 0:
+                h = _rec(fill, kid * G + g)
+                if _suspect(g, kid, G, fill, moved) or fill[h, 4] >= 2 or fill[h, 5] != 0:
                     err[11] = 1
                 if _suspect(g, kid, G, fill, moved) and _scan(g, kid, s, q, 0, False, X, P, R, w_ids,
                                                                     mirror, geo, cp, cell_st, slot_st, run_of,
@@ -582,19 +608,19 @@ def _new_range(g, s, X, P, geo, cp, cell_st):
 
 
 @njit
-def _dec(dec, nd, g, s, q, mirror, geo, G):
+def _dec(dec, nd, g, s, q, mirror, geo, G, fill):
     kid = np.int64(mirror[_cell(g, s, q, geo)])
-    return _push(dec, nd, kid * G + g) if kid >= geo[g, F] else nd
+    return _push(dec, nd, _rec(fill, kid * G + g)) if kid >= geo[g, F] else nd
 
 
 @njit
-def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G):
+def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill):
     kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
-    return _push(inc, ni, kid * G + g) if kid >= geo[g, F] else ni
+    return _push(inc, ni, _rec(fill, kid * G + g)) if kid >= geo[g, F] else ni
 
 
 @njit
-def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc):
+def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc, fill):
     """The id keys leaving (``dec``) and entering (``inc``) the committed held ranges of every affected
     (group, slot); returns their numbers (only counted when the buffers are too small)."""
     G = geo.shape[0]
@@ -617,13 +643,13 @@ def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, r
             if X[1, s] == 1:
                 u0, u1 = 0, 0
             for q in range(lo0, min(nb0, max(u0, lo0))):
-                nd = _dec(dec, nd, g, s, q, mirror, geo, G)
+                nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
             for q in range(max(lo0, u1, min(nb0, max(u0, lo0))), nb0):
-                nd = _dec(dec, nd, g, s, q, mirror, geo, G)
+                nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
             for q in range(lo1, min(nb1, max(u0, lo1))):
-                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G)
+                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
             for q in range(max(lo1, u1, min(nb1, max(u0, lo1))), nb1):
-                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G)
+                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
     return nd, ni
 
 
@@ -663,10 +689,10 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
     for j in range(min(nF, F4.shape[0])):
         fill[F4[j, 0], 3] = 0
     if ok:
-        nd, ni = _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
+        nd, ni = _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc, fill)
         dec = np.zeros(nd, dtype=np.int64)
         inc = np.zeros(ni, dtype=np.int64)
-        _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
+        _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc, fill)
     if nF > F4.shape[0] or nS > seen_l.shape[0]:
         err[0] = -2
     return err, X, F4, nF, seen_l, nS, dec, inc
@@ -727,9 +753,21 @@ def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, 
     return True
 
 
+def rehash(old, new):
+    """Move every record of ``old`` that holds something (a fill or a holder) into the empty table ``new``."""
+    n = 0
+    for h in range(old.shape[0] - 2):
+        if old[h, 6] >= 0 and (old[h, 0] >= 0 or old[h, 4] != 0):
+            j = _rec(new, old[h, 6])
+            new[j, 0], new[j, 1], new[j, 2], new[j, 4] = old[h, 0], old[h, 1], old[h, 2], old[h, 4]
+            n += 1
+    return n
+
+
 _I2, _I1, _N = ro("int64", 2), ro("int64"), numba.types.int64
 check_pass = pin(check_pass, (_I2, _I1, _I2, _I2, _I1, _I1, _I2, _I2, _N, numba.types.boolean, _N, ro("int32"), _I2,
                               ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), ro("int8")))
 commit_pass = pin(commit_pass, (_I2, _I1, _I2, _I2, _I2, _N, rw("int64", 2), rw("int64", 3), rw("int64", 2),
                                 rw("int64"), _I2, _I2, _N, _I2, _N, _I1, _I1, rw("int64"), _N, numba.types.boolean,
                                 rw("int8")))
+rehash = pin(rehash, (ro("int64", 2), rw("int64", 2)))
