@@ -100,17 +100,22 @@ def test_kernel_equals_naive_on_scheduler_traces(kind, policy):
             assert np.array_equal(a.tables.mirror, b.tables.mirror)
 
 
-def test_kernel_table_grows_within_a_step():
-    """The kernel's id table starts at 4 records: the first steps fill it up mid-pass (the pass is run again
-    on a larger table) and later ones pass half load (rebuilt before the next step); the verdicts and the
-    state stay the naive rule's."""
+def test_kernel_scratch_grows_within_a_step():
+    """The kernel's id table starts at 4 records and its lists at 2 entries: the first steps fill the table
+    up mid-pass (the pass runs again on a larger one), later ones pass half load (rebuilt before the next
+    step); the count filter's log and the holder deltas overflow (the pass runs again on longer lists). The
+    verdicts and the state stay the naive rule's, and the scratch is clean after every step."""
     a, b = pair(layout("ring"), R, T_MAX, SPEC, "safe")
-    a.requests.owners.fill = a.requests.owners._fills(4)
+    o = a.requests.owners
+    o.fill, o.L = o._fills(4), np.zeros((3, 2), dtype=np.int64)
     work = Serve(layout("ring"), 5)
-    sizes = set()
+    sizes, lists = {o.fill.shape[0]}, {o.L.shape[1]}
     for _ in range(30):
         step = work.step()
         assert feed(a, step) is None and feed(b, step) is None
         same(a, b)
-        sizes.add(a.requests.owners.fill.shape[0])
-    assert len(sizes) >= 2, sizes
+        assert not o.fill[:-2, 3].any() and not o.fill[:-2, 5].any(), "the passes' scratch columns not zeroed"
+        assert (o.run_of == -1).all()
+        sizes.add(o.fill.shape[0])
+        lists.add(o.L.shape[1])
+    assert len(sizes) >= 3 and len(lists) >= 2, (sizes, lists)

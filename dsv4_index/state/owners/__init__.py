@@ -111,6 +111,11 @@ class BlockOwners:
         self.mine = np.zeros(t.mirror.shape[0], dtype=np.int8)
         self.steps = 0
         self._pending: Optional[tuple] = None
+        # NOTE: the passes' scratch, kept between steps (run_of all -1 between passes); grown on demand
+        self.X = np.zeros((4 + 2 * G, S), dtype=_I64)
+        self.run_of = np.full(G * S, -1, dtype=_I64)
+        self.F4, self.seen_l = np.zeros((256, 4), dtype=_I64), np.zeros((256, 6), dtype=_I64)
+        self.L, self.E = np.zeros((3, 1024), dtype=_I64), np.zeros(16, dtype=_I64)
 
     @staticmethod
     def _fills(cap: int) -> np.ndarray:
@@ -160,24 +165,34 @@ class BlockOwners:
         A = np.stack([plan.all_slots, plan.all_computed]).astype(_I64).reshape(2, -1)
         FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
         nf = int(plan.free_slots.shape[0])
+        need = w_ids.shape[0] + B * self.G * 4 + 8  # NOTE: fills and cells seen: one per id, four per row group
+        if self.F4.shape[0] < need:
+            n = 1 << (need - 1).bit_length()
+            self.F4, self.seen_l = np.zeros((n, 4), dtype=_I64), np.zeros((n, 6), dtype=_I64)
         while True:
             res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
-                             t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine)
-            if not self.fill[-2, 2]:
+                             t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine,
+                             self.X, self.run_of, self.F4, self.seen_l, self.L, self.E)
+            big = max(res[2], res[3], res[4])
+            if big > self.L.shape[1]:  # NOTE: a list overflowed (its verdict is void): longer lists, check again
+                self.L = np.zeros((3, 1 << (big - 1).bit_length()), dtype=_I64)
+            if self.fill[-2, 2]:
+                self.grow()  # NOTE: the table filled up within this step (its verdict is void): grow, check again
+            elif big <= self.L.shape[1]:
                 break
-            self.grow()  # NOTE: the table filled up within this step (its verdict is void): grow, check again
-        if res[0][0]:
-            self._reject(res[0], plan)
+        if self.E[0]:
+            self._reject(self.E[:12], plan)
         self._pending = (plan, P, A, FN, nf, res)
 
     def commit(self, plan) -> None:
         """Apply the accepted ``plan`` checked by the last :meth:`check` (after the tables' commit)."""
         if self._pending is None or self._pending[0] is not plan:
             raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
-        _, P, A, FN, nf, (err, X, F4, nF, seen_l, nS, dec, inc) = self._pending
+        _, P, A, FN, nf, (nF, nS, nd, ni, _) = self._pending
         self._pending = None
         commit_pass(self.geo, self.cp, P, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.seen,
-                    X, F4, nF, seen_l, nS, dec, inc, self.meta, self.steps + 1, bool(err[11]), self.mine)
+                    self.X, self.F4, nF, self.seen_l, nS, self.L, nd, ni, self.meta, self.steps + 1,
+                    bool(self.E[11]), self.mine)
         self.steps += 1
 
     def _reject(self, e: np.ndarray, plan) -> None:

@@ -204,16 +204,17 @@ def _push(buf, n, v):
 def _prepare(X, P, R, A, FN, nf, geo, num_blocks, cell_st, slot_st, run_of, S):
     """The step's scratch rows ``X`` (module docstring of the wrapper); False on an index out of range."""
     G = geo.shape[0]
+    for s in range(S):
+        X[0, s], X[1, s], X[2, s] = -1, 0, 0
+        X[3, s] = slot_st[0, s]
+        for g in range(G):
+            X[4 + g, s] = num_blocks[g, s]
+            X[4 + G + g, s] = cell_st[2, g, s]
     for j in range(A.shape[1]):
         s = A[0, j]
         if not (0 <= s < S):
             return False
         X[2, s] = A[1, j]
-    for s in range(S):
-        X[3, s] = slot_st[0, s]
-        for g in range(G):
-            X[4 + g, s] = num_blocks[g, s]
-            X[4 + G + g, s] = cell_st[2, g, s]
     for j in range(FN.shape[1]):
         s = FN[0, j]
         if not (0 <= s < S):
@@ -298,33 +299,33 @@ def _rec(fill, key):
 
 
 @njit
-def _touch(fill, key, d, zero):
+def _touch(fill, key, d, log, n):
     h = _rec(fill, key)
-    if zero:
-        fill[h, 5] = 0
-    else:
-        fill[h, 5] += d
+    fill[h, 5] += d
+    return _push(log, n, h)
 
 
 @njit
-def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, zero, run_of, S):
-    """``fill[key, 5]`` = the step's acquisitions - releases per key (the count filter), or, ``zero``, those
-    entries back to 0. Returns whether a batch row's window moved back below its floor (then every suspect
-    is scanned)."""
+def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, run_of, S, log):
+    """``fill[key, 5]`` = the step's acquisitions - releases per key (the count filter); the records touched
+    go to ``log`` (the pass zeroes them from there). Returns whether a batch row's window moved back below
+    its floor (then every suspect is scanned), and the number of touches (when beyond ``log``, the wrapper
+    grows it and runs the pass again: the same touches, so every one is zeroed by the second run)."""
     moved = False
+    n = 0
     for r in range(R.shape[1]):
         g, s = R[0, r], R[1, r]
         lo = _bounds(g, s, X, P, geo, cp, cell_st)[0]
         for q in range(max(R[2, r], R[4, r], lo), R[3, r]):
             kid = w_ids[R[5, r] + q - R[2, r]]
             if kid >= geo[g, F]:
-                _touch(fill, kid * G + g, 1, zero)
+                n = _touch(fill, kid * G + g, 1, log, n)
         lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
         if X[1, s] == 0:
             for q in range(max(lo0, R[2, r]), nb0):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    _touch(fill, kid * G + g, -1, zero)
+                    n = _touch(fill, kid * G + g, -1, log, n)
     for j in range(nf):
         s = FN[0, j]
         for g in range(G):
@@ -332,7 +333,7 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
             for q in range(lo0, nb0):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    _touch(fill, kid * G + g, -1, zero)
+                    n = _touch(fill, kid * G + g, -1, log, n)
     for i in range(P.shape[1]):
         s = P[0, i]
         if X[1, s] == 1 or X[3, s] == 0:
@@ -348,15 +349,14 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
             for q in range(lo0, min(rl, nb0, R[2, r] if r >= 0 else nb0)):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    _touch(fill, kid * G + g, -1, zero)
-    return moved
+                    n = _touch(fill, kid * G + g, -1, log, n)
+    return moved, n
 
 
 @njit
-def _fill_rec(g, kid, G, fill, F4, nF):
-    """The last fill of ``(g, kid)``: this step's (``F4`` rows: key, slot, pos, step; ``nF`` of them so far)
-    or the committed one; (slot, pos, step, from this step), slot -1 when none."""
-    h = _rec(fill, kid * G + g)
+def _fill_rec(h, fill, F4, nF):
+    """The last fill of record ``h``: this step's (``F4`` rows: record, slot, pos, step; ``nF`` of them so
+    far) or the committed one; (slot, pos, step, from this step), slot -1 when none."""
     j = fill[h, 3] if nF > 0 else 0
     if j > 0:
         return F4[j - 1, 1], F4[j - 1, 2], F4[j - 1, 3], True
@@ -364,8 +364,7 @@ def _fill_rec(g, kid, G, fill, F4, nF):
 
 
 @njit
-def _add_fill(g, s, q, kid, step, G, fill, F4, nF):
-    h = _rec(fill, kid * G + g)
+def _add_fill(h, s, q, step, fill, F4, nF):
     if nF < F4.shape[0]:
         F4[nF, 0], F4[nF, 1], F4[nF, 2], F4[nF, 3] = h, s, q, step
         fill[h, 3] = nF + 1
@@ -373,9 +372,8 @@ def _add_fill(g, s, q, kid, step, G, fill, F4, nF):
 
 
 @njit
-def _suspect(g, kid, G, fill, moved):
-    """Another row may hold ``kid`` after the step (beyond one holding: the row's own)."""
-    h = _rec(fill, kid * G + g)
+def _suspect(h, fill, moved):
+    """Another row may hold record ``h``'s block after the step (beyond one holding: the row's own)."""
     return moved or fill[h, 4] + fill[h, 5] >= 2
 
 
@@ -401,7 +399,7 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                     h = _rec(fill, kid * G + g)
                     if fill[h, 4] >= 1 or fill[h, 5] >= 2:
                         err[11] = 1  # NOTE: a block some row held (its own second copy included) filled anew
-                    if _suspect(g, kid, G, fill, moved):
+                    if _suspect(h, fill, moved):
                         err[11] = 1  # NOTE: a write into a block someone else may hold: reads are checked in full
                         if _scan(g, kid, s, q, 0, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                  run_of, S, out):
@@ -413,25 +411,25 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                             err[0], err[1], err[2], err[3], err[4] = 9, raw, kid // f, s, q // f
                             err[5], err[6] = g, out[1] // f
                             return False, nF, nS
-                    nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
+                    nF = _add_fill(h, s, q, step, fill, F4, nF)
                     nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), step, 1, g, s, q)
                 elif phase == 1 and not fl:
-                    fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
+                    h = _rec(fill, kid * G + g)
+                    fs, fp, fst, now = _fill_rec(h, fill, F4, nF)
                     own = fs == s and now
                     if fs >= 0 and fp != q and not own:
                         err[0], err[1], err[2], err[3], err[4] = 8, raw, kid // f, s, q // f
                         err[5], err[6], err[7], err[8] = g, fp // f, fs, fst
                         return False, nF, nS
-                    if full and geo[g, SLID] and _suspect(g, kid, G, fill, moved) and \
+                    if full and geo[g, SLID] and _suspect(h, fill, moved) and \
                             _scan(g, kid, s, q, 2, False, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                   run_of, S, out):
                         err[0], err[1], err[2], err[3] = 10, kid // f, g, s
                         return False, nF, nS
-                    h = _rec(fill, kid * G + g)
                     if (fs < 0 and (fill[h, 4] >= 1 or fill[h, 5] >= 2)) or (own and fp != q):
                         err[11] = 1  # NOTE: a fill record made for a held block, or a cell that fails its own
                     if fs < 0:
-                        nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
+                        nF = _add_fill(h, s, q, step, fill, F4, nF)
                         fst = step
                     nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), fst, 0, g, s, q)
     return True, nF, nS
@@ -464,9 +462,18 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
             if we <= ws:
                 continue
             for q in range(ws // bs, -(-we // bs)):
-                if q == cell_st[3, g, s] and cell_st[4, g, s] > meta[0] and err[11] == 0 and \
-                        not (ws < min(we, mark) and q * bs < min(we, mark)) and run_of[g * S + s] < 0:
-                    continue  # NOTE: the block it filled last, which no write into a shared block changed since
+                rewind = ws < min(we, mark) and q * bs < min(we, mark)
+                last = q == cell_st[3, g, s] and cell_st[4, g, s] > meta[0] and err[11] == 0 and \
+                    run_of[g * S + s] < 0  # NOTE: the block it filled last, no write into a shared block since
+                if last and not rewind:
+                    continue
+                kid = np.int64(mirror[_cell(g, s, q, geo)])
+                if last and kid >= f and q < X[4 + g, s]:  # NOTE: rewritten: the same fill unless another row
+                    h = _rec(fill, kid * G + g)            # may hold it (as below)
+                    if not _suspect(h, fill, moved):
+                        if fill[h, 4] >= 2 or fill[h, 5] != 0:
+                            err[11] = 1
+                        continue
                 if q >= X[4 + g, s] or _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                                  run_of, S) != 0:
                     continue
@@ -474,18 +481,21 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
                 kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
                 if kid < f:
                     continue
-                rewind = ws < min(we, mark) and q * bs < min(we, mark)
                 if not rewind and err[11] == 0 and mine[c] and seen[c] > meta[0]:
                     continue  # NOTE: its own fill, which no write into a shared block can have changed since
-                fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
-                if not rewind and fs == s and fp == q and fst == seen[c]:
-                    continue
                 h = _rec(fill, kid * G + g)
-                if _suspect(g, kid, G, fill, moved) or fill[h, 4] >= 2 or fill[h, 5] != 0:
+                fs, fp, fst, now = _fill_rec(h, fill, F4, nF)
+                own = fs == s and fp == q and fst == seen[c]
+                if own and not rewind:
+                    continue
+                sus = _suspect(h, fill, moved)
+                if sus or fill[h, 4] >= 2 or fill[h, 5] != 0:
                     err[11] = 1
-                if _suspect(g, kid, G, fill, moved) and _scan(g, kid, s, q, 0, False, X, P, R, w_ids,
-                                                                    mirror, geo, cp, cell_st, slot_st, run_of,
-                                                                    S, out):
+                if own and not (sus and _scan(g, kid, s, q, 3, False, X, P, R, w_ids, mirror, geo, cp, cell_st,
+                                              slot_st, run_of, S, out)):
+                    continue  # NOTE: its own block rewritten, nobody else holding it: the same fill
+                if sus and _scan(g, kid, s, q, 0, False, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
+                                 run_of, S, out):
                     err[1], err[2], err[3], err[4] = s, g, ws, kid // f
                     err[5], err[6], err[7] = q // f, out[0], out[1] // f
                     if rewind:
@@ -493,7 +503,7 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
                     else:
                         err[0] = 6
                     return False, nF, nS
-                nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
+                nF = _add_fill(h, s, q, step, fill, F4, nF)
                 nS = _push_seen(seen_l, nS, c, step, 1, g, s, q)
     return True, nF, nS
 
@@ -550,7 +560,7 @@ def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, s
                 kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
                 if kid < f:
                     continue
-                fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
+                fs, fp, fst, now = _fill_rec(_rec(fill, kid * G + g), fill, F4, nF)
                 if fs < 0:
                     continue
                 ok = (fs == s and fp == q) if now else (fst == seen[c] and fp == q)
@@ -653,26 +663,30 @@ def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, r
     return nd, ni
 
 
+@njit
+def _unrun(R, run_of, G, S):
+    for r in range(R.shape[1]):
+        g, s = R[0, r], R[1, r]
+        if 0 <= g < G and 0 <= s < S:
+            run_of[g * S + s] = -1
+
+
 def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_blocks, slot_st, cell_st, fill,
-               seen, meta, mine):
-    """The rule on one step, scratch only: ``(err, X, F4 fills, nF, seen list, nS, dec, inc)``."""
+               seen, meta, mine, X, run_of, F4, seen_l, L, E):
+    """The rule on one step, into the preallocated scratch ``X``, ``F4`` (fills), ``seen_l`` (cells seen),
+    ``L`` (rows: released records, acquired records, records the count filter touched) and ``E`` (0-11: the
+    error, 12-14: a holder found); ``run_of`` is all -1 before and after. Returns ``(nF, nS, nd, ni, nt)``:
+    the lengths of the lists (a length beyond its buffer: the wrapper grows it and checks again)."""
     G, S = geo.shape[0], slot_st.shape[1]
-    err = np.zeros(12, dtype=np.int64)
-    out = np.zeros(3, dtype=np.int64)
-    X = np.zeros((4 + 2 * G, S), dtype=np.int64)
-    X[0, :] = -1
-    run_of = np.full(G * S, -1, dtype=np.int64)
-    cap = w_ids.shape[0] + P.shape[1] * G * 4 + 8
-    F4 = np.empty((cap, 4), dtype=np.int64)
-    seen_l = np.empty((cap, 6), dtype=np.int64)
-    dec = np.zeros(0, dtype=np.int64)
-    inc = np.zeros(0, dtype=np.int64)
-    nF = nS = 0
+    err, out = E[:12], E[12:15]
+    E[:] = 0
+    nF = nS = nd = ni = 0
     if not _prepare(X, P, R, A, FN, nf, geo, num_blocks, cell_st, slot_st, run_of, S):
         err[0] = -1
-        return err, X, F4, nF, seen_l, nS, dec, inc
-    moved = _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, False,
-                    run_of, S)
+        _unrun(R, run_of, G, S)
+        return nF, nS, nd, ni, 0
+    moved, nt = _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, run_of,
+                        S, L[2])
     ok = _no_jump(A, X, slot_st, err) and _rings(X, P, R, geo, cp, cell_st, num_blocks, run_of, S, err)
     if ok:
         ok, nF, nS = _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_of, S, fill,
@@ -685,29 +699,29 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
                        err, meta)
     if ok and full:
         ok = _held_nulls(X, P, R, w_ids, mirror, geo, cp, run_of, S, err)
-    _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, True, run_of, S)
+    for j in range(min(nt, L.shape[1])):
+        fill[L[2, j], 5] = 0
     for j in range(min(nF, F4.shape[0])):
         fill[F4[j, 0], 3] = 0
     if ok:
-        nd, ni = _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc, fill)
-        dec = np.zeros(nd, dtype=np.int64)
-        inc = np.zeros(ni, dtype=np.int64)
-        _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc, fill)
+        nd, ni = _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, L[0], L[1],
+                         fill)
+    _unrun(R, run_of, G, S)
     if nF > F4.shape[0] or nS > seen_l.shape[0]:
         err[0] = -2
-    return err, X, F4, nF, seen_l, nS, dec, inc
+    return nF, nS, nd, ni, nt
 
 
-def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, dec, inc,
+def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, L, nd, ni,
                 meta, step, handover, mine):
     """Apply a checked step (the lists of :func:`check_pass`)."""
     G, S = geo.shape[0], slot_st.shape[1]
     if handover:
         meta[0] = step
-    for j in range(dec.shape[0]):
-        fill[dec[j], 4] -= 1
-    for j in range(inc.shape[0]):
-        fill[inc[j], 4] += 1
+    for j in range(nd):
+        fill[L[0, j], 4] -= 1
+    for j in range(ni):
+        fill[L[1, j], 4] += 1
     for j in range(nF):
         k = F4[j, 0]
         fill[k, 0], fill[k, 1], fill[k, 2] = F4[j, 1], F4[j, 2], F4[j, 3]
@@ -766,8 +780,10 @@ def rehash(old, new):
 
 _I2, _I1, _N = ro("int64", 2), ro("int64"), numba.types.int64
 check_pass = pin(check_pass, (_I2, _I1, _I2, _I2, _I1, _I1, _I2, _I2, _N, numba.types.boolean, _N, ro("int32"), _I2,
-                              ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), ro("int8")))
+                              ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), ro("int8"),
+                              rw("int64", 2), rw("int64"), rw("int64", 2), rw("int64", 2), rw("int64", 2),
+                              rw("int64")))
 commit_pass = pin(commit_pass, (_I2, _I1, _I2, _I2, _I2, _N, rw("int64", 2), rw("int64", 3), rw("int64", 2),
-                                rw("int64"), _I2, _I2, _N, _I2, _N, _I1, _I1, rw("int64"), _N, numba.types.boolean,
+                                rw("int64"), _I2, _I2, _N, _I2, _N, _I2, _N, _N, rw("int64"), _N, numba.types.boolean,
                                 rw("int8")))
 rehash = pin(rehash, (ro("int64", 2), rw("int64", 2)))
