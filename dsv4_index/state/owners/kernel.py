@@ -137,48 +137,51 @@ def _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of
 
 @njit
 def _scan(g, kid, s0, q0, mode, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, out):
-    """The first holder of ``kid`` in group ``g`` after the step that ``mode`` asks for, into ``out`` (slot,
-    position); False when none. mode 0: another row certainly reading (a same-step hit at ``q0`` of a block
-    written whole aside); 1: ``s0`` itself at another position, not its own hit of this step; 2: ``s0`` at
-    another position; 3: any other row."""
-    cols, ring = geo[g, COLS], geo[g, RING]
-    for s in range(S):
-        if X[3, s] == 0:
+    """The first holder of ``kid`` in group ``g`` after the step that ``mode`` asks for (slots in order, then
+    table columns in order), into ``out`` (slot, position); False when none. mode 0: another row certainly
+    reading (a same-step hit at ``q0`` of a block written whole aside); 1: ``s0`` itself at another
+    position, not its own hit of this step; 2: ``s0`` at another position; 3: any other row. Each row's held
+    positions only are read (a ring's in column order: from the one in column 0 on, then those before it)."""
+    ring = geo[g, RING]
+    for s in range(s0 if mode == 1 or mode == 2 else 0, s0 + 1 if mode == 1 or mode == 2 else S):
+        if X[3, s] == 0 or ((mode == 0 or mode == 3) and s == s0):
             continue
-        for c in range(cols):
-            lo, cert, nb = _bounds(g, s, X, P, geo, cp, cell_st)
-            if nb <= 0:
-                break
-            pos = (nb - 1 - (nb - 1 - c) % ring) if ring > 0 else c
-            if not (lo <= pos < nb):
-                continue
-            r = run_of[g * S + s]
-            if r >= 0 and max(R[2, r], R[4, r]) <= pos < R[3, r]:
-                v = w_ids[R[5, r] + pos - R[2, r]]
-            else:
-                v = np.int64(mirror[geo[g, BASE] + s * cols + c])
-            if v != kid:
-                continue
-            if mode == 0:
-                if s == s0 or pos < cert:
-                    continue
-                k = _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S)
-                if k == 2 and pos == q0 and whole:
-                    continue
-                out[0], out[1], out[2] = s, pos, 1 if k == 1 else 0
-                return True
-            if mode == 1 or mode == 2:
-                if s != s0 or pos == q0:
-                    continue
-                if mode == 1 and _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
-                                           run_of, S) == 2:
-                    continue
-                out[0], out[1] = s, pos
-                return True
-            if s != s0:
-                out[0], out[1] = s, pos
-                return True
+        lo, cert, nb = _bounds(g, s, X, P, geo, cp, cell_st)
+        p0, p1 = lo, min(nb, geo[g, COLS])
+        w = p1
+        if ring > 0:
+            p0, p1 = max(lo, nb - ring), nb
+            w = min(max(-(-p0 // ring) * ring, p0), p1)
+        for k in range(2):
+            a, e = (w, p1) if k == 0 else (p0, w)
+            for pos in range(a, e):
+                if _holds(g, s, pos, kid, s0, q0, mode, whole, cert, X, P, R, w_ids, mirror, geo, cp, cell_st,
+                          slot_st, run_of, S, out):
+                    return True
     return False
+
+
+@njit
+def _holds(g, s, pos, kid, s0, q0, mode, whole, cert, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of,
+           S, out):
+    """Row ``s`` holds ``kid`` at ``pos`` the way ``mode`` of :func:`_scan` asks for (into ``out``)."""
+    if _id_after(g, s, pos, X, R, w_ids, mirror, geo, run_of, S) != kid:
+        return False
+    if mode == 0:
+        if pos < cert:
+            return False
+        k = _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S)
+        if k == 2 and pos == q0 and whole:
+            return False
+        out[0], out[1], out[2] = s, pos, 1 if k == 1 else 0
+        return True
+    if mode == 1 or mode == 2:
+        if pos == q0:
+            return False
+        if mode == 1 and _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S) == 2:
+            return False
+    out[0], out[1] = s, pos
+    return True
 
 
 @njit
@@ -687,6 +690,9 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
         return nF, nS, nd, ni, 0
     moved, nt = _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, run_of,
                         S, L[2])
+    if fill[fill.shape[0] - 2, 2]:  # NOTE: the table is full: the wrapper rebuilds it and runs the pass again
+        _unrun(R, run_of, G, S)
+        return nF, nS, nd, ni, nt
     ok = _no_jump(A, X, slot_st, err) and _rings(X, P, R, geo, cp, cell_st, num_blocks, run_of, S, err)
     if ok:
         ok, nF, nS = _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_of, S, fill,
