@@ -14,16 +14,25 @@ Arrays (``G`` groups, ``S`` slots, ``K`` id keys ``kid * G + gid``, ``M`` mirror
   fill lookup while no write into a shared block happened since);
   ``meta`` int64 ``[1]``: the last step with a write into a block another row may hold; ``mine`` int8 ``[M]``:
   the cell's row filled its block itself (not a hit); ``cell_st`` int64 ``[5, G, S]``: floor, hold, ring_lo, ...
-* ``fill`` int64 ``[K, 8]`` (one cache line a key): 0-2 slot, block position, step of the block's last fill
-  (slot -1: none); 3 this step's fill (scratch, 0: none, else its ``F4`` row + 1); 4 committed holders;
-  5 the step's acquisitions - releases (scratch, zero between steps); ``seen`` int64 ``[M]``.
-* the step (``P`` int64 ``[11, B]``: slots, seq, scheduled, replay start, replay end, drafts, ...;
+* ``fill`` int64 ``[cap + 2, 8]``: an open-addressing table of ``cap`` records (a power of two; linear
+  probing, :func:`_rec`), one cache line each, keyed by ``kid * G + gid``: 0-2 slot, block position, step of the
+  block's last fill (slot -1: none); 3 this step's fill (scratch, 0: none, else its ``F4`` row + 1); 4 committed
+  holders; 5 the step's acquisitions - releases (scratch, zero between steps); 6 the key (-1: empty). Row
+  ``cap``: records used, more than half used, full; row ``cap + 1``: spare. The table holds the keys the passes
+  touched (held, or filled once: a fill record is kept for the prefix-hit position check), not the id range:
+  the wrapper rebuilds it at four times the records in use, dropping records with neither a fill nor a holder.
+  ``seen`` int64 ``[M]``.
+* the step (``P`` int64 ``[7, B]``: slots, seq, scheduled, replay start, replay end, drafts, replay flag;
   ``R`` int64 ``[6, N]``: gid, slot, start, end, keep, cu start; ``w_ids``; ``A`` int64 ``[2, rows]``: slots,
-  nc; ``FN`` int64 ``[2, F]``: freed then new slots, ``nf`` freed).
+  nc; ``FN`` int64 ``[1, F]``: freed then new slots, ``nf`` freed).
+* scratch kept by the wrapper between steps: ``X`` int64 ``[4 + 2G, S]`` (batch row, fresh, nc, live after,
+  blocks after per group, ring marks after per group), ``run_of`` int64 ``[G * S]`` (all -1 between passes),
+  ``F4`` / ``seen_l`` (this step's fills and cells seen), ``L`` int64 ``[3, n]`` (released records, acquired
+  records, records the count filter touched), ``E`` int64 ``[16]`` (the error, a holder found).
 
-A failed check returns ``err`` (``err[0]``: a code of :data:`CODES`, then its fields, :mod:`.messages` words
-them); every index a pass reads through was range-checked by the planner (slots, groups, run bounds) and is
-checked again here before use (``err[0] = -1``: an index out of range).
+A failed check leaves its error in ``E`` (``E[0]``: a code of :data:`CODES`, then its fields, :mod:`.messages`
+words them); every index a pass reads through was range-checked by the planner (slots, groups, run bounds) and is
+checked again here before use (``E[0] = -1``: an index out of range).
 """
 
 from __future__ import annotations
