@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..._numba import njit, numba, pin, ro, rw
+from ..._numba import njit, njit_inline, numba, pin, ro, rw
 
 __all__ = ["check_pass", "commit_pass", "rehash", "CODES"]
 
@@ -50,7 +50,7 @@ HASH_MUL = 2654435761  # NOTE: Knuth's multiplicative hash; keys < 2**28, so key
 SKIP_VERIFIED = True  # NOTE: a verified row's reads skipped while no fill of a held key changed (see _reads)
 
 
-@njit
+@njit_inline
 def _owned(x, g, geo, cp):
     if x < 0:
         x = 0
@@ -62,31 +62,31 @@ def _owned(x, g, geo, cp):
     return (x // cyc) * cp[2] + part
 
 
-@njit
+@njit_inline
 def _cell(g, s, p, geo):
     ring = geo[g, RING]
     return geo[g, BASE] + s * geo[g, COLS] + (p % ring if ring > 0 else p)
 
 
-@njit
+@njit_inline
 def _lo_block(g, nc, rs, geo, cp):
     pos = max(nc - geo[g, WIN] + 1, 0, rs)
     return _owned(pos, g, geo, cp) // geo[g, BS]
 
 
-@njit
+@njit_inline
 def _read_lo(g, i, P, geo, cp):
     return _lo_block(g, P[1, i] - P[2, i], P[3, i], geo, cp)
 
 
-@njit
+@njit_inline
 def _ws(g, i, P, geo, cp):
     nc = P[1, i] - P[2, i]
     ws = max(nc, P[4, i]) if geo[g, FULL] else nc
     return _owned(ws, g, geo, cp), _owned(P[1, i], g, geo, cp)
 
 
-@njit
+@njit_inline
 def _bounds(g, s, X, P, geo, cp, cell_st):
     """(lowest held, lowest certainly read, blocks) of slot ``s`` in group ``g`` after the step."""
     nb, ring = X[4 + g, s], geo[g, RING]
@@ -108,7 +108,7 @@ def _bounds(g, s, X, P, geo, cp, cell_st):
     return lo, cert, nb
 
 
-@njit
+@njit_inline
 def _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S):
     r = run_of[g * S + s]
     if r >= 0 and max(R[2, r], R[4, r]) <= q < R[3, r]:
@@ -116,7 +116,7 @@ def _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S):
     return np.int64(mirror[_cell(g, s, q, geo)])
 
 
-@njit
+@njit_inline
 def _row_writes(g, s, X, P, geo, cp, slot_st):
     i = X[0, s]
     if i >= 0:
@@ -288,7 +288,7 @@ def _no_jump(A, X, slot_st, err):
     return True
 
 
-@njit
+@njit_inline
 def _rec(fill, key):
     """The record of id key ``key`` in the open-addressing table ``fill`` (linear probing; inserted, empty,
     when absent). Header row ``cap``: records used, more than half used (the wrapper grows the table before
@@ -310,7 +310,7 @@ def _rec(fill, key):
     return h
 
 
-@njit
+@njit_inline
 def _touch(fill, key, d, log, n):
     h = _rec(fill, key)
     fill[h, 5] += d
@@ -365,7 +365,7 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
     return moved, n
 
 
-@njit
+@njit_inline
 def _fill_rec(h, fill, F4, nF):
     """The last fill of record ``h``: this step's (``F4`` rows: record, slot, pos, step; ``nF`` of them so
     far) or the committed one; (slot, pos, step, from this step), slot -1 when none."""
@@ -375,7 +375,7 @@ def _fill_rec(h, fill, F4, nF):
     return fill[h, 0], fill[h, 1], fill[h, 2], False
 
 
-@njit
+@njit_inline
 def _add_fill(h, s, q, step, fill, F4, nF):
     if nF < F4.shape[0]:
         F4[nF, 0], F4[nF, 1], F4[nF, 2], F4[nF, 3] = h, s, q, step
@@ -383,7 +383,7 @@ def _add_fill(h, s, q, step, fill, F4, nF):
     return nF + 1
 
 
-@njit
+@njit_inline
 def _suspect(h, fill, moved):
     """Another row may hold record ``h``'s block after the step (beyond one holding: the row's own)."""
     return moved or fill[h, 4] + fill[h, 5] >= 2
