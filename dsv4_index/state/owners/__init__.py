@@ -185,15 +185,15 @@ class BlockOwners:
                 break
         if self.E[0]:
             self._reject(self.E[:12], plan)
-        self._pending = (plan, P, A, FN, nf, res)
+        self._pending = (plan, P, R, A, FN, nf, res)
 
     def commit(self, plan) -> None:
         """Apply the accepted ``plan`` checked by the last :meth:`check` (after the tables' commit)."""
         if self._pending is None or self._pending[0] is not plan:
             raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
-        _, P, A, FN, nf, (nF, nS, nd, ni, _) = self._pending
+        _, P, R, A, FN, nf, (nF, nS, nd, ni, _) = self._pending
         self._pending = None
-        commit_pass(self.geo, self.cp, P, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.seen,
+        commit_pass(self.geo, self.cp, P, R, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.seen,
                     self.X, self.F4, nF, self.seen_l, nS, self.L, nd, ni, self.meta, self.steps + 1,
                     bool(self.E[11]), self.mine)
         self.steps += 1

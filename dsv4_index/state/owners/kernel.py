@@ -727,7 +727,7 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
     return nF, nS, nd, ni, nt
 
 
-def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, L, nd, ni,
+def commit_pass(geo, cp, P, R, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, L, nd, ni,
                 meta, step, handover, mine):
     """Apply a checked step (the lists of :func:`check_pass`)."""
     G, S = geo.shape[0], slot_st.shape[1]
@@ -757,7 +757,9 @@ def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, 
         slot_st[1, s] = slot_st[2, s] = slot_st[3, s] = 0
         for g in range(G):
             cell_st[0, g, s] = cell_st[1, g, s] = 0
-    for s in range(S):
+    nFN = FN.shape[1]
+    for j in range(nFN + R.shape[1]):  # NOTE: liveness and ring marks change only in freed, new and run slots
+        s = FN[0, j] if j < nFN else R[1, j - nFN]
         slot_st[0, s] = X[3, s]
         for g in range(G):
             cell_st[2, g, s] = X[4 + G + g, s] if X[3, s] else 0
@@ -798,7 +800,7 @@ check_pass = pin(check_pass, (_I2, _I1, _I2, _I2, _I1, _I1, _I2, _I2, _N, numba.
                               ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), ro("int8"),
                               rw("int64", 2), rw("int64"), rw("int64", 2), rw("int64", 2), rw("int64", 2),
                               rw("int64")))
-commit_pass = pin(commit_pass, (_I2, _I1, _I2, _I2, _I2, _N, rw("int64", 2), rw("int64", 3), rw("int64", 2),
+commit_pass = pin(commit_pass, (_I2, _I1, _I2, _I2, _I2, _I2, _N, rw("int64", 2), rw("int64", 3), rw("int64", 2),
                                 rw("int64"), _I2, _I2, _N, _I2, _N, _I2, _N, _N, rw("int64"), _N, numba.types.boolean,
                                 rw("int8")))
 rehash = pin(rehash, (ro("int64", 2), rw("int64", 2)))
