@@ -91,3 +91,19 @@ def test_a_prefix_hit_of_a_block_filled_at_another_position_is_rejected(checks, 
         p.update(bad)
     b[0][0] = 1000                                   # the same block position: a real prefix hit
     p.update(StepInput([NewRequest("b", b, 32)], [], {"b": 4}, finished_req_ids=["a"] if finished else []))
+
+
+@pytest.mark.parametrize("checks", ["safe", "full"])
+def test_a_rows_own_rewrite_of_a_block_nobody_else_holds_keeps_its_fill(checks):
+    """X prefilled 22 tokens (step 1), ran 22 + 4 drafts (step 2) and comes back at 23 (drafts rejected): its
+    rewrite of position 23 (c4_state block 5 = 1205, mla block 0 = 1000, both filled by X in step 1) is not a
+    new fill while no other live row holds those blocks; its first write into c4_state block 6 (1206) was."""
+    p = _pipe(checks, spec=4)
+    p.update(StepInput([NewRequest("x", _lists(1000, 0, 22), 0)], [], {"x": 22}))
+    p.update(StepInput([], [RunningRequest("x", _lists(1000, 22, 27), 22)], {"x": 5}))
+    p.update(StepInput([], [RunningRequest("x", ((), (), (), ()), 23)], {"x": 1}))
+    fills = p.requests.owners.snapshot()["fills"]
+    slot = fills[(2, 1205)][0]
+    assert fills[(2, 1205)] == (slot, 5, 1) and fills[(0, 1000)] == (slot, 0, 1), fills
+    assert fills[(2, 1206)] == (slot, 6, 2), fills
+    p.update(StepInput([], [RunningRequest("x", ((), (), (), ()), 24)], {"x": 1}))   # its window reads them
