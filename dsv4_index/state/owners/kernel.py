@@ -730,7 +730,7 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
 def commit_pass(geo, cp, P, R, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, L, nd, ni,
                 meta, step, handover, mine):
     """Apply a checked step (the lists of :func:`check_pass`)."""
-    G, S = geo.shape[0], slot_st.shape[1]
+    G = geo.shape[0]
     if handover:
         meta[0] = step
     for j in range(nd):
