@@ -181,10 +181,11 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
         "block table mirror": ("host", 4 * max(total, 1)),
         "per-slot table state": ("host", 8 * (4 * G * num_slots + 1) + 12 * (max(cols, default=0) + 1)),
         "request slots": ("host", num_slots),
-        # NOTE: state/owners (BlockOwners.__init__): geometry, per-slot and per-(group, slot) state, one 64-byte record
-        # (fill, holder count, scratch) of 256 block ids a group at first (it grows with the largest block id seen),
-        # two marks per mirror entry; the step's scratch is allocated by each check pass, not held
-        "ownership state": ("host", 8 * (10 * G + 3 + 4 * num_slots + 1 + 5 * G * num_slots + 8 * (max(G, 1) << 8))
+        # NOTE: state/owners (BlockOwners.__init__): per-slot and per-(group, slot) state, the step's scratch (X,
+        # run_of, lists), two marks per mirror entry, and the (group, id) hash table of 64-byte records at its first
+        # size (the next power of two >= 256 G, plus 2 rows; it grows with the records in use, not with the ids)
+        "ownership state": ("host", 8 * (10 * G + 3 + 4 * num_slots + 1 + 5 * G * num_slots + (4 + 3 * G) * num_slots
+                                         + 256 * 10 + 3 * 1024 + 16 + 8 * (_pow2(256 * max(G, 1)) + 2))
                             + 9 * max(total, 1)),
         "staging": ("device", 4 * capacity),
         "staging (host)": ("pinned" if pinned else "host", 4 * capacity * (2 if pinned else 1)
@@ -196,3 +197,7 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
     out["parts"] = parts
     return out
 
+
+def _pow2(n: int) -> int:
+    """The least power of two >= ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
