@@ -176,13 +176,17 @@ class BlockOwners:
             res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
                              t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine,
                              self.X, self.run_of, self.F4, self.seen_l, self.L, self.E)
-            big = max(res[2], res[3], res[4])
-            if big > self.L.shape[1]:  # NOTE: a list overflowed (its verdict is void): longer lists, check again
-                self.L = np.zeros((3, 1 << (big - 1).bit_length()), dtype=_I64)
-            if self.fill[-2, 2]:
-                self.grow()  # NOTE: the table filled up within this step (its verdict is void): grow, check again
-            elif big <= self.L.shape[1]:
+            big, full = max(res[2], res[3], res[4]), bool(self.fill[-2, 2])
+            if not full and big <= self.L.shape[1]:
                 break
+            # NOTE: the verdict and the lists of this run are void: a list overflowed (compared with the length
+            # the run had, before it grows) or the table filled up. An overflowed count-filter log left the
+            # touches past its end in fill[:, 5] (only the logged ones are zeroed): cleared before the rerun
+            if big > self.L.shape[1]:
+                self.L = np.zeros((3, 1 << (big - 1).bit_length()), dtype=_I64)
+                self.fill[:-2, 5] = 0
+            if full:
+                self.grow()
         if self.E[0]:
             self._reject(self.E[:12], plan)
         self._pending = (plan, P, R, A, FN, nf, res)
