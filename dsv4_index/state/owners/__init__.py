@@ -44,7 +44,25 @@ from .kernel import CODES, check_pass, commit_pass, rehash
 from .messages import check_id_limit, reject
 from .naive import default_drafts
 
-__all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of"]
+__all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of", "first_sizes"]
+
+TABLE_RECORDS_MAX = 1 << 17  # NOTE: the first table's ceiling: 8 MiB of records (65,536 before it first grows)
+LIST_ENTRIES_MAX = 1 << 14
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def first_sizes(G: int, cells: int) -> tuple:
+    """(records of the first (group, id) table, entries of each of the three lists) for ``G`` groups and a
+    table mirror of ``cells`` entries, both powers of two. The live rows hold at most ``cells`` (group, id)
+    keys at once; the table holds them at most half full (it grows, between steps, past half load), up to
+    :data:`TABLE_RECORDS_MAX` records (the fills of blocks nobody holds accumulate beyond: the table grows
+    with the pool the scheduler uses, a few times in a pipeline's life). The lists hold a step's releases,
+    acquisitions and count-filter touches (a pass that overflows them runs again on longer ones)."""
+    table = _pow2(max(256 * max(G, 1), min(2 * cells, TABLE_RECORDS_MAX)))
+    return table, _pow2(max(1024, min(cells, LIST_ENTRIES_MAX)))
 
 
 def drafts_of(batch, plan) -> Optional[np.ndarray]:
@@ -109,7 +127,8 @@ class BlockOwners:
         self.meta = np.zeros(1, dtype=_I64)
         self.cell_st = np.zeros((5, G, S), dtype=_I64)
         self.cell_st[3] = -1
-        self.fill = self._fills(1 << (max(G, 1) * 256 - 1).bit_length())
+        records, entries = first_sizes(G, t.mirror.shape[0])
+        self.fill = self._fills(records)  # NOTE: sized for the held keys up front: no growth within the first steps
         self.seen = np.zeros(t.mirror.shape[0], dtype=_I64)
         self.mine = np.zeros(t.mirror.shape[0], dtype=np.int8)
         self.steps = 0
@@ -118,7 +137,7 @@ class BlockOwners:
         self.X = np.zeros((4 + 2 * G, S), dtype=_I64)
         self.run_of = np.full(G * S, -1, dtype=_I64)
         self.F4, self.seen_l = np.zeros((256, 4), dtype=_I64), np.zeros((256, 6), dtype=_I64)
-        self.L, self.E = np.zeros((3, 1024), dtype=_I64), np.zeros(16, dtype=_I64)
+        self.L, self.E = np.zeros((3, entries), dtype=_I64), np.zeros(16, dtype=_I64)
 
     @staticmethod
     def _fills(cap: int) -> np.ndarray:
