@@ -94,16 +94,23 @@ def test_a_prefix_hit_of_a_block_filled_at_another_position_is_rejected(checks, 
 
 
 @pytest.mark.parametrize("checks", ["safe", "full"])
-def test_a_rows_own_rewrite_of_a_block_nobody_else_holds_keeps_its_fill(checks):
-    """X prefilled 22 tokens (step 1), ran 22 + 4 drafts (step 2) and comes back at 23 (drafts rejected): its
-    rewrite of position 23 (c4_state block 5 = 1205, mla block 0 = 1000, both filled by X in step 1) is not a
-    new fill while no other live row holds those blocks; its first write into c4_state block 6 (1206) was."""
+def test_a_read_of_a_block_its_filler_rewrote_after_the_hit_is_rejected(checks):
+    """A prefilled 22 tokens (step 1) and ran 22 + 4 drafts (step 2); E, admitted in step 2 at 24 computed
+    tokens, took A's c4_state blocks 0..5 as prefix hits (1205: positions 20..23, A's drafts at 23 included)
+    and passed block 5 in step 3 (E at 25..32). A comes back at 23 in step 4 (drafts rejected) and rewrites
+    position 23 while nobody else holds 1205; A finishes, and E's window moves back to 28 (positions 21..28):
+    E would read position 23, which changed since it took the block. Rejected: A's rewrite is a new fill of
+    step 4 (h37o's "a row's own rewrite of a block nobody else holds keeps its fill" accepted it)."""
     p = _pipe(checks, spec=4)
-    p.update(StepInput([NewRequest("x", _lists(1000, 0, 22), 0)], [], {"x": 22}))
-    p.update(StepInput([], [RunningRequest("x", _lists(1000, 22, 27), 22)], {"x": 5}))
-    p.update(StepInput([], [RunningRequest("x", ((), (), (), ()), 23)], {"x": 1}))
-    fills = p.requests.owners.snapshot()["fills"]
-    slot = fills[(2, 1205)][0]
-    assert fills[(2, 1205)] == (slot, 5, 1) and fills[(0, 1000)] == (slot, 0, 1), fills
-    assert fills[(2, 1206)] == (slot, 6, 2), fills
-    p.update(StepInput([], [RunningRequest("x", ((), (), (), ()), 24)], {"x": 1}))   # its window reads them
+    none = ((), (), (), ())
+    p.update(StepInput([NewRequest("a", _lists(1000, 0, 22), 0)], [], {"a": 22}))
+    e = _lists(3000, 0, 25)
+    e[2][:6] = [1200 + j for j in range(6)]          # A's c4_state blocks 0..5, hits at the same positions
+    p.update(StepInput([NewRequest("e", e, 24)], [RunningRequest("a", _lists(1000, 22, 27), 22)], {"a": 5, "e": 1}))
+    p.update(StepInput([], [RunningRequest("e", _lists(3000, 25, 33), 25)], {"e": 8}))
+    p.update(StepInput([], [RunningRequest("a", none, 23)], {"a": 1}))
+    with pytest.raises(ValueError, match=r"slot 1 would read gid 2 \(c4_state\) block 1205 at block position 5 "
+                                         r"\(num_computed_tokens 28\), but slot 0 filled that block at block "
+                                         r"position 5 in step 4, after slot 1 last wrote or took it"):
+        p.update(StepInput([], [RunningRequest("e", none, 28)], {"e": 1}, finished_req_ids=["a"]))
+    p.update(StepInput([], [RunningRequest("e", none, 33)], {"e": 1}, finished_req_ids=["a"]))  # E where it was

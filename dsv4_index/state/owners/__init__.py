@@ -19,9 +19,9 @@ not refilled since. Everything below follows from it.
 * *Detection at read time.* Each (group, block) keeps its last fill: writer, block position, step. A step in
   which a row would read a sliding block filled since this row last wrote or took it, or takes a "prefix
   hit" of a block filled at another block position, is rejected before anything is built, naming the fill.
-  A row's own rewrite (below its frontier: drafts rejected, replay) of the block it filled last is a new fill
-  only when another live row holds that block after the step: nobody else can read it otherwise without
-  acquiring it first (a fill, or a hit whose block position is checked).
+  A row's own rewrite (below its frontier: drafts rejected, replay) of a block it filled is a new fill, even
+  when no other live row holds the block then: a row that took it as a hit and released it may read it again
+  (its window moved back below its floor), and must find it changed.
 * Also: prefix-shared full blocks are read-only for every holder (every full block a live row holds is
   certainly read), so bounded replay writes nothing into them; a row's ring columns hold what it reads (ring
   low-water marks); ``num_computed_tokens`` never jumps past what the row's steps wrote; a window that moves

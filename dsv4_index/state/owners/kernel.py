@@ -479,13 +479,6 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
                     run_of[g * S + s] < 0  # NOTE: the block it filled last, no write into a shared block since
                 if last and not rewind:
                     continue
-                kid = np.int64(mirror[_cell(g, s, q, geo)])
-                if last and kid >= f and q < X[4 + g, s]:  # NOTE: rewritten: the same fill unless another row
-                    h = _rec(fill, kid * G + g)            # may hold it (as below)
-                    if not _suspect(h, fill, moved):
-                        if fill[h, 4] >= 2 or fill[h, 5] != 0:
-                            err[11] = 1
-                        continue
                 if q >= X[4 + g, s] or _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                                  run_of, S) != 0:
                     continue
@@ -503,9 +496,9 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
                 sus = _suspect(h, fill, moved)
                 if sus or fill[h, 4] >= 2 or fill[h, 5] != 0:
                     err[11] = 1
-                if own and not (sus and _scan(g, kid, s, q, 3, False, X, P, R, w_ids, mirror, geo, cp, cell_st,
-                                              slot_st, run_of, S, out)):
-                    continue  # NOTE: its own block rewritten, nobody else holding it: the same fill
+                # NOTE: a rewrite of its own fill is a new fill even when nobody else holds the block now: a row
+                # that took it as a hit and released it may read it again (a window moved back), and must see
+                # that it changed (tests/state/test_owners_rule.py)
                 if sus and _scan(g, kid, s, q, 0, False, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                  run_of, S, out):
                     err[1], err[2], err[3], err[4] = s, g, ws, kid // f

@@ -278,9 +278,7 @@ class NaiveOwners:
 
     def _writes(self, st: _Step) -> None:
         """Blocks a batch row writes that it held before the step: an extension of its own fill, or a write
-        anew (below its frontier, or into a block someone else filled) that no other row certainly reads. A
-        rewrite below the frontier of the block the row filled last is a new fill only when another live row
-        holds the block after the step (nobody else can read it otherwise without acquiring it first)."""
+        anew (below its frontier, or into a block someone else filled) that no other row certainly reads."""
         t, p = self.t, st.plan
         for i, s in enumerate(p.slots.tolist()):
             if s in st.fresh:
@@ -299,14 +297,10 @@ class NaiveOwners:
                         continue
                     rewind = ws < min(we, mark) and q * bs < min(we, mark)
                     got = self.fill_of(st, g, kid)
-                    own = got is not None and got[:2] == (s, q) and got[2] == self.seen[c]
-                    if own and not rewind:
+                    if not rewind and got is not None and got[:2] == (s, q) and got[2] == self.seen[c]:
                         continue
-                    others = [(h, pos, cert) for h, pos, cert in self.holders(st, g, kid) if h != s]
-                    if own and not others:
-                        continue  # NOTE: its own block rewritten, nobody else holding it: the same fill
-                    for h, pos, cert in others:
-                        if cert:
+                    for h, pos, cert in self.holders(st, g, kid):
+                        if h != s and cert:
                             if rewind:
                                 reject("own.rewind_held", slot=s, gid=g, name=t.groups[g].name, ws=ws, mark=mark,
                                        nc=int(p.seq_lens[i] - p.num_scheduled[i]), kid=kid // f, pos=q // f,
