@@ -31,9 +31,10 @@ def pair(lay, n, t, spec, checks):
     a = MetadataPipeline(lay, n, t, "cpu", spec, checks=checks, backend="reference")
     b = MetadataPipeline(lay, n, t, "cpu", spec, checks=checks, backend="reference")
     b.requests.owners = NaiveOwners(b.tables, cp=(1, 0, 1), full=checks == "full", next_n=1 + spec)
-    # NOTE: the kernel's lists cut to 2 entries: these steps are far below the default lengths, and a pass that
-    # overflows them must run again (h37o's wrapper kept the overflowed run's void lists: holder counts lost)
-    a.requests.owners.L = np.zeros((3, 2), dtype=np.int64)
+    # NOTE: the kernel's lists (L, F4, seen_l) cut to 2 entries: these steps are far below the default lengths, and
+    # a pass that overflows them must run again (h37o's wrapper kept the overflowed run's void lists: counts lost)
+    o = a.requests.owners
+    o.L, o.F4, o.seen_l = (np.zeros(shape, dtype=np.int64) for shape in ((3, 2), (2, 4), (2, 6)))
     return a, b
 
 

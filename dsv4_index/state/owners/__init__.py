@@ -136,7 +136,7 @@ class BlockOwners:
         # NOTE: the passes' scratch, kept between steps (run_of all -1 between passes); grown on demand
         self.X = np.zeros((4 + 2 * G, S), dtype=_I64)
         self.run_of = np.full(G * S, -1, dtype=_I64)
-        self.F4, self.seen_l = np.zeros((256, 4), dtype=_I64), np.zeros((256, 6), dtype=_I64)
+        self.F4, self.seen_l = np.zeros((entries, 4), dtype=_I64), np.zeros((entries, 6), dtype=_I64)
         self.L, self.E = np.zeros((3, entries), dtype=_I64), np.zeros(16, dtype=_I64)
 
     @staticmethod
@@ -187,23 +187,23 @@ class BlockOwners:
         A = np.stack([plan.all_slots, plan.all_computed]).astype(_I64).reshape(2, -1)
         FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
         nf = int(plan.free_slots.shape[0])
-        need = w_ids.shape[0] + B * self.G * 4 + 8  # NOTE: fills and cells seen: one per id, four per row group
-        if self.F4.shape[0] < need:
-            n = 1 << (need - 1).bit_length()
-            self.F4, self.seen_l = np.zeros((n, 4), dtype=_I64), np.zeros((n, 6), dtype=_I64)
         while True:
             res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
                              t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine,
                              self.X, self.run_of, self.F4, self.seen_l, self.L, self.E)
             big, full = max(res[2], res[3], res[4]), bool(self.fill[-2, 2])
-            if not full and big <= self.L.shape[1]:
+            more = max(res[0], res[1])
+            if not full and big <= self.L.shape[1] and more <= self.F4.shape[0]:
                 break
             # NOTE: the verdict and the lists of this run are void: a list overflowed (compared with the length
             # the run had, before it grows) or the table filled up. An overflowed count-filter log left the
-            # touches past its end in fill[:, 5] (only the logged ones are zeroed): cleared before the rerun
+            # touches past its end in fill[:, 5] (only the logged ones are zeroed): cleared before the rerun (a
+            # fill past the end of F4 never marked its record)
             if big > self.L.shape[1]:
-                self.L = np.zeros((3, 1 << (big - 1).bit_length()), dtype=_I64)
+                self.L = np.zeros((3, _pow2(big)), dtype=_I64)
                 self.fill[:-2, 5] = 0
+            if more > self.F4.shape[0]:
+                self.F4, self.seen_l = np.zeros((_pow2(more), 4), dtype=_I64), np.zeros((_pow2(more), 6), dtype=_I64)
             if full:
                 self.grow()
         if self.E[0]:
