@@ -129,7 +129,7 @@ def _row_writes(g, s, X, P, geo, cp, slot_st):
     return ws, ws
 
 
-@njit
+@njit_inline
 def _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S):
     """0: (g, s, q) not acquired in this step; 1: a fill; 2: a hit."""
     r = run_of[g * S + s]
@@ -205,7 +205,7 @@ def _committed(g, s, geo, cell_st, num_blocks, slot_st):
     return lo, nb
 
 
-@njit
+@njit_inline
 def _push(buf, n, v):
     if n < buf.shape[0]:
         buf[n] = v
@@ -216,11 +216,13 @@ def _push(buf, n, v):
 def _prepare(X, P, R, A, FN, nf, geo, num_blocks, cell_st, slot_st, run_of, S):
     """The step's scratch rows ``X`` (module docstring of the wrapper); False on an index out of range."""
     G = geo.shape[0]
-    for s in range(S):
+    for s in range(S):  # NOTE: row by row (every array here is [.., S]): contiguous reads and writes
         X[0, s], X[1, s], X[2, s] = -1, 0, 0
         X[3, s] = slot_st[0, s]
-        for g in range(G):
+    for g in range(G):
+        for s in range(S):
             X[4 + g, s] = num_blocks[g, s]
+        for s in range(S):
             X[4 + G + g, s] = cell_st[2, g, s]
     for j in range(A.shape[1]):
         s = A[0, j]
