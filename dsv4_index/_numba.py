@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["njit", "signatures", "numba", "pin", "compile_pinned", "ro", "rw", "ready"]
+__all__ = ["njit", "njit_inline", "signatures", "numba", "pin", "compile_pinned", "ro", "rw", "ready"]
 
 _PINNED: list = []  # NOTE: (dispatcher, argument types) of every pass compiled for one signature
 _READY = [False]
@@ -23,6 +23,12 @@ _READY = [False]
 def njit(fn):
     """``numba.njit(cache=True, nogil=True)(fn)``: the one decorator of a compiled host pass."""
     return numba.njit(cache=True, nogil=True)(fn)
+
+
+def njit_inline(fn):
+    """:func:`njit` inlined into its callers at numba's IR level (``inline="always"``): for the small helpers
+    of a pass (bounds, cells, table lookups) that run once a row and group."""
+    return numba.njit(cache=True, nogil=True, inline="always")(fn)
 
 
 def signatures(fn) -> int:

@@ -164,6 +164,7 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
     counted; the steps themselves add working memory of O(groups × max_num_reqs) on the host. Takes the
     capacities only: :meth:`MetadataPipeline.memory_estimate` checks every constructor argument first.
     """
+    from .state.owners import first_sizes
     from .state.staging import StageLayout
 
     cp = (cp_world_size, cp_rank, cp_interleave)
@@ -176,16 +177,18 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
     staged = min(total, 1 << 20 if max_staged_blocks is None else max_staged_blocks)
     capacity = StageLayout.for_tokens(T, G, len(ctx.staged_inputs), num_slots).writes + 2 * max(int(staged), 1)
     pinned = dev.type == "cuda"
+    records, lists = first_sizes(G, max(total, 1))
     parts: Dict[str, Tuple[str, int]] = {
         "block tables": ("device", 4 * max(total, 1)),
         "block table mirror": ("host", 4 * max(total, 1)),
         "per-slot table state": ("host", 8 * (4 * G * num_slots + 1) + 12 * (max(cols, default=0) + 1)),
         "request slots": ("host", num_slots),
-        # NOTE: state/owners (BlockOwners.__init__): geometry, per-slot and per-(group, slot) state, one 64-byte record
-        # (fill, holder count, scratch) of 256 block ids a group at first (it grows with the largest block id seen),
-        # two marks per mirror entry; the step's scratch is allocated by each check pass, not held
-        "ownership state": ("host", 8 * (10 * G + 3 + 4 * num_slots + 1 + 5 * G * num_slots + 8 * (max(G, 1) << 8))
-                            + 9 * max(total, 1)),
+        # NOTE: state/owners (BlockOwners.__init__): per-slot and per-(group, slot) state, the step's scratch (X,
+        # run_of; F4, seen_l and the three lists L at their first length), two marks per mirror entry, and the
+        # (group, id) hash table of 64-byte records at its first size, plus 2 rows (first_sizes: from the groups and
+        # the mirror; it grows with the records in use, not with the ids)
+        "ownership state": ("host", 8 * (10 * G + 3 + 4 * num_slots + 1 + 5 * G * num_slots + (4 + 3 * G) * num_slots
+                                         + 13 * lists + 16 + 8 * (records + 2)) + 9 * max(total, 1)),
         "staging": ("device", 4 * capacity),
         "staging (host)": ("pinned" if pinned else "host", 4 * capacity * (2 if pinned else 1)
                            + 8 * (max(T, num_slots) + 1)),

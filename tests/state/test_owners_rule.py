@@ -91,3 +91,26 @@ def test_a_prefix_hit_of_a_block_filled_at_another_position_is_rejected(checks, 
         p.update(bad)
     b[0][0] = 1000                                   # the same block position: a real prefix hit
     p.update(StepInput([NewRequest("b", b, 32)], [], {"b": 4}, finished_req_ids=["a"] if finished else []))
+
+
+@pytest.mark.parametrize("checks", ["safe", "full"])
+def test_a_read_of_a_block_its_filler_rewrote_after_the_hit_is_rejected(checks):
+    """A prefilled 22 tokens (step 1) and ran 22 + 4 drafts (step 2); E, admitted in step 2 at 24 computed
+    tokens, took A's c4_state blocks 0..5 as prefix hits (1205: positions 20..23, A's drafts at 23 included)
+    and passed block 5 in step 3 (E at 25..32). A comes back at 23 in step 4 (drafts rejected) and rewrites
+    position 23 while nobody else holds 1205; A finishes, and E's window moves back to 28 (positions 21..28):
+    E would read position 23, which changed since it took the block. Rejected: A's rewrite is a new fill of
+    step 4 (h37o's "a row's own rewrite of a block nobody else holds keeps its fill" accepted it)."""
+    p = _pipe(checks, spec=4)
+    none = ((), (), (), ())
+    p.update(StepInput([NewRequest("a", _lists(1000, 0, 22), 0)], [], {"a": 22}))
+    e = _lists(3000, 0, 25)
+    e[2][:6] = [1200 + j for j in range(6)]          # A's c4_state blocks 0..5, hits at the same positions
+    p.update(StepInput([NewRequest("e", e, 24)], [RunningRequest("a", _lists(1000, 22, 27), 22)], {"a": 5, "e": 1}))
+    p.update(StepInput([], [RunningRequest("e", _lists(3000, 25, 33), 25)], {"e": 8}))
+    p.update(StepInput([], [RunningRequest("a", none, 23)], {"a": 1}))
+    with pytest.raises(ValueError, match=r"slot 1 would read gid 2 \(c4_state\) block 1205 at block position 5 "
+                                         r"\(num_computed_tokens 28\), but slot 0 filled that block at block "
+                                         r"position 5 in step 4, after slot 1 last wrote or took it"):
+        p.update(StepInput([], [RunningRequest("e", none, 28)], {"e": 1}, finished_req_ids=["a"]))
+    p.update(StepInput([], [RunningRequest("e", none, 33)], {"e": 1}, finished_req_ids=["a"]))  # E where it was

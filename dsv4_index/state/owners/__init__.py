@@ -19,6 +19,9 @@ not refilled since. Everything below follows from it.
 * *Detection at read time.* Each (group, block) keeps its last fill: writer, block position, step. A step in
   which a row would read a sliding block filled since this row last wrote or took it, or takes a "prefix
   hit" of a block filled at another block position, is rejected before anything is built, naming the fill.
+  A row's own rewrite (below its frontier: drafts rejected, replay) of a block it filled is a new fill, even
+  when no other live row holds the block then: a row that took it as a hit and released it may read it again
+  (its window moved back below its floor), and must find it changed.
 * Also: prefix-shared full blocks are read-only for every holder (every full block a live row holds is
   certainly read), so bounded replay writes nothing into them; a row's ring columns hold what it reads (ring
   low-water marks); ``num_computed_tokens`` never jumps past what the row's steps wrote; a window that moves
@@ -37,11 +40,29 @@ from typing import Optional
 import numpy as np
 
 from ..._numba import compile_pinned, ready
-from .kernel import CODES, check_pass, commit_pass
+from .kernel import CODES, check_pass, commit_pass, rehash
 from .messages import check_id_limit, reject
 from .naive import default_drafts
 
-__all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of"]
+__all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of", "first_sizes"]
+
+TABLE_RECORDS_MAX = 1 << 17  # NOTE: the first table's ceiling: 8 MiB of records (65,536 before it first grows)
+LIST_ENTRIES_MAX = 1 << 14
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def first_sizes(G: int, cells: int) -> tuple:
+    """(records of the first (group, id) table, entries of each of the three lists) for ``G`` groups and a
+    table mirror of ``cells`` entries, both powers of two. The live rows hold at most ``cells`` (group, id)
+    keys at once; the table holds them at most half full (it grows, between steps, past half load), up to
+    :data:`TABLE_RECORDS_MAX` records (the fills of blocks nobody holds accumulate beyond: the table grows
+    with the pool the scheduler uses, a few times in a pipeline's life). The lists hold a step's releases,
+    acquisitions and count-filter touches (a pass that overflows them runs again on longer ones)."""
+    table = _pow2(max(256 * max(G, 1), min(2 * cells, TABLE_RECORDS_MAX)))
+    return table, _pow2(max(1024, min(cells, LIST_ENTRIES_MAX)))
 
 
 def drafts_of(batch, plan) -> Optional[np.ndarray]:
@@ -106,36 +127,45 @@ class BlockOwners:
         self.meta = np.zeros(1, dtype=_I64)
         self.cell_st = np.zeros((5, G, S), dtype=_I64)
         self.cell_st[3] = -1
-        self.fill = self._fills(max(G, 1) << 8)
+        records, entries = first_sizes(G, t.mirror.shape[0])
+        self.fill = self._fills(records)  # NOTE: sized for the held keys up front: no growth within the first steps
         self.seen = np.zeros(t.mirror.shape[0], dtype=_I64)
         self.mine = np.zeros(t.mirror.shape[0], dtype=np.int8)
         self.steps = 0
         self._pending: Optional[tuple] = None
+        # NOTE: the passes' scratch, kept between steps (run_of all -1 between passes); grown on demand
+        self.X = np.zeros((4 + 2 * G, S), dtype=_I64)
+        self.run_of = np.full(G * S, -1, dtype=_I64)
+        self.F4, self.seen_l = np.zeros((entries, 4), dtype=_I64), np.zeros((entries, 6), dtype=_I64)
+        self.L, self.E = np.zeros((3, entries), dtype=_I64), np.zeros(16, dtype=_I64)
 
     @staticmethod
-    def _fills(n: int) -> np.ndarray:
-        """int64 ``[n, 8]``, one cache line a key (kernel docstring): no fill, no holder, scratch zero."""
-        fill = np.zeros((n, 8), dtype=_I64)
-        fill[:, :3] = -1
+    def _fills(cap: int) -> np.ndarray:
+        """int64 ``[cap + 2, 8]``: an empty open-addressing table of ``cap`` (a power of two) records, one
+        cache line each (kernel docstring), then the header row (records used, overflow flag) and a spare row."""
+        fill = np.zeros((cap + 2, 8), dtype=_I64)
+        fill[:cap, :3] = -1
+        fill[:cap, 6] = -1
         return fill
 
     @property
-    def count(self) -> np.ndarray:
-        """int64 ``[K]``: committed holders per id key (a view of ``fill[:, 4]``)."""
-        return self.fill[:, 4]
+    def _keys(self) -> np.ndarray:
+        """int64 ``[n]``: the table rows that hold a key."""
+        return np.flatnonzero(self.fill[:-2, 6] >= 0)
 
-    def grow(self, max_key: int) -> None:
-        """Room for id keys up to ``max_key`` (no holder, no fill for ids never seen)."""
-        n0 = self.fill.shape[0]
-        if max_key < n0:
+    def grow(self) -> None:
+        """Rebuild the table at four times the records in use, when the last pass found it more than half
+        full (records that hold neither a fill nor a holder are dropped)."""
+        if not self.fill[-2, 1]:
             return
-        fill = self._fills(1 << int(max_key).bit_length())
-        fill[:n0] = self.fill
+        used = int(self.fill[-2, 0])
+        fill = self._fills(1 << (4 * used - 1).bit_length())
+        rehash(self.fill, fill)
         self.fill = fill
 
     def check(self, plan) -> None:
         """Every ownership rule of ``plan`` (module docstring); raises ``ValueError`` and changes nothing
-        observable (the tables of fills and counts may grow)."""
+        observable (the table of fills and counts may grow)."""
         self._pending = None
         if not ready():
             compile_pinned()  # NOTE: the passes' one signature (warmup() does this first)
@@ -153,24 +183,42 @@ class BlockOwners:
         if R.shape[1]:
             np.cumsum((plan.w_cu[1:] - plan.w_cu[:-1]) // t.f[plan.w_gid], out=raw0[1:])
             check_id_limit(int(w_ids.max(initial=0)), self.G)
-            self.grow(int(w_ids.max(initial=0)) * self.G + self.G)
+        self.grow()
         A = np.stack([plan.all_slots, plan.all_computed]).astype(_I64).reshape(2, -1)
         FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
         nf = int(plan.free_slots.shape[0])
-        res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
-                         t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine)
-        if res[0][0]:
-            self._reject(res[0], plan)
-        self._pending = (plan, P, A, FN, nf, res)
+        while True:
+            res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
+                             t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine,
+                             self.X, self.run_of, self.F4, self.seen_l, self.L, self.E)
+            big, full = max(res[2], res[3], res[4]), bool(self.fill[-2, 2])
+            more = max(res[0], res[1])
+            if not full and big <= self.L.shape[1] and more <= self.F4.shape[0]:
+                break
+            # NOTE: the verdict and the lists of this run are void: a list overflowed (compared with the length
+            # the run had, before it grows) or the table filled up. An overflowed count-filter log left the
+            # touches past its end in fill[:, 5] (only the logged ones are zeroed): cleared before the rerun (a
+            # fill past the end of F4 never marked its record)
+            if big > self.L.shape[1]:
+                self.L = np.zeros((3, _pow2(big)), dtype=_I64)
+                self.fill[:-2, 5] = 0
+            if more > self.F4.shape[0]:
+                self.F4, self.seen_l = np.zeros((_pow2(more), 4), dtype=_I64), np.zeros((_pow2(more), 6), dtype=_I64)
+            if full:
+                self.grow()
+        if self.E[0]:
+            self._reject(self.E[:12], plan)
+        self._pending = (plan, P, R, A, FN, nf, res)
 
     def commit(self, plan) -> None:
         """Apply the accepted ``plan`` checked by the last :meth:`check` (after the tables' commit)."""
         if self._pending is None or self._pending[0] is not plan:
             raise RuntimeError("BlockOwners.commit: the plan was not checked by BlockOwners.check")
-        _, P, A, FN, nf, (err, X, F4, nF, seen_l, nS, dec, inc) = self._pending
+        _, P, R, A, FN, nf, (nF, nS, nd, ni, _) = self._pending
         self._pending = None
-        commit_pass(self.geo, self.cp, P, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.seen,
-                    X, F4, nF, seen_l, nS, dec, inc, self.meta, self.steps + 1, bool(err[11]), self.mine)
+        commit_pass(self.geo, self.cp, P, R, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.seen,
+                    self.X, self.F4, nF, self.seen_l, nS, self.L, nd, ni, self.meta, self.steps + 1,
+                    bool(self.E[11]), self.mine)
         self.steps += 1
 
     def _reject(self, e: np.ndarray, plan) -> None:
@@ -224,8 +272,9 @@ class BlockOwners:
         """``{(gid, kernel id): live holders}`` of the committed state (``certain``: only where the holder
         certainly reads the block next); the counts (not ``certain``) are the kernel's own."""
         if not certain:
-            nz = np.flatnonzero(self.count)
-            return {(k % self.G, k // self.G): int(self.count[k]) for k in nz.tolist()}
+            k = self._keys
+            c, key = self.fill[k, 4], self.fill[k, 6]
+            return {(int(x) % self.G, int(x) // self.G): int(n) for x, n in zip(key.tolist(), c.tolist()) if n}
         t = self.t
         out: dict = {}
         for g in range(self.G):
@@ -241,8 +290,10 @@ class BlockOwners:
 
     def snapshot(self) -> dict:
         """Every field of the committed state, in :meth:`NaiveOwners.snapshot`'s form."""
-        k = np.flatnonzero(self.fill[:, 0] >= 0)
-        fills = {(int(x) % self.G, int(x) // self.G): tuple(int(y) for y in self.fill[x, :3]) for x in k.tolist()}
+        k = self._keys
+        k = k[self.fill[k, 0] >= 0]
+        fills = {(int(x) % self.G, int(x) // self.G): tuple(int(y) for y in self.fill[h, :3])
+                 for h, x in zip(k.tolist(), self.fill[k, 6].tolist())}
         return {"live": self.slot_st[0].astype(bool), "frontier": self.slot_st[1].copy(),
                 "replay_mark": self.slot_st[2].copy(), "floor": self.cell_st[0].copy(),
                 "hold": self.cell_st[1].copy(), "ring_lo": self.cell_st[2].copy(), "fills": fills,

@@ -14,33 +14,43 @@ Arrays (``G`` groups, ``S`` slots, ``K`` id keys ``kid * G + gid``, ``M`` mirror
   fill lookup while no write into a shared block happened since);
   ``meta`` int64 ``[1]``: the last step with a write into a block another row may hold; ``mine`` int8 ``[M]``:
   the cell's row filled its block itself (not a hit); ``cell_st`` int64 ``[5, G, S]``: floor, hold, ring_lo, ...
-* ``fill`` int64 ``[K, 8]`` (one cache line a key): 0-2 slot, block position, step of the block's last fill
-  (slot -1: none); 3 this step's fill (scratch, 0: none, else its ``F4`` row + 1); 4 committed holders;
-  5 the step's acquisitions - releases (scratch, zero between steps); ``seen`` int64 ``[M]``.
-* the step (``P`` int64 ``[11, B]``: slots, seq, scheduled, replay start, replay end, drafts, ...;
+* ``fill`` int64 ``[cap + 2, 8]``: an open-addressing table of ``cap`` records (a power of two; linear
+  probing, :func:`_rec`), one cache line each, keyed by ``kid * G + gid``: 0-2 slot, block position, step of the
+  block's last fill (slot -1: none); 3 this step's fill (scratch, 0: none, else its ``F4`` row + 1); 4 committed
+  holders; 5 the step's acquisitions - releases (scratch, zero between steps); 6 the key (-1: empty). Row
+  ``cap``: records used, more than half used, full; row ``cap + 1``: spare. The table holds the keys the passes
+  touched (held, or filled once: a fill record is kept for the prefix-hit position check), not the id range:
+  the wrapper rebuilds it at four times the records in use, dropping records with neither a fill nor a holder.
+  ``seen`` int64 ``[M]``.
+* the step (``P`` int64 ``[7, B]``: slots, seq, scheduled, replay start, replay end, drafts, replay flag;
   ``R`` int64 ``[6, N]``: gid, slot, start, end, keep, cu start; ``w_ids``; ``A`` int64 ``[2, rows]``: slots,
-  nc; ``FN`` int64 ``[2, F]``: freed then new slots, ``nf`` freed).
+  nc; ``FN`` int64 ``[1, F]``: freed then new slots, ``nf`` freed).
+* scratch kept by the wrapper between steps: ``X`` int64 ``[4 + 2G, S]`` (batch row, fresh, nc, live after,
+  blocks after per group, ring marks after per group), ``run_of`` int64 ``[G * S]`` (all -1 between passes),
+  ``F4`` / ``seen_l`` (this step's fills and cells seen), ``L`` int64 ``[3, n]`` (released records, acquired
+  records, records the count filter touched), ``E`` int64 ``[16]`` (the error, a holder found).
 
-A failed check returns ``err`` (``err[0]``: a code of :data:`CODES`, then its fields, :mod:`.messages` words
-them); every index a pass reads through was range-checked by the planner (slots, groups, run bounds) and is
-checked again here before use (``err[0] = -1``: an index out of range).
+A failed check leaves its error in ``E`` (``E[0]``: a code of :data:`CODES`, then its fields, :mod:`.messages`
+words them); every index a pass reads through was range-checked by the planner (slots, groups, run bounds) and is
+checked again here before use (``E[0] = -1``: an index out of range).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..._numba import njit, numba, pin, ro, rw
+from ..._numba import njit, njit_inline, numba, pin, ro, rw
 
-__all__ = ["check_pass", "commit_pass", "CODES"]
+__all__ = ["check_pass", "commit_pass", "rehash", "CODES"]
 
 CODES = ("", "own.jump", "own.ring", "own.again", "own.fill_held", "own.rewind_held", "own.write_held",
          "own.stale_read", "own.hit_position", "own.twice", "own.twice_sliding", "own.held_null")
 BASE, COLS, RING, BS, F, WIN, FULL, CIRC, SLID, SHARD = range(10)
+HASH_MUL = 2654435761  # NOTE: Knuth's multiplicative hash; keys < 2**28, so key * HASH_MUL < 2**60 (no wrap)
 SKIP_VERIFIED = True  # NOTE: a verified row's reads skipped while no fill of a held key changed (see _reads)
 
 
-@njit
+@njit_inline
 def _owned(x, g, geo, cp):
     if x < 0:
         x = 0
@@ -52,31 +62,31 @@ def _owned(x, g, geo, cp):
     return (x // cyc) * cp[2] + part
 
 
-@njit
+@njit_inline
 def _cell(g, s, p, geo):
     ring = geo[g, RING]
     return geo[g, BASE] + s * geo[g, COLS] + (p % ring if ring > 0 else p)
 
 
-@njit
+@njit_inline
 def _lo_block(g, nc, rs, geo, cp):
     pos = max(nc - geo[g, WIN] + 1, 0, rs)
     return _owned(pos, g, geo, cp) // geo[g, BS]
 
 
-@njit
+@njit_inline
 def _read_lo(g, i, P, geo, cp):
     return _lo_block(g, P[1, i] - P[2, i], P[3, i], geo, cp)
 
 
-@njit
+@njit_inline
 def _ws(g, i, P, geo, cp):
     nc = P[1, i] - P[2, i]
     ws = max(nc, P[4, i]) if geo[g, FULL] else nc
     return _owned(ws, g, geo, cp), _owned(P[1, i], g, geo, cp)
 
 
-@njit
+@njit_inline
 def _bounds(g, s, X, P, geo, cp, cell_st):
     """(lowest held, lowest certainly read, blocks) of slot ``s`` in group ``g`` after the step."""
     nb, ring = X[4 + g, s], geo[g, RING]
@@ -98,7 +108,7 @@ def _bounds(g, s, X, P, geo, cp, cell_st):
     return lo, cert, nb
 
 
-@njit
+@njit_inline
 def _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S):
     r = run_of[g * S + s]
     if r >= 0 and max(R[2, r], R[4, r]) <= q < R[3, r]:
@@ -106,7 +116,7 @@ def _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S):
     return np.int64(mirror[_cell(g, s, q, geo)])
 
 
-@njit
+@njit_inline
 def _row_writes(g, s, X, P, geo, cp, slot_st):
     i = X[0, s]
     if i >= 0:
@@ -119,7 +129,7 @@ def _row_writes(g, s, X, P, geo, cp, slot_st):
     return ws, ws
 
 
-@njit
+@njit_inline
 def _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S):
     """0: (g, s, q) not acquired in this step; 1: a fill; 2: a hit."""
     r = run_of[g * S + s]
@@ -136,48 +146,51 @@ def _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of
 
 @njit
 def _scan(g, kid, s0, q0, mode, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, out):
-    """The first holder of ``kid`` in group ``g`` after the step that ``mode`` asks for, into ``out`` (slot,
-    position); False when none. mode 0: another row certainly reading (a same-step hit at ``q0`` of a block
-    written whole aside); 1: ``s0`` itself at another position, not its own hit of this step; 2: ``s0`` at
-    another position; 3: any other row."""
-    cols, ring = geo[g, COLS], geo[g, RING]
-    for s in range(S):
-        if X[3, s] == 0:
+    """The first holder of ``kid`` in group ``g`` after the step that ``mode`` asks for (slots in order, then
+    table columns in order), into ``out`` (slot, position); False when none. mode 0: another row certainly
+    reading (a same-step hit at ``q0`` of a block written whole aside); 1: ``s0`` itself at another
+    position, not its own hit of this step; 2: ``s0`` at another position; 3: any other row. Each row's held
+    positions only are read (a ring's in column order: from the one in column 0 on, then those before it)."""
+    ring = geo[g, RING]
+    for s in range(s0 if mode == 1 or mode == 2 else 0, s0 + 1 if mode == 1 or mode == 2 else S):
+        if X[3, s] == 0 or ((mode == 0 or mode == 3) and s == s0):
             continue
-        for c in range(cols):
-            lo, cert, nb = _bounds(g, s, X, P, geo, cp, cell_st)
-            if nb <= 0:
-                break
-            pos = (nb - 1 - (nb - 1 - c) % ring) if ring > 0 else c
-            if not (lo <= pos < nb):
-                continue
-            r = run_of[g * S + s]
-            if r >= 0 and max(R[2, r], R[4, r]) <= pos < R[3, r]:
-                v = w_ids[R[5, r] + pos - R[2, r]]
-            else:
-                v = np.int64(mirror[geo[g, BASE] + s * cols + c])
-            if v != kid:
-                continue
-            if mode == 0:
-                if s == s0 or pos < cert:
-                    continue
-                k = _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S)
-                if k == 2 and pos == q0 and whole:
-                    continue
-                out[0], out[1], out[2] = s, pos, 1 if k == 1 else 0
-                return True
-            if mode == 1 or mode == 2:
-                if s != s0 or pos == q0:
-                    continue
-                if mode == 1 and _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
-                                           run_of, S) == 2:
-                    continue
-                out[0], out[1] = s, pos
-                return True
-            if s != s0:
-                out[0], out[1] = s, pos
-                return True
+        lo, cert, nb = _bounds(g, s, X, P, geo, cp, cell_st)
+        p0, p1 = lo, min(nb, geo[g, COLS])
+        w = p1
+        if ring > 0:
+            p0, p1 = max(lo, nb - ring), nb
+            w = min(max(-(-p0 // ring) * ring, p0), p1)
+        for k in range(2):
+            a, e = (w, p1) if k == 0 else (p0, w)
+            for pos in range(a, e):
+                if _holds(g, s, pos, kid, s0, q0, mode, whole, cert, X, P, R, w_ids, mirror, geo, cp, cell_st,
+                          slot_st, run_of, S, out):
+                    return True
     return False
+
+
+@njit
+def _holds(g, s, pos, kid, s0, q0, mode, whole, cert, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of,
+           S, out):
+    """Row ``s`` holds ``kid`` at ``pos`` the way ``mode`` of :func:`_scan` asks for (into ``out``)."""
+    if _id_after(g, s, pos, X, R, w_ids, mirror, geo, run_of, S) != kid:
+        return False
+    if mode == 0:
+        if pos < cert:
+            return False
+        k = _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S)
+        if k == 2 and pos == q0 and whole:
+            return False
+        out[0], out[1], out[2] = s, pos, 1 if k == 1 else 0
+        return True
+    if mode == 1 or mode == 2:
+        if pos == q0:
+            return False
+        if mode == 1 and _acq_kind(g, s, pos, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S) == 2:
+            return False
+    out[0], out[1] = s, pos
+    return True
 
 
 @njit
@@ -192,7 +205,7 @@ def _committed(g, s, geo, cell_st, num_blocks, slot_st):
     return lo, nb
 
 
-@njit
+@njit_inline
 def _push(buf, n, v):
     if n < buf.shape[0]:
         buf[n] = v
@@ -203,16 +216,19 @@ def _push(buf, n, v):
 def _prepare(X, P, R, A, FN, nf, geo, num_blocks, cell_st, slot_st, run_of, S):
     """The step's scratch rows ``X`` (module docstring of the wrapper); False on an index out of range."""
     G = geo.shape[0]
+    for s in range(S):  # NOTE: row by row (every array here is [.., S]): contiguous reads and writes
+        X[0, s], X[1, s], X[2, s] = -1, 0, 0
+        X[3, s] = slot_st[0, s]
+    for g in range(G):
+        for s in range(S):
+            X[4 + g, s] = num_blocks[g, s]
+        for s in range(S):
+            X[4 + G + g, s] = cell_st[2, g, s]
     for j in range(A.shape[1]):
         s = A[0, j]
         if not (0 <= s < S):
             return False
         X[2, s] = A[1, j]
-    for s in range(S):
-        X[3, s] = slot_st[0, s]
-        for g in range(G):
-            X[4 + g, s] = num_blocks[g, s]
-            X[4 + G + g, s] = cell_st[2, g, s]
     for j in range(FN.shape[1]):
         s = FN[0, j]
         if not (0 <= s < S):
@@ -274,33 +290,56 @@ def _no_jump(A, X, slot_st, err):
     return True
 
 
-@njit
-def _touch(fill, key, d, zero):
-    if zero:
-        fill[key, 5] = 0
-    else:
-        fill[key, 5] += d
+@njit_inline
+def _rec(fill, key):
+    """The record of id key ``key`` in the open-addressing table ``fill`` (linear probing; inserted, empty,
+    when absent). Header row ``cap``: records used, more than half used (the wrapper grows the table before
+    the next step), full (then the spare row ``cap + 1`` is returned and the wrapper grows the table and
+    checks the step again)."""
+    cap = fill.shape[0] - 2
+    h = ((key * HASH_MUL) >> 16) & (cap - 1)
+    while fill[h, 6] >= 0:
+        if fill[h, 6] == key:
+            return h
+        h = (h + 1) & (cap - 1)
+    if fill[cap, 0] >= cap - 1:
+        fill[cap, 2] = 1
+        return cap + 1
+    fill[cap, 0] += 1
+    if 2 * fill[cap, 0] > cap:
+        fill[cap, 1] = 1
+    fill[h, 6] = key
+    return h
+
+
+@njit_inline
+def _touch(fill, key, d, log, n):
+    h = _rec(fill, key)
+    fill[h, 5] += d
+    return _push(log, n, h)
 
 
 @njit
-def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, zero, run_of, S):
-    """``fill[key, 5]`` = the step's acquisitions - releases per key (the count filter), or, ``zero``, those
-    entries back to 0. Returns whether a batch row's window moved back below its floor (then every suspect
-    is scanned)."""
+def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, run_of, S, log):
+    """``fill[key, 5]`` = the step's acquisitions - releases per key (the count filter); the records touched
+    go to ``log`` (the pass zeroes them from there). Returns whether a batch row's window moved back below
+    its floor (then every suspect is scanned), and the number of touches (when beyond ``log``, the wrapper
+    grows it and runs the pass again: the same touches, so every one is zeroed by the second run)."""
     moved = False
+    n = 0
     for r in range(R.shape[1]):
         g, s = R[0, r], R[1, r]
         lo = _bounds(g, s, X, P, geo, cp, cell_st)[0]
         for q in range(max(R[2, r], R[4, r], lo), R[3, r]):
             kid = w_ids[R[5, r] + q - R[2, r]]
             if kid >= geo[g, F]:
-                _touch(fill, kid * G + g, 1, zero)
+                n = _touch(fill, kid * G + g, 1, log, n)
         lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
         if X[1, s] == 0:
             for q in range(max(lo0, R[2, r]), nb0):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    _touch(fill, kid * G + g, -1, zero)
+                    n = _touch(fill, kid * G + g, -1, log, n)
     for j in range(nf):
         s = FN[0, j]
         for g in range(G):
@@ -308,7 +347,7 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
             for q in range(lo0, nb0):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    _touch(fill, kid * G + g, -1, zero)
+                    n = _touch(fill, kid * G + g, -1, log, n)
     for i in range(P.shape[1]):
         s = P[0, i]
         if X[1, s] == 1 or X[3, s] == 0:
@@ -324,35 +363,32 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
             for q in range(lo0, min(rl, nb0, R[2, r] if r >= 0 else nb0)):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    _touch(fill, kid * G + g, -1, zero)
-    return moved
+                    n = _touch(fill, kid * G + g, -1, log, n)
+    return moved, n
 
 
-@njit
-def _fill_rec(g, kid, G, fill, F4, nF):
-    """The last fill of ``(g, kid)``: this step's (``F4`` rows: key, slot, pos, step; ``nF`` of them so far)
-    or the committed one; (slot, pos, step, from this step), slot -1 when none."""
-    key = kid * G + g
-    j = fill[key, 3] if nF > 0 else 0
+@njit_inline
+def _fill_rec(h, fill, F4, nF):
+    """The last fill of record ``h``: this step's (``F4`` rows: record, slot, pos, step; ``nF`` of them so
+    far) or the committed one; (slot, pos, step, from this step), slot -1 when none."""
+    j = fill[h, 3] if nF > 0 else 0
     if j > 0:
         return F4[j - 1, 1], F4[j - 1, 2], F4[j - 1, 3], True
-    return fill[key, 0], fill[key, 1], fill[key, 2], False
+    return fill[h, 0], fill[h, 1], fill[h, 2], False
 
 
-@njit
-def _add_fill(g, s, q, kid, step, G, fill, F4, nF):
-    key = kid * G + g
+@njit_inline
+def _add_fill(h, s, q, step, fill, F4, nF):
     if nF < F4.shape[0]:
-        F4[nF, 0], F4[nF, 1], F4[nF, 2], F4[nF, 3] = key, s, q, step
-        fill[key, 3] = nF + 1
+        F4[nF, 0], F4[nF, 1], F4[nF, 2], F4[nF, 3] = h, s, q, step
+        fill[h, 3] = nF + 1
     return nF + 1
 
 
-@njit
-def _suspect(g, kid, G, fill, moved):
-    """Another row may hold ``kid`` after the step (beyond one holding: the row's own)."""
-    key = kid * G + g
-    return moved or fill[key, 4] + fill[key, 5] >= 2
+@njit_inline
+def _suspect(h, fill, moved):
+    """Another row may hold record ``h``'s block after the step (beyond one holding: the row's own)."""
+    return moved or fill[h, 4] + fill[h, 5] >= 2
 
 
 @njit
@@ -374,9 +410,10 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                 raw = raw0[r] + (q - a) // f
                 if phase == 0 and fl:
                     whole = geo[g, CIRC] or (q * bs >= ws and (q + 1) * bs <= we)
-                    if fill[kid * G + g, 4] >= 1 or fill[kid * G + g, 5] >= 2:
+                    h = _rec(fill, kid * G + g)
+                    if fill[h, 4] >= 1 or fill[h, 5] >= 2:
                         err[11] = 1  # NOTE: a block some row held (its own second copy included) filled anew
-                    if _suspect(g, kid, G, fill, moved):
+                    if _suspect(h, fill, moved):
                         err[11] = 1  # NOTE: a write into a block someone else may hold: reads are checked in full
                         if _scan(g, kid, s, q, 0, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                  run_of, S, out):
@@ -388,25 +425,25 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                             err[0], err[1], err[2], err[3], err[4] = 9, raw, kid // f, s, q // f
                             err[5], err[6] = g, out[1] // f
                             return False, nF, nS
-                    nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
+                    nF = _add_fill(h, s, q, step, fill, F4, nF)
                     nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), step, 1, g, s, q)
                 elif phase == 1 and not fl:
-                    fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
+                    h = _rec(fill, kid * G + g)
+                    fs, fp, fst, now = _fill_rec(h, fill, F4, nF)
                     own = fs == s and now
                     if fs >= 0 and fp != q and not own:
                         err[0], err[1], err[2], err[3], err[4] = 8, raw, kid // f, s, q // f
                         err[5], err[6], err[7], err[8] = g, fp // f, fs, fst
                         return False, nF, nS
-                    if full and geo[g, SLID] and _suspect(g, kid, G, fill, moved) and \
+                    if full and geo[g, SLID] and _suspect(h, fill, moved) and \
                             _scan(g, kid, s, q, 2, False, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                   run_of, S, out):
                         err[0], err[1], err[2], err[3] = 10, kid // f, g, s
                         return False, nF, nS
-                    key = kid * G + g
-                    if (fs < 0 and (fill[key, 4] >= 1 or fill[key, 5] >= 2)) or (own and fp != q):
+                    if (fs < 0 and (fill[h, 4] >= 1 or fill[h, 5] >= 2)) or (own and fp != q):
                         err[11] = 1  # NOTE: a fill record made for a held block, or a cell that fails its own
                     if fs < 0:
-                        nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
+                        nF = _add_fill(h, s, q, step, fill, F4, nF)
                         fst = step
                     nS = _push_seen(seen_l, nS, _cell(g, s, q, geo), fst, 0, g, s, q)
     return True, nF, nS
@@ -439,9 +476,11 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
             if we <= ws:
                 continue
             for q in range(ws // bs, -(-we // bs)):
-                if q == cell_st[3, g, s] and cell_st[4, g, s] > meta[0] and err[11] == 0 and \
-                        not (ws < min(we, mark) and q * bs < min(we, mark)) and run_of[g * S + s] < 0:
-                    continue  # NOTE: the block it filled last, which no write into a shared block changed since
+                rewind = ws < min(we, mark) and q * bs < min(we, mark)
+                last = q == cell_st[3, g, s] and cell_st[4, g, s] > meta[0] and err[11] == 0 and \
+                    run_of[g * S + s] < 0  # NOTE: the block it filled last, no write into a shared block since
+                if last and not rewind:
+                    continue
                 if q >= X[4 + g, s] or _acq_kind(g, s, q, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
                                                  run_of, S) != 0:
                     continue
@@ -449,17 +488,21 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
                 kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
                 if kid < f:
                     continue
-                rewind = ws < min(we, mark) and q * bs < min(we, mark)
                 if not rewind and err[11] == 0 and mine[c] and seen[c] > meta[0]:
                     continue  # NOTE: its own fill, which no write into a shared block can have changed since
-                fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
-                if not rewind and fs == s and fp == q and fst == seen[c]:
+                h = _rec(fill, kid * G + g)
+                fs, fp, fst, now = _fill_rec(h, fill, F4, nF)
+                own = fs == s and fp == q and fst == seen[c]
+                if own and not rewind:
                     continue
-                if _suspect(g, kid, G, fill, moved) or fill[kid * G + g, 4] >= 2 or fill[kid * G + g, 5] != 0:
+                sus = _suspect(h, fill, moved)
+                if sus or fill[h, 4] >= 2 or fill[h, 5] != 0:
                     err[11] = 1
-                if _suspect(g, kid, G, fill, moved) and _scan(g, kid, s, q, 0, False, X, P, R, w_ids,
-                                                                    mirror, geo, cp, cell_st, slot_st, run_of,
-                                                                    S, out):
+                # NOTE: a rewrite of its own fill is a new fill even when nobody else holds the block now: a row
+                # that took it as a hit and released it may read it again (a window moved back), and must see
+                # that it changed (tests/state/test_owners_rule.py)
+                if sus and _scan(g, kid, s, q, 0, False, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
+                                 run_of, S, out):
                     err[1], err[2], err[3], err[4] = s, g, ws, kid // f
                     err[5], err[6], err[7] = q // f, out[0], out[1] // f
                     if rewind:
@@ -467,7 +510,7 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
                     else:
                         err[0] = 6
                     return False, nF, nS
-                nF = _add_fill(g, s, q, kid, step, G, fill, F4, nF)
+                nF = _add_fill(h, s, q, step, fill, F4, nF)
                 nS = _push_seen(seen_l, nS, c, step, 1, g, s, q)
     return True, nF, nS
 
@@ -524,7 +567,7 @@ def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, s
                 kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
                 if kid < f:
                     continue
-                fs, fp, fst, now = _fill_rec(g, kid, G, fill, F4, nF)
+                fs, fp, fst, now = _fill_rec(_rec(fill, kid * G + g), fill, F4, nF)
                 if fs < 0:
                     continue
                 ok = (fs == s and fp == q) if now else (fst == seen[c] and fp == q)
@@ -582,19 +625,19 @@ def _new_range(g, s, X, P, geo, cp, cell_st):
 
 
 @njit
-def _dec(dec, nd, g, s, q, mirror, geo, G):
+def _dec(dec, nd, g, s, q, mirror, geo, G, fill):
     kid = np.int64(mirror[_cell(g, s, q, geo)])
-    return _push(dec, nd, kid * G + g) if kid >= geo[g, F] else nd
+    return _push(dec, nd, _rec(fill, kid * G + g)) if kid >= geo[g, F] else nd
 
 
 @njit
-def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G):
+def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill):
     kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
-    return _push(inc, ni, kid * G + g) if kid >= geo[g, F] else ni
+    return _push(inc, ni, _rec(fill, kid * G + g)) if kid >= geo[g, F] else ni
 
 
 @njit
-def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc):
+def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc, fill):
     """The id keys leaving (``dec``) and entering (``inc``) the committed held ranges of every affected
     (group, slot); returns their numbers (only counted when the buffers are too small)."""
     G = geo.shape[0]
@@ -617,36 +660,43 @@ def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, r
             if X[1, s] == 1:
                 u0, u1 = 0, 0
             for q in range(lo0, min(nb0, max(u0, lo0))):
-                nd = _dec(dec, nd, g, s, q, mirror, geo, G)
+                nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
             for q in range(max(lo0, u1, min(nb0, max(u0, lo0))), nb0):
-                nd = _dec(dec, nd, g, s, q, mirror, geo, G)
+                nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
             for q in range(lo1, min(nb1, max(u0, lo1))):
-                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G)
+                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
             for q in range(max(lo1, u1, min(nb1, max(u0, lo1))), nb1):
-                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G)
+                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
     return nd, ni
 
 
+@njit
+def _unrun(R, run_of, G, S):
+    for r in range(R.shape[1]):
+        g, s = R[0, r], R[1, r]
+        if 0 <= g < G and 0 <= s < S:
+            run_of[g * S + s] = -1
+
+
 def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_blocks, slot_st, cell_st, fill,
-               seen, meta, mine):
-    """The rule on one step, scratch only: ``(err, X, F4 fills, nF, seen list, nS, dec, inc)``."""
+               seen, meta, mine, X, run_of, F4, seen_l, L, E):
+    """The rule on one step, into the preallocated scratch ``X``, ``F4`` (fills), ``seen_l`` (cells seen),
+    ``L`` (rows: released records, acquired records, records the count filter touched) and ``E`` (0-11: the
+    error, 12-14: a holder found); ``run_of`` is all -1 before and after. Returns ``(nF, nS, nd, ni, nt)``:
+    the lengths of the lists (a length beyond its buffer: the wrapper grows it and checks again)."""
     G, S = geo.shape[0], slot_st.shape[1]
-    err = np.zeros(12, dtype=np.int64)
-    out = np.zeros(3, dtype=np.int64)
-    X = np.zeros((4 + 2 * G, S), dtype=np.int64)
-    X[0, :] = -1
-    run_of = np.full(G * S, -1, dtype=np.int64)
-    cap = w_ids.shape[0] + P.shape[1] * G * 4 + 8
-    F4 = np.empty((cap, 4), dtype=np.int64)
-    seen_l = np.empty((cap, 6), dtype=np.int64)
-    dec = np.zeros(0, dtype=np.int64)
-    inc = np.zeros(0, dtype=np.int64)
-    nF = nS = 0
+    err, out = E[:12], E[12:15]
+    E[:] = 0
+    nF = nS = nd = ni = 0
     if not _prepare(X, P, R, A, FN, nf, geo, num_blocks, cell_st, slot_st, run_of, S):
         err[0] = -1
-        return err, X, F4, nF, seen_l, nS, dec, inc
-    moved = _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, False,
-                    run_of, S)
+        _unrun(R, run_of, G, S)
+        return nF, nS, nd, ni, 0
+    moved, nt = _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, run_of,
+                        S, L[2])
+    if fill[fill.shape[0] - 2, 2]:  # NOTE: the table is full: the wrapper rebuilds it and runs the pass again
+        _unrun(R, run_of, G, S)
+        return nF, nS, nd, ni, nt
     ok = _no_jump(A, X, slot_st, err) and _rings(X, P, R, geo, cp, cell_st, num_blocks, run_of, S, err)
     if ok:
         ok, nF, nS = _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_of, S, fill,
@@ -659,29 +709,29 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
                        err, meta)
     if ok and full:
         ok = _held_nulls(X, P, R, w_ids, mirror, geo, cp, run_of, S, err)
-    _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, True, run_of, S)
+    for j in range(min(nt, L.shape[1])):
+        fill[L[2, j], 5] = 0
     for j in range(min(nF, F4.shape[0])):
         fill[F4[j, 0], 3] = 0
     if ok:
-        nd, ni = _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
-        dec = np.zeros(nd, dtype=np.int64)
-        inc = np.zeros(ni, dtype=np.int64)
-        _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc)
+        nd, ni = _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, L[0], L[1],
+                         fill)
+    _unrun(R, run_of, G, S)
     if nF > F4.shape[0] or nS > seen_l.shape[0]:
         err[0] = -2
-    return err, X, F4, nF, seen_l, nS, dec, inc
+    return nF, nS, nd, ni, nt
 
 
-def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, dec, inc,
+def commit_pass(geo, cp, P, R, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, L, nd, ni,
                 meta, step, handover, mine):
     """Apply a checked step (the lists of :func:`check_pass`)."""
-    G, S = geo.shape[0], slot_st.shape[1]
+    G = geo.shape[0]
     if handover:
         meta[0] = step
-    for j in range(dec.shape[0]):
-        fill[dec[j], 4] -= 1
-    for j in range(inc.shape[0]):
-        fill[inc[j], 4] += 1
+    for j in range(nd):
+        fill[L[0, j], 4] -= 1
+    for j in range(ni):
+        fill[L[1, j], 4] += 1
     for j in range(nF):
         k = F4[j, 0]
         fill[k, 0], fill[k, 1], fill[k, 2] = F4[j, 1], F4[j, 2], F4[j, 3]
@@ -702,7 +752,9 @@ def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, 
         slot_st[1, s] = slot_st[2, s] = slot_st[3, s] = 0
         for g in range(G):
             cell_st[0, g, s] = cell_st[1, g, s] = 0
-    for s in range(S):
+    nFN = FN.shape[1]
+    for j in range(nFN + R.shape[1]):  # NOTE: liveness and ring marks change only in freed, new and run slots
+        s = FN[0, j] if j < nFN else R[1, j - nFN]
         slot_st[0, s] = X[3, s]
         for g in range(G):
             cell_st[2, g, s] = X[4 + G + g, s] if X[3, s] else 0
@@ -727,9 +779,23 @@ def commit_pass(geo, cp, P, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, 
     return True
 
 
+def rehash(old, new):
+    """Move every record of ``old`` that holds something (a fill or a holder) into the empty table ``new``."""
+    n = 0
+    for h in range(old.shape[0] - 2):
+        if old[h, 6] >= 0 and (old[h, 0] >= 0 or old[h, 4] != 0):
+            j = _rec(new, old[h, 6])
+            new[j, 0], new[j, 1], new[j, 2], new[j, 4] = old[h, 0], old[h, 1], old[h, 2], old[h, 4]
+            n += 1
+    return n
+
+
 _I2, _I1, _N = ro("int64", 2), ro("int64"), numba.types.int64
 check_pass = pin(check_pass, (_I2, _I1, _I2, _I2, _I1, _I1, _I2, _I2, _N, numba.types.boolean, _N, ro("int32"), _I2,
-                              ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), ro("int8")))
-commit_pass = pin(commit_pass, (_I2, _I1, _I2, _I2, _I2, _N, rw("int64", 2), rw("int64", 3), rw("int64", 2),
-                                rw("int64"), _I2, _I2, _N, _I2, _N, _I1, _I1, rw("int64"), _N, numba.types.boolean,
+                              ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), ro("int8"),
+                              rw("int64", 2), rw("int64"), rw("int64", 2), rw("int64", 2), rw("int64", 2),
+                              rw("int64")))
+commit_pass = pin(commit_pass, (_I2, _I1, _I2, _I2, _I2, _I2, _N, rw("int64", 2), rw("int64", 3), rw("int64", 2),
+                                rw("int64"), _I2, _I2, _N, _I2, _N, _I2, _N, _N, rw("int64"), _N, numba.types.boolean,
                                 rw("int8")))
+rehash = pin(rehash, (ro("int64", 2), rw("int64", 2)))
