@@ -166,10 +166,30 @@ def check_conversions(mp, md, gen, tag):
         assert all(torch.equal(g[:Tq], w[src]) for g, w in zip(got, want)), (tag, ch, "candidate slots")
 
 
-def run_trace(lay_name, kind, seed, steps, pad, reqs=R, arrivals=2, prompt_len=(10, 200)):
+def poke_negative(pipes, rng, n=8):
+    """``-1`` (no block) at the same ``n`` random entries of every sliding device table of each pipeline (the split
+    tiles' slow path, fused/rows.py); returns what :func:`unpoke` restores (the host mirror never changes)."""
+    lay = pipes[0].layout
+    tabs = pipes[0].tables.tables
+    picks = [(g, int(rng.integers(tabs[g].shape[0])), int(rng.integers(tabs[g].shape[1])))
+             for g, grp in enumerate(lay.groups) if grp.window for _ in range(n)]
+    old = [[(g, r, c, int(p.tables.tables[g][r, c])) for g, r, c in picks] for p in pipes]
+    for p in pipes:
+        for g, r, c in picks:
+            p.tables.tables[g][r, c] = -1
+    return old
+
+
+def unpoke(pipes, old):
+    for p, o in zip(pipes, old):
+        for g, r, c, v in reversed(o):
+            p.tables.tables[g][r, c] = v
+
+
+def run_trace(lay_name, kind, seed, steps, pad, reqs=R, arrivals=2, prompt_len=(10, 200), negative=False):
     lay = layout(lay_name)
-    # NOTE: validate: check_metadata each step
-    plain, decl = pipe(lay, "reference", reqs), pipe(lay, kind, reqs, validate=True)
+    # NOTE: validate: check_metadata each step (not with -1 block ids: it names them)
+    plain, decl = pipe(lay, "reference", reqs), pipe(lay, kind, reqs, validate=not negative)
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     sched = ReferenceScheduler(lay, 900, max_num_batched_tokens=T_MAX, max_num_seqs=reqs, num_speculative_tokens=SPEC,
@@ -180,11 +200,15 @@ def run_trace(lay_name, kind, seed, steps, pad, reqs=R, arrivals=2, prompt_len=(
         pad_to = min(T_MAX, step.total_tokens + int(rng.integers(1, 4))) if pad and i % 2 else None
         dstep = declare(step, rng)
         plain.update(step, pad_to=pad_to)
+        decl.update(dstep, pad_to=pad_to)
+        if negative:  # NOTE: after update (its checks refuse a null block where a step reads), for this build only
+            old = poke_negative((plain, decl), rng)
         poison(plain, POISONS[0])
         mp = plain.build()
-        decl.update(dstep, pad_to=pad_to)
         poison(decl, POISONS[1])
         md = decl.build()
+        if negative:
+            unpoke((plain, decl), old)
         check_declared(mp, md, (lay_name, kind, seed, i))
         check_conversions(mp, md, gen, (lay_name, kind, seed, i))
         if md.query_lens is not None:
@@ -215,21 +239,26 @@ def test_declared_step_is_the_plain_step_gathered_triton(seed, lay_name, kind):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (CUDA or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("lay_name", ["tiny_v41_b32", "tiny_circular", "tiny_v41_per_layer"])
-def test_declared_step_in_the_large_tiles(monkeypatch, lay_name):
+@pytest.mark.parametrize("lay_name,fold,negative", [("tiny_v41_b32", 1, False), ("tiny_circular", 1, False),
+                                                    ("tiny_v41_per_layer", 1, False), ("tiny_v41_per_layer", 2, True)])
+def test_declared_step_in_the_large_tiles(monkeypatch, lay_name, fold, negative):
     """Steps from 16 tokens on take the large tiles: a declared step runs the split window programs over its query
     rows (fused/rows.py ``window_split``, ``QUERY``; slot mappings per source token); a circular group's (source
-    rows, unflagged) and per-layer sliding groups' (several tasks a unit) split programs too."""
-    from dsv4_index.fused.tasks import FLAG_CIRCULAR, FLAG_QUERY, NF, S_FLAGS, S_REP, S_SPLIT
+    rows, unflagged) and per-layer sliding groups' (several tasks a unit, ``fold`` of them a program) too; ``negative``:
+    some sliding tables' entries are -1 (the tiles' slow path)."""
+    from dsv4_index.fused import plan as plan_mod
+    from dsv4_index.fused.tasks import FLAG_CIRCULAR, FLAG_QUERY, NF, S_FLAGS, S_FOLD, S_REP, S_SPLIT
     monkeypatch.setenv("DSV4_INDEX_LARGE_FROM", "16")
+    monkeypatch.setattr(plan_mod, "INTERP_LARGE", dataclasses.replace(plan_mod.INTERP_LARGE, fold=fold))
     p = pipe(layout(lay_name), "fused")
     tok = p.fused_plan._variants[2]["consts"]["TOK"]
     units = [tok[i:i + int(NF)] for i in range(0, len(tok), int(NF))]
     split = [u for u in units if u[S_SPLIT]]
     assert any(u[S_FLAGS] & int(FLAG_QUERY) for u in split)
     assert lay_name != "tiny_circular" or any(u[S_FLAGS] & int(FLAG_CIRCULAR) for u in split)
-    assert lay_name != "tiny_v41_per_layer" or any(u[S_FLAGS] & int(FLAG_QUERY) and u[S_REP] > 1 for u in split)
-    seen = run_trace(lay_name, "fused", 11, 6, True)
+    assert lay_name != "tiny_v41_per_layer" or any(u[S_FLAGS] & int(FLAG_QUERY) and u[S_REP] > 1
+                                                   and u[S_FOLD] == fold for u in split)
+    seen = run_trace(lay_name, "fused", 11, 6, True, negative=negative)
     assert seen["declared"] >= 3
 
 
