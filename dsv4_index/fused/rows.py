@@ -25,7 +25,7 @@ from ..state.staging import H_REPLAY_END, H_REPLAY_START
 from .tasks import (FLAG_CIRCULAR, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, G_TABLE, HAS_OUT2, HAS_OUT3, NF, O_SCRATCH,
                     OUTS_WORDS, S_BC, S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_FLAGS, S_FOLD, S_HAS, S_RING, S_TASK,
                     S_WIDTH, S_WINDOW, SPLIT_WORDS)
-from .query import query_rows_sized, query_sizes
+from .query import query_rows_padded
 from .window import out_ptr, overlay, table_words, token_rows
 
 # NOTE: plain ints of state/staging.py wrapped as tl.constexpr (kernel.py says why)
@@ -48,9 +48,8 @@ def window_split(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, k0, t0,
     t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok, BT)
     row = tl.load(stage_ptr + off_slots + b, mask=valid, other=0)
     if QUERY:  # NOTE: the lists' rows: query rows (their loads beside the source rows')
-        B, Tq, lim = query_sizes(stage_ptr, qslq, T_pad)
-        u, in_q, b_q, valid_q, seq_q, end_q, pos_q = query_rows_sized(stage_ptr, qslq, t0, B, Tq, lim, rows, off_seq,
-                                                                      BT, LOG_R)
+        u, in_q, b_q, valid_q, seq_q, end_q, pos_q, lim = query_rows_padded(stage_ptr, qslq, t0, T_pad, rows, off_seq,
+                                                                            BT, LOG_R)
         row_q = tl.load(stage_ptr + off_slots + b_q, mask=valid_q, other=0)
     else:
         u, in_q, b_q, valid_q, pos_q, row_q, lim = t, in_out, b, valid, pos, row, T_pad
