@@ -221,16 +221,17 @@ def _token_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t0, col0, T_
     t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok, BT)
     if KIND == QUERY_MAP:
         query_map_task(stage_ptr, query_array(stage_ptr, off_extra, rows, QX), base32, base64, base8, orow, t0, T_pad,
-                       off_qsl, off_seq, TAB, TI, BT, LOG_R)
+                       rows, off_qsl, off_seq, TAB, TI, BT, LOG_R)
     elif (FLAG_QUERY & TAB[TI * NF + S_FLAGS]) != 0:
         qslq = query_array(stage_ptr, off_extra, rows, QX)
         if declared(qslq):
+            # NOTE: the query rows' loads before the source rows' stores (no load waits behind a store)
+            u, in_out_q, b_q, valid_q, seq_q, end_q, pos_q = query_rows(stage_ptr, qslq, t0, T_pad, rows, off_seq, BT,
+                                                                          LOG_R)
             if KIND == WINDOW:  # NOTE: the slot mappings of the source rows t0 + [0, BT)
                 _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, t, in_out, b, valid, seq, end, pos,
                             col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov, TAB, TI,
                             BLOCK_LOADS, 1)
-            u, in_out_q, b_q, valid_q, seq_q, end_q, pos_q = query_rows(stage_ptr, qslq, t0, T_pad, off_seq, BT,
-                                                                          LOG_R)
             if KIND == WINDOW:
                 _table_task(stage_ptr, tables_ptr, base32, base64, base8, orow, u, in_out_q, b_q, valid_q, seq_q,
                             end_q, pos_q, col0, T_pad, rows, off_qsl, off_slots, off_rs, off_re, off_extra, off_ov,
@@ -384,13 +385,11 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
         if (r >= START) & (r < START + NPROG * (REP // FOLD)):
             q = r - START
             if (FLAG_QUERY & TAB[TI * NF + S_FLAGS]) != 0:
-                if declared(query_array(stage_ptr, off_extra, rows, QX)):
-                    # NOTE: a declared step: each folded task as a plain one (one chunk: width <= BC), over query rows
-                    for k in tl.static_range(FOLD):
-                        _token_task(stage_ptr, tables_ptr, base32, base64, base8,
-                                    outs_ptr + (TAB[TI * NF + S_TASK] + (q // NPROG) * FOLD + k) * OUTS_WORDS,
-                                    s * T_SUPER + (q % NPROG) * BT, 0, T_pad, rows, off_qsl, off_seq, off_slots,
-                                    off_rs, off_re, off_tok, off_extra, off_ov, TAB, TI, BLOCK_LOADS, QX, LOG_R)
+                qslq = query_array(stage_ptr, off_extra, rows, QX)
+                if declared(qslq):
+                    _declared_fold_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, q, T_pad, rows,
+                                        off_qsl, off_seq, off_slots, off_rs, off_re, off_tok, off_extra, off_ov, qslq,
+                                        TAB, TI, T_SUPER, BLOCK_LOADS, QX, LOG_R)
                 else:
                     _fold_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, q, T_pad, rows, off_qsl,
                                off_seq, off_slots, off_rs, off_re, off_tok, off_ov, TAB, TI, T_SUPER, BLOCK_LOADS)
@@ -410,6 +409,28 @@ def _token_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, r, T_
 
 
 @triton.jit
+def _declared_fold_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, q, T_pad, rows, off_qsl, off_seq,
+                        off_slots, off_rs, off_re, off_tok, off_extra, off_ov, qslq, TAB: tl.constexpr,
+                        TI: tl.constexpr, T_SUPER: tl.constexpr, BLOCK_LOADS: tl.constexpr, QX: tl.constexpr,
+                        LOG_R: tl.constexpr):
+    """Program ``q`` of a folded window unit in a declared step: split (fused/rows.py, lists of query rows), else
+    each folded task as a plain one (one chunk: width <= BC) over query rows."""
+    NPROG: tl.constexpr = TAB[TI * NF + S_NPROG]
+    FOLD: tl.constexpr = TAB[TI * NF + S_FOLD]
+    BT: tl.constexpr = TAB[TI * NF + S_BT]
+    if TAB[TI * NF + S_SPLIT] != 0:
+        window_split(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
+                     s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
+                     off_tok, off_ov, qslq, TAB, TI, True, LOG_R)
+    else:
+        for k in tl.static_range(FOLD):
+            _token_task(stage_ptr, tables_ptr, base32, base64, base8,
+                        outs_ptr + (TAB[TI * NF + S_TASK] + (q // NPROG) * FOLD + k) * OUTS_WORDS,
+                        s * T_SUPER + (q % NPROG) * BT, 0, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
+                        off_tok, off_extra, off_ov, TAB, TI, BLOCK_LOADS, QX, LOG_R)
+
+
+@triton.jit
 def _fold_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, q, T_pad, rows, off_qsl, off_seq, off_slots,
                off_rs, off_re, off_tok, off_ov, TAB: tl.constexpr, TI: tl.constexpr, T_SUPER: tl.constexpr,
                BLOCK_LOADS: tl.constexpr):
@@ -421,7 +442,7 @@ def _fold_unit(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, s, q, T_p
     if TAB[TI * NF + S_SPLIT] != 0:
         window_split(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
                      s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,
-                     off_tok, off_ov, TAB, TI)
+                     off_tok, off_ov, stage_ptr, TAB, TI, False, 1)
     else:
         window_fold(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, (q // NPROG) * FOLD,
                     s * T_SUPER + (q % NPROG) * BT, T_pad, rows, off_qsl, off_seq, off_slots, off_rs, off_re,

@@ -25,6 +25,7 @@ from ..state.staging import H_REPLAY_END, H_REPLAY_START
 from .tasks import (FLAG_CIRCULAR, FLAG_WINDOW_FLOOR, FLAG_WRITE_FLOOR, G_TABLE, HAS_OUT2, HAS_OUT3, NF, O_SCRATCH,
                     OUTS_WORDS, S_BC, S_BLOCK_SIZE, S_BT, S_CPI, S_CPR, S_CPW, S_FLAGS, S_FOLD, S_HAS, S_RING, S_TASK,
                     S_WIDTH, S_WINDOW, SPLIT_WORDS)
+from .query import query_rows_padded
 from .window import out_ptr, overlay, table_words, token_rows
 
 # NOTE: plain ints of state/staging.py wrapped as tl.constexpr (kernel.py says why)
@@ -34,67 +35,89 @@ _H_REPLAY_END: tl.constexpr = tl.constexpr(H_REPLAY_END)
 
 @triton.jit
 def window_split(stage_ptr, tables_ptr, base32, base64, base8, outs_ptr, k0, t0, T_pad, rows, off_qsl, off_seq,
-                 off_slots, off_rs, off_re, off_tok, off_ov, TAB: tl.constexpr, TI: tl.constexpr):
+                 off_slots, off_rs, off_re, off_tok, off_ov, qslq, TAB: tl.constexpr, TI: tl.constexpr,
+                 QUERY: tl.constexpr, LOG_R: tl.constexpr):
     """Token rows ``t0 + [0, BT)`` of the ``S_FOLD`` window tasks ``k0, k0 + 1, ...`` of unit ``TI``: every task's
-    loads, then its 1-D stores and scratch words, a barrier, then every task's tile."""
+    loads, then its 1-D stores and scratch words, a barrier, then every task's tile. ``QUERY`` (a declared step,
+    ``qslq`` its staged ``query_start_loc_q``, fused/query.py): the lists and lens are those of query rows
+    ``t0 + [0, BT)``, the slot mappings stay per source token."""
     FLAGS: tl.constexpr = TAB[TI * NF + S_FLAGS]
     HAS: tl.constexpr = TAB[TI * NF + S_HAS]
     BT: tl.constexpr = TAB[TI * NF + S_BT]
     FOLD: tl.constexpr = TAB[TI * NF + S_FOLD]
     t, in_out, b, valid, seq, end, pos = token_rows(stage_ptr, t0, T_pad, off_qsl, off_seq, off_tok, BT)
     row = tl.load(stage_ptr + off_slots + b, mask=valid, other=0)
+    if QUERY:  # NOTE: the lists' rows: query rows (their loads beside the source rows')
+        u, in_q, b_q, valid_q, seq_q, end_q, pos_q, lim = query_rows_padded(stage_ptr, qslq, t0, T_pad, rows, off_seq,
+                                                                            BT, LOG_R)
+        row_q = tl.load(stage_ptr + off_slots + b_q, mask=valid_q, other=0)
+    else:
+        u, in_q, b_q, valid_q, pos_q, row_q, lim = t, in_out, b, valid, pos, row, T_pad
     wfloor = tl.zeros_like(pos)
     if (FLAG_WRITE_FLOOR & FLAGS) != 0:
         wfloor = tl.load(stage_ptr + off_re + b, mask=tl.where(tl.load(stage_ptr + _H_REPLAY_END) != 0, valid, False),
                          other=0)  # NOTE: tl.where, not `valid & flag`: Triton 3.9's interpreter (kernel._request_task)
     floor = tl.zeros_like(pos)
     if (FLAG_WINDOW_FLOOR & FLAGS) != 0:
-        floor = tl.load(stage_ptr + off_rs + b, mask=tl.where(tl.load(stage_ptr + _H_REPLAY_START) != 0, valid, False),
+        floor = tl.load(stage_ptr + off_rs + b_q,
+                        mask=tl.where(tl.load(stage_ptr + _H_REPLAY_START) != 0, valid_q, False),
                         other=0)  # NOTE: tl.where, not `valid & flag`: Triton 3.9's interpreter (kernel._request_task)
-    first, n = window_len(pos, valid, floor, TAB[TI * NF + S_WINDOW], TAB[TI * NF + S_CPW], TAB[TI * NF + S_CPR],
+    first, n = window_len(pos_q, valid_q, floor, TAB[TI * NF + S_WINDOW], TAB[TI * NF + S_CPW], TAB[TI * NF + S_CPR],
                           TAB[TI * NF + S_CPI])
     q_start = tl.zeros_like(pos)
     if (FLAG_CIRCULAR & FLAGS) != 0:
-        q_start = tl.load(stage_ptr + off_qsl + b, mask=valid, other=0)
+        q_start = tl.load(stage_ptr + off_qsl + b_q, mask=valid_q, other=0)
     done = ()  # type: tuple
     for k in tl.static_range(FOLD):  # NOTE: every task's loads before the first store
         orow = outs_ptr + (TAB[TI * NF + S_TASK] + k0 + k) * OUTS_WORDS
-        done = done + (_words(stage_ptr, tables_ptr, orow, t, valid, seq, pos, row, wfloor, first, n, b, rows,
-                              off_ov, TAB, TI),)
+        done = done + (_words(stage_ptr, tables_ptr, orow, valid, seq, pos, row, wfloor, b, u, valid_q, pos_q, row_q,
+                              first, n, b_q, rows, off_ov, TAB, TI, QUERY),)
     r = tl.arange(0, BT)
     slow = 0
     for k in tl.static_range(FOLD):
         orow = outs_ptr + (TAB[TI * NF + S_TASK] + k0 + k) * OUTS_WORDS
         words, slot, tail, neg = done[k]
         slow = slow | tl.max(neg, axis=0)
-        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + t, n, mask=in_out)
+        tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 1, 4) + u, n, mask=in_q)
         if (HAS_OUT2 & HAS) != 0:
             tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 2, 8) + t, slot, mask=in_out)
         if (HAS_OUT3 & HAS) != 0:
             tl.store(out_ptr(base32, base64, base8, orow, TAB, TI, 3, 8) + t, tail, mask=in_out)
         scr = base32 + tl.load(orow + O_SCRATCH) + t0 * SPLIT_WORDS + r
         for w in tl.static_range(len(words)):
-            tl.store(scr + w * BT, words[w], mask=in_out)
+            tl.store(scr + w * BT, words[w], mask=in_q)
         if (FLAG_CIRCULAR & FLAGS) != 0:
-            tl.store(scr + 9 * BT, n, mask=in_out)
-            tl.store(scr + 10 * BT, q_start, mask=in_out)
+            tl.store(scr + 9 * BT, n, mask=in_q)
+            tl.store(scr + 10 * BT, q_start, mask=in_q)
     tl.debug_barrier()  # NOTE: a row's words, stored by one lane, are read by the warp that holds the row's tile
+    if QUERY:
+        if t0 < lim:  # NOTE: a declared step's programs past its query rows have no tile
+            _tiles(base32, base64, base8, outs_ptr, k0, t0, lim, slow, TAB, TI)
+    else:
+        _tiles(base32, base64, base8, outs_ptr, k0, t0, lim, slow, TAB, TI)
+
+
+@triton.jit
+def _tiles(base32, base64, base8, outs_ptr, k0, t0, lim, slow, TAB: tl.constexpr, TI: tl.constexpr):
+    """Every task's tile of :func:`window_split` (rows ``t0 + [0, BT)`` below ``lim``)."""
+    FOLD: tl.constexpr = TAB[TI * NF + S_FOLD]
     for k in tl.static_range(FOLD):
         orow = outs_ptr + (TAB[TI * NF + S_TASK] + k0 + k) * OUTS_WORDS
         scr = base32 + tl.load(orow + O_SCRATCH) + t0 * SPLIT_WORDS
         out0 = out_ptr(base32, base64, base8, orow, TAB, TI, 0, 4)
         if slow != 0:  # NOTE: a listed block id is negative: each block's own limit
-            _tile(scr, out0, t0, T_pad, True, TAB, TI)
+            _tile(scr, out0, t0, lim, True, TAB, TI)
         else:
-            _tile(scr, out0, t0, T_pad, False, TAB, TI)
+            _tile(scr, out0, t0, lim, False, TAB, TI)
 
 
 @triton.jit
-def _words(stage_ptr, tables_ptr, orow, t, valid, seq, pos, row, wfloor, first, n, b, rows, off_ov,
-           TAB: tl.constexpr, TI: tl.constexpr):
-    """One task's loads for rows ``t`` (1-D): (the tile's words ``c1, S_0..S_2, L, L_0..L_2`` and, circular groups,
-    ``t - pos + first``), the slot mapping, the write plan (zeros where the task has none), and whether a listed
-    block id is negative (int32)."""
+def _words(stage_ptr, tables_ptr, orow, valid, seq, pos, row, wfloor, b, u, valid_q, pos_q, row_q, first, n, b_q,
+           rows, off_ov, TAB: tl.constexpr, TI: tl.constexpr, QUERY: tl.constexpr):
+    """One task's loads: for list rows ``u`` (1-D; batch rows ``b_q``, positions ``pos_q``, table rows ``row_q``)
+    the tile's words ``c1, S_0..S_2, L, L_0..L_2`` and, circular groups, ``u - pos_q + first``; for token rows
+    (``b``, ``pos``, ``row``) the slot mapping and the write plan (zeros where the task has none); and whether a
+    listed block id is negative (int32). Without ``QUERY`` both are the same rows."""
     HAS: tl.constexpr = TAB[TI * NF + S_HAS]
     S: tl.constexpr = TAB[TI * NF + S_BLOCK_SIZE]
     CPW: tl.constexpr = TAB[TI * NF + S_CPW]
@@ -103,7 +126,11 @@ def _words(stage_ptr, tables_ptr, orow, t, valid, seq, pos, row, wfloor, first, 
     geo, stride, twidth, ring, gid = table_words(orow, TAB[TI * NF + S_RING])
     bt = tables_ptr + tl.load(geo + G_TABLE)
     lo, hi, pay = overlay(stage_ptr, off_ov, gid, rows, b, valid)
-    e = window_blocks(bt, row, first, n, 0, S, twidth, ring, stride, stage_ptr, lo, hi, pay, True,
+    if QUERY:
+        lo_q, hi_q, pay_q = overlay(stage_ptr, off_ov, gid, rows, b_q, valid_q)
+    else:
+        lo_q, hi_q, pay_q = lo, hi, pay
+    e = window_blocks(bt, row_q, first, n, 0, S, twidth, ring, stride, stage_ptr, lo_q, hi_q, pay_q, True,
                       TAB[TI * NF + S_BC])
     slot = tl.zeros_like(pos).to(tl.int64)
     tail = slot
@@ -120,7 +147,7 @@ def _words(stage_ptr, tables_ptr, orow, t, valid, seq, pos, row, wfloor, first, 
     words = words + (S - off, e[0] * S + off, e[1] * S + (off - S), e[2] * S + (off - 2 * S), lim,
                      tl.where(e[0] < 0, -1, lim), tl.where(e[1] < 0, -1, lim), tl.where(e[2] < 0, -1, lim))
     if (FLAG_CIRCULAR & TAB[TI * NF + S_FLAGS]) != 0:
-        words = words + (t - pos + first,)
+        words = words + (u - pos_q + first,)
     return words, slot, tail, ((e[0] < 0) | (e[1] < 0) | (e[2] < 0)).to(tl.int32)
 
 

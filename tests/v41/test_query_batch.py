@@ -52,10 +52,10 @@ def layout(name):
     return _LAYOUTS[name]
 
 
-def pipe(lay, kind, **kw):
+def pipe(lay, kind, reqs=R, **kw):
     kw.update(dict(reference=dict(backend="reference"), unfused=dict(fused=False, backend="triton"),
                    fused=dict(fused=True, backend="triton"))[kind])
-    return MetadataPipeline(lay, R, T_MAX, DEVICE, SPEC, **kw)
+    return MetadataPipeline(lay, reqs, T_MAX, DEVICE, SPEC, **kw)
 
 
 def expected_q_to_src(qsl, q):
@@ -166,27 +166,53 @@ def check_conversions(mp, md, gen, tag):
         assert all(torch.equal(g[:Tq], w[src]) for g, w in zip(got, want)), (tag, ch, "candidate slots")
 
 
-def run_trace(lay_name, kind, seed, steps, pad):
+def poke_negative(pipes, rng, n=8):
+    """``-1`` (no block) at the same ``n`` random entries of every sliding device table of each pipeline (the split
+    tiles' slow path, fused/rows.py); returns what :func:`unpoke` restores (the host mirror never changes)."""
+    lay = pipes[0].layout
+    tabs = pipes[0].tables.tables
+    picks = [(g, int(rng.integers(tabs[g].shape[0])), int(rng.integers(tabs[g].shape[1])))
+             for g, grp in enumerate(lay.groups) if grp.window for _ in range(n)]
+    old = [[(g, r, c, int(p.tables.tables[g][r, c])) for g, r, c in picks] for p in pipes]
+    for p in pipes:
+        for g, r, c in picks:
+            p.tables.tables[g][r, c] = -1
+    return old
+
+
+def unpoke(pipes, old):
+    for p, o in zip(pipes, old):
+        for g, r, c, v in reversed(o):
+            p.tables.tables[g][r, c] = v
+
+
+def run_trace(lay_name, kind, seed, steps, pad, reqs=R, arrivals=2, prompt_len=(10, 200), negative=False):
     lay = layout(lay_name)
-    plain, decl = pipe(lay, "reference"), pipe(lay, kind, validate=True)  # NOTE: validate: check_metadata each step
+    # NOTE: validate: check_metadata each step (not with -1 block ids: it names them)
+    plain, decl = pipe(lay, "reference", reqs), pipe(lay, kind, reqs, validate=not negative)
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
-    sched = ReferenceScheduler(lay, 900, max_num_batched_tokens=T_MAX, max_num_seqs=R, num_speculative_tokens=SPEC,
+    sched = ReferenceScheduler(lay, 900, max_num_batched_tokens=T_MAX, max_num_seqs=reqs, num_speculative_tokens=SPEC,
                                seed=seed)
-    seen = dict(declared=0, shorter=0, decode_declared=0)
-    for i, (step, _views) in enumerate(sched.random_trace(steps, seed, arrival_prob=0.9, prompt_len=(10, 200),
-                                                          max_new_tokens=(2, 8))):
+    seen = dict(declared=0, shorter=0, decode_declared=0, max_rows=0)
+    for i, (step, _views) in enumerate(sched.random_trace(steps, seed, arrival_prob=0.9, max_arrivals=arrivals,
+                                                          prompt_len=prompt_len, max_new_tokens=(2, 8))):
         pad_to = min(T_MAX, step.total_tokens + int(rng.integers(1, 4))) if pad and i % 2 else None
         dstep = declare(step, rng)
         plain.update(step, pad_to=pad_to)
+        decl.update(dstep, pad_to=pad_to)
+        if negative:  # NOTE: after update (its checks refuse a null block where a step reads), for this build only
+            old = poke_negative((plain, decl), rng)
         poison(plain, POISONS[0])
         mp = plain.build()
-        decl.update(dstep, pad_to=pad_to)
         poison(decl, POISONS[1])
         md = decl.build()
+        if negative:
+            unpoke((plain, decl), old)
         check_declared(mp, md, (lay_name, kind, seed, i))
         check_conversions(mp, md, gen, (lay_name, kind, seed, i))
         if md.query_lens is not None:
+            seen["max_rows"] = max(seen["max_rows"], mp.num_reqs)
             seen["declared"] += 1
             seen["shorter"] += int((md.query_lens < np.diff(mp.host_query_start_loc)).sum())
             seen["decode_declared"] += int((md.query_lens[:mp.num_decodes]
@@ -213,18 +239,39 @@ def test_declared_step_is_the_plain_step_gathered_triton(seed, lay_name, kind):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (CUDA or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("lay_name", ["tiny_v41_b32", "tiny_circular"])
-def test_declared_step_in_the_large_tiles(monkeypatch, lay_name):
-    """Steps from 16 tokens on take the large tiles (folded and split window programs: a declared step runs
-    their query rows as plain programs, fused/kernel.py ``_token_unit``)."""
-    from dsv4_index.fused.tasks import NF, S_FLAGS, S_FOLD, FLAG_QUERY
+@pytest.mark.parametrize("lay_name,fold,negative", [("tiny_v41_b32", 1, False), ("tiny_circular", 1, False),
+                                                    ("tiny_v41_per_layer", 1, False), ("tiny_v41_per_layer", 2, True)])
+def test_declared_step_in_the_large_tiles(monkeypatch, lay_name, fold, negative):
+    """Steps from 16 tokens on take the large tiles: a declared step runs the split window programs over its query
+    rows (fused/rows.py ``window_split``, ``QUERY``; slot mappings per source token); a circular group's (source
+    rows, unflagged) and per-layer sliding groups' (several tasks a unit, ``fold`` of them a program) too; ``negative``:
+    some sliding tables' entries are -1 (the tiles' slow path)."""
+    from dsv4_index.fused import plan as plan_mod
+    from dsv4_index.fused.tasks import FLAG_CIRCULAR, FLAG_QUERY, NF, S_FLAGS, S_FOLD, S_REP, S_SPLIT
     monkeypatch.setenv("DSV4_INDEX_LARGE_FROM", "16")
+    monkeypatch.setattr(plan_mod, "INTERP_LARGE", dataclasses.replace(plan_mod.INTERP_LARGE, fold=fold))
     p = pipe(layout(lay_name), "fused")
     tok = p.fused_plan._variants[2]["consts"]["TOK"]
-    folded_query = [tok[i + S_FOLD] for i in range(0, len(tok), int(NF)) if tok[i + S_FLAGS] & int(FLAG_QUERY)]
-    assert lay_name != "tiny_v41_b32" or any(folded_query)
-    seen = run_trace(lay_name, "fused", 11, 6, True)
+    units = [tok[i:i + int(NF)] for i in range(0, len(tok), int(NF))]
+    split = [u for u in units if u[S_SPLIT]]
+    assert any(u[S_FLAGS] & int(FLAG_QUERY) for u in split)
+    assert lay_name != "tiny_circular" or any(u[S_FLAGS] & int(FLAG_CIRCULAR) for u in split)
+    assert lay_name != "tiny_v41_per_layer" or any(u[S_FLAGS] & int(FLAG_QUERY) and u[S_REP] > 1
+                                                   and u[S_FOLD] == fold for u in split)
+    seen = run_trace(lay_name, "fused", 11, 6, True, negative=negative)
     assert seen["declared"] >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (CUDA or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("large", [False, True])
+def test_declared_step_of_many_batch_rows(monkeypatch, large):
+    """max_num_reqs 40: the query rows' batch-row search (fused/query.py ``query_rows``) counts over every second
+    entry, then takes one binary step; steps of up to 40 rows."""
+    if large:
+        monkeypatch.setenv("DSV4_INDEX_LARGE_FROM", "16")
+    seen = run_trace("tiny_v41_b32", "fused", 5, 6, True, reqs=40, arrivals=8, prompt_len=(4, 24))
+    assert seen["declared"] >= 3 and seen["max_rows"] >= 6
 
 
 def test_a_trace_declares_decode_rows_too():
