@@ -155,11 +155,11 @@ def _batch_from_step(step: StepInput, slot_map: SlotMap, num_groups: Optional[in
     if not step.replay_start and not step.replay_end:
         done = None
         if countOf(map(type, run), RunningRequest) == len(run):
-            # NOTE: the library's own (frozen) request types: the block tuples' shape is trusted
-            if not [r for r in run if r.resumed]:
-                done = convert_requests(slot_map, num_groups, new_of(step), run, step.num_scheduled_tokens,
-                                        step.finished_req_ids, step.preempted_req_ids,
-                                        countOf(map(type, new), NewRequest) == len(new))
+            # NOTE: the library's own (frozen) request types: the block tuples' shape is trusted (None when a
+            # request is resumed)
+            done = convert_requests(slot_map, num_groups, new_of(step), run, step.num_scheduled_tokens,
+                                    step.finished_req_ids, step.preempted_req_ids,
+                                    countOf(map(type, new), NewRequest) == len(new))
         elif not any(map(_RESUMED, run)):
             done = convert_repeat(slot_map, num_groups, new_of(step), list(map(_REQ_ID, run)),
                                   list(map(_NEW_BLOCKS, run)), list(map(_COMPUTED, run)), step.num_scheduled_tokens,

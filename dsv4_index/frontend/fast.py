@@ -108,15 +108,20 @@ def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: l
 
 def convert_requests(sm: SlotMap, G: Optional[int], new: list, run, nst, finished, preempted,
                      trusted_new: bool) -> Optional[Tuple[StepBatch, SlotMapDelta]]:
-    """:func:`convert_repeat` of running rows that are ``RunningRequest`` objects, none resumed (their block
-    tuples trusted): each field read by one comprehension (3.11 specializes the attribute reads: faster than
-    ``attrgetter``), and only the rows whose ``new_block_ids`` is not ``G`` empty lists looked at further.
-    ``trusted_new``: the new requests are ``NewRequest`` objects."""
+    """:func:`convert_repeat` of running rows that are ``RunningRequest`` objects (their block tuples trusted);
+    None when one is resumed. Each field is read by one comprehension (3.11 specializes the attribute reads:
+    faster than ``attrgetter``), and only the rows whose ``new_block_ids`` is not ``G`` empty lists (or that are
+    resumed) are looked at further. ``trusted_new``: the new requests are ``NewRequest`` objects."""
     if G:
         empty = _empty_lists(G)
-        other = [i for i, r in enumerate(run) if r.new_block_ids != empty]
-        appended = _appended_rows(G, other, [run[i].new_block_ids for i in other])
+        other = [i for i, r in enumerate(run) if r.new_block_ids != empty or r.resumed]
+        sub = [run[i] for i in other]
+        if [r for r in sub if r.resumed]:
+            return None
+        appended = _appended_rows(G, other, [r.new_block_ids for r in sub])
     else:
+        if [r for r in run if r.resumed]:
+            return None
         appended = _appended(G, [r.new_block_ids for r in run], True)
     if appended is None:
         return None
