@@ -153,11 +153,11 @@ def _convert(sm: SlotMap, new: list, ids: list, appended: tuple, ncs: list, nst,
     a = pack(ncs, [r[2] for r in new], qs, ids_, lens, rows)
     if a is None:
         return None
-    w_g, w_s, w_cu = np.empty(L, dtype=np.int64), np.empty(L, dtype=np.int64), np.empty(L + 1, dtype=np.int64)
-    N = runs_of(a, 2 * n + M, 2 * n + M, L, 2 * n + M + L, len(rows), G or 1, req_slots, w_g, w_s, w_cu)
+    out = np.empty(L, dtype=np.int64), np.empty(L, dtype=np.int64), np.empty(L + 1, dtype=np.int64)
+    N = runs_of(a, 2 * n + M, 2 * n + M, L, 2 * n + M + L, len(rows), G or 1, req_slots, *out)
     if N < 0:
         return None
-    runs = (w_g[:N], w_s[:N], _sized(_APPENDS, N), w_cu[:N + 1], a[2 * n:2 * n + M]) if N else _NO_RUNS
+    runs = (out[0][:N], out[1][:N], _sized(_APPENDS, N), out[2][:N + 1], a[2 * n:2 * n + M]) if N else _NO_RUNS
     is_new = _sized(_NOT_NEW, S)
     free_slots = np.array([sm.slot_of[r] for r in d.freed], dtype=np.int64) if d.freed else EMPTY
     if K:
