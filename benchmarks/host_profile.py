@@ -365,6 +365,7 @@ def mix_profile(steps: int, old_path, replicas: int, only=None, stub: bool = Fal
         if only and case not in only:
             continue
         arms = {}
+        gc.collect()  # NOTE: GC is off while timing; the last case's pipelines (cycles) would pile up to an OOM kill
         for tag, mod in mods.items():
             lay = mod.DSV4Layout.from_config("flash", max_model_len=131072)
             own = [(port(b, mod), pad) for b, pad in work]
