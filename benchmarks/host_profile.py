@@ -11,7 +11,8 @@ pipeline's own slot map); arms ``safe`` / ``full`` of this tree and, with ``--ol
 ``dsv4_index`` copied and imported as another package in the same process), interleaved step by step (the order
 rotating every step), ``torch.set_num_threads(1)``, GC off, nothing built, ``warmup()`` first. Unit: op-eq, one
 ``np.add(a, b, out=c)`` on 256 int64, sampled before every step. Per arm: mean and p90 op-eq of ``update()`` per
-step (each step the fastest of ``--replicas`` pipelines).
+step (each step the fastest of ``--replicas`` pipelines). ``--stub-owners``: the ownership pass (``state/owners``)
+a no-op in every arm, so that the rest of ``update()`` is visible.
 
 Unit: one numpy op, ``a + b`` on two int64 arrays of 256 entries (timed in the same run, interleaved
 with the arms, so that a noisy or slow host moves the unit with the arms). For each case of
@@ -280,8 +281,8 @@ def port(x, mod):
 
     NOTE: a StepInput is rebuilt for this tree's arms too, so that every arm's request objects are allocated the
     same way (together, as a scheduler builds them before the step): the workload's own objects lie scattered
-    among the arrays it built beside them, and an arm reading those paid ≈ 8 µs a step of cache misses more than
-    one reading rebuilt objects (measured on the StepInput case, issue 37)."""
+    among the arrays it built beside them, and an arm reading those paid ≈ 14 µs a step of cache misses more than
+    one reading rebuilt objects (the StepInput case at B = 256, issue 37)."""
     import dataclasses
     if mod is sys.modules["dsv4_index"] and not isinstance(x, StepInput):
         return x
