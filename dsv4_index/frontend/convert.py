@@ -34,7 +34,7 @@ import numpy as np
 from ..batch import APPEND, StepBatch
 from ..state.messages import Rejection
 from ..state.requests import SlotMap, SlotMapDelta, frozen
-from .fast import convert_repeat
+from .fast import convert_repeat, convert_requests
 from .rules import APPENDS, NEW, RESUMED, SCHED, STEP, Src, StepTypeError, check_rows, id_set
 from .step_input import NewRequest, RunningRequest, StepInput, new_of, running_of
 
@@ -151,14 +151,19 @@ def with_row_counts(done: Tuple[StepBatch, SlotMapDelta], counts, where: str, na
 
 
 def _batch_from_step(step: StepInput, slot_map: SlotMap, num_groups: Optional[int]) -> Tuple[StepBatch, SlotMapDelta]:
-    run = step.running_requests
-    if not step.replay_start and not step.replay_end and not any(map(_RESUMED, run)):
-        # NOTE: the block tuples' shape is trusted only from the library's own (frozen) request types
-        trusted = countOf(map(type, run), RunningRequest) == len(run) and \
-            countOf(map(type, step.new_requests), NewRequest) == len(step.new_requests)
-        done = convert_repeat(slot_map, num_groups, new_of(step), list(map(_REQ_ID, run)), list(map(_NEW_BLOCKS, run)),
-                     list(map(_COMPUTED, run)), step.num_scheduled_tokens, step.finished_req_ids,
-                     step.preempted_req_ids, trusted)
+    run, new = step.running_requests, step.new_requests
+    if not step.replay_start and not step.replay_end:
+        done = None
+        if countOf(map(type, run), RunningRequest) == len(run):
+            # NOTE: the library's own (frozen) request types: the block tuples' shape is trusted (None when a
+            # request is resumed)
+            done = convert_requests(slot_map, num_groups, new_of(step), run, step.num_scheduled_tokens,
+                                    step.finished_req_ids, step.preempted_req_ids,
+                                    countOf(map(type, new), NewRequest) == len(new))
+        elif not any(map(_RESUMED, run)):
+            done = convert_repeat(slot_map, num_groups, new_of(step), list(map(_REQ_ID, run)),
+                                  list(map(_NEW_BLOCKS, run)), list(map(_COMPUTED, run)), step.num_scheduled_tokens,
+                                  step.finished_req_ids, step.preempted_req_ids, False)
         if done is not None:
             return done
     return convert(slot_map, num_groups, STEP, new_of(step), running_of(step), step.num_scheduled_tokens,

@@ -1,7 +1,8 @@
-"""The repeat conversion of the id-keyed front door (:func:`convert_repeat`): a step that repeats the
-last accepted batch's rows, plus a few new, finished or preempted requests and any appended blocks,
-converted in C-level passes over the scheduler's columns (vLLM's ``CachedRequestData`` is already
-columnar: ``req_ids``, ``new_block_ids``, ``num_computed_tokens``).
+"""The repeat conversion of the id-keyed front door (:func:`convert_repeat`; :func:`convert_requests` for a
+StepInput's ``RunningRequest`` rows): a step that repeats the last accepted batch's rows, plus a few new,
+finished or preempted requests and any appended blocks, converted in C-level passes over the scheduler's
+columns (vLLM's ``CachedRequestData`` is already columnar: ``req_ids``, ``new_block_ids``,
+``num_computed_tokens``) and one compiled pass (:mod:`.runs`).
 
 It returns None whenever anything is unusual; :func:`dsv4_index.frontend.convert.convert` (row by
 row) then gives the same batch or names the culprit (``tests/frontend/test_convert_bulk.py`` compares
@@ -15,11 +16,12 @@ the two). So every shortcut here only has to be *sufficient*:
   (:meth:`SlotMap.held_slots`);
 * ``num_scheduled_tokens`` is read in dict order when its keys are the rows (running first, as vLLM
   fills it, or new first), else looked up per id;
-* counts and block ids: one type pass, one int64 conversion (an error past int64), one unsigned max
-  against ``LIMIT`` (:func:`dsv4_index.frontend.rules.ints`); a new request's ids are checked once, with
-  the step's other new ids;
-* write runs: ``None`` entries skipped by ``list.count`` / ``compress``, the per-gid lists flattened
-  in C, positions -> (row, gid) by one ``divmod``.
+* counts and block ids: one type pass, one int64 conversion (an error past int64), range-checked against
+  ``LIMIT`` by the runs pass (:func:`dsv4_index.frontend.rules.pack`); a new request's ids are checked once,
+  with the step's other new ids;
+* write runs: ``None`` entries skipped by ``list.count`` / ``compress`` (a StepInput's rows of ``G`` empty
+  lists by one tuple comparison each), the per-gid lists flattened in C, their lengths converted with the
+  counts, and the runs (gid, slot, offsets) of the non-empty ones made by the runs pass (:mod:`.runs`).
 """
 
 from __future__ import annotations
@@ -34,25 +36,25 @@ import numpy as np
 from ..batch import APPEND, StepBatch
 from ..state.requests import EMPTY, SlotMap, SlotMapDelta, frozen
 from .rules import LISTS, gone_ids, ints_of_lists, pack
+from .runs import runs_of
 
-__all__ = ["convert_repeat"]
+__all__ = ["convert_repeat", "convert_requests"]
 
 _CU0 = frozen(np.zeros(1, dtype=np.int64))
 _NO_RUNS = (EMPTY, EMPTY, EMPTY, _CU0, EMPTY)
 _STR = {str}
-_NOT_NEW, _APPENDS, _ARANGE = 0, 1, 2
+_NOT_NEW, _APPENDS = 0, 1
 _SIZED: Dict[Tuple[int, int], np.ndarray] = {}
+_EMPTIES: Dict[int, tuple] = {}
 
 
 def _sized(kind: int, n: int) -> np.ndarray:
-    """A frozen array of length ``n``, shared between steps: no new rows (bool zeros), ``APPEND``
-    starts, or ``arange(n)`` (the offsets of runs of one id each)."""
+    """A frozen array of length ``n``, shared between steps: no new rows (bool zeros) or ``APPEND`` starts."""
     a = _SIZED.get((kind, n))
     if a is None:
         if len(_SIZED) > 192:
             _SIZED.clear()
-        a = (np.zeros(n, dtype=bool) if kind == _NOT_NEW else
-             np.full(n, APPEND, dtype=np.int64) if kind == _APPENDS else np.arange(n, dtype=np.int64))
+        a = np.zeros(n, dtype=bool) if kind == _NOT_NEW else np.full(n, APPEND, dtype=np.int64)
         a = _SIZED[(kind, n)] = frozen(a)
     return a
 
@@ -95,11 +97,46 @@ def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: l
     and their entries' types were fixed at construction (``NewRequest`` / ``RunningRequest``), only
     the ids are checked. Batch rows: the running requests, then the new ones.
     """
+    try:
+        if len(lists) != len(ids):
+            return None
+    except TypeError:
+        return None
+    appended = _appended(G, lists, trusted)
+    return None if appended is None else _convert(sm, new, ids, appended, ncs, nst, finished, preempted, trusted)
+
+
+def convert_requests(sm: SlotMap, G: Optional[int], new: list, run, nst, finished, preempted,
+                     trusted_new: bool) -> Optional[Tuple[StepBatch, SlotMapDelta]]:
+    """:func:`convert_repeat` of running rows that are ``RunningRequest`` objects (their block tuples trusted);
+    None when one is resumed. Each field is read by one comprehension (3.11 specializes the attribute reads:
+    faster than ``attrgetter``), and only the rows whose ``new_block_ids`` is not ``G`` empty lists (or that are
+    resumed) are looked at further. ``trusted_new``: the new requests are ``NewRequest`` objects."""
+    if G:
+        empty = _empty_lists(G)
+        other = [i for i, r in enumerate(run) if r.new_block_ids != empty or r.resumed]
+        sub = [run[i] for i in other]
+        if [r for r in sub if r.resumed]:
+            return None
+        appended = _appended_rows(G, other, [r.new_block_ids for r in sub])
+    else:
+        if [r for r in run if r.resumed]:
+            return None
+        appended = _appended(G, [r.new_block_ids for r in run], True)
+    if appended is None:
+        return None
+    return _convert(sm, new, [r.req_id for r in run], appended, [r.num_computed_tokens for r in run], nst, finished,
+                    preempted, trusted_new)
+
+
+def _convert(sm: SlotMap, new: list, ids: list, appended: tuple, ncs: list, nst, finished, preempted,
+             trusted: bool) -> Optional[Tuple[StepBatch, SlotMapDelta]]:
+    """The repeat conversion once the running rows' appended blocks are known (``appended``: :func:`_appended`)."""
     d = SlotMapDelta()
     try:
         S, K = len(ids), len(new)
         if not S + K or type(nst) is not dict or len(nst) != S + K or type(ids) is not list \
-                or type(ncs) is not list or len(lists) != S or len(ncs) != S:
+                or type(ncs) is not list or len(ncs) != S:
             return None
         got = _ids_of(sm, ids, new, finished, preempted, d)
         if got is None:
@@ -109,32 +146,18 @@ def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: l
         qs = _scheduled(nst, ids, new_ids, all_ids)
     except (TypeError, KeyError, ValueError):
         return None
-    appended = _appended(G, lists, trusted)
-    if appended is None:
+    G, rows, lens, ids_ = appended
+    n, M, L = S + K, len(ids_), len(lens)
+    # NOTE: one conversion for the counts, the ids and (unchecked: ours) the list lengths and rows; the runs pass
+    # range-checks the counts and ids
+    a = pack(ncs, [r[2] for r in new], qs, ids_, lens, rows)
+    if a is None:
         return None
-    G, sel, nz, runs, ids_ = appended
-    n = S + K
-    tail = [r[2] for r in new]
-    if nz:
-        M, N = len(ids_), len(nz)
-        # NOTE: one conversion for the counts, the ids and (unchecked: ours) the runs' positions
-        a = pack(ncs, tail, qs, ids_, nz, sel, list(map(len, runs)) if M != N else ())
-        if a is None:
-            return None
-        row, w_g = np.divmod(a[2 * n + M:2 * n + M + N], G)
-        if sel:
-            row = a[2 * n + M + N:2 * n + M + N + len(sel)][row]
-        if M == N:
-            w_cu = _sized(_ARANGE, N + 1)
-        else:
-            w_cu = np.zeros(N + 1, dtype=np.int64)
-            np.cumsum(a[2 * n + M + N + len(sel):], out=w_cu[1:])
-        runs = (w_g, req_slots[row], _sized(_APPENDS, N), w_cu, a[2 * n:2 * n + M])
-    else:
-        a = pack(ncs, tail, qs, ())
-        if a is None:
-            return None
-        runs = _NO_RUNS
+    out = np.empty(L, dtype=np.int64), np.empty(L, dtype=np.int64), np.empty(L + 1, dtype=np.int64)
+    N = runs_of(a, 2 * n + M, 2 * n + M, L, 2 * n + M + L, len(rows), G or 1, req_slots, *out)
+    if N < 0:
+        return None
+    runs = (out[0][:N], out[1][:N], _sized(_APPENDS, N), out[2][:N + 1], a[2 * n:2 * n + M]) if N else _NO_RUNS
     is_new = _sized(_NOT_NEW, S)
     free_slots = np.array([sm.slot_of[r] for r in d.freed], dtype=np.int64) if d.freed else EMPTY
     if K:
@@ -159,15 +182,19 @@ def convert_repeat(sm: SlotMap, G: Optional[int], new: list, ids: list, lists: l
 
 
 def _appended(G: Optional[int], lists: list, trusted: bool):
-    """What the running rows append, as Python lists: ``(G, sel, nz, runs, ids)`` (``G`` the number
-    of per-gid lists, ``sel`` the rows with a tuple (``[]``: all), ``nz`` the positions of the
-    non-empty lists ``runs`` among those rows' lists, ``ids`` their ids); None when anything is
-    unusual. ``trusted``: the tuples and their entries' types were fixed at construction.
+    """What the running rows append, as Python lists: ``(G, rows, lens, ids)`` (``G`` the number of per-gid
+    lists, ``rows`` the rows with a tuple (``[]``: all), ``lens`` the length of each of their lists, ``G`` per
+    row, ``ids`` the lists' ids end to end); None when anything is unusual. ``trusted``: the tuples and their
+    entries' types were fixed at construction.
     """
+    if trusted and G:
+        empty = _empty_lists(G)
+        other = [i for i, x in enumerate(lists) if x != empty]
+        return _appended_rows(G, other, list(map(lists.__getitem__, other)))
     S = len(lists)
     n_none = lists.count(None)
     if n_none == S:
-        return G, [], [], (), []
+        return G, [], [], []
     if n_none:
         sel = list(compress(range(S), lists))
         if len(sel) + n_none != S:
@@ -182,22 +209,32 @@ def _appended(G: Optional[int], lists: list, trusted: bool):
         if len(widths) != 1 or (G is not None and G not in widths):
             return None
         G = widths.pop()
-    if trusted:
-        # NOTE: entries are lists / tuples (fixed at construction): any() finds the requests with ids
-        has = list(compress(range(len(chosen)), map(any, chosen)))
-        if not has:
-            return G, [], [], (), []
-        if len(has) < len(chosen):
-            sel = has if not sel else list(map(sel.__getitem__, has))
-            chosen = list(map(chosen.__getitem__, has))
     flat: list = reduce(iconcat, chosen, [])  # NOTE: faster than chain.from_iterable on short tuples
     if not trusted and countOf(map(type, flat), list) != len(flat) and not set(map(type, flat)) <= LISTS:
         return None
-    nz = list(compress(range(len(flat)), flat))
-    if not nz:
-        return G, [], [], (), []
-    runs = itemgetter(*nz)(flat) if len(nz) > 1 else (flat[nz[0]],)
-    return G, sel, nz, runs, reduce(iconcat, runs, [])
+    return G, sel, list(map(len, flat)), reduce(iconcat, filter(None, flat), [])
+
+
+def _empty_lists(G: int) -> tuple:
+    """A tuple of ``G`` empty lists, shared (compared with, never changed): a trusted row equal to it appends
+    nothing and has ``G`` lists (a tuple equals it only with ``G`` entries, each an empty list)."""
+    e = _EMPTIES.get(G)
+    return e if e is not None else _EMPTIES.setdefault(G, tuple([] for _ in range(G)))
+
+
+def _appended_rows(G: int, other: list, sub: list):
+    """:func:`_appended` of trusted rows (entries fixed at construction), ``G`` known, from the rows ``other`` that
+    are not ``G`` empty lists and their block tuples (or None) ``sub``; None when one has another width (``()``
+    included)."""
+    if not other:
+        return G, [], [], []
+    if None in sub:
+        other = [i for i, x in zip(other, sub) if x is not None]
+        sub = [x for x in sub if x is not None]
+    if countOf(map(len, sub), G) != len(sub):
+        return None
+    flat: list = reduce(iconcat, sub, [])
+    return G, other, list(map(len, flat)), reduce(iconcat, filter(None, flat), [])
 
 
 def _new_runs(G: Optional[int], new: list, free: Sequence[int], trusted: bool):

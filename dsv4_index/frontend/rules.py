@@ -117,20 +117,22 @@ def ints_of_lists(lists: list) -> Optional[np.ndarray]:
 
 
 def pack(a, b, c, d, t1: Sequence[int] = (), t2: Sequence[int] = (), t3: Sequence[int] = ()
-          ) -> Optional[np.ndarray]:
-    """:func:`ints` of the concatenation of ``a`` .. ``d`` (sized iterables, checked) and ``t1`` ..
-    ``t3`` (ints in ``[0, LIMIT]`` the caller made, unchecked), without building the concatenation."""
+         ) -> Optional[np.ndarray]:
+    """The concatenation of ``a`` .. ``d`` (sized iterables of Python ints, type-checked) and ``t1`` .. ``t3``
+    (ints in ``[0, LIMIT]`` the caller made, unchecked) as one read-only int64 array, without building the
+    concatenation; None when an entry of ``a`` .. ``d`` is not an ``int`` or is past int64.
+
+    NOTE: not range-checked: the caller checks ``a`` .. ``d`` against ``[0, LIMIT]`` before any use (the runs
+    pass of :mod:`dsv4_index.frontend.runs`, in the same loop that reads the runs).
+    """
     if countOf(map(type, a), int) != len(a) or countOf(map(type, b), int) != len(b) \
             or countOf(map(type, c), int) != len(c) or countOf(map(type, d), int) != len(d):
         return None
     n = len(a) + len(b) + len(c) + len(d) + len(t1) + len(t2) + len(t3)
     try:
-        out = np.frombuffer(struct.pack(f"{n}q", *a, *b, *c, *d, *t1, *t2, *t3), dtype=np.int64)
+        return np.frombuffer(struct.pack(f"{n}q", *a, *b, *c, *d, *t1, *t2, *t3), dtype=np.int64)
     except struct.error:
         return None
-    if n and out.view(np.uint64).max() > LIMIT:
-        return None
-    return out
 
 
 def id_set(name: str, ids) -> Sequence[str]:
