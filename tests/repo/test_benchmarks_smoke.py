@@ -14,6 +14,8 @@ from helpers.scripts import ROOT, run_script, scripts
 SMOKES = {
     "benchmarks/bench_step.py": (("--smoke", "--device", "cpu"), "smoke OK: decode B=1 on cpu"),
     "benchmarks/candidate_bench.py": (("--smoke", "--B", 2, "--ctx", 64), "smoke OK: V4.1-Flash decode B=2"),
+    "benchmarks/flash_host.py": (("--steps", 3, "--batch", 4, "--max-model-len", 4096, "--ctx", 64, 1024),
+                                 "update() us: first"),
     "benchmarks/frontend_profile.py": (("--steps", 2, "--batch", 4), "|"),
     "benchmarks/gpu_check.py": (("--device", "cpu", "--steps", 1, "--long-steps", 0, "--cases", "tiny"),
                                 "gpu_check passed"),
