@@ -1,7 +1,7 @@
 """Host time of ``update()`` on the workload of ``examples/flash_decode_step.py`` (V4-Flash, B requests decoding 2
 tokens a step, contexts up to ``max_model_len``, a few requests reaching it and rejoining every step with up to
-512 prefix-hit blocks each; block ids near 2**25 unless ``--dense``), nothing built and no attention: the part of
-the example's ``metadata: update() host`` row that is the library's host work.
+512 prefix-hit blocks each; block ids near 2**25 unless ``--dense``), ``build()`` after each (not timed), no
+attention: the part of the example's ``metadata: update() host`` row that is the library's host work.
 
     python benchmarks/flash_host.py [--steps 40] [--batch 256]                 # CPU pipeline
     python benchmarks/flash_host.py --device cuda [--busy-us 4000]             # CUDA pipeline, GPU kept busy
@@ -9,7 +9,7 @@ the example's ``metadata: update() host`` row that is the library's host work.
 With ``--device cuda --busy-us N`` every ``update()`` is enqueued behind an ``N`` µs GPU busy wait (as the
 example's timer does): an ``update()`` that waits on the device shows up as a time near ``N``; compare with the
 same run at ``--busy-us 0`` and on ``--device cpu``. Prints the first step's time and the median / p90 / mean of
-the others (µs), torch at one thread.
+the others (µs), torch at one thread; ``--profile N``: the N functions of ``update()`` with the most own time.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", action="store_true", help="low block ids (the example's --storage dense)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--busy-us", type=float, default=0.0, help="CUDA: a GPU busy wait before every update()")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also print the N functions of update() with the most own time (cProfile)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dev = torch.device(args.device)
@@ -61,13 +63,22 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         cycles = int(args.busy_us * 1_000_000 / ((time.perf_counter() - t) * 1e6))
     times = []
-    for _ in range(args.steps):
+    prof = None
+    if args.profile:
+        import cProfile
+        prof = cProfile.Profile()
+    for step in range(args.steps):
         batch, *_ = wl.next_step()
         if cycles:
             torch.cuda._sleep(cycles)
+        if prof is not None and step:
+            prof.enable()
         t = time.perf_counter_ns()
         pipe.update(batch, pad_to=Tp)
         times.append((time.perf_counter_ns() - t) / 1e3)
+        if prof is not None:
+            prof.disable()
+        pipe.build()  # NOTE: as the example does (not timed): the staged writes are applied by the launch
         if dev.type == "cuda":
             torch.cuda.synchronize()
         wl.advance()
@@ -78,6 +89,9 @@ def main(argv=None) -> int:
           f"warmup {warm:.1f} s")
     print(f"update() us: first {times[0]:.0f}; steps 2-{len(times)}: median {statistics.median(rest):.1f}, "
           f"p90 {rest[-(-9 * (len(rest) - 1) // 10)]:.1f}, mean {float(np.mean(rest)):.1f}")
+    if prof is not None:
+        import pstats
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     return 0
 
 
