@@ -249,7 +249,8 @@ def test_declared_step_in_the_large_tiles(monkeypatch, lay_name, fold, negative)
     from dsv4_index.fused import plan as plan_mod
     from dsv4_index.fused.tasks import FLAG_CIRCULAR, FLAG_QUERY, NF, S_FLAGS, S_FOLD, S_REP, S_SPLIT
     monkeypatch.setenv("DSV4_INDEX_LARGE_FROM", "16")
-    monkeypatch.setattr(plan_mod, "INTERP_LARGE", dataclasses.replace(plan_mod.INTERP_LARGE, fold=fold))
+    for name in ("INTERP_LARGE", "LARGE"):  # NOTE: the interpreter's large tiles, or the GPU's
+        monkeypatch.setattr(plan_mod, name, dataclasses.replace(getattr(plan_mod, name), fold=fold))
     p = pipe(layout(lay_name), "fused")
     tok = p.fused_plan._variants[2]["consts"]["TOK"]
     units = [tok[i:i + int(NF)] for i in range(0, len(tok), int(NF))]
