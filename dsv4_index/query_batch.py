@@ -8,9 +8,10 @@ and the map ``q_to_src[u] = qsl[b] + n_b - q_b + (u - qsl_q[b])`` (the source ro
 the same ``seq_lens``, so every per-token output of the query batch is the source batch's output at ``q_to_src``
 (the definition the tests check).
 
-This module holds the declaration's check (:func:`query_lens_of`), the host values of the query batch
-(:class:`QueryBatch`) and the formula of ``q_to_src`` (:func:`q_to_src`, numpy, and :func:`fill_q_to_src`,
-device tensors).
+Only a pipeline built with ``query_batches=True`` accepts a declaration (:func:`refuse_declared` refuses it otherwise:
+that pipeline's fused kernel has no query code). This module holds the declaration's check (:func:`query_lens_of`),
+the host values of the query batch (:class:`QueryBatch`) and the formula of ``q_to_src`` (:func:`q_to_src`, numpy,
+and :func:`fill_q_to_src`, device tensors).
 """
 
 from __future__ import annotations
