@@ -7,7 +7,9 @@ Arms, each a CUDA graph of the one fused launch (``k`` launches back to back, me
 
 * ``plain``: the step without the declaration (every token queries);
 * ``declared``: the same step declaring ``q`` queries per request; ratio against ``plain`` (target <= 1.1);
-* ``declared q=chunk``: declaring every token (the plain step again: the same launch), ratio against ``plain``.
+* ``declared q=chunk``: declaring every token (the plain step again: the same launch), ratio against ``plain``;
+* ``plain, no query code``: the plain step on a pipeline built without ``query_batches`` (its kernel compiles no
+  query path; the three arms above opt in), ratio against ``plain``: the query paths' cost to a plain step.
 
     python benchmarks/query_bench.py [--B 1] [--chunk 2048] [--q 128] [--ctx 8192]
     python benchmarks/query_bench.py --smoke --chunk 64 --q 8 --ctx 40     # CPU, no timing: checks the outputs
@@ -45,12 +47,14 @@ def chunk_step(layout, B: int, ctx: int, chunk: int) -> StepInput:
 
 
 def pipelines(layout, step: StepInput, q: int, budget: int, device: str, **kw):
-    """{arm: (pipeline holding its step, meta)}: the plain step, declared with ``q`` and with ``chunk`` queries."""
+    """{arm: (pipeline holding its step, meta)}: the plain step, declared with ``q`` and with ``chunk`` queries (on
+    pipelines built with ``query_batches=True``), and the plain step on a pipeline without it."""
     out = {}
     n = next(iter(step.num_scheduled_tokens.values()))
-    for arm, qq in (("plain", None), ("declared", q), ("declared q=chunk", n)):
+    for arm, qq in (("plain", None), ("declared", q), ("declared q=chunk", n), ("plain, no query code", None)):
         s = step if qq is None else dataclasses.replace(step, query_lens={r: qq for r in step.num_scheduled_tokens})
-        pipe = MetadataPipeline(layout, len(step.num_scheduled_tokens) + 1, budget, device, 0, **kw)
+        pipe = MetadataPipeline(layout, len(step.num_scheduled_tokens) + 1, budget, device, 0,
+                                query_batches=arm != "plain, no query code", **kw)
         pipe.update(s)
         out[arm] = (pipe, pipe.build())
     return out
@@ -59,7 +63,12 @@ def pipelines(layout, step: StepInput, q: int, budget: int, device: str, **kw):
 def check(arms) -> int:
     """The declared step's query rows == the plain step's rows at q_to_src, every query-side field (the
     definition, DESIGN §5); returns the query rows checked."""
-    mp, md = arms["plain"][1], arms["declared"][1]
+    mp, md, mo = arms["plain"][1], arms["declared"][1], arms["plain, no query code"][1]
+    for name in mp.channels:  # NOTE: the plain step: the same outputs with or without the query code
+        for f in dataclasses.fields(mp[name]):
+            a, b = getattr(mp[name], f.name), getattr(mo[name], f.name)
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), (name, f.name)
     src = md.q_to_src[:md.num_query_tokens].long()
     for name, c in md.channels.items():
         fields = mp.builders[name].query_fields()
@@ -109,9 +118,10 @@ def main(argv=None) -> int:
     print(f"V4.1-Flash B={args.B}, chunk {args.chunk}, q {args.q}, ctx {args.ctx}, T_pad {budget} "
           f"({torch.cuda.get_device_name()}); {n} query rows checked against the plain step")
     for arm, (g, s1) in res.items():
-        print(f"  {arm:<17} {g:8.2f} us graph  {s1:8.2f} us single")
+        print(f"  {arm:<20} {g:8.2f} us graph  {s1:8.2f} us single")
     print(f"  declared / plain         = {res['declared'][0] / res['plain'][0]:.3f}x (target <= 1.1)")
     print(f"  declared q=chunk / plain = {res['declared q=chunk'][0] / res['plain'][0]:.3f}x")
+    print(f"  plain, no query code / plain = {res['plain, no query code'][0] / res['plain'][0]:.3f}x")
     return 0
 
 

@@ -28,10 +28,10 @@ from .capacity import check_arguments, check_flags, memory_estimate
 from .engine_plan import check_block_counts
 from .channels import BuildContext, ChannelBuilder, ChannelMetadata, builder_for
 from .fused.plan import FusedPlan
-from .fused.tasks import FusedTask
+from .fused.tasks import FusedTask, plain_tasks
 from .aliasing import check_pipeline_buffers, check_step_outputs
 from .metadata import DSV4Metadata, StepStats
-from .query_batch import build_query, meta_query_fields, plan_query
+from .query_batch import build_query, meta_query_fields, plan_query, refuse_declared
 from .geometry import DSV4Layout
 from .streams import check_stream, on_stream
 from ._numba import compile_pinned
@@ -75,6 +75,10 @@ class MetadataPipeline:
         is the step's row ``i``; a step not decode-first is refused naming the row: :mod:`.frontend.row_order`).
     stream : torch.cuda.Stream, optional — CUDA only: ``update()``'s copy, ``build()`` and ``warmup()`` run on it
         whatever stream is current (default None: the current stream at each call; :mod:`.streams`).
+    query_batches : bool — accept steps declaring ``query_lens`` (source rows != query rows, V4.1's decoder-suffix
+        replay: docs/DESIGN.md §5). Default False: such a step is refused (``ValueError``, the pipeline unchanged)
+        and the fused kernel compiles no query code (about half its size, and of ``warmup()``'s compile time);
+        plain steps are byte-identical either way.
     """
 
     def __init__(self, layout: DSV4Layout, max_num_reqs: int, max_num_batched_tokens: int, device="cpu",
@@ -82,10 +86,11 @@ class MetadataPipeline:
                  cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                  max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
                  cuda_graphs: bool = False, row_order: str = "decode_first",
-                 stream: Optional[torch.cuda.Stream] = None):
+                 stream: Optional[torch.cuda.Stream] = None, query_batches: bool = False):
         check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          (cp_world_size, cp_rank, cp_interleave), checks)
-        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs, query_batches=query_batches)
+        self.query_batches = bool(query_batches)
         self.row_order = check_row_order(row_order)
         self.layout = layout
         self.device = check_device(device)
@@ -154,7 +159,8 @@ class MetadataPipeline:
 
     def _plan_launches(self, fuse: bool) -> Tuple[Optional[FusedPlan], List[ChannelBuilder]]:
         """``(fused plan or None, builders launched one by one)``: with ``fuse``, every builder that
-        declares fused tasks joins the one fused launch (after the common, request and replay tasks)."""
+        declares fused tasks joins the one fused launch (after the common, request and replay tasks); without
+        ``query_batches`` the launch has no query task (:func:`~dsv4_index.fused.tasks.plain_tasks`)."""
         if not fuse:
             return None, list(self._builders.values())
         ctx = self.ctx
@@ -168,6 +174,8 @@ class MetadataPipeline:
                 tasks += t
             else:
                 unfused.append(b)
+        if not self.query_batches:
+            tasks = plain_tasks(tasks)
         return FusedPlan(tasks, self.tables, ctx.group_cp, self.staging.dev, ctx.next_n), unfused
 
     @classmethod
@@ -175,16 +183,16 @@ class MetadataPipeline:
                         num_speculative_tokens: int = 0, *, cp_world_size: int = 1, cp_rank: int = 0,
                         cp_interleave: int = 1, fused: bool = True, checks: str = "safe", validate: bool = False,
                         max_staged_blocks: Optional[int] = None, backend: Optional[str] = None,
-                        cuda_graphs: bool = False) -> dict:
+                        cuda_graphs: bool = False, query_batches: bool = False) -> dict:
         """Bytes a pipeline of these arguments (the constructor's) allocates, computed without allocating:
         ``{"device", "host", "pinned", "parts"}`` (:func:`dsv4_index.capacity.memory_estimate`). Every
         argument is checked as the constructor checks it (the same ``ValueError`` / ``TypeError``; an unknown
         keyword is a ``TypeError``), except that a CUDA ``device`` need not exist here (planning on a host
-        without one); ``fused``, ``validate`` change no allocation."""
+        without one); ``fused``, ``validate``, ``query_batches`` change no allocation."""
         cp = (cp_world_size, cp_rank, cp_interleave)
         check_arguments(layout, max_num_reqs, max_num_batched_tokens, num_speculative_tokens, max_staged_blocks,
                          cp, checks)
-        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs)
+        check_flags(fused=fused, validate=validate, cuda_graphs=cuda_graphs, query_batches=query_batches)
         dev = check_device(device, available=False)
         use_triton(dev, backend)  # NOTE: the constructor's backend check
         if cuda_graphs and dev.type != "cuda":
@@ -209,7 +217,7 @@ class MetadataPipeline:
             tokens are invalid (``-1`` slots and rows, ``0`` lengths).
 
         Raises ValueError naming the culprit; the pipeline is then exactly as it was (tables,
-        request state, slot map, staging).
+        request state, slot map, staging). A step declaring ``query_lens`` needs ``query_batches=True``.
         """
         delta, src = None, ""  # NOTE: src (the id-keyed form's name) is set with delta
         if type(step) is StepBatch:
@@ -224,6 +232,8 @@ class MetadataPipeline:
         else:
             raise ValueError(f"step must be a StepBatch, a StepInput or a SchedulerOutput, got {type(step).__name__} "
                              "(no attribute 'scheduled_new_reqs', which a SchedulerOutput has)")
+        if not self.query_batches:
+            refuse_declared(batch)
         try:
             if self.row_order == "caller":  # NOTE: frontend/row_order.py; the default path skips it
                 check_caller_order(batch, self.ctx.next_n, None if delta is None else delta.order)

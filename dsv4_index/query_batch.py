@@ -8,9 +8,10 @@ and the map ``q_to_src[u] = qsl[b] + n_b - q_b + (u - qsl_q[b])`` (the source ro
 the same ``seq_lens``, so every per-token output of the query batch is the source batch's output at ``q_to_src``
 (the definition the tests check).
 
-This module holds the declaration's check (:func:`query_lens_of`), the host values of the query batch
-(:class:`QueryBatch`) and the formula of ``q_to_src`` (:func:`q_to_src`, numpy, and :func:`fill_q_to_src`,
-device tensors).
+Only a pipeline built with ``query_batches=True`` accepts a declaration (:func:`refuse_declared` refuses it otherwise:
+that pipeline's fused kernel has no query code). This module holds the declaration's check (:func:`query_lens_of`),
+the host values of the query batch (:class:`QueryBatch`) and the formula of ``q_to_src`` (:func:`q_to_src`, numpy,
+and :func:`fill_q_to_src`, device tensors).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 __all__ = ["QueryBatch", "query_lens_of", "query_batch", "q_to_src", "fill_q_to_src", "staged_qsl_q", "plan_query",
-           "build_query", "meta_query_fields"]
+           "build_query", "meta_query_fields", "refuse_declared"]
 
 
 def query_lens_of(batch, rows: np.ndarray) -> Optional[np.ndarray]:
@@ -129,6 +130,17 @@ def staged_qsl_q(seq_lens, num_scheduled, out, *, source) -> None:
 # ----------------------------------------------------------------------------------------------
 # the pipeline's three steps (MetadataPipeline.update, build, the meta)
 # ----------------------------------------------------------------------------------------------
+def refuse_declared(batch) -> None:
+    """The first check of ``update()`` on a pipeline built without ``query_batches=True``: a step that declares
+    ``query_lens`` (any declaration, ``q == n`` on every row too) is refused with a ``ValueError`` saying how to
+    enable it; the pipeline is then unchanged. Such a pipeline's fused kernel has no query code (its tasks carry
+    no ``FLAG_QUERY``: :func:`dsv4_index.fused.tasks.plain_tasks`)."""
+    if getattr(batch, "query_lens", None) is not None:
+        raise ValueError("query_lens: this pipeline was built without query_batches=True, so it cannot build a step "
+                         "whose query rows differ from its source rows (V4.1 decoder-suffix replay); build it with "
+                         "MetadataPipeline(..., query_batches=True) (its fused kernel then compiles the query paths)")
+
+
 def plan_query(batch, plan, pad_to: Optional[int], builders: Dict[str, Any], ctx) -> None:
     """The last check of ``update()``: the step's query batch, set as ``ctx.query`` once it passed (None for a
     plain step; the staging reads it). ``ValueError`` naming the field and row, or the channels whose builders

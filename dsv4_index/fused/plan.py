@@ -17,9 +17,9 @@ from .._common import cdiv, interpreting
 from .._triton import triton
 from ..state.staging import StageLayout
 from .kernel import fused_step_kernel
-from .tasks import (ESIZE, G_RING, GEO_WORDS, KINDS, MAX_OUTPUTS, NF, O_SCRATCH, OUTS_GEO, OUTS_WORDS, REQUEST_KINDS,
-                    S_BT, S_REP, S_SPLIT, S_TASK, SPLIT_WORDS, TOKEN_KINDS, FusedTask, TileConfig, code_order, geometry,
-                    request_specs, task_spec, token_units)
+from .tasks import (ESIZE, G_RING, GEO_WORDS, KINDS, MAX_OUTPUTS, NF, O_SCRATCH, OUTS_GEO, OUTS_WORDS, QUERY_KINDS,
+                    REQUEST_KINDS, S_BT, S_REP, S_SPLIT, S_TASK, SPLIT_WORDS, TOKEN_KINDS, FusedTask, TileConfig,
+                    code_order, geometry, request_specs, task_spec, token_units)
 
 __all__ = ["FusedPlan", "TileConfig"]
 
@@ -62,6 +62,8 @@ class FusedPlan:
     tasks : list of FusedTask (deduplicated, request tasks first).
     num_units : (request tasks, token programs per super tile of the small variant).
     configs : the three TileConfigs; variants equal configs share one compiled kernel.
+    has_query : bool — some task runs over the query batch (``FLAG_QUERY`` or a query-map task): the variants
+        compile the query paths (fused/query.py); False for a pipeline without ``query_batches``.
     """
 
     def __init__(self, tasks: Sequence[FusedTask], tables, group_cp, stage: torch.Tensor, next_n: int, *,
@@ -112,11 +114,14 @@ class FusedPlan:
             specs.append(task_spec(i, t, group_cp, muls, bool(outs[i, OUTS_GEO + G_RING])))
         self._num_req = len(req)
         # NOTE: the query batch (fused/query.py): the staged query_start_loc_q the query tasks name (one array a
-        # pipeline), and the search steps over batch rows (2^LOG_R > max_num_reqs)
-        qx = {t.extra for t in self.tasks if t.kind in ("query_map", "query_qsl")}
+        # pipeline), and the search steps over batch rows (2^LOG_R > max_num_reqs); both 0 in a launch without query
+        # code (plain_tasks), which then compiles once whatever max_num_reqs
+        qx = {t.extra for t in self.tasks if t.kind in QUERY_KINDS}
         if len(qx) > 1:
             raise ValueError(f"query tasks name {len(qx)} staged query_start_loc_q arrays {sorted(qx)}; one a launch")
-        self._query = (max(qx.pop(), 0) if qx else 0, max(int(tables.max_num_reqs), 1).bit_length())
+        self.has_query = bool(qx) or any(t.query for t in self.tasks)
+        self._query = (max(qx.pop(), 0) if qx else 0,
+                       max(int(tables.max_num_reqs), 1).bit_length() if self.has_query else 0)
         self._req = request_specs(specs[:len(req)])
         self._tok_specs, self._tok_tasks = specs[len(req):], tok
         self.next_n_pad = triton.next_power_of_2(max(next_n, 1))

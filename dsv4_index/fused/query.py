@@ -1,9 +1,10 @@
 """The query batch in the fused launch (docs/DESIGN.md §5 "Source rows ≠ query rows"): a task flagged
 ``FLAG_QUERY`` (:mod:`dsv4_index.fused.tasks`) reads the step's staged ``query_start_loc_q`` (the extra array
 ``QX``, :mod:`dsv4_index.query_batch`): its entry 0 says whether the step declares query rows; a plain step runs
-the task as an unflagged one (one load more). A declared step's query row ``u`` belongs to batch row ``b``, the
-last row with ``qsl_q[b] <= u`` (a count, then binary steps, over the staged array: :func:`query_rows`), and sits at
-the position of its source row: ``seq_lens[b] - qsl_q[b + 1] + u``.
+the task as an unflagged one (one load more); a pipeline built without ``query_batches`` has no flagged task and
+no query-map task (:func:`~dsv4_index.fused.tasks.plain_tasks`), so none of this is compiled. A declared step's
+query row ``u`` belongs to batch row ``b``, the last row with ``qsl_q[b] <= u`` (a count, then binary steps, over
+the staged array: :func:`query_rows`), and sits at the position of its source row: ``seq_lens[b] - qsl_q[b + 1] + u``.
 
 The staging format's numbers come from :mod:`dsv4_index.state.staging`, the flag values from
 :mod:`dsv4_index.query_batch`.

@@ -45,18 +45,20 @@ result is stored (``constexpr + int`` is a ``constexpr``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .._triton import tl
-__all__ = ["FusedTask", "TileConfig", "TOKEN_KINDS", "REQUEST_KINDS"]
+__all__ = ["FusedTask", "TileConfig", "TOKEN_KINDS", "REQUEST_KINDS", "QUERY_KINDS", "plain_tasks"]
 
 KINDS = {"common": 0, "window": 1, "compressed": 2, "causal": 3, "indexer": 4, "token_rows": 5, "query_map": 6,
          "query_qsl": 7, "requests": 8, "decode_lens": 9, "staged_copy": 10, "replays": 11}
 TOKEN_KINDS = frozenset({"common", "window", "compressed", "causal", "indexer", "token_rows", "query_map"})
 REQUEST_KINDS = frozenset({"requests", "decode_lens", "staged_copy", "replays", "query_qsl"})
+QUERY_KINDS = frozenset({"query_map", "query_qsl"})  # the query batch's own tasks (a declared step only)
 COMMON: tl.constexpr = tl.constexpr(KINDS["common"])
 WINDOW: tl.constexpr = tl.constexpr(KINDS["window"])
 COMPRESSED: tl.constexpr = tl.constexpr(KINDS["compressed"])
@@ -314,3 +316,10 @@ class FusedTask:
     def key(self) -> tuple:
         """Identical tasks (same kind and outputs) run once, whoever declares them."""
         return (self.kind,) + tuple(0 if o is None else o.data_ptr() for o in self.outputs)
+
+
+def plain_tasks(tasks: Sequence[FusedTask]) -> List[FusedTask]:
+    """``tasks`` for a launch that never sees a declared step: the query-map tasks dropped and ``query`` cleared
+    (the plain step's outputs are the same; ``FLAG_QUERY`` and the query kinds are ``constexpr``, so the kernel
+    then compiles none of the query paths)."""
+    return [dataclasses.replace(t, query=False) if t.query else t for t in tasks if t.kind not in QUERY_KINDS]

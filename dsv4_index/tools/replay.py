@@ -166,7 +166,8 @@ def _pipelines(path, layout, p: dict, device: torch.device, backend: Optional[st
     from ..pipeline import MetadataPipeline
 
     common = dict(num_speculative_tokens=p["num_speculative_tokens"], cp_world_size=p["cp_world_size"],
-                  cp_rank=p["cp_rank"], cp_interleave=p["cp_interleave"], max_staged_blocks=p["max_staged_blocks"])
+                  cp_rank=p["cp_rank"], cp_interleave=p["cp_interleave"], max_staged_blocks=p["max_staged_blocks"],
+                  query_batches=p["query_batches"])
     args = (layout, p["max_num_reqs"], p["max_num_batched_tokens"])
     try:
         # NOTE: the fused launch refuses circular rings of several blocks (channels/window.py)

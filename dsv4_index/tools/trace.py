@@ -20,7 +20,9 @@ Trace format (one JSON object per line, UTF-8), version 3:
   — the layout itself (groups, channels and scalars of :class:`~dsv4_index.geometry.DSV4Layout`, so
   the replay needs no config file) and the pipeline's arguments (``max_num_reqs``,
   ``max_num_batched_tokens``, ``num_speculative_tokens``, ``cp_world_size``, ``cp_rank``,
-  ``cp_interleave``, ``checks``, ``max_staged_blocks``, ``backend``, ``device``, ``fused``);
+  ``cp_interleave``, ``checks``, ``max_staged_blocks``, ``backend``, ``device``, ``fused``,
+  ``query_batches``: absent from traces written before that argument, whose pipelines all accepted declared steps,
+  so a replay reads absent as true);
 * then one line per ``update()``: ``{"type": "step", "index": i, "pad_to": int or null, "step":
   StepBatch.to_json(), "req_ids": [...] or null}`` for an accepted step, or ``"type": "rejected"`` with
   ``"error"`` (the ``ValueError`` text) for a rejected one (``"step"`` is null unless the refused step
@@ -96,7 +98,8 @@ def pipeline_args(pipe) -> dict:
     return dict(max_num_reqs=pipe.max_num_reqs, max_num_batched_tokens=pipe.max_num_tokens,
                 num_speculative_tokens=pipe.num_speculative_tokens, cp_world_size=world, cp_rank=rank,
                 cp_interleave=inter, checks=pipe.checks, max_staged_blocks=pipe.max_staged_blocks,
-                backend=pipe.ctx.backend, device=str(pipe.device), fused=getattr(pipe, "_fused", None) is not None)
+                backend=pipe.ctx.backend, device=str(pipe.device), fused=getattr(pipe, "_fused", None) is not None,
+                query_batches=bool(getattr(pipe, "query_batches", False)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -303,7 +303,7 @@ def layout_diff(a: DSV4Layout, b: DSV4Layout):
 
 _PIPELINE_REQUIRED = ("max_num_reqs", "max_num_batched_tokens", "num_speculative_tokens", "cp_world_size", "cp_rank",
                       "cp_interleave", "max_staged_blocks")
-_PIPELINE_OPTIONAL = ("checks", "backend", "device", "fused")
+_PIPELINE_OPTIONAL = ("checks", "backend", "device", "fused", "query_batches")
 
 
 def check_header(path, d, versions) -> tuple:
@@ -339,6 +339,8 @@ def check_header(path, d, versions) -> tuple:
     out["backend"] = at.str(p.get("backend"), "pipeline.backend", none=True)
     out["device"] = at.str(p.get("device", "?"), "pipeline.device")
     out["fused"] = at.bool(p.get("fused", True), "pipeline.fused")
+    # NOTE: absent in traces written before the argument existed: their pipelines accepted declared steps
+    out["query_batches"] = at.bool(p.get("query_batches", True), "pipeline.query_batches")
     check_capacity(at, layout, out)
     return v, layout, out
 

@@ -53,6 +53,7 @@ def layout(name):
 
 
 def pipe(lay, kind, reqs=R, **kw):
+    kw.setdefault("query_batches", True)  # NOTE: the pipelines here build declared steps (test_query_optin.py: off)
     kw.update(dict(reference=dict(backend="reference"), unfused=dict(fused=False, backend="triton"),
                    fused=dict(fused=True, backend="triton"))[kind])
     return MetadataPipeline(lay, reqs, T_MAX, DEVICE, SPEC, **kw)
@@ -406,9 +407,9 @@ def test_declared_steps_replay_the_plain_steps_graph():
     """CUDA graphs (one per T_pad): a declared step replays the graph captured by a plain step of its size (the
     declaration is read from the staged step), and the other way round; each equals the reference."""
     lay = layout("tiny_v41")
-    g = MetadataPipeline(lay, R, T_MAX, "cuda", SPEC, cuda_graphs=True)
+    g = MetadataPipeline(lay, R, T_MAX, "cuda", SPEC, cuda_graphs=True, query_batches=True)
     g.warmup(pad_sizes=(T_MAX,))
-    ref = MetadataPipeline(lay, R, T_MAX, "cpu", SPEC, backend="reference")
+    ref = MetadataPipeline(lay, R, T_MAX, "cpu", SPEC, backend="reference", query_batches=True)
     rng = np.random.default_rng(9)
     for i, step in enumerate(_first_steps(lay, 6)):
         s = declare(step, rng) if i % 2 else step
