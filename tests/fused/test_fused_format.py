@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import itertools
 import json
 import os
 import re
@@ -168,8 +169,8 @@ print("ptx", len(ck.asm["ptx"]))
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     """Compiled Triton reads what the interpreter does not check (constexpr globals, static branches):
-    one plan of the tiny layout, every tile variant's constants, compiled to PTX in a subprocess
-    without TRITON_INTERPRET."""
+    one plan of the tiny layout (and of tiny_v41), with and without ``query_batches``, every tile variant's
+    constants, compiled to PTX in a subprocess without TRITON_INTERPRET."""
     from triton.backends import backends
     if "nvidia" not in backends:
         pytest.skip("triton has no NVIDIA backend here")
@@ -182,10 +183,12 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         pytest.skip("builds the plan with TRITON_INTERPRET=1 or on CUDA")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path))
-    # NOTE: the second layout has units of several tasks (one window task per sliding group)
-    for layout in (tiny_layout(circular={"c4_state": 16, "c128_state": 32}),
-                   DSV4Layout.from_config("tiny_v41", 256, mla_block_size=16, swa_group_per_layer=True)):
-        pipe = MetadataPipeline(layout, 4, 64, "cuda" if torch.cuda.is_available() else "cpu")
+    # NOTE: the second layout has units of several tasks (one window task per sliding group); each with and without
+    # the query paths (query_batches: fused/query.py compiled in, or no query task at all)
+    for layout, query in itertools.product((tiny_layout(circular={"c4_state": 16, "c128_state": 32}),
+                                            DSV4Layout.from_config("tiny_v41", 256, mla_block_size=16,
+                                                                   swa_group_per_layer=True)), (True, False)):
+        pipe = MetadataPipeline(layout, 4, 64, "cuda" if torch.cuda.is_available() else "cpu", query_batches=query)
         p = pipe.fused_plan
         plan = FusedPlan(p.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 2, tiny=TINY, small=SMALL,
                          large=LARGE)

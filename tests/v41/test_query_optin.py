@@ -189,7 +189,9 @@ ptr = {"stage_ptr": "*i32", "tables_ptr": "*i32", "base32": "*i32", "base64": "*
        "outs_ptr": "*i64"}
 sig = {a: ptr.get(a, "constexpr" if a in c else "i32") for a in k.arg_names}
 ck = triton.compile(ASTSource(k, sig, constexprs=c), target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
-print("ptx", len(ck.asm["ptx"]))
+ptx = ck.asm["ptx"]
+lines = [s.strip() for s in ptx.splitlines()]
+print("ptx", len(ptx), sum(s.endswith(";") and not s.startswith((".", "//", "$")) for s in lines))
 """
 
 
@@ -197,8 +199,10 @@ print("ptx", len(ck.asm["ptx"]))
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (CUDA or TRITON_INTERPRET=1)")
 def test_the_kernel_without_the_option_compiles_without_the_query_paths(tmp_path):
     """The tiny tiles' variant of tiny_v41's plan compiled to PTX for sm_90 (no GPU; as
-    tests/fused/test_fused_format.py does): the option-off kernel is at most 3/4 of the option-on one (measured:
-    288k vs 536k characters: the query paths were almost half of the kernel)."""
+    tests/fused/test_fused_format.py does): the option-off kernel has at most 3/4 of the option-on one's
+    instructions and characters (measured: 288k vs 536k characters; the instruction count, unlike the characters,
+    does not move with the debug line info: V4-Flash's option-off variants have exactly the instructions of the
+    kernel before the query paths existed)."""
     from triton.backends import backends
     if "nvidia" not in backends:
         pytest.skip("triton has no NVIDIA backend here")
@@ -217,8 +221,8 @@ def test_the_kernel_without_the_option_compiles_without_the_query_paths(tmp_path
         r = subprocess.run([sys.executable, "-c", _PTX], input=json.dumps(dict(v["consts"], num_warps=TINY.num_warps)),
                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and r.stdout.startswith("ptx"), r.stderr[-3000:]
-        size[on] = int(r.stdout.split()[1])
-    assert size[False] <= 0.75 * size[True], size
+        size[on] = tuple(map(int, r.stdout.split()[1:3]))
+    assert all(off <= 0.75 * on for off, on in zip(size[False], size[True])), size
 
 
 # ----------------------------------------------------------------------------------------------
