@@ -637,13 +637,14 @@ def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill):
 
 @njit
 def _cells_moved(X, P, R, FN, geo, cell_st, slot_st, num_blocks, run_of, S):
-    """The (group, slot) cells whose committed held range the step may change, as ``g * S + s`` in
-    :func:`_deltas`' order (slots as the step names them, groups in order): every cell of a freed, new or run
-    slot, and a batch row's cells whose range moves (most cells of a decode step keep theirs: the ranges of
-    :func:`_committed` and :func:`_new_range` spelled out for that case, unsharded; no helper call here)."""
+    """The (group, slot) cells whose committed held range the step may change, in :func:`_deltas`' order (slots
+    as the step names them, groups in order): rows ``(g * S + s, known, lo0, nb0, lo1, nb1)``. Every cell of a
+    freed, new or run slot (``known`` 0: the ranges are :func:`_committed` and :func:`_new_range`'s), and a batch
+    row's cells whose range moves (``known`` 1: those ranges, spelled out for a batch row live before and after,
+    not new, no run in ``g``, unsharded: no helper call here); most cells of a decode step keep their range."""
     G = geo.shape[0]
     nP, nFN = P.shape[1], FN.shape[1]
-    out = np.empty((nP + nFN + R.shape[1]) * G, dtype=np.int64)
+    out = np.empty(((nP + nFN + R.shape[1]) * G, 6), dtype=np.int64)
     done = np.zeros(S, dtype=np.int8)
     n = 0
     for j in range(nP + nFN + R.shape[1]):  # NOTE: the slots a step can touch: batch rows, freed / new, runs
@@ -658,6 +659,7 @@ def _cells_moved(X, P, R, FN, geo, cell_st, slot_st, num_blocks, run_of, S):
             r = run_of[g * S + s]
             if not (touched or r >= 0):
                 continue
+            out[n, 0], out[n, 1] = g * S + s, 0
             if kept and r < 0 and geo[g, SHARD] == 0:
                 nb0, nb1, ring = num_blocks[g, s], X[4 + g, s], geo[g, RING]
                 lo0 = lo1 = 0
@@ -669,7 +671,7 @@ def _cells_moved(X, P, R, FN, geo, cell_st, slot_st, num_blocks, run_of, S):
                     lo1 = max(lo1, X[4 + G + g, s] if geo[g, SLID] else 0, nb1 - ring)
                 if (lo0 == lo1 and nb0 == nb1) or (lo0 >= nb0 and lo1 >= nb1):
                     continue  # NOTE: no block enters or leaves: the loops of _deltas would run empty
-            out[n] = g * S + s
+                out[n, 1], out[n, 2], out[n, 3], out[n, 4], out[n, 5] = 1, lo0, nb0, lo1, nb1
             n += 1
     return out[:n]
 
@@ -682,10 +684,13 @@ def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, r
     nd = ni = 0
     todo = _cells_moved(X, P, R, FN, geo, cell_st, slot_st, num_blocks, run_of, S)
     for k in range(todo.shape[0]):
-        g, s = todo[k] // S, todo[k] % S
+        g, s = todo[k, 0] // S, todo[k, 0] % S
         r = run_of[g * S + s]
-        lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
-        lo1, nb1 = _new_range(g, s, X, P, geo, cp, cell_st)
+        if todo[k, 1]:
+            lo0, nb0, lo1, nb1 = todo[k, 2], todo[k, 3], todo[k, 4], todo[k, 5]
+        else:
+            lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
+            lo1, nb1 = _new_range(g, s, X, P, geo, cp, cell_st)
         u0, u1 = max(lo0, lo1), min(nb0, nb1, R[2, r] if r >= 0 else nb0)
         if X[1, s] == 1:
             u0, u1 = 0, 0
