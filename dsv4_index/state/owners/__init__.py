@@ -142,8 +142,13 @@ class BlockOwners:
     @staticmethod
     def _fills(cap: int) -> np.ndarray:
         """int64 ``[cap + 2, 8]``: an empty open-addressing table of ``cap`` (a power of two) records, one
-        cache line each (kernel docstring), then the header row (records used, overflow flag) and a spare row."""
-        fill = np.zeros((cap + 2, 8), dtype=_I64)
+        cache line each (kernel docstring), then the header row (records used, overflow flag) and a spare row.
+        The rows start on a 64-byte boundary (a view into a slightly larger buffer): a large numpy array starts 16
+        bytes past one, which split every record over two cache lines (two misses a lookup)."""
+        n = (cap + 2) * 8
+        buf = np.zeros(n + 8, dtype=_I64)
+        off = (-buf.ctypes.data % 64) // 8
+        fill = buf[off:off + n].reshape(cap + 2, 8)
         fill[:cap, :3] = -1
         fill[:cap, 6] = -1
         return fill

@@ -492,9 +492,8 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
                     continue  # NOTE: its own fill, which no write into a shared block can have changed since
                 h = _rec(fill, kid * G + g)
                 fs, fp, fst, now = _fill_rec(h, fill, F4, nF)
-                own = fs == s and fp == q and fst == seen[c]
-                if own and not rewind:
-                    continue
+                if not rewind and fs == s and fp == q and fst == seen[c]:
+                    continue  # NOTE: its own fill (a rewind is a new fill either way: seen[c], a miss, not read)
                 sus = _suspect(h, fill, moved)
                 if sus or fill[h, 4] >= 2 or fill[h, 5] != 0:
                     err[11] = 1
@@ -637,36 +636,72 @@ def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill):
 
 
 @njit
-def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc, fill):
-    """The id keys leaving (``dec``) and entering (``inc``) the committed held ranges of every affected
-    (group, slot); returns their numbers (only counted when the buffers are too small)."""
+def _cells_moved(X, P, R, FN, geo, cell_st, slot_st, num_blocks, run_of, S):
+    """The (group, slot) cells whose committed held range the step may change, in :func:`_deltas`' order (slots
+    as the step names them, groups in order): rows ``(g * S + s, known, lo0, nb0, lo1, nb1)``. Every cell of a
+    freed, new or run slot (``known`` 0: the ranges are :func:`_committed` and :func:`_new_range`'s), and a batch
+    row's cells whose range moves (``known`` 1: those ranges, spelled out for a batch row live before and after,
+    not new, no run in ``g``, unsharded: no helper call here); most cells of a decode step keep their range."""
     G = geo.shape[0]
-    nd = ni = 0
-    done = np.zeros(S, dtype=np.int8)
     nP, nFN = P.shape[1], FN.shape[1]
+    out = np.empty(((nP + nFN + R.shape[1]) * G, 6), dtype=np.int64)
+    done = np.zeros(S, dtype=np.int8)
+    n = 0
     for j in range(nP + nFN + R.shape[1]):  # NOTE: the slots a step can touch: batch rows, freed / new, runs
         s = P[0, j] if j < nP else (FN[0, j - nP] if j < nP + nFN else R[1, j - nP - nFN])
         if done[s]:
             continue
         done[s] = 1
-        touched = X[0, s] >= 0 or X[1, s] == 1 or (slot_st[0, s] == 1 and X[3, s] == 0)
+        i = X[0, s]
+        touched = i >= 0 or X[1, s] == 1 or (slot_st[0, s] == 1 and X[3, s] == 0)
+        kept = i >= 0 and X[1, s] == 0 and X[3, s] == 1 and slot_st[0, s] == 1
         for g in range(G):
             r = run_of[g * S + s]
             if not (touched or r >= 0):
                 continue
+            out[n, 0], out[n, 1] = g * S + s, 0
+            if kept and r < 0 and geo[g, SHARD] == 0:
+                nb0, nb1, ring = num_blocks[g, s], X[4 + g, s], geo[g, RING]
+                lo0 = lo1 = 0
+                if geo[g, SLID]:
+                    lo0 = cell_st[0, g, s]
+                    lo1 = max(P[1, i] - P[5, i] - geo[g, WIN] + 1, 0, P[3, i]) // geo[g, BS]
+                if ring > 0:
+                    lo0 = max(lo0, cell_st[2, g, s], nb0 - ring)
+                    lo1 = max(lo1, X[4 + G + g, s] if geo[g, SLID] else 0, nb1 - ring)
+                if (lo0 == lo1 and nb0 == nb1) or (lo0 >= nb0 and lo1 >= nb1):
+                    continue  # NOTE: no block enters or leaves: the loops of _deltas would run empty
+                out[n, 1], out[n, 2], out[n, 3], out[n, 4], out[n, 5] = 1, lo0, nb0, lo1, nb1
+            n += 1
+    return out[:n]
+
+
+@njit
+def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, run_of, S, dec, inc, fill):
+    """The id keys leaving (``dec``) and entering (``inc``) the committed held ranges of every affected
+    (group, slot) (:func:`_cells_moved`); returns their numbers (only counted when the buffers are too small)."""
+    G = geo.shape[0]
+    nd = ni = 0
+    todo = _cells_moved(X, P, R, FN, geo, cell_st, slot_st, num_blocks, run_of, S)
+    for k in range(todo.shape[0]):
+        g, s = todo[k, 0] // S, todo[k, 0] % S
+        r = run_of[g * S + s]
+        if todo[k, 1]:
+            lo0, nb0, lo1, nb1 = todo[k, 2], todo[k, 3], todo[k, 4], todo[k, 5]
+        else:
             lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
             lo1, nb1 = _new_range(g, s, X, P, geo, cp, cell_st)
-            u0, u1 = max(lo0, lo1), min(nb0, nb1, R[2, r] if r >= 0 else nb0)
-            if X[1, s] == 1:
-                u0, u1 = 0, 0
-            for q in range(lo0, min(nb0, max(u0, lo0))):
-                nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
-            for q in range(max(lo0, u1, min(nb0, max(u0, lo0))), nb0):
-                nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
-            for q in range(lo1, min(nb1, max(u0, lo1))):
-                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
-            for q in range(max(lo1, u1, min(nb1, max(u0, lo1))), nb1):
-                ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
+        u0, u1 = max(lo0, lo1), min(nb0, nb1, R[2, r] if r >= 0 else nb0)
+        if X[1, s] == 1:
+            u0, u1 = 0, 0
+        for q in range(lo0, min(nb0, max(u0, lo0))):
+            nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
+        for q in range(max(lo0, u1, min(nb0, max(u0, lo0))), nb0):
+            nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
+        for q in range(lo1, min(nb1, max(u0, lo1))):
+            ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
+        for q in range(max(lo1, u1, min(nb1, max(u0, lo1))), nb1):
+            ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
     return nd, ni
 
 
