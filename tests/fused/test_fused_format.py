@@ -16,11 +16,8 @@ from __future__ import annotations
 import ast
 import builtins
 import itertools
-import json
 import os
 import re
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -31,6 +28,8 @@ from dsv4_index._triton import HAVE_TRITON, tl
 from dsv4_index.fused import kernel, tasks, window
 from dsv4_index.fused.tasks import FusedTask, task_spec
 from dsv4_index.state import staging
+
+from helpers.ptx import sm90_ptx
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ROOT / "dsv4_index" / "fused" / "kernel.py"
@@ -148,23 +147,6 @@ def test_staging_exports_the_row_stride_and_the_write_halves():
     assert flat.tolist() == [11, 0, 13, 0, 0, 12]
 
 
-_COMPILE = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dsv4_index.fused.kernel import fused_step_kernel as k
-c = json.loads(sys.stdin.read())
-nw = c.pop("num_warps")
-c = {n: tuple(v) if isinstance(v, list) else v for n, v in c.items()}
-ptr = {"stage_ptr": "*i32", "tables_ptr": "*i32", "base32": "*i32", "base64": "*i64", "base8": "*i8",
-       "outs_ptr": "*i64"}
-sig = {a: ptr.get(a, "constexpr" if a in c else "i32") for a in k.arg_names}
-ck = triton.compile(ASTSource(k, sig, constexprs=c), target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
-print("ptx", len(ck.asm["ptx"]))
-"""
-
-
 @pytest.mark.slow  # ./dev quick skips it
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
@@ -181,8 +163,6 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     from dsv4_index.pipeline import MetadataPipeline
     if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
         pytest.skip("builds the plan with TRITON_INTERPRET=1 or on CUDA")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path))
     # NOTE: the second layout has units of several tasks (one window task per sliding group); each with and without
     # the query paths (query_batches: fused/query.py compiled in, or no query task at all)
     for layout, query in itertools.product((tiny_layout(circular={"c4_state": 16, "c128_state": 32}),
@@ -193,10 +173,7 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         plan = FusedPlan(p.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 2, tiny=TINY, small=SMALL,
                          large=LARGE)
         for v in plan._variants:
-            consts = dict(v["consts"], num_warps=v["cfg"].num_warps)
-            r = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(consts), env=env, cwd=ROOT,
-                               capture_output=True, text=True, timeout=300)
-            assert r.returncode == 0 and r.stdout.startswith("ptx"), r.stderr[-3000:]
+            sm90_ptx(v["consts"], v["cfg"].num_warps, tmp_path, timeout=300)
 
 
 def test_tasks_of_one_code_are_one_unit():

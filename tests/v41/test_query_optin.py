@@ -17,8 +17,6 @@ Declared steps on a pipeline with the option equal the reference: ``test_query_b
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -28,9 +26,9 @@ from dsv4_index import DSV4Layout, MetadataPipeline
 from dsv4_index.fused.tasks import FLAG_QUERY, KINDS, NF, QUERY_KINDS, S_FLAGS, S_KIND
 from dsv4_index.testing.scheduler import ReferenceScheduler
 
-from helpers import ROOT
 from helpers.pipelines import DEVICE, HAS_TRITON, POISONS, poison
 from helpers.rejections import diff, state
+from helpers.ptx import sm90_ptx
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -176,25 +174,6 @@ def test_the_launch_without_the_option_has_no_query_task(name):
     assert seen[R, False] == seen[40, False] and seen[R, True] != seen[40, True]
 
 
-_PTX = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dsv4_index.fused.kernel import fused_step_kernel as k
-c = json.loads(sys.stdin.read())
-nw = c.pop("num_warps")
-c = {n: tuple(v) if isinstance(v, list) else v for n, v in c.items()}
-ptr = {"stage_ptr": "*i32", "tables_ptr": "*i32", "base32": "*i32", "base64": "*i64", "base8": "*i8",
-       "outs_ptr": "*i64"}
-sig = {a: ptr.get(a, "constexpr" if a in c else "i32") for a in k.arg_names}
-ck = triton.compile(ASTSource(k, sig, constexprs=c), target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
-ptx = ck.asm["ptx"]
-lines = [s.strip() for s in ptx.splitlines()]
-print("ptx", len(ptx), sum(s.endswith(";") and not s.startswith((".", "//", "$")) for s in lines))
-"""
-
-
 @pytest.mark.slow  # ./dev quick skips it
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (CUDA or TRITON_INTERPRET=1)")
 def test_the_kernel_without_the_option_compiles_without_the_query_paths(tmp_path):
@@ -209,8 +188,6 @@ def test_the_kernel_without_the_option_compiles_without_the_query_paths(tmp_path
     from dsv4_index.fused.plan import TINY, FusedPlan
     if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
         pytest.skip("builds the plan with TRITON_INTERPRET=1 or on CUDA")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path))
     size = {}
     for on in (False, True):
         pipe = _pipe(_layout(), "fused", query_batches=on)
@@ -218,10 +195,7 @@ def test_the_kernel_without_the_option_compiles_without_the_query_paths(tmp_path
         plan = FusedPlan(p.tasks, pipe.tables, pipe.ctx.group_cp, pipe.staging.dev, 2, tiny=TINY, small=TINY,
                          large=TINY)
         v = plan._variants[0]
-        r = subprocess.run([sys.executable, "-c", _PTX], input=json.dumps(dict(v["consts"], num_warps=TINY.num_warps)),
-                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0 and r.stdout.startswith("ptx"), r.stderr[-3000:]
-        size[on] = tuple(map(int, r.stdout.split()[1:3]))
+        size[on] = sm90_ptx(v["consts"], TINY.num_warps, tmp_path)
     assert all(off <= 0.75 * on for off, on in zip(size[False], size[True])), size
 
 
