@@ -59,7 +59,8 @@ def test_update_and_build_run_on_the_stream():
                                         num_speculative_tokens=2)]
     for s in steps:
         with torch.cuda.stream(side):
-            torch.cuda._sleep(100_000_000)  # NOTE: ~50 ms busy: whatever update/build queue waits behind it
+            torch.cuda._sleep(1_000_000_000)  # NOTE: ~0.5 s busy: update + build wait behind it even on a host
+            # shared with other test workers
         pipe.update(s)
         meta = pipe.build()
         assert torch.cuda.current_stream().query(), "update/build queued work on the current stream"
