@@ -12,7 +12,9 @@ Arrays (``G`` groups, ``S`` slots, ``K`` id keys ``kid * G + gid``, ``M`` mirror
 * ``slot_st`` int64 ``[4, S]``: live, frontier, replay_mark, the step its reads were last verified;
   ``cell_st`` rows 3, 4: the block position a row filled last itself, and that step (a write there skips the
   fill lookup while no write into a shared block happened since);
-  ``meta`` int64 ``[1]``: the last step with a write into a block another row may hold; ``mine`` int8 ``[M]``:
+  ``meta`` int64 ``[1]``: the last step with a write into a block another row may still hold after that step
+  (``err[11]`` in the step; :func:`_reads` says why a block whose holders all release it in the step is not one);
+  ``mine`` int8 ``[M]``:
   the cell's row filled its block itself (not a hit); ``cell_st`` int64 ``[5, G, S]``: floor, hold, ring_lo, ...
 * ``fill`` int64 ``[cap + 2, 8]``: an open-addressing table of ``cap`` records (a power of two; linear
   probing, :func:`_rec`), one cache line each, keyed by ``kid * G + gid``: 0-2 slot, block position, step of the
@@ -411,8 +413,6 @@ def _acquisitions(X, P, R, w_ids, raw0, mirror, geo, cp, cell_st, slot_st, run_o
                 if phase == 0 and fl:
                     whole = geo[g, CIRC] or (q * bs >= ws and (q + 1) * bs <= we)
                     h = _rec(fill, kid * G + g)
-                    if fill[h, 4] >= 1 or fill[h, 5] >= 2:
-                        err[11] = 1  # NOTE: a block some row held (its own second copy included) filled anew
                     if _suspect(h, fill, moved):
                         err[11] = 1  # NOTE: a write into a block someone else may hold: reads are checked in full
                         if _scan(g, kid, s, q, 0, whole, X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st,
@@ -541,9 +541,14 @@ def _moved_back(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, er
 @njit
 def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, F4, nF, err, meta):
     """Detection: a sliding block a batch row reads below its write start holds the fill the row saw. A row
-    verified in a step after which no write touched a block another row held (``meta[0]``: the last step with
-    one; ``err[11]``: this step has one), whose window did not move below its floor, reads what it was verified
-    to read: skipped (the same verdict; a refill by another writer is always such a write)."""
+    verified in a step after which no write touched a block another row may still hold after that write's step
+    (``meta[0]``: the last step with one; ``err[11]``: this step has one), whose window did not move below its
+    floor, reads what it was verified to read: skipped (the same verdict). A write into a block whose every
+    holder releases it in the same step (a scheduler handing on a draft band by the true acceptance, each step
+    of ``benchmarks/flash_host.py``) is not such a write and keeps the skip: after it no row holds the block but
+    its writer, so a row reads it again only through a new acquisition (checked as one) or a window moved below
+    the floor it had when it released it (``back`` below, and the filter's ``moved``: checked in full). The
+    same argument keeps :func:`_writes`' shortcuts of a row's own fill."""
     G = geo.shape[0]
     for i in range(P.shape[1]):
         s = P[0, i]
