@@ -32,16 +32,25 @@ def test_a_stream_that_is_not_one_names_stream(bad):
         MetadataPipeline(_layout(), 4, 64, "cpu", stream=bad)
 
 
-def test_a_cuda_stream_on_a_cpu_pipeline_names_stream():
-    class FakeStream(torch.cuda.Stream):  # NOTE: no CUDA here: an instance made without the CUDA constructor
+def _a_cuda_stream():
+    """A real stream where CUDA is; else an instance made without the CUDA constructor (a CUDA build of torch
+    refuses that: ``object.__new__(FakeStream) is not safe``, seen on an H100)."""
+    if torch.cuda.is_available():
+        return torch.cuda.Stream()
+
+    class FakeStream(torch.cuda.Stream):
         def __new__(cls):
             return object.__new__(cls)
 
         def __init__(self):
             pass
 
+    return FakeStream()
+
+
+def test_a_cuda_stream_on_a_cpu_pipeline_names_stream():
     with pytest.raises(ValueError, match=r"^stream: a CUDA stream needs a CUDA pipeline, this one's device is cpu"):
-        check_stream(FakeStream(), torch.device("cpu"))
+        check_stream(_a_cuda_stream(), torch.device("cpu"))
 
 
 @pytest.mark.gpu
