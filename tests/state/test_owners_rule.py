@@ -114,3 +114,22 @@ def test_a_read_of_a_block_its_filler_rewrote_after_the_hit_is_rejected(checks):
                                          r"position 5 in step 4, after slot 1 last wrote or took it"):
         p.update(StepInput([], [RunningRequest("e", none, 28)], {"e": 1}, finished_req_ids=["a"]))
     p.update(StepInput([], [RunningRequest("e", none, 33)], {"e": 1}, finished_req_ids=["a"]))  # E where it was
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_a_hand_over_its_holder_releases_in_the_same_step_keeps_verified_reads(released):
+    """The compiled pass re-reads every row's window after a write into a block another row may still hold
+    (``owners.meta[0]``: the last such step), and skips rows verified since otherwise (owners/kernel.py
+    ``_reads``). X's c4_state block 4 goes to C: with X scheduled at 27 in the same step, X releases it there
+    (no row but C holds it after the step: not such a write); with X not scheduled, block 4 stays in X's draft
+    band (such a write). Either way the step is accepted, and X's return at 23 is rejected."""
+    p = _pipe("safe", spec=4)
+    p.update(StepInput([NewRequest("x", _lists(1000, 0, 22), 0)], [], {"x": 22}))
+    p.update(StepInput([], [RunningRequest("x", _lists(1000, 22, 27), 22)], {"x": 5}))
+    c = _lists(3000, 0, 4)
+    c[2][0] = 1204                                   # X's c4_state block 4
+    x = [RunningRequest("x", _lists(1000, 27, 28), 27)] if released else []
+    p.update(StepInput([NewRequest("c", c, 0)], x, {"c": 4, **({"x": 1} if released else {})}))
+    assert p.requests.owners.meta[0] == (0 if released else 3)
+    with pytest.raises(ValueError, match=r"slot 0 would read gid 2 \(c4_state\) block 1204 at block position 4"):
+        p.update(StepInput([], [RunningRequest("x", ((), (), (), ()), 23)], {"x": 1}, finished_req_ids=["c"]))
