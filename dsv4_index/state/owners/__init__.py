@@ -177,9 +177,9 @@ class BlockOwners:
         self._pending = None
         if not ready():
             compile_pinned()  # NOTE: the passes' one signature (warmup() does this first)
-        t, B, N = self.t, plan.slots.shape[0], plan.w_gid.shape[0]
-        P, R, raw0, A, FN, w_ids, top = self._pack(plan, B, N)
-        if N:
+        t = self.t
+        P, R, raw0, A, FN, w_ids, top = self._pack(plan)
+        if R.shape[1]:
             check_id_limit(top, self.G)
         self.grow()
         nf = int(plan.free_slots.shape[0])
@@ -206,11 +206,12 @@ class BlockOwners:
             self._reject(self.E[:12], plan)
         self._pending = (plan, P, R, A, FN, nf, res)
 
-    def _pack(self, plan, B: int, N: int) -> tuple:
+    def _pack(self, plan) -> tuple:
         """``(P, R, raw0, A, FN, w_ids, largest id)`` of ``plan`` (:func:`.pack.pack_step`): views into a buffer kept
         between steps (the passes read them until :meth:`commit`); a plan's arrays not int64 and C-contiguous are
         converted first."""
-        n, F = plan.all_slots.shape[0], plan.free_slots.shape[0] + plan.new_slots.shape[0]
+        B, N, n = plan.slots.shape[0], plan.w_gid.shape[0], plan.all_slots.shape[0]
+        F = plan.free_slots.shape[0] + plan.new_slots.shape[0]
         need = pack_size(B, N, n, F)
         if need > self._buf.shape[0]:
             self._buf = np.zeros(need, dtype=_I64)  # NOTE: never, for a plan of the planner (first_entries)
