@@ -165,6 +165,7 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
     capacities only: :meth:`MetadataPipeline.memory_estimate` checks every constructor argument first.
     """
     from .state.owners import first_sizes
+    from .state.owners.pack import first_entries
     from .state.staging import StageLayout
 
     cp = (cp_world_size, cp_rank, cp_interleave)
@@ -186,9 +187,10 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
         # NOTE: state/owners (BlockOwners.__init__): per-slot and per-(group, slot) state, the step's scratch (X,
         # run_of; F4, seen_l and the three lists L at their first length), two marks per mirror entry, and the
         # (group, id) hash table of 64-byte records at its first size, plus 2 rows (first_sizes: from the groups and
-        # the mirror; it grows with the records in use, not with the ids)
+        # the mirror; it grows with the records in use, not with the ids), and the buffer of the step's arrays (pack.py)
         "ownership state": ("host", 8 * (10 * G + 3 + 4 * num_slots + 1 + 5 * G * num_slots + (4 + 3 * G) * num_slots
-                                         + 13 * lists + 16 + 8 * (records + 2)) + 9 * max(total, 1)),
+                                         + 13 * lists + 16 + 8 * (records + 2) + first_entries(G, num_slots) + 4)
+                                    + 9 * max(total, 1)),
         "staging": ("device", 4 * capacity),
         "staging (host)": ("pinned" if pinned else "host", 4 * capacity * (2 if pinned else 1)
                            + 8 * (max(T, num_slots) + 1)),

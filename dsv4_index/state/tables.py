@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .._common import INT32_MAX
+from .._numba import pin, ro, rw
 from ._index import ring_col
 from .plan import StepPlan
 
@@ -112,14 +113,14 @@ class BlockTables:
 
     # ------------------------------------------------------------------------------------------
     def commit(self, plan: StepPlan) -> None:
-        """Block counts after a checked step (freed and new slots start empty)."""
-        nb = self.num_blocks
-        if plan.free_slots.size:
-            nb[:, plan.free_slots] = 0
-        if plan.new_slots.size:
-            nb[:, plan.new_slots] = 0
-        if plan.w_gid.size:
-            nb[plan.w_gid, plan.w_slot] = plan.w_end
+        """Block counts after a checked step (freed and new slots start empty; one compiled call)."""
+        args = (plan.free_slots, plan.new_slots, plan.w_gid, plan.w_slot, plan.w_end)
+        try:
+            ok = commit_counts(self.num_blocks, *args)
+        except TypeError:  # NOTE: another dtype or a strided view (a plan built by hand): converted, same pass
+            ok = commit_counts(self.num_blocks, *(np.ascontiguousarray(a, dtype=np.int64) for a in args))
+        if not ok:
+            raise IndexError("BlockTables.commit: a slot or group out of range (the plan was not checked)")
 
     def row(self, gid: int, slot: int) -> np.ndarray:
         """Host copy of the valid logical blocks of a slot, in logical order (int32 ``[n]``).
@@ -148,6 +149,35 @@ class BlockTables:
         k_cu = np.zeros(len(cu), dtype=np.int64)
         np.cumsum(n * f, out=k_cu[1:])
         return starts * f, k_cu, k_ids
+
+
+def commit_counts(nb, free, new, gid, slot, end) -> bool:
+    """``nb[:, free] = 0``, ``nb[:, new] = 0``, then ``nb[gid, slot] = end`` (in that order); False, and nothing
+    written, when an index is out of range or ``slot`` / ``end`` are shorter than ``gid``."""
+    G, S = nb.shape
+    N = gid.shape[0]
+    if slot.shape[0] < N or end.shape[0] < N:
+        return False
+    for j in range(free.shape[0]):
+        if not (0 <= free[j] < S):
+            return False
+    for j in range(new.shape[0]):
+        if not (0 <= new[j] < S):
+            return False
+    for r in range(N):
+        if not (0 <= gid[r] < G and 0 <= slot[r] < S):
+            return False
+    for g in range(G):
+        for j in range(free.shape[0]):
+            nb[g, free[j]] = 0
+        for j in range(new.shape[0]):
+            nb[g, new[j]] = 0
+    for r in range(N):
+        nb[gid[r], slot[r]] = end[r]
+    return True
+
+
+commit_counts = pin(commit_counts, (rw("int64", 2),) + (ro("int64"),) * 5)
 
 
 def _ragged_arange(n: np.ndarray) -> np.ndarray:

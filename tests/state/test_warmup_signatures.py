@@ -19,13 +19,15 @@ from dsv4_index import MetadataPipeline
 from dsv4_index._numba import signatures
 from dsv4_index.state.checks import kernel as ck
 from dsv4_index.state.staging import kernel as sk
-from dsv4_index.state.owners import kernel as ok
+from dsv4_index.state.owners import kernel as ok, pack as op
+from dsv4_index.state.tables import commit_counts
 from dsv4_index.testing.scheduler import random_trace
 from helpers.batches import R, SPEC, T_MAX, Serve, mutate
 from helpers.rejections import layout
 from helpers.vllm_stub import from_step
 passes = {"check_step": ck.check_step, "stage_step": sk.stage_step, "check_pass": ok.check_pass,
-          "commit_pass": ok.commit_pass}
+          "commit_pass": ok.commit_pass, "pack_step": op.pack_step,
+          "commit_counts": commit_counts}
 out = {}
 for variant in ("ring", "circular"):
     lay = layout(variant)

@@ -43,6 +43,7 @@ from ..._numba import compile_pinned, ready
 from .kernel import CODES, check_pass, commit_pass, rehash
 from .messages import check_id_limit, reject
 from .naive import default_drafts
+from .pack import first_entries, pack_size, pack_step
 
 __all__ = ["BlockOwners", "check_ring_capacity", "default_drafts", "drafts_of", "first_sizes"]
 
@@ -100,6 +101,7 @@ def check_ring_capacity(groups, num_speculative_tokens: int) -> None:
 
 
 _I64 = np.int64
+_NONE = np.zeros(0, dtype=_I64)
 
 
 class BlockOwners:
@@ -138,6 +140,7 @@ class BlockOwners:
         self.run_of = np.full(G * S, -1, dtype=_I64)
         self.F4, self.seen_l = np.zeros((entries, 4), dtype=_I64), np.zeros((entries, 6), dtype=_I64)
         self.L, self.E = np.zeros((3, entries), dtype=_I64), np.zeros(16, dtype=_I64)
+        self._buf, self._opts = np.zeros(first_entries(G, S), dtype=_I64), np.zeros(4, dtype=_I64)
 
     @staticmethod
     def _fills(cap: int) -> np.ndarray:
@@ -174,23 +177,11 @@ class BlockOwners:
         self._pending = None
         if not ready():
             compile_pinned()  # NOTE: the passes' one signature (warmup() does this first)
-        t, B = self.t, plan.slots.shape[0]
-        P = np.zeros((7, B), dtype=_I64)
-        P[0], P[1], P[2] = plan.slots, plan.seq_lens, plan.num_scheduled
-        if plan.replay_start is not None:
-            P[3] = plan.replay_start
-        if plan.replay_end is not None:
-            P[4], P[6] = plan.replay_end, 1
-        P[5] = default_drafts(plan, self.next_n)
-        R = np.stack([plan.w_gid, plan.w_slot, plan.w_start, plan.w_end, plan.w_keep, plan.w_cu[:-1]]).astype(_I64)
-        w_ids = np.ascontiguousarray(plan.w_ids, dtype=_I64)
-        raw0 = np.zeros(R.shape[1] + 1, dtype=_I64)
+        t = self.t
+        P, R, raw0, A, FN, w_ids, top = self._pack(plan)
         if R.shape[1]:
-            np.cumsum((plan.w_cu[1:] - plan.w_cu[:-1]) // t.f[plan.w_gid], out=raw0[1:])
-            check_id_limit(int(w_ids.max(initial=0)), self.G)
+            check_id_limit(top, self.G)
         self.grow()
-        A = np.stack([plan.all_slots, plan.all_computed]).astype(_I64).reshape(2, -1)
-        FN = np.concatenate([plan.free_slots, plan.new_slots]).astype(_I64).reshape(1, -1)
         nf = int(plan.free_slots.shape[0])
         while True:
             res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
@@ -214,6 +205,35 @@ class BlockOwners:
         if self.E[0]:
             self._reject(self.E[:12], plan)
         self._pending = (plan, P, R, A, FN, nf, res)
+
+    def _pack(self, plan) -> tuple:
+        """``(P, R, raw0, A, FN, w_ids, largest id)`` of ``plan`` (:func:`.pack.pack_step`): views into a buffer kept
+        between steps (the passes read them until :meth:`commit`); a plan's arrays not int64 and C-contiguous are
+        converted first."""
+        B, N, n = plan.slots.shape[0], plan.w_gid.shape[0], plan.all_slots.shape[0]
+        F = plan.free_slots.shape[0] + plan.new_slots.shape[0]
+        need = pack_size(B, N, n, F)
+        if need > self._buf.shape[0]:
+            self._buf = np.zeros(need, dtype=_I64)  # NOTE: never, for a plan of the planner (first_entries)
+        buf, o, d = self._buf, self._opts, getattr(plan, "drafts", None)
+        rs, re = plan.replay_start, plan.replay_end
+        o[0], o[1], o[2], o[3] = rs is not None, re is not None, d is not None, self.next_n
+        arrays = [plan.slots, plan.seq_lens, plan.num_scheduled, _NONE if rs is None else rs,
+                  _NONE if re is None else re, _NONE if d is None else d]
+        runs = [plan.w_gid, plan.w_slot, plan.w_start, plan.w_end, plan.w_keep, plan.w_cu, plan.w_ids]
+        rows = [plan.all_slots, plan.all_computed, plan.free_slots, plan.new_slots]
+        try:
+            code, top = pack_step(*arrays, o, *runs, self.t.f, *rows, buf)
+        except TypeError:  # NOTE: another dtype or a strided view (a plan built by hand): converted, same pass
+            arrays, runs, rows = ([np.ascontiguousarray(x, dtype=_I64) for x in xs] for xs in (arrays, runs, rows))
+            code, top = pack_step(*arrays, o, *runs, self.t.f, *rows, buf)
+        if code:
+            raise ValueError(f"ownership check: the plan's arrays disagree with its counts (internal code {code}; "
+                             f"the planner should have refused this step)")
+        r = 7 * B + 6 * N
+        at = r + N + 1
+        return (buf[:7 * B].reshape(7, B), buf[7 * B:r].reshape(6, N), buf[r:at], buf[at:at + 2 * n].reshape(2, n),
+                buf[at + 2 * n:at + 2 * n + F].reshape(1, F), np.ascontiguousarray(runs[6], dtype=_I64), int(top))
 
     def commit(self, plan) -> None:
         """Apply the accepted ``plan`` checked by the last :meth:`check` (after the tables' commit)."""
