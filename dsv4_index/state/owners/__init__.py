@@ -219,21 +219,20 @@ class BlockOwners:
         rs, re = plan.replay_start, plan.replay_end
         o[0], o[1], o[2], o[3] = rs is not None, re is not None, d is not None, self.next_n
         arrays = [plan.slots, plan.seq_lens, plan.num_scheduled, _NONE if rs is None else rs,
-                  _NONE if re is None else re, _NONE if d is None else d]
-        runs = [plan.w_gid, plan.w_slot, plan.w_start, plan.w_end, plan.w_keep, plan.w_cu, plan.w_ids]
-        rows = [plan.all_slots, plan.all_computed, plan.free_slots, plan.new_slots]
+                  _NONE if re is None else re, _NONE if d is None else d, o, plan.w_gid, plan.w_slot, plan.w_start,
+                  plan.w_end, plan.w_keep, plan.w_cu, plan.w_ids, self.t.f, plan.all_slots, plan.all_computed,
+                  plan.free_slots, plan.new_slots, buf]
         try:
-            code, top = pack_step(*arrays, o, *runs, self.t.f, *rows, buf)
+            code, top = pack_step(*arrays)
         except TypeError:  # NOTE: another dtype or a strided view (a plan built by hand): converted, same pass
-            arrays, runs, rows = ([np.ascontiguousarray(x, dtype=_I64) for x in xs] for xs in (arrays, runs, rows))
-            code, top = pack_step(*arrays, o, *runs, self.t.f, *rows, buf)
+            code, top = pack_step(*[np.ascontiguousarray(x, dtype=_I64) for x in arrays])  # o, buf: unchanged
         if code:
             raise ValueError(f"ownership check: the plan's arrays disagree with its counts (internal code {code}; "
                              f"the planner should have refused this step)")
         r = 7 * B + 6 * N
         at = r + N + 1
         return (buf[:7 * B].reshape(7, B), buf[7 * B:r].reshape(6, N), buf[r:at], buf[at:at + 2 * n].reshape(2, n),
-                buf[at + 2 * n:at + 2 * n + F].reshape(1, F), np.ascontiguousarray(runs[6], dtype=_I64), int(top))
+                buf[at + 2 * n:at + 2 * n + F].reshape(1, F), np.ascontiguousarray(plan.w_ids, dtype=_I64), int(top))
 
     def commit(self, plan) -> None:
         """Apply the accepted ``plan`` checked by the last :meth:`check` (after the tables' commit)."""
