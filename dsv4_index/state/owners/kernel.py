@@ -617,8 +617,8 @@ def _held_nulls(X, P, R, w_ids, mirror, geo, cp, run_of, S, err):
             r = run_of[g * S + s]
             hi = X[4 + g, s] if r < 0 else min(X[4 + g, s], R[2, r])
             first, n = -1, 0
-            for q in range(lo, hi):
-                if _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S) < f:
+            for q in range(lo, hi):  # NOTE: below the row's run, if any: the ids are the mirror's (_id_after)
+                if mirror[_cell(g, s, q, geo)] < f:
                     if first < 0:
                         first = q
                     n += 1
