@@ -185,12 +185,12 @@ def memory_estimate(layout, max_num_reqs: int, max_num_batched_tokens: int, devi
         "per-slot table state": ("host", 8 * (4 * G * num_slots + 1) + 12 * (max(cols, default=0) + 1)),
         "request slots": ("host", num_slots),
         # NOTE: state/owners (BlockOwners.__init__): per-slot and per-(group, slot) state, the step's scratch (X,
-        # run_of; F4, seen_l and the three lists L at their first length), two marks per mirror entry, and the
+        # run_of; F4, seen_l and the three lists L at their first length), one int64 per mirror entry (seen), and the
         # (group, id) hash table of 64-byte records at its first size, plus 2 rows (first_sizes: from the groups and
         # the mirror; it grows with the records in use, not with the ids), and the buffer of the step's arrays (pack.py)
         "ownership state": ("host", 8 * (10 * G + 3 + 4 * num_slots + 1 + 5 * G * num_slots + (4 + 3 * G) * num_slots
                                          + 13 * lists + 16 + 8 * (records + 2) + first_entries(G, num_slots) + 4)
-                                    + 9 * max(total, 1)),
+                                    + 8 * max(total, 1)),
         "staging": ("device", 4 * capacity),
         "staging (host)": ("pinned" if pinned else "host", 4 * capacity * (2 if pinned else 1)
                            + 8 * (max(T, num_slots) + 1)),

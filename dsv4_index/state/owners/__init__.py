@@ -131,8 +131,7 @@ class BlockOwners:
         self.cell_st[3] = -1
         records, entries = first_sizes(G, t.mirror.shape[0])
         self.fill = self._fills(records)  # NOTE: sized for the held keys up front: no growth within the first steps
-        self.seen = np.zeros(t.mirror.shape[0], dtype=_I64)
-        self.mine = np.zeros(t.mirror.shape[0], dtype=np.int8)
+        self.seen = np.zeros(t.mirror.shape[0], dtype=_I64)  # NOTE: 2 * step + own (kernel's docstring)
         self.steps = 0
         self._pending: Optional[tuple] = None
         # NOTE: the passes' scratch, kept between steps (run_of all -1 between passes); grown on demand
@@ -185,7 +184,7 @@ class BlockOwners:
         nf = int(plan.free_slots.shape[0])
         while True:
             res = check_pass(self.geo, self.cp, P, R, w_ids, raw0, A, FN, nf, self.full, self.steps + 1, t.mirror,
-                             t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta, self.mine,
+                             t.num_blocks, self.slot_st, self.cell_st, self.fill, self.seen, self.meta,
                              self.X, self.run_of, self.F4, self.seen_l, self.L, self.E)
             big, full = max(res[2], res[3], res[4]), bool(self.fill[-2, 2])
             more = max(res[0], res[1])
@@ -242,7 +241,7 @@ class BlockOwners:
         self._pending = None
         commit_pass(self.geo, self.cp, P, R, A, FN, nf, self.slot_st, self.cell_st, self.fill, self.seen,
                     self.X, self.F4, nF, self.seen_l, nS, self.L, nd, ni, self.meta, self.steps + 1,
-                    bool(self.E[11]), self.mine)
+                    bool(self.E[11]))
         self.steps += 1
 
     def _reject(self, e: np.ndarray, plan) -> None:
@@ -321,4 +320,4 @@ class BlockOwners:
         return {"live": self.slot_st[0].astype(bool), "frontier": self.slot_st[1].copy(),
                 "replay_mark": self.slot_st[2].copy(), "floor": self.cell_st[0].copy(),
                 "hold": self.cell_st[1].copy(), "ring_lo": self.cell_st[2].copy(), "fills": fills,
-                "seen": self.seen.copy(), "steps": self.steps}
+                "seen": self.seen >> 1, "steps": self.steps}

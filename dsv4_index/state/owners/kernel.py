@@ -14,8 +14,7 @@ Arrays (``G`` groups, ``S`` slots, ``K`` id keys ``kid * G + gid``, ``M`` mirror
   fill lookup while no write into a shared block happened since);
   ``meta`` int64 ``[1]``: the last step with a write into a block another row may still hold after that step
   (``err[11]`` in the step; :func:`_reads` says why a block whose holders all release it in the step is not one);
-  ``mine`` int8 ``[M]``:
-  the cell's row filled its block itself (not a hit); ``cell_st`` int64 ``[5, G, S]``: floor, hold, ring_lo, ...
+  ``cell_st`` int64 ``[5, G, S]``: floor, hold, ring_lo, ...
 * ``fill`` int64 ``[cap + 2, 8]``: an open-addressing table of ``cap`` records (a power of two; linear
   probing, :func:`_rec`), one cache line each, keyed by ``kid * G + gid``: 0-2 slot, block position, step of the
   block's last fill (slot -1: none); 3 this step's fill (scratch, 0: none, else its ``F4`` row + 1); 4 committed
@@ -23,7 +22,9 @@ Arrays (``G`` groups, ``S`` slots, ``K`` id keys ``kid * G + gid``, ``M`` mirror
   ``cap``: records used, more than half used, full; row ``cap + 1``: spare. The table holds the keys the passes
   touched (held, or filled once: a fill record is kept for the prefix-hit position check), not the id range:
   the wrapper rebuilds it at four times the records in use, dropping records with neither a fill nor a holder.
-  ``seen`` int64 ``[M]``.
+  ``seen`` int64 ``[M]``: ``2 * step + own`` per mirror cell (one cache line for both, :func:`_seen_step`):
+  the step of the fill the cell's row last wrote or took, and whether the row filled the block itself (1) or
+  took it as a hit (0).
 * the step (``P`` int64 ``[7, B]``: slots, seq, scheduled, replay start, replay end, drafts, replay flag;
   ``R`` int64 ``[6, N]``: gid, slot, start, end, keep, cu start; ``w_ids``; ``A`` int64 ``[2, rows]``: slots,
   nc; ``FN`` int64 ``[1, F]``: freed then new slots, ``nf`` freed).
@@ -214,6 +215,12 @@ def _push(buf, n, v):
     return n + 1
 
 
+@njit_inline
+def _seen_step(v):
+    """The step of a ``seen`` entry (``2 * step + own``)."""
+    return v >> 1
+
+
 @njit
 def _prepare(X, P, R, A, FN, nf, geo, num_blocks, cell_st, slot_st, run_of, S):
     """The step's scratch rows ``X`` (module docstring of the wrapper); False on an index out of range."""
@@ -315,18 +322,32 @@ def _rec(fill, key):
 
 
 @njit_inline
-def _touch(fill, key, d, log, n):
-    h = _rec(fill, key)
-    fill[h, 5] += d
-    return _push(log, n, h)
+def _touch(key, d, log, n):
+    """Log a touch of id key ``key`` by ``d`` (+1 or -1) as ``2 * key + (d > 0)`` (:func:`_to_records`)."""
+    return _push(log, n, 2 * key + (1 if d > 0 else 0))
+
+
+@njit
+def _to_records(fill, log, n, signed):
+    """Each of the first ``n`` keys of ``log`` replaced by its record (:func:`_rec`), in their order; ``signed``:
+    :func:`_touch`'s keys, whose sign goes to ``fill[h, 5]``. One tight loop after the keys are gathered, so that
+    the lookups' cache misses overlap (a pass that looks each key up where it finds it waits for every one)."""
+    for j in range(min(n, log.shape[0])):
+        v = log[j]
+        if signed:
+            h = _rec(fill, v >> 1)
+            fill[h, 5] += 1 if v & 1 else -1
+        else:
+            h = _rec(fill, v)
+        log[j] = h
 
 
 @njit
 def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_blocks, fill, G, run_of, S, log):
     """``fill[key, 5]`` = the step's acquisitions - releases per key (the count filter); the records touched
     go to ``log`` (the pass zeroes them from there). Returns whether a batch row's window moved back below
-    its floor (then every suspect is scanned), and the number of touches (when beyond ``log``, the wrapper
-    grows it and runs the pass again: the same touches, so every one is zeroed by the second run)."""
+    its floor (then every suspect is scanned), and the number of touches (when beyond ``log``, only the logged
+    ones were counted, the verdict is void, and the wrapper grows ``log`` and runs the pass again)."""
     moved = False
     n = 0
     for r in range(R.shape[1]):
@@ -335,13 +356,13 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
         for q in range(max(R[2, r], R[4, r], lo), R[3, r]):
             kid = w_ids[R[5, r] + q - R[2, r]]
             if kid >= geo[g, F]:
-                n = _touch(fill, kid * G + g, 1, log, n)
+                n = _touch(kid * G + g, 1, log, n)
         lo0, nb0 = _committed(g, s, geo, cell_st, num_blocks, slot_st)
         if X[1, s] == 0:
             for q in range(max(lo0, R[2, r]), nb0):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    n = _touch(fill, kid * G + g, -1, log, n)
+                    n = _touch(kid * G + g, -1, log, n)
     for j in range(nf):
         s = FN[0, j]
         for g in range(G):
@@ -349,7 +370,7 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
             for q in range(lo0, nb0):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    n = _touch(fill, kid * G + g, -1, log, n)
+                    n = _touch(kid * G + g, -1, log, n)
     for i in range(P.shape[1]):
         s = P[0, i]
         if X[1, s] == 1 or X[3, s] == 0:
@@ -365,7 +386,8 @@ def _filter(X, P, R, w_ids, FN, nf, mirror, geo, cp, cell_st, slot_st, num_block
             for q in range(lo0, min(rl, nb0, R[2, r] if r >= 0 else nb0)):
                 kid = np.int64(mirror[_cell(g, s, q, geo)])
                 if kid >= geo[g, F]:
-                    n = _touch(fill, kid * G + g, -1, log, n)
+                    n = _touch(kid * G + g, -1, log, n)
+    _to_records(fill, log, n, True)
     return moved, n
 
 
@@ -459,7 +481,7 @@ def _push_seen(seen_l, n, c, v, own, g, s, q):
 
 @njit
 def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, moved, seen,
-            F4, nF, step, seen_l, nS, err, out, mine, meta):
+            F4, nF, step, seen_l, nS, err, out, meta):
     """Old blocks a batch row writes: its own fill extended, or a write anew no other row certainly reads."""
     G = geo.shape[0]
     for i in range(P.shape[1]):
@@ -488,11 +510,12 @@ def _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, 
                 kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
                 if kid < f:
                     continue
-                if not rewind and err[11] == 0 and mine[c] and seen[c] > meta[0]:
+                sc = seen[c]
+                if not rewind and err[11] == 0 and sc & 1 and _seen_step(sc) > meta[0]:
                     continue  # NOTE: its own fill, which no write into a shared block can have changed since
                 h = _rec(fill, kid * G + g)
                 fs, fp, fst, now = _fill_rec(h, fill, F4, nF)
-                if not rewind and fs == s and fp == q and fst == seen[c]:
+                if not rewind and fs == s and fp == q and fst == _seen_step(sc):
                     continue  # NOTE: its own fill (a rewind is a new fill either way: seen[c], a miss, not read)
                 sus = _suspect(h, fill, moved)
                 if sus or fill[h, 4] >= 2 or fill[h, 5] != 0:
@@ -574,7 +597,7 @@ def _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, s
                 fs, fp, fst, now = _fill_rec(_rec(fill, kid * G + g), fill, F4, nF)
                 if fs < 0:
                     continue
-                ok = (fs == s and fp == q) if now else (fst == seen[c] and fp == q)
+                ok = (fs == s and fp == q) if now else (fst == _seen_step(seen[c]) and fp == q)
                 if not ok:
                     err[0], err[1], err[2], err[3], err[4] = 7, s, g, kid // f, q // f
                     err[5], err[6], err[7], err[8] = P[1, i] - P[2, i], fs, fp // f, fst
@@ -594,8 +617,8 @@ def _held_nulls(X, P, R, w_ids, mirror, geo, cp, run_of, S, err):
             r = run_of[g * S + s]
             hi = X[4 + g, s] if r < 0 else min(X[4 + g, s], R[2, r])
             first, n = -1, 0
-            for q in range(lo, hi):
-                if _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S) < f:
+            for q in range(lo, hi):  # NOTE: below the row's run, if any: the ids are the mirror's (_id_after)
+                if mirror[_cell(g, s, q, geo)] < f:
                     if first < 0:
                         first = q
                     n += 1
@@ -629,15 +652,15 @@ def _new_range(g, s, X, P, geo, cp, cell_st):
 
 
 @njit
-def _dec(dec, nd, g, s, q, mirror, geo, G, fill):
+def _dec(dec, nd, g, s, q, mirror, geo, G):
     kid = np.int64(mirror[_cell(g, s, q, geo)])
-    return _push(dec, nd, _rec(fill, kid * G + g)) if kid >= geo[g, F] else nd
+    return _push(dec, nd, kid * G + g) if kid >= geo[g, F] else nd
 
 
 @njit
-def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill):
+def _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G):
     kid = _id_after(g, s, q, X, R, w_ids, mirror, geo, run_of, S)
-    return _push(inc, ni, _rec(fill, kid * G + g)) if kid >= geo[g, F] else ni
+    return _push(inc, ni, kid * G + g) if kid >= geo[g, F] else ni
 
 
 @njit
@@ -700,13 +723,15 @@ def _deltas(X, P, R, FN, w_ids, mirror, geo, cp, cell_st, slot_st, num_blocks, r
         if X[1, s] == 1:
             u0, u1 = 0, 0
         for q in range(lo0, min(nb0, max(u0, lo0))):
-            nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
+            nd = _dec(dec, nd, g, s, q, mirror, geo, G)
         for q in range(max(lo0, u1, min(nb0, max(u0, lo0))), nb0):
-            nd = _dec(dec, nd, g, s, q, mirror, geo, G, fill)
+            nd = _dec(dec, nd, g, s, q, mirror, geo, G)
         for q in range(lo1, min(nb1, max(u0, lo1))):
-            ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
+            ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G)
         for q in range(max(lo1, u1, min(nb1, max(u0, lo1))), nb1):
-            ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G, fill)
+            ni = _inc(inc, ni, g, s, q, X, R, w_ids, mirror, geo, run_of, S, G)
+    _to_records(fill, dec, nd, False)
+    _to_records(fill, inc, ni, False)
     return nd, ni
 
 
@@ -719,7 +744,7 @@ def _unrun(R, run_of, G, S):
 
 
 def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_blocks, slot_st, cell_st, fill,
-               seen, meta, mine, X, run_of, F4, seen_l, L, E):
+               seen, meta, X, run_of, F4, seen_l, L, E):
     """The rule on one step, into the preallocated scratch ``X``, ``F4`` (fills), ``seen_l`` (cells seen),
     ``L`` (rows: released records, acquired records, records the count filter touched) and ``E`` (0-11: the
     error, 12-14: a holder found); ``run_of`` is all -1 before and after. Returns ``(nF, nS, nd, ni, nt)``:
@@ -743,7 +768,7 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
                                    moved, full, F4, nF, step, seen_l, nS, err, out)
     if ok:
         ok, nF, nS = _writes(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, moved,
-                             seen, F4, nF, step, seen_l, nS, err, out, mine, meta)
+                             seen, F4, nF, step, seen_l, nS, err, out, meta)
     ok = ok and _moved_back(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, err, out)
     ok = ok and _reads(X, P, R, w_ids, mirror, geo, cp, cell_st, slot_st, run_of, S, fill, seen, F4, nF,
                        err, meta)
@@ -763,7 +788,7 @@ def check_pass(geo, cp, P, R, w_ids, raw0, A, FN, nf, full, step, mirror, num_bl
 
 
 def commit_pass(geo, cp, P, R, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, nF, seen_l, nS, L, nd, ni,
-                meta, step, handover, mine):
+                meta, step, handover):
     """Apply a checked step (the lists of :func:`check_pass`)."""
     G = geo.shape[0]
     if handover:
@@ -780,8 +805,7 @@ def commit_pass(geo, cp, P, R, A, FN, nf, slot_st, cell_st, fill, seen, X, F4, n
         for g in range(G):
             cell_st[3, g, s], cell_st[4, g, s] = -1, 0
     for j in range(nS):
-        seen[seen_l[j, 0]] = seen_l[j, 1]
-        mine[seen_l[j, 0]] = seen_l[j, 2]
+        seen[seen_l[j, 0]] = 2 * seen_l[j, 1] + seen_l[j, 2]
         g, s, q = seen_l[j, 3], seen_l[j, 4], seen_l[j, 5]
         if seen_l[j, 2]:
             cell_st[3, g, s], cell_st[4, g, s] = q, seen_l[j, 1]
@@ -832,10 +856,8 @@ def rehash(old, new):
 
 _I2, _I1, _N = ro("int64", 2), ro("int64"), numba.types.int64
 check_pass = pin(check_pass, (_I2, _I1, _I2, _I2, _I1, _I1, _I2, _I2, _N, numba.types.boolean, _N, ro("int32"), _I2,
-                              ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), ro("int8"),
-                              rw("int64", 2), rw("int64"), rw("int64", 2), rw("int64", 2), rw("int64", 2),
-                              rw("int64")))
+                              ro("int64", 2), ro("int64", 3), rw("int64", 2), ro("int64"), ro("int64"), rw("int64", 2),
+                              rw("int64"), rw("int64", 2), rw("int64", 2), rw("int64", 2), rw("int64")))
 commit_pass = pin(commit_pass, (_I2, _I1, _I2, _I2, _I2, _I2, _N, rw("int64", 2), rw("int64", 3), rw("int64", 2),
-                                rw("int64"), _I2, _I2, _N, _I2, _N, _I2, _N, _N, rw("int64"), _N, numba.types.boolean,
-                                rw("int8")))
+                                rw("int64"), _I2, _I2, _N, _I2, _N, _I2, _N, _N, rw("int64"), _N, numba.types.boolean))
 rehash = pin(rehash, (ro("int64", 2), rw("int64", 2)))
